@@ -1,0 +1,414 @@
+"""The one typed configuration object for rollout correction.
+
+Flags (`slime_corr.arguments`), YAML files (`--custom-config-path`, `arguments/*.yaml`) and named presets all
+produce a `RolloutCorrectionConfig`. Every invalid combination fails at construction with a `ConfigError` that
+names the offending flags and the fix.
+
+Precedence when several sources are combined (`from_args`): explicit command-line flag > YAML file >
+preset > built-in default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+Level = Literal["token", "sequence", "geometric"]
+TISMode = Literal["truncate", "clip", "mask"]
+LossType = Literal["ppo", "reinforce"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
+TIS_MODES: tuple[str, ...] = ("truncate", "clip", "mask")
+LOSS_TYPES: tuple[str, ...] = ("ppo", "reinforce")
+LOSS_AGG_MODES: tuple[str, ...] = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+DEFAULT_TIS_UPPER_BOUND = 2.0
+
+
+class ConfigError(ValueError):
+    """An invalid rollout-correction configuration; the message names the flag(s) and the fix."""
+
+
+def flag(name: str) -> str:
+    """Field name -> command-line flag (`tis_mode` -> `--tis-mode`)."""
+    return "--" + name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    """Rollout-correction settings. Field names are the flag names with `-` replaced by `_`.
+
+    Notation: lr = lp_train - lp_rollout, with lp_train = lp_old (decoupled) or lp.detach() (bypass).
+    """
+
+    # --- importance sampling (IS) weights ---
+    use_tis: bool = False
+    tis_mode: TISMode = "truncate"
+    tis_level: Level = "token"
+    tis_lower_bound: float | None = None  # clip/mask: defaults to 1 / upper; unused by truncate
+    tis_upper_bound: float | None = None  # defaults to 2.0
+    tis_batch_normalize: bool = False
+    # slime's original TIS flags: the weight is clamped to [tis_clip_low, tis_clip].
+    tis_clip: float | None = None
+    tis_clip_low: float | None = None
+
+    # --- rejection sampling (RS) and veto ---
+    use_rs: bool = False
+    rs_level: Level = "token"
+    rs_lower_bound: float | None = None  # defaults to 1 / upper
+    rs_upper_bound: float | None = None  # required with use_rs
+    rs_veto_threshold: float | None = None  # in (0, 1); works with or without use_rs
+    rs_keep_loss_denominator: bool = False  # rejected tokens still count in loss denominators
+
+    # --- which policy the loss anchors on, and the loss ---
+    use_rollout_logprobs: bool = False  # bypass: lp_old := lp_rollout, no recompute forward
+    use_rollout_correction: bool = False  # apply IS/RS to the loss; implied by use_tis / use_rs / veto
+    get_mismatch_metrics: bool = False  # metrics only, the loss is untouched
+    loss_type: LossType = "ppo"
+    eps_clip: float = 0.2
+    eps_clip_high: float | None = None  # defaults to eps_clip
+    eps_clip_c: float | None = None  # dual clip, > 1; off by default
+    loss_agg_mode: LossAggMode = "token-mean"
+
+    # --- where settings and custom code come from ---
+    rollout_correction_preset: str | None = None
+    custom_config_path: str | None = None
+    custom_tis_function_path: str | None = None
+
+    PRESETS: ClassVar[dict[str, dict[str, Any]]]
+
+    def __post_init__(self) -> None:
+        self._validate()
+        if self.use_tis or self.use_rs or self.rs_veto_threshold is not None:
+            object.__setattr__(self, "use_rollout_correction", True)
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def tis_bounds(self) -> tuple[float, float]:
+        """(L, U) used by the IS weight; slime's --tis-clip/--tis-clip-low win when given."""
+        if self.tis_clip is not None or self.tis_clip_low is not None:
+            upper = self.tis_clip if self.tis_clip is not None else DEFAULT_TIS_UPPER_BOUND
+            return (self.tis_clip_low if self.tis_clip_low is not None else 0.0), upper
+        upper = self.tis_upper_bound if self.tis_upper_bound is not None else DEFAULT_TIS_UPPER_BOUND
+        lower = self.tis_lower_bound if self.tis_lower_bound is not None else 1.0 / upper
+        return lower, upper
+
+    @property
+    def effective_tis_mode(self) -> str:
+        """slime's --tis-clip/--tis-clip-low mean a two-sided clamp."""
+        if self.tis_clip is not None or self.tis_clip_low is not None:
+            return "clip"
+        return self.tis_mode
+
+    @property
+    def rs_bounds(self) -> tuple[float, float]:
+        assert self.rs_upper_bound is not None, "rs_bounds needs rs_upper_bound"
+        lower = self.rs_lower_bound if self.rs_lower_bound is not None else 1.0 / self.rs_upper_bound
+        return lower, self.rs_upper_bound
+
+    @property
+    def bypass(self) -> bool:
+        return self.use_rollout_logprobs
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """PPO ratio clip range (1 - eps_clip, 1 + eps_clip_high)."""
+        high = self.eps_clip_high if self.eps_clip_high is not None else self.eps_clip
+        return 1.0 - self.eps_clip, 1.0 + high
+
+    @property
+    def computes_metrics(self) -> bool:
+        return self.get_mismatch_metrics or self.use_rollout_correction
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self) -> None:
+        def fail(msg: str) -> None:
+            raise ConfigError(msg)
+
+        def check_choice(name: str, choices: tuple[str, ...]) -> None:
+            value = getattr(self, name)
+            if value not in choices:
+                fail(f"{flag(name)}={value!r} is not one of {', '.join(choices)}.")
+
+        check_choice("tis_mode", TIS_MODES)
+        check_choice("tis_level", LEVELS)
+        check_choice("rs_level", LEVELS)
+        check_choice("loss_type", LOSS_TYPES)
+        check_choice("loss_agg_mode", LOSS_AGG_MODES)
+
+        for name in ("tis_lower_bound", "tis_upper_bound", "tis_clip", "rs_lower_bound", "rs_upper_bound"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                fail(f"{flag(name)}={value} must be a finite number > 0.")
+        if self.tis_clip_low is not None and not (math.isfinite(self.tis_clip_low) and self.tis_clip_low >= 0):
+            fail(f"--tis-clip-low={self.tis_clip_low} must be a finite number >= 0.")
+
+        uses_tis_clip = self.tis_clip is not None or self.tis_clip_low is not None
+        if uses_tis_clip and (self.tis_upper_bound is not None or self.tis_lower_bound is not None):
+            fail(
+                "--tis-clip/--tis-clip-low (slime's flags) and --tis-upper-bound/--tis-lower-bound set the same "
+                "bounds; use one pair."
+            )
+        if uses_tis_clip and self.tis_mode != "truncate":
+            fail(
+                f"--tis-clip/--tis-clip-low always clamp to [tis_clip_low, tis_clip]; drop --tis-mode "
+                f"{self.tis_mode} or use --tis-lower-bound/--tis-upper-bound instead."
+            )
+        tis_lower, tis_upper = self.tis_bounds
+        if tis_lower > tis_upper:
+            names = "--tis-clip-low/--tis-clip" if uses_tis_clip else "--tis-lower-bound/--tis-upper-bound"
+            fail(f"{names}: lower bound {tis_lower} > upper bound {tis_upper}; swap them.")
+        if self.tis_lower_bound is not None and self.tis_mode == "truncate":
+            fail("--tis-lower-bound has no effect with --tis-mode truncate; use --tis-mode clip or mask.")
+        if self.tis_batch_normalize and not self.use_tis:
+            fail("--tis-batch-normalize needs --use-tis.")
+
+        if self.use_rs and self.rs_upper_bound is None:
+            fail("--use-rs needs --rs-upper-bound (e.g. 2.0 for token/sequence, 1.001 for geometric).")
+        if not self.use_rs and (self.rs_upper_bound is not None or self.rs_lower_bound is not None):
+            fail("--rs-upper-bound/--rs-lower-bound are set but --use-rs is not; add --use-rs or drop them.")
+        if self.rs_upper_bound is not None:
+            rs_lower, rs_upper = self.rs_bounds
+            if rs_lower > rs_upper:
+                fail(f"--rs-lower-bound {rs_lower} > --rs-upper-bound {rs_upper}; swap them.")
+        if self.rs_veto_threshold is not None and not (0.0 < self.rs_veto_threshold < 1.0):
+            fail(
+                f"--rs-veto-threshold={self.rs_veto_threshold} must be in (0, 1): it is the smallest allowed "
+                "token ratio pi_train/pi_rollout (typical 1e-4 to 1e-6)."
+            )
+        if self.rs_keep_loss_denominator and not (self.use_rs or self.rs_veto_threshold is not None):
+            fail("--rs-keep-loss-denominator needs --use-rs or --rs-veto-threshold.")
+
+        if self.use_rollout_correction and not (
+            self.use_tis or self.use_rs or self.rs_veto_threshold is not None
+        ):
+            fail(
+                "--use-rollout-correction enables nothing by itself: add --use-tis and/or --use-rs "
+                "(or --rs-veto-threshold), or use --get-mismatch-metrics to only measure."
+            )
+
+        if self.loss_type == "reinforce" and not self.use_rollout_logprobs:
+            fail(
+                "--loss-type reinforce is pure policy gradient on rollout data and needs --use-rollout-logprobs "
+                "(bypass mode); for a recomputed pi_old use --loss-type ppo."
+            )
+        if self.loss_type == "ppo" and self.use_rollout_logprobs and self.use_tis:
+            fail(
+                "--use-tis with --use-rollout-logprobs and --loss-type ppo corrects twice: the PPO ratio is "
+                "already pi_theta/pi_rollout. Drop --use-tis (keep --use-rs if wanted), or use "
+                "--loss-type reinforce for pg_is."
+            )
+
+        if not (math.isfinite(self.eps_clip) and 0.0 < self.eps_clip < 1.0):
+            fail(f"--eps-clip={self.eps_clip} must be in (0, 1).")
+        if self.eps_clip_high is not None and not (math.isfinite(self.eps_clip_high) and self.eps_clip_high > 0):
+            fail(f"--eps-clip-high={self.eps_clip_high} must be a finite number > 0.")
+        if self.eps_clip_c is not None and not (math.isfinite(self.eps_clip_c) and self.eps_clip_c > 1.0):
+            fail(f"--eps-clip-c={self.eps_clip_c} must be > 1 (dual clip lower bound on -A*ratio).")
+        if self.loss_type == "reinforce" and self.eps_clip_c is not None:
+            fail("--eps-clip-c (dual clip) applies to the PPO loss only; drop it with --loss-type reinforce.")
+
+        if self.rollout_correction_preset is not None and self.rollout_correction_preset not in PRESETS:
+            fail(
+                f"--rollout-correction-preset {self.rollout_correction_preset!r} is unknown; choose one of "
+                f"{', '.join(PRESETS)}."
+            )
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], *, source: str = "config") -> RolloutCorrectionConfig:
+        """Build from a mapping; unknown keys are an error that lists the valid ones."""
+        unknown = sorted(set(values) - set(cls.field_names()))
+        if unknown:
+            raise ConfigError(
+                f"{source}: unknown key(s) {', '.join(unknown)}; valid keys are the flag names with '_': "
+                f"{', '.join(cls.field_names())}."
+            )
+        return cls(**dict(values))
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> RolloutCorrectionConfig:
+        """A named preset of the references (`decoupled_token_is`, ..., `disabled`), optionally overridden."""
+        if name not in PRESETS:
+            raise ConfigError(
+                f"--rollout-correction-preset {name!r} is unknown; choose one of {', '.join(PRESETS)}."
+            )
+        return cls.from_dict({**PRESETS[name], "rollout_correction_preset": name, **overrides})
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> RolloutCorrectionConfig:
+        """Load a YAML mapping of field names (a `preset:` / `rollout_correction_preset:` key applies first)."""
+        values = _read_yaml(path)
+        preset_name = values.pop("preset", None) or values.get("rollout_correction_preset")
+        base = PRESETS.get(preset_name, {}) if preset_name else {}
+        if preset_name and preset_name not in PRESETS:
+            raise ConfigError(
+                f"--custom-config-path {path}: preset {preset_name!r} is unknown; choose one of "
+                f"{', '.join(PRESETS)}."
+            )
+        merged = {**base, **values, **overrides}
+        if preset_name:
+            merged["rollout_correction_preset"] = preset_name
+        merged.setdefault("custom_config_path", str(path))
+        return cls.from_dict(merged, source=f"--custom-config-path {path}")
+
+    @classmethod
+    def from_args(
+        cls, args: Any, *, explicit: set[str] | None = None
+    ) -> RolloutCorrectionConfig:
+        """Build from an argparse namespace made by `add_rollout_correction_args`.
+
+        Precedence: explicit flag > YAML (`--custom-config-path`) > preset (`--rollout-correction-preset`)
+        > default. `explicit` is the set of field names given on the command line; by default it is taken from
+        the namespace (the parser records it), else every non-default value counts as explicit.
+        """
+        names = cls.field_names()
+        given = {n: getattr(args, n) for n in names if hasattr(args, n)}
+        if explicit is None:
+            explicit = getattr(args, "_rollout_correction_explicit", None)
+        if explicit is None:
+            defaults = {f.name: f.default for f in fields(cls)}
+            explicit = {n for n, v in given.items() if v != defaults.get(n)}
+
+        merged: dict[str, Any] = {}
+        preset_name = given.get("rollout_correction_preset")
+        yaml_path = given.get("custom_config_path")
+        yaml_values: dict[str, Any] = {}
+        if yaml_path:
+            yaml_values = _read_yaml(yaml_path)
+            yaml_preset = yaml_values.pop("preset", None) or yaml_values.get("rollout_correction_preset")
+            if not preset_name and yaml_preset:
+                preset_name = yaml_preset
+            unknown = sorted(set(yaml_values) - set(names))
+            if unknown:
+                raise ConfigError(
+                    f"--custom-config-path {yaml_path}: unknown key(s) {', '.join(unknown)}; valid keys are "
+                    f"the flag names with '_': {', '.join(names)}."
+                )
+        if preset_name:
+            if preset_name not in PRESETS:
+                raise ConfigError(
+                    f"--rollout-correction-preset {preset_name!r} is unknown; choose one of {', '.join(PRESETS)}."
+                )
+            merged.update(PRESETS[preset_name])
+            merged["rollout_correction_preset"] = preset_name
+        merged.update(yaml_values)
+        merged.update({n: given[n] for n in explicit if n in given})
+        if yaml_path:
+            merged["custom_config_path"] = yaml_path
+        return cls.from_dict(merged, source="command line")
+
+    def replace(self, **changes: Any) -> RolloutCorrectionConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        """One line per non-default field, for logs."""
+        lines = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value != f.default or f.name in ("loss_type", "loss_agg_mode"):
+                lines.append(f"  {f.name} = {value!r}")
+        return "\n".join(lines)
+
+
+def _read_yaml(path: str | Path) -> dict[str, Any]:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--custom-config-path {path}: no such file; pass an existing YAML file.")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--custom-config-path {path}: not valid YAML ({e}).") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"--custom-config-path {path}: expected a mapping of option names to values, got "
+            f"{type(data).__name__}."
+        )
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+# Presets of the references (000, "Preset Method" table). IS threshold 2.0; sequence RS [0.5, 2.0];
+# geometric RS [1/1.001, 1.001] (tight on purpose: the average per-token ratio) with veto 1e-4.
+PRESETS: dict[str, dict[str, Any]] = {
+    "decoupled_token_is": dict(use_tis=True, tis_level="token", tis_mode="truncate", tis_upper_bound=2.0),
+    "decoupled_seq_is": dict(use_tis=True, tis_level="sequence", tis_mode="truncate", tis_upper_bound=2.0),
+    "decoupled_seq_is_rs": dict(
+        use_tis=True,
+        tis_level="sequence",
+        tis_mode="truncate",
+        tis_upper_bound=2.0,
+        use_rs=True,
+        rs_level="sequence",
+        rs_lower_bound=0.5,
+        rs_upper_bound=2.0,
+    ),
+    "decoupled_geo_rs": dict(use_rs=True, rs_level="geometric", rs_upper_bound=1.001, rs_veto_threshold=1e-4),
+    "ppo_is_bypass": dict(use_rollout_logprobs=True, loss_type="ppo", get_mismatch_metrics=True),
+    "pg_is": dict(
+        use_rollout_logprobs=True,
+        loss_type="reinforce",
+        use_tis=True,
+        tis_level="sequence",
+        tis_mode="truncate",
+        tis_upper_bound=2.0,
+    ),
+    "pg_rs": dict(
+        use_rollout_logprobs=True,
+        loss_type="reinforce",
+        use_rs=True,
+        rs_level="geometric",
+        rs_upper_bound=1.001,
+        rs_veto_threshold=1e-4,
+    ),
+    "disabled": dict(get_mismatch_metrics=True),
+}
+RolloutCorrectionConfig.PRESETS = PRESETS
+
+
+def preset_constructor(name: str) -> Callable[..., RolloutCorrectionConfig]:
+    def build(**overrides: Any) -> RolloutCorrectionConfig:
+        return RolloutCorrectionConfig.preset(name, **overrides)
+
+    build.__name__ = name
+    build.__doc__ = f"The `{name}` preset: {PRESETS[name]}"
+    return build
+
+
+decoupled_token_is = preset_constructor("decoupled_token_is")
+decoupled_seq_is = preset_constructor("decoupled_seq_is")
+decoupled_seq_is_rs = preset_constructor("decoupled_seq_is_rs")
+decoupled_geo_rs = preset_constructor("decoupled_geo_rs")
+ppo_is_bypass = preset_constructor("ppo_is_bypass")
+pg_is = preset_constructor("pg_is")
+pg_rs = preset_constructor("pg_rs")
+disabled = preset_constructor("disabled")
+
+__all__ = [
+    "ConfigError",
+    "RolloutCorrectionConfig",
+    "PRESETS",
+    "LEVELS",
+    "TIS_MODES",
+    "LOSS_TYPES",
+    "LOSS_AGG_MODES",
+]
