@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) and install slime_corr into it. Usage: source-free; prints the venv's python path.
+#   EXTRAS=dev bash scripts/setup_env.sh
+# torch 2.13.0 is installed FIRST: on the CPU machines pip takes it from the local wheel; installing anything
+# that depends on torch before it would pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --upgrade pip >&2 || true
+if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  "$VENV/bin/python" -m pip install -q "torch==2.13.0" >&2
+fi
+if [ -n "${EXTRAS:-}" ]; then
+  "$VENV/bin/python" -m pip install -q -e ".[${EXTRAS}]" >&2
+else
+  "$VENV/bin/python" -m pip install -q -e . >&2
+fi
+echo "$VENV/bin/python"
