@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=$(EXTRAS=dev bash scripts/setup_env.sh)
-"$PY" -m ruff check slime_corr tests bench examples scripts
+"$PY" -m ruff check .
 exec "$PY" -m pytest -q "$@"
