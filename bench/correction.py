@@ -1,0 +1,139 @@
+"""Throughput of correction + metrics + loss on a 64 x 8192 batch (CPU), against two baselines.
+
+(a) a straightforward per-metric reference: one masked reduction and one `.item()` per metric, as the reference
+    framework does; (b) a memory-bound floor: one elementwise exp over the same tensor.
+Prints medians over repeats and the ratios. Run: `python bench/correction.py [--repeats N] [--batch B --seq S]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from slime_corr.config import RolloutCorrectionConfig
+from slime_corr.correction import metrics_to_host
+from slime_corr.losses import compute_policy_loss
+
+
+def naive_step(lp, old, ro, adv, mask, cfg) -> dict[str, float]:
+    """The obvious implementation: every metric is its own masked reduction followed by `.item()`."""
+    m = mask.float()
+    lr = old - ro
+    metrics: dict[str, float] = {}
+
+    def mmean(x, mm=m):
+        return ((x * mm).sum() / mm.sum().clamp_min(1)).item()
+
+    seq_n = m.sum(-1)
+    seq_valid = (seq_n > 0).float()
+
+    def smean(x):
+        return ((x * seq_valid).sum() / seq_valid.sum().clamp_min(1)).item()
+
+    seq_lr = (lr * m).sum(-1)
+    w_raw = seq_lr.clamp(-20, 20).exp()
+    lower, upper = cfg.rs_bounds
+    keep = ((w_raw >= lower) & (w_raw <= upper)).float()
+    veto = ((lr < torch.log(torch.tensor(cfg.rs_veto_threshold))) & mask).any(-1)
+    keep = keep * (~veto).float()
+    new_mask = m * keep[:, None]
+    w = w_raw.clamp(max=cfg.tis_bounds[1])[:, None] * m
+    metrics["mismatch_kl"] = mmean(-lr)
+    x = lr.clamp(-20, 20)
+    metrics["mismatch_k3_kl"] = mmean(x.exp() - x - 1)
+    metrics["mismatch_chi2_token"] = mmean((2 * x).exp() - 1)
+    metrics["train_rollout_logprob_abs_diff"] = mmean(lr.abs())
+    mt = (old * m).sum(-1) / seq_n.clamp_min(1)
+    mr = (ro * m).sum(-1) / seq_n.clamp_min(1)
+    metrics["mismatch_training_log_ppl"] = smean(-mt)
+    metrics["mismatch_rollout_log_ppl"] = smean(-mr)
+    metrics["mismatch_training_ppl"] = smean((-mt).exp())
+    metrics["mismatch_rollout_ppl"] = smean((-mr).exp())
+    metrics["mismatch_log_ppl_diff"] = smean(mr - mt)
+    metrics["mismatch_log_ppl_abs_diff"] = smean((mr - mt).abs())
+    metrics["mismatch_ppl_ratio"] = smean((mr - mt).exp())
+    metrics["mismatch_chi2_seq"] = smean((2 * seq_lr.clamp(-20, 20)).exp() - 1)
+    pt, pr = old.exp(), ro.exp()
+    d = (pt - pr).abs()
+    metrics["rollout_probs_diff_max"] = d[mask].max().item()
+    metrics["rollout_probs_diff_mean"] = mmean(d)
+    metrics["rollout_probs_diff_std"] = d[mask].std().item()
+    ptv, prv = pt[mask], pr[mask]
+    metrics["rollout_actor_probs_pearson_corr"] = torch.corrcoef(torch.stack([ptv, prv]))[0, 1].item()
+    metrics["mis_mean_is_weight_before_clip"] = smean(w_raw)
+    metrics["mis_truncate_fraction"] = smean((w_raw > upper).float())
+    metrics["mis_rs_rejected_seq_fraction"] = smean(1 - keep)
+    metrics["mis_catastrophic_seq_fraction"] = smean(veto.float())
+    metrics["mis_catastrophic_token_fraction"] = mmean((lr < -9.21).float())
+    wk = w[new_mask > 0]
+    mean = wk.mean() if wk.numel() else torch.tensor(1.0)
+    w = w / mean
+    metrics["mis_batch_norm_factor"] = mean.item()
+    metrics["mis_ratio_mean_after_mis"] = mmean(w, new_mask)
+    metrics["mis_weight_min"] = w[new_mask > 0].min().item() if wk.numel() else 0.0
+    metrics["mis_weight_max"] = w[new_mask > 0].max().item() if wk.numel() else 0.0
+    for q in (0.1, 0.5, 0.9, 0.99):
+        metrics[f"mis_weight_q{q}"] = torch.quantile(w[new_mask > 0], q).item() if wk.numel() else 0.0
+    metrics["mis_ess"] = ((w * new_mask).sum() ** 2 / (new_mask.sum() * (w * w * new_mask).sum())).item()
+    ratio = (lp - old).clamp(-20, 20).exp()
+    lo, hi = cfg.clip_range
+    l1, l2 = -adv * ratio, -adv * ratio.clamp(lo, hi)
+    loss = torch.maximum(l1, l2) * w
+    metrics["pg_clipfrac"] = mmean((l2 > l1).float(), new_mask)
+    metrics["ppo_kl"] = mmean(-(lp - old), new_mask)
+    metrics["pg_loss"] = ((loss * new_mask).sum() / new_mask.sum().clamp_min(1)).item()
+    return metrics
+
+
+def timed(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--repeats", type=int, default=15)
+    args = p.parse_args()
+    g = torch.Generator().manual_seed(0)
+    shape = (args.batch, args.seq)
+    old = -torch.rand(shape, generator=g) * 3
+    ro = old + 0.01 * torch.randn(shape, generator=g)
+    lp = old + 0.01 * torch.randn(shape, generator=g)
+    adv = torch.randn(shape, generator=g)
+    lengths = torch.randint(args.seq // 4, args.seq + 1, (args.batch,), generator=g)
+    mask = torch.arange(args.seq)[None, :] < lengths[:, None]
+    cfg = RolloutCorrectionConfig.preset(
+        "decoupled_seq_is_rs", tis_batch_normalize=True, rs_lower_bound=0.1, rs_upper_bound=10.0, rs_veto_threshold=1e-4
+    )
+
+    def ours():
+        with torch.no_grad():
+            out = compute_policy_loss(lp, old, ro, adv, mask, cfg)
+            return metrics_to_host({**out.metrics, "loss": out.loss})
+
+    t_ours = timed(ours, args.repeats)
+    with torch.no_grad():
+        t_naive = timed(lambda: naive_step(lp, old, ro, adv, mask, cfg), args.repeats)
+    t_floor = timed(lambda: torch.exp(lp), args.repeats * 4)
+    print(f"threads={torch.get_num_threads()} batch={shape} tokens={mask.sum().item()} metrics={len(ours())}")
+    print(f"ours  (correction + metrics + loss): {t_ours * 1e3:8.2f} ms")
+    print(f"(a) per-metric reference           : {t_naive * 1e3:8.2f} ms  -> speedup {t_naive / t_ours:.2f}x (target >= 3x)")
+    print(f"(b) floor, one exp                 : {t_floor * 1e3:8.2f} ms  -> ours / floor {t_ours / t_floor:.2f}x (target <= 10x)")
+
+
+if __name__ == "__main__":
+    main()

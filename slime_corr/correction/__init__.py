@@ -1,0 +1,20 @@
+"""Rollout-correction core: IS weights, rejection sampling, veto, batch normalization and mismatch metrics.
+
+The IS/RS formulas live in `weights.py`, the orchestration (and the only collectives) in `core.py`, metric
+definitions in `metrics.py`, and the masked-reduction helpers in `reductions.py`.
+"""
+
+from slime_corr.correction.core import compute_rollout_correction, weight_function
+from slime_corr.correction.metrics import metrics_to_host
+from slime_corr.correction.types import CorrectionResult, WeightInputs, WeightOutputs
+from slime_corr.correction.weights import default_weights
+
+__all__ = [
+    "CorrectionResult",
+    "WeightInputs",
+    "WeightOutputs",
+    "compute_rollout_correction",
+    "default_weights",
+    "metrics_to_host",
+    "weight_function",
+]

@@ -1,0 +1,79 @@
+"""IS weights and rejection sampling of SPEC.md: the built-in weighting function ("default").
+
+With lr = lp_train - lp_rollout and m the (finite, valid) loss mask:
+- aggregate ℓ: token `lr[t]`; sequence `Σ_t m·lr`; geometric `Σ_t m·lr / Σ_t m` (broadcast to the tokens);
+- IS: `w_raw = exp(clamp(ℓ, -20, 20))`, then truncate `min(w_raw, U)`, clip `clamp(w_raw, L, U)`, or
+  mask `w_raw if L ≤ w_raw ≤ U else 0` (mask mode leaves the loss mask alone); 0 at padding;
+- RS: keep a token/sequence iff `log L ≤ ℓ ≤ log U` (unclamped, compared in log space).
+Veto, non-finite rejection and batch normalization apply to every weighting function and live in `core.py`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from slime_corr.config import RolloutCorrectionConfig
+from slime_corr.correction.reductions import valid_mask
+from slime_corr.correction.types import WeightInputs, WeightOutputs
+from slime_corr.registry import WEIGHT_FUNCTIONS
+
+LOG_RATIO_CLAMP = 20.0
+
+
+def aggregate_log_ratio(inputs: WeightInputs, level: str) -> Tensor:
+    """ℓ per token ([B, S]) or per sequence ([B, 1], broadcastable)."""
+    if level == "token":
+        return inputs.log_ratio
+    if level == "sequence":
+        return inputs.seq_log_ratio_sum.unsqueeze(-1)
+    if level == "geometric":
+        return (inputs.seq_log_ratio_sum / inputs.seq_token_count.clamp_min(1)).unsqueeze(-1)
+    raise ValueError(f"unknown level {level!r}")
+
+
+def bound_weights(w_raw: Tensor, mode: str, lower: float, upper: float) -> Tensor:
+    """truncate: min(w, U); clip: clamp(w, L, U); mask: w where L ≤ w ≤ U else 0."""
+    if mode == "truncate":
+        return w_raw.clamp(max=upper)
+    if mode == "clip":
+        return w_raw.clamp(min=lower, max=upper)
+    if mode == "mask":
+        return torch.where((w_raw >= lower) & (w_raw <= upper), w_raw, torch.zeros_like(w_raw))
+    raise ValueError(f"unknown tis mode {mode!r}")
+
+
+def in_log_bounds(log_value: Tensor, lower: float, upper: float) -> Tensor:
+    """`L ≤ exp(x) ≤ U` evaluated as `log L ≤ x ≤ log U` (no overflow)."""
+    log_lower = math.log(lower) if lower > 0 else -math.inf
+    return (log_value >= log_lower) & (log_value <= math.log(upper))
+
+
+def rs_keep(inputs: WeightInputs, config: RolloutCorrectionConfig) -> Tensor:
+    """RS keep decision: [B, S] (token level) or [B, 1] (sequence/geometric level), bool."""
+    lower, upper = config.rs_bounds
+    return in_log_bounds(aggregate_log_ratio(inputs, config.rs_level), lower, upper)
+
+
+def raw_is_weights(inputs: WeightInputs, config: RolloutCorrectionConfig) -> Tensor:
+    """w_raw = exp(clamp(ℓ, -20, 20)) at the configured IS level ([B, S] or [B, 1])."""
+    return aggregate_log_ratio(inputs, config.tis_level).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+
+
+@WEIGHT_FUNCTIONS.register("default")
+def default_weights(inputs: WeightInputs, config: RolloutCorrectionConfig) -> WeightOutputs:
+    """The IS weights (`--use-tis`) and RS mask (`--use-rs`) of SPEC.md."""
+    mask = valid_mask(inputs.loss_mask)
+    weights = raw = None
+    if config.use_tis:
+        w_raw = raw_is_weights(inputs, config)
+        lower, upper = config.tis_bounds
+        w = bound_weights(w_raw, config.effective_tis_mode, lower, upper)
+        zero = torch.zeros((), dtype=w.dtype, device=w.device)
+        weights = torch.where(mask, w, zero)
+        raw = torch.where(mask, w_raw, zero)
+    if config.use_rs:
+        mask = mask & rs_keep(inputs, config)
+    return WeightOutputs(weights=weights, loss_mask=mask, raw_weights=raw)

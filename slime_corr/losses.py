@@ -1,0 +1,192 @@
+"""Policy losses: standard/decoupled/bypass PPO (asymmetric and dual clip), REINFORCE (pg_is, pg_rs), aggregation.
+
+Per-token losses (registered in `slime_corr.registry.LOSS_FUNCTIONS`, signature `fn(inputs: LossInputs, config)
+-> [B, S] tensor`):
+- "ppo": r = exp(clamp(lp - lp_old, -20, 20)); l = max(-A·r, -A·clip(r, 1-ε, 1+ε_high)); with dual clip
+  (`eps_clip_c` = c) l = min(l, -A·c) where A < 0; times w when IS weights are present (decoupled).
+- "reinforce": l = -A·lp·w (pg_is) or -A·lp (pg_rs / no IS).
+
+Global-denominator contract: `.loss_sum` is this rank's Σ of the aggregated numerator and `.denominator` its
+local count (tokens for token-mean, sequences for seq-mean-*; each sequence counted once across CP). `.loss`
+= loss_sum / max(global denominator, 1) with the denominator summed over DP x CP, so summing `.loss` (and its
+gradients) over ranks gives the single-rank full-batch value. Across micro-batches: Σ loss_sum / Σ denominator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from slime_corr.config import RolloutCorrectionConfig
+from slime_corr.correction import CorrectionResult, compute_rollout_correction
+from slime_corr.correction.reductions import (
+    ProcessGroup,
+    cp_first,
+    global_sum,
+    group_size,
+    masked_mean,
+    seq_sums,
+    valid_mask,
+)
+from slime_corr.registry import LOSS_FUNCTIONS
+
+LOG_RATIO_CLAMP = 20.0
+
+
+@dataclass
+class LossInputs:
+    """Inputs of a per-token loss function; all [B, S], finite, 0 outside `loss_mask` (bool).
+
+    `log_probs` carries the gradient; `weights` (detached) is None when no IS weight applies. A function may
+    add 0-dim local metrics to `metrics`.
+    """
+
+    log_probs: Tensor
+    old_log_probs: Tensor
+    rollout_log_probs: Tensor | None
+    advantages: Tensor
+    loss_mask: Tensor
+    weights: Tensor | None
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class PolicyLossOutput:
+    loss: Tensor
+    loss_sum: Tensor
+    denominator: Tensor
+    metrics: dict[str, Tensor]
+    correction: CorrectionResult | None
+
+
+@LOSS_FUNCTIONS.register("ppo")
+def ppo_loss(inputs: LossInputs, config: RolloutCorrectionConfig) -> Tensor:
+    """Clipped PPO (asymmetric ε, optional dual clip), times the IS weight when given."""
+    a = inputs.advantages
+    log_ratio = (inputs.log_probs - inputs.old_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = log_ratio.exp()
+    low, high = config.clip_range
+    loss1 = -a * ratio
+    loss2 = -a * ratio.clamp(low, high)
+    loss = torch.maximum(loss1, loss2)
+    if config.eps_clip_c is not None:
+        loss = torch.where(a < 0, torch.minimum(loss, -a * config.eps_clip_c), loss)
+    mask = inputs.loss_mask
+    inputs.metrics["pg_clipfrac"] = masked_mean((loss2 > loss1).to(ratio.dtype), mask).detach()
+    inputs.metrics["ppo_kl"] = masked_mean(-log_ratio.detach(), mask)
+    return loss if inputs.weights is None else loss * inputs.weights
+
+
+@LOSS_FUNCTIONS.register("reinforce")
+def reinforce_loss(inputs: LossInputs, config: RolloutCorrectionConfig) -> Tensor:
+    """REINFORCE: -A·lp·w (pg_is) or -A·lp (pg_rs)."""
+    loss = -inputs.advantages * inputs.log_probs
+    return loss if inputs.weights is None else loss * inputs.weights
+
+
+def _bool(mask_bool: Tensor | None, mask: Tensor) -> Tensor:
+    return mask_bool if mask_bool is not None else valid_mask(mask)
+
+
+def compute_policy_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor | None,
+    rollout_log_probs: Tensor | None,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    config: RolloutCorrectionConfig,
+    *,
+    cp_group: ProcessGroup = None,
+    dp_group: ProcessGroup = None,
+    seq_length_for_norm: int | None = None,
+    loss_fn: str | Callable | None = None,
+) -> PolicyLossOutput:
+    """The policy loss of one micro-batch ([B, S] local slices) under `config`.
+
+    Bypass (`use_rollout_logprobs`): lp_old := lp_rollout, lp_train := lp.detach(); decoupled:
+    lp_train := lp_old. Aggregation (`config.loss_agg_mode`, m = loss mask, n_i / valid sequences from the
+    denominator mask): token-mean Σ l·m / Σ m; seq-mean-token-sum mean_i Σ_t l·m; seq-mean-token-mean
+    mean_i Σ_t l·m / n_i; seq-mean-token-sum-norm mean_i Σ_t l·m / T (T = seq_length_for_norm or S·cp_size).
+    `loss_fn` overrides `config.loss_type` with a registered name, an import path, or a callable.
+    """
+    if config.use_rollout_logprobs:
+        if rollout_log_probs is None:
+            raise ValueError("--use-rollout-logprobs needs rollout_log_probs")
+        old_log_probs = rollout_log_probs
+        lp_train = log_probs.detach()
+    else:
+        if old_log_probs is None:
+            raise ValueError("old_log_probs is required unless --use-rollout-logprobs is set")
+        lp_train = old_log_probs
+
+    correction: CorrectionResult | None = None
+    if config.computes_metrics:
+        if rollout_log_probs is None:
+            raise ValueError("rollout correction / mismatch metrics need rollout_log_probs")
+        correction = compute_rollout_correction(
+            lp_train, rollout_log_probs, loss_mask, config, cp_group=cp_group, dp_group=dp_group
+        )
+    if correction is not None and config.use_rollout_correction:
+        mask = _bool(correction.mask_bool, correction.loss_mask)
+        den_mask = _bool(correction.denominator_mask_bool, correction.denominator_mask)
+        weights = correction.weights
+    else:
+        mask = den_mask = valid_mask(loss_mask)
+        weights = None
+
+    old = old_log_probs.detach()
+    finite = (log_probs.detach() - old + advantages.detach()).isfinite()  # one pass; an overflow also drops
+    ok = mask & finite
+    dtype = log_probs.dtype
+    zero = torch.zeros((), dtype=dtype, device=log_probs.device)
+    # Sanitize BEFORE the loss math so neither the value nor the gradient can see a NaN/inf.
+    inputs = LossInputs(
+        log_probs=torch.where(ok, log_probs, zero),
+        old_log_probs=torch.where(ok, old, zero),
+        rollout_log_probs=rollout_log_probs,
+        advantages=torch.where(ok, advantages.detach(), zero),
+        loss_mask=ok,
+        weights=None if weights is None else torch.where(ok, weights.detach().to(dtype), zero),
+    )
+    fn = loss_fn if callable(loss_fn) else LOSS_FUNCTIONS.get(loss_fn or config.loss_type, flag="--loss-type")
+    token_loss = fn(inputs, config)
+    masked = torch.where(ok, token_loss, zero)
+
+    mode = config.loss_agg_mode
+    has_groups = group_size(cp_group) > 1 or group_size(dp_group) > 1
+    if mode == "token-mean":
+        loss_sum = masked.sum()
+        denominator = den_mask.sum().to(torch.float64)
+        global_den = correction.global_token_count if correction is not None else None
+    else:
+        if mode == "seq-mean-token-mean":
+            if correction is not None:
+                n_i = correction.seq_token_count
+            else:
+                n_i = seq_sums([den_mask], cp_group)[:, 0]
+            loss_sum = (masked.sum(-1) / n_i.clamp_min(1).to(dtype)).sum()
+        elif mode == "seq-mean-token-sum-norm":
+            norm = seq_length_for_norm or log_probs.shape[-1] * group_size(cp_group)
+            loss_sum = masked.sum() / norm
+        else:
+            loss_sum = masked.sum()
+        if correction is not None:
+            n_i = correction.seq_token_count
+        elif mode != "seq-mean-token-mean":
+            n_i = seq_sums([den_mask], cp_group)[:, 0]
+        denominator = (n_i > 0).to(torch.float64).sum() * cp_first(cp_group)
+        global_den = correction.global_seq_count if correction is not None else None
+    if global_den is None:
+        global_den = global_sum(denominator, cp_group, dp_group) if has_groups else denominator
+    loss = loss_sum / global_den.clamp_min(1).to(dtype)
+
+    metrics: dict[str, Tensor] = dict(correction.metrics) if correction is not None else {}
+    metrics.update(inputs.metrics)
+    metrics["pg_loss"] = loss.detach()
+    metrics["pg_nonfinite_token_count"] = (mask & ~finite).sum().to(torch.float64)
+    return PolicyLossOutput(
+        loss=loss, loss_sum=loss_sum, denominator=denominator, metrics=metrics, correction=correction
+    )

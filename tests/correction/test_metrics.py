@@ -1,0 +1,106 @@
+"""Metric values against a loop reference, quantiles at scale, one host transfer."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from corr_reference import ref_mismatch_metrics
+
+from slime_corr.config import RolloutCorrectionConfig as C
+from slime_corr.correction import compute_rollout_correction, metrics_to_host
+from slime_corr.correction.metrics import HIST_BINS, HIST_LOG_RANGE
+
+MISMATCH_KEYS = {
+    "mismatch_kl", "mismatch_k3_kl", "mismatch_training_log_ppl", "mismatch_rollout_log_ppl",
+    "mismatch_training_ppl", "mismatch_rollout_ppl", "mismatch_log_ppl_diff", "mismatch_log_ppl_abs_diff",
+    "mismatch_ppl_ratio", "mismatch_chi2_token", "mismatch_chi2_seq", "train_rollout_logprob_abs_diff",
+    "rollout_probs_diff_max", "rollout_probs_diff_mean", "rollout_probs_diff_std", "rollout_actor_probs_pearson_corr",
+}
+
+
+def _batch(seed, B=7, S=20, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    lp_r = -torch.rand(B, S, generator=g, dtype=dtype) * 2
+    lp_t = lp_r + 0.2 * torch.randn(B, S, generator=g, dtype=dtype)
+    mask = torch.rand(B, S, generator=g) > 0.3
+    mask[-1] = False
+    return lp_t, lp_r, mask
+
+
+def test_mismatch_metrics_match_reference():
+    lp_t, lp_r, mask = _batch(0)
+    lp_t[2, 1] = float("nan")
+    mask[2, 1] = True  # sequence 2 excluded
+    m = metrics_to_host(compute_rollout_correction(lp_t, lp_r, mask, C(get_mismatch_metrics=True)).metrics)
+    ref = ref_mismatch_metrics(lp_t, lp_r, mask)
+    assert MISMATCH_KEYS <= set(m)
+    for k, v in ref.items():
+        assert m[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
+
+
+def test_is_metrics_token_level():
+    lp_t, lp_r, mask = _batch(1)
+    cfg = C(use_tis=True, tis_mode="clip", tis_upper_bound=1.2)
+    res = compute_rollout_correction(lp_t, lp_r, mask, cfg)
+    m = metrics_to_host(res.metrics)
+    raw = (lp_t - lp_r).exp()[mask]
+    w = res.weights[mask]
+    assert m["mis_mean_is_weight_before_clip"] == pytest.approx(raw.mean().item())
+    assert m["mis_clip_fraction_high"] == pytest.approx((raw > 1.2).double().mean().item())
+    assert m["mis_clip_fraction_low"] == pytest.approx((raw < 1 / 1.2).double().mean().item())
+    assert m["mis_ratio_mean_after_mis"] == pytest.approx(w.mean().item())
+    assert m["mis_weight_min"] == pytest.approx(w.min().item()) and m["mis_weight_max"] == pytest.approx(w.max().item())
+    assert m["mis_ess"] == pytest.approx((w.sum() ** 2 / (w.numel() * (w**2).sum())).item())
+    assert m["mis_weight_std"] == pytest.approx(w.std(unbiased=False).item(), rel=1e-6)
+    for name, q in (("p10", 0.1), ("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
+        exact = torch.quantile(w, q, interpolation="higher").item()
+        assert m[f"mis_weight_{name}"] == pytest.approx(exact, rel=2 * HIST_LOG_RANGE / HIST_BINS), name
+
+
+def test_is_metrics_sequence_level_count_each_sequence_once():
+    lp_t, lp_r, mask = _batch(2)
+    cfg = C(use_tis=True, tis_level="sequence", tis_upper_bound=1.5)
+    m = metrics_to_host(compute_rollout_correction(lp_t, lp_r, mask, cfg).metrics)
+    s = ((lp_t - lp_r) * mask).sum(-1)[mask.any(-1)]
+    raw = s.clamp(-20, 20).exp()
+    w = raw.clamp(max=1.5)
+    assert m["mis_mean_is_weight_before_clip"] == pytest.approx(raw.mean().item())
+    assert m["mis_truncate_fraction"] == pytest.approx((raw > 1.5).double().mean().item())
+    assert m["mis_ratio_mean_after_mis"] == pytest.approx(w.mean().item())
+    assert m["mis_ess"] == pytest.approx((w.sum() ** 2 / (w.numel() * (w**2).sum())).item())
+
+
+def test_quantiles_at_32k_responses():
+    # torch.quantile refuses inputs above 2**24 elements; the histogram works at any size.
+    B, S = 32768, 520
+    g = torch.Generator().manual_seed(0)
+    lr = (0.1 * torch.randn(B, 1, generator=g)).expand(B, S).contiguous()
+    lp_r = torch.full((B, S), -1.0)
+    res = compute_rollout_correction(lp_r + lr, lp_r, torch.ones(B, S, dtype=torch.bool), C(use_tis=True, tis_level="geometric"))
+    m = metrics_to_host(res.metrics)
+    per_seq = lr[:, 0].exp().clamp(max=2.0)
+    exact = per_seq.sort().values[int(0.9 * B) - 1].item()
+    assert m["mis_weight_p90"] == pytest.approx(exact, rel=0.011)
+    assert m["mis_weight_max"] == pytest.approx(per_seq.max().item())
+
+
+def test_metrics_to_host_single_transfer(monkeypatch):
+    calls = []
+    orig = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: calls.append(1) or orig(self))
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("item() called"))
+    lp_t, lp_r, mask = _batch(3)
+    res = compute_rollout_correction(lp_t, lp_r, mask, C.preset("decoupled_seq_is_rs", tis_batch_normalize=True))
+    host = metrics_to_host(res.metrics)
+    assert len(calls) == 1 and all(isinstance(v, float) for v in host.values())
+    assert all(t.dim() == 0 for t in res.metrics.values())
+
+
+def test_all_padding_batch_metrics_are_finite_zero():
+    z = torch.zeros(3, 4)
+    res = compute_rollout_correction(z, z, torch.zeros(3, 4), C.preset("decoupled_seq_is_rs", tis_batch_normalize=True))
+    m = metrics_to_host(res.metrics)
+    assert all(math.isfinite(v) for v in m.values())
+    assert m["mismatch_kl"] == 0.0 and m["mis_valid_token_count"] == 0.0

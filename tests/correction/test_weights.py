@@ -1,0 +1,196 @@
+"""IS weights, RS, veto, normalization: hand-computed values and a loop-based reference for every combination."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from corr_reference import ref_correction
+
+from slime_corr.config import RolloutCorrectionConfig as C
+from slime_corr.correction import compute_rollout_correction, metrics_to_host
+
+# One sequence with token ratios [3, 0.25, 1] plus one padding token; a second sequence with ratios [1.5, 1].
+LR = torch.tensor([[math.log(3.0), math.log(0.25), 0.0, 7.0], [math.log(1.5), 0.0, 0.0, 0.0]], dtype=torch.float64)
+MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
+LP_R = torch.full_like(LR, -1.0)
+LP_T = LP_R + LR
+G = 0.75 ** (1 / 3)  # geometric mean of seq 0
+
+
+def run(cfg, lp_t=LP_T, lp_r=LP_R, mask=MASK):
+    return compute_rollout_correction(lp_t, lp_r, mask, cfg)
+
+
+@pytest.mark.parametrize(
+    "level,mode,expected0,expected1",
+    [
+        ("token", "truncate", [2.0, 0.25, 1.0], [1.5, 1.0]),
+        ("token", "clip", [2.0, 0.5, 1.0], [1.5, 1.0]),
+        ("token", "mask", [0.0, 0.0, 1.0], [1.5, 1.0]),
+        ("sequence", "truncate", [0.75] * 3, [1.5] * 2),
+        ("sequence", "clip", [0.75] * 3, [1.5] * 2),
+        ("sequence", "mask", [0.75] * 3, [1.5] * 2),
+        ("geometric", "truncate", [G] * 3, [1.5**0.5] * 2),
+    ],
+)
+def test_hand_computed_is_weights(level, mode, expected0, expected1):
+    res = run(C(use_tis=True, tis_level=level, tis_mode=mode, tis_upper_bound=2.0))
+    torch.testing.assert_close(res.weights[0, :3], torch.tensor(expected0, dtype=torch.float64))
+    torch.testing.assert_close(res.weights[1, :2], torch.tensor(expected1, dtype=torch.float64))
+    assert res.weights[0, 3] == 0 and (res.weights[1, 2:] == 0).all()
+    assert torch.equal(res.loss_mask, MASK.float())  # IS (even mask mode) never edits the loss mask
+    assert res.weights.grad_fn is None
+
+
+def test_hand_computed_sequence_mask_mode_and_slime_tis_clip():
+    res = run(C(use_tis=True, tis_level="sequence", tis_mode="mask", tis_upper_bound=1.2))
+    torch.testing.assert_close(res.weights[:, :3], torch.tensor([[0.0] * 3, [0.0, 0.0, 0.0]], dtype=torch.float64))
+    res = run(C(use_tis=True, tis_clip=2.5, tis_clip_low=0.5))  # slime flags: clamp to [0.5, 2.5]
+    torch.testing.assert_close(res.weights[0, :3], torch.tensor([2.5, 0.5, 1.0], dtype=torch.float64))
+
+
+def test_hand_computed_rs_and_veto():
+    tok = run(C(use_rs=True, rs_level="token", rs_upper_bound=2.0))
+    assert tok.loss_mask.tolist() == [[0, 0, 1, 0], [1, 1, 0, 0]]
+    seq = run(C(use_rs=True, rs_level="sequence", rs_upper_bound=1.4))  # 0.75 kept, 1.5 rejected
+    assert seq.loss_mask.tolist() == [[1, 1, 1, 0], [0, 0, 0, 0]]
+    geo = run(C(use_rs=True, rs_level="geometric", rs_upper_bound=1.2))  # 0.909 kept, 1.22 rejected
+    assert geo.loss_mask.tolist() == [[1, 1, 1, 0], [0, 0, 0, 0]]
+    veto = run(C(rs_veto_threshold=0.3))  # 0.25 < 0.3 vetoes sequence 0; works without --use-rs
+    assert veto.loss_mask.tolist() == [[0, 0, 0, 0], [1, 1, 0, 0]]
+    assert veto.weights is None
+    m = metrics_to_host(veto.metrics)
+    assert m["mis_catastrophic_token_fraction"] == pytest.approx(1 / 5)
+    assert m["mis_catastrophic_seq_fraction"] == pytest.approx(1 / 2)
+    assert m["mis_rejected_token_fraction"] == pytest.approx(3 / 5)
+    keep = run(C(rs_veto_threshold=0.3, rs_keep_loss_denominator=True))
+    assert keep.loss_mask.tolist() == veto.loss_mask.tolist()
+    assert torch.equal(keep.denominator_mask, MASK.float())
+    assert keep.seq_token_count.tolist() == [3, 2]
+
+
+def test_hand_computed_batch_normalization():
+    tok = run(C(use_tis=True, tis_batch_normalize=True))  # truncate: [2, .25, 1, 1.5, 1], mean 1.15
+    torch.testing.assert_close(tok.weights[0, :3], torch.tensor([2.0, 0.25, 1.0], dtype=torch.float64) / 1.15)
+    assert metrics_to_host(tok.metrics)["mis_batch_norm_factor"] == pytest.approx(1.15)
+    seq = run(C(use_tis=True, tis_level="sequence", tis_batch_normalize=True))  # per-seq 0.75 and 1.5
+    torch.testing.assert_close(seq.weights[1, :2], torch.tensor([1.5, 1.5], dtype=torch.float64) / 1.125)
+    m = metrics_to_host(seq.metrics)
+    assert m["mis_ratio_mean_after_mis"] == pytest.approx(1.0)
+    assert m["mis_ess"] == pytest.approx((2.25**2) / (2 * (0.75**2 + 1.5**2)))
+    # normalization uses contributing (post-veto) units only: seq 0 vetoed -> weight 1.5 / 1.5 = 1
+    vet = run(C(use_tis=True, tis_level="sequence", tis_batch_normalize=True, rs_veto_threshold=0.3))
+    torch.testing.assert_close(vet.weights[1, :2], torch.ones(2, dtype=torch.float64))
+    assert (vet.weights[0] == 0).all()
+
+
+LEVELS = ("token", "sequence", "geometric")
+
+
+def _configs():
+    for level, mode, rs_level, veto, norm in itertools.product(
+        LEVELS, ("truncate", "clip", "mask"), (None, *LEVELS), (None, 0.05), (False, True)
+    ):
+        rs = {} if rs_level is None else dict(use_rs=True, rs_level=rs_level, rs_upper_bound=1.5 if rs_level != "geometric" else 1.05)
+        yield C(use_tis=True, tis_level=level, tis_mode=mode, tis_batch_normalize=norm, rs_veto_threshold=veto, **rs)
+    for rs_level in LEVELS:
+        yield C(use_rs=True, rs_level=rs_level, rs_upper_bound=1.5, rs_veto_threshold=0.05)
+
+
+def _batch(seed, B=6, S=12):
+    g = torch.Generator().manual_seed(seed)
+    lp_r = -torch.rand(B, S, generator=g, dtype=torch.float64) * 3
+    lp_t = lp_r + 0.3 * torch.randn(B, S, generator=g, dtype=torch.float64)
+    lp_t[0, 3] = lp_r[0, 3] - 4.0  # catastrophic token (ratio 0.018 < 0.05)
+    mask = torch.rand(B, S, generator=g) > 0.25
+    mask[5] = False  # empty sequence
+    return lp_t, lp_r, mask
+
+
+@pytest.mark.parametrize("cfg", list(_configs()), ids=lambda c: f"{c.tis_level}-{c.tis_mode}-{c.use_tis}-{c.use_rs and c.rs_level}-{c.rs_veto_threshold}-{c.tis_batch_normalize}")
+def test_every_combination_matches_loop_reference(cfg):
+    lp_t, lp_r, mask = _batch(1)
+    res = run(cfg, lp_t, lp_r, mask)
+    w_ref, f_ref, factor = ref_correction(lp_t, lp_r, mask, cfg)
+    assert torch.equal(res.loss_mask.double(), f_ref)
+    if w_ref is None:
+        assert res.weights is None
+    else:
+        torch.testing.assert_close(res.weights, w_ref, rtol=1e-12, atol=1e-12)
+    m = metrics_to_host(res.metrics)
+    if factor is not None:
+        assert m["mis_batch_norm_factor"] == pytest.approx(factor, rel=1e-12)
+    assert m["mis_rejected_token_fraction"] == pytest.approx(1 - f_ref.sum().item() / mask.sum().item())
+    assert all(math.isfinite(v) for v in m.values())
+
+
+def test_float32_and_float_mask_match_float64_bool():
+    lp_t, lp_r, mask = _batch(2)
+    cfg = C.preset("decoupled_seq_is_rs")
+    a = run(cfg, lp_t, lp_r, mask)
+    b = run(cfg, lp_t.float(), lp_r.float(), mask.float())
+    assert torch.equal(a.loss_mask, b.loss_mask)
+    torch.testing.assert_close(a.weights.float(), b.weights, rtol=1e-5, atol=1e-6)
+
+
+def test_nonfinite_sequences_are_rejected_and_counted():
+    lp_t, lp_r, mask = _batch(3)
+    mask[1, 2] = mask[2, 4] = True
+    lp_t[1, 2] = float("nan")
+    lp_r[2, 4] = -float("inf")
+    lp_t[3, ~mask[3]] = float("nan")  # NaN at padding: harmless
+    res = run(C(use_tis=True, tis_level="sequence", tis_batch_normalize=True), lp_t, lp_r, mask)
+    assert (res.loss_mask[1:3] == 0).all() and torch.equal(res.loss_mask[3], mask[3].float())
+    assert torch.isfinite(res.weights).all()
+    m = metrics_to_host(res.metrics)
+    assert m["mis_nonfinite_seq_count"] == 2 and m["mis_nonfinite_token_count"] == 2
+    assert all(math.isfinite(v) for v in m.values())
+
+
+def test_extreme_log_ratios_are_finite():
+    lp_r = torch.zeros(3, 5)
+    lp_t = torch.tensor([[1e4, -1e4, 0, 0, 0], [-1e4] * 5, [3e38, -3e38, 0, 0, 0]])
+    for level in LEVELS:
+        res = run(C(use_tis=True, tis_level=level, tis_mode="clip", tis_batch_normalize=True), lp_t, lp_r, torch.ones(3, 5))
+        assert torch.isfinite(res.weights).all()
+        assert all(math.isfinite(v) for v in metrics_to_host(res.metrics).values())
+
+
+def test_metrics_only_returns_mask_unchanged_and_no_weights():
+    lp_t, lp_r, mask = _batch(4)
+    res = run(C(get_mismatch_metrics=True), lp_t, lp_r, mask.float())
+    assert res.weights is None and torch.equal(res.loss_mask, mask.float())
+    assert "mismatch_kl" in res.metrics and not any(k.startswith("mis_rs") for k in res.metrics)
+    off = run(C(), lp_t, lp_r, mask)
+    assert off.metrics == {} and off.weights is None
+
+
+def test_custom_weight_function_by_path(tmp_path):
+    f = tmp_path / "my_tis.py"
+    f.write_text(
+        "import torch\n"
+        "from slime_corr.correction import WeightOutputs\n"
+        "def halve(inputs, config):\n"
+        "    w = torch.full_like(inputs.log_ratio, 0.5)\n"
+        "    keep = inputs.seq_token_count.unsqueeze(-1) > 3\n"
+        "    return WeightOutputs(weights=w, loss_mask=inputs.loss_mask & keep, metrics={'my_metric': torch.tensor(7.0)})\n"
+    )
+    lp_t, lp_r, mask = _batch(5)
+    cfg = C(use_tis=True, tis_batch_normalize=True, custom_tis_function_path=f"{f}:halve")
+    res = run(cfg, lp_t, lp_r, mask)
+    keep = (mask.sum(-1, keepdim=True) > 3) & mask
+    assert torch.equal(res.loss_mask, keep.float())
+    torch.testing.assert_close(res.weights, keep.double())  # 0.5 normalized by its mean 0.5, 0 at padding
+    assert metrics_to_host(res.metrics)["my_metric"] == 7.0
+
+
+def test_custom_weight_function_bad_signature(tmp_path):
+    from slime_corr.config import ConfigError
+
+    f = tmp_path / "bad.py"
+    f.write_text("def f(x):\n    return x\n")
+    with pytest.raises(ConfigError):
+        run(C(use_tis=True, custom_tis_function_path=f"{f}:f"))
