@@ -1,0 +1,153 @@
+"""Rollout client benchmark on loopback (not part of the test suite).
+
+    python bench/rollout.py [--tokens 32] [--repeats 3] [--concurrency 1 16 64 256]
+
+Starts the local engine (a tiny 1-layer model, bf16) in a subprocess on 127.0.0.1 and measures, in one run:
+  * baseline: plain aiohttp, one non-streamed request at a time (no client layer);
+  * SGLangClient streaming at 1, 16, 64 and 256 concurrent streams: end-to-end tokens/s and the client's own
+    CPU time per streamed token (time spent parsing/validating events, measured around the accumulator);
+  * replay: client parsing cost per token of a recorded stream (cumulative and incremental), no network;
+  * peak RSS of this (client) process.
+Prints medians over ``--repeats`` runs and ratios to the baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import aiohttp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import slime_corr.rollout.client as client_mod  # noqa: E402
+from slime_corr.rollout import protocol  # noqa: E402
+from slime_corr.rollout.client import SGLangClient  # noqa: E402
+from slime_corr.rollout.engine_model import create_tiny_checkpoint  # noqa: E402
+
+PROMPT = list(b"The quick brown fox ")
+
+
+def start_engine(ckpt: str, incremental: bool = False) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "slime_corr.rollout.local_engine", "--checkpoint", ckpt, "--threads", "1"]
+    if incremental:
+        cmd.append("--incremental-streaming-output")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("READY "):
+        proc.kill()
+        raise RuntimeError(f"engine did not start: {line!r}")
+    return proc, line.split()[1]
+
+
+class _Timed(protocol.StreamAccumulator):
+    """The client's stream accumulator with a CPU-time counter (the client's per-token work)."""
+
+    spent = 0.0
+
+    def feed_line(self, data: str) -> None:
+        t = time.perf_counter()
+        try:
+            super().feed_line(data)
+        finally:
+            _Timed.spent += time.perf_counter() - t
+
+
+async def baseline(url: str, n: int, tokens: int) -> float:
+    params = {"max_new_tokens": tokens, "ignore_eos": True}
+    async with aiohttp.ClientSession() as s:
+        t0, total = time.perf_counter(), 0
+        for _ in range(n):
+            async with s.post(url + "/generate", json={"input_ids": PROMPT, "sampling_params": params,
+                                                       "return_logprob": True}) as r:
+                total += len((await r.json())["output_ids"])
+        return total / (time.perf_counter() - t0)
+
+
+async def streamed(url: str, conc: int, tokens: int) -> tuple[float, float]:
+    """(tokens/s, client CPU microseconds per token) for ``conc`` concurrent streams."""
+    params = {"max_new_tokens": tokens, "ignore_eos": True}
+    async with SGLangClient(url, max_concurrency_per_server=max(conc, 1)) as c:
+        await c.generate(PROMPT, {"max_new_tokens": 1}, stream=True)  # warm connection
+        _Timed.spent = 0.0
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(c.generate(PROMPT, params, stream=True) for _ in range(conc)))
+        dt = time.perf_counter() - t0
+    n = sum(len(r.output_ids) for r in res)
+    return n / dt, 1e6 * _Timed.spent / n
+
+
+async def record(url: str, tokens: int) -> list[str]:
+    body = {"input_ids": PROMPT, "stream": True, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True}}
+    async with aiohttp.ClientSession() as s, s.post(url + "/generate", json=body) as r:
+        raw = await r.read()
+    return [e[6:].decode() for e in raw.split(b"\n\n") if e.startswith(b"data: ")]
+
+
+def replay_us_per_token(events: list[str], tokens: int, reps: int = 20) -> float:
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        acc = protocol.StreamAccumulator()
+        for e in events:
+            acc.feed_line(e)
+        acc.result()
+    return 1e6 * (time.perf_counter() - t0) / (reps * tokens)
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=32, help="new tokens per request")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--baseline-requests", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
+    args = ap.parse_args()
+    client_mod.StreamAccumulator = _Timed  # type: ignore[misc]  # count the client's parsing time
+    with tempfile.TemporaryDirectory() as d:
+        ckpt = create_tiny_checkpoint(d, seed=0, num_layers=1, hidden_size=32, num_heads=2, ffn_size=64)
+        proc, url = start_engine(ckpt)
+        try:
+            base = [asyncio.run(baseline(url, args.baseline_requests, args.tokens)) for _ in range(args.repeats)]
+            b = statistics.median(base)
+            print(f"engine: tiny 1-layer bf16 model in a subprocess at {url}; {args.tokens} tokens/request; "
+                  f"medians of {args.repeats} runs")
+            print(f"baseline (plain aiohttp, 1 request at a time, non-streamed): {b:9.1f} tok/s")
+            print(f"{'streams':>8} {'tok/s':>10} {'x baseline':>10} {'client us/tok':>14} {'peak RSS MB':>12}")
+            for conc in args.concurrency:
+                runs = [asyncio.run(streamed(url, conc, args.tokens)) for _ in range(args.repeats)]
+                tps = statistics.median(r[0] for r in runs)
+                us = statistics.median(r[1] for r in runs)
+                print(f"{conc:>8} {tps:>10.1f} {tps / b:>10.2f} {us:>14.1f} {peak_rss_mb():>12.1f}")
+            cum_events = asyncio.run(record(url, args.tokens))
+        finally:
+            proc.terminate()
+            proc.wait(10)
+        proc, url = start_engine(ckpt, incremental=True)
+        try:
+            inc_events = asyncio.run(record(url, args.tokens))
+        finally:
+            proc.terminate()
+            proc.wait(10)
+    assert cum_events[-1] == "[DONE]" and inc_events[-1] == "[DONE]"
+    cum = replay_us_per_token(cum_events, args.tokens)
+    inc = replay_us_per_token(inc_events, args.tokens)
+    print(f"replay (client parsing only, {args.tokens}-token stream): cumulative {cum:.1f} us/tok, "
+          f"incremental {inc:.1f} us/tok, ratio {cum / inc:.2f}")
+    print(f"peak RSS of the client process: {peak_rss_mb():.1f} MB")
+
+
+if __name__ == "__main__":
+    main()

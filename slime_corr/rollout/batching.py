@@ -1,0 +1,213 @@
+"""Samples -> Megatron micro-batches: advantages, padding / packing, CP zig-zag slices, DP balance, TP broadcast.
+
+Micro-batch contract (a dict of CPU tensors, ``B`` rows of ``S`` positions)::
+
+    tokens             [B, S] int64    prompt + response, right-padded with ``pad_token_id``
+    position_ids       [B, S] int64    0..S-1 per row (packed: restarting at every sample)
+    labels             [B, S] int64    labels[t] = tokens[t+1] within a sample, else pad
+    loss_mask          [B, S] float32  1 where labels[t] is a trained response token
+    rollout_log_probs  [B, S] float32  SGLang's log-prob of labels[t]; 0 where loss_mask is 0
+    advantages         [B, S] float32  advantage of labels[t]; 0 where loss_mask is 0
+
+Megatron's alignment: position ``t`` of labels / loss_mask / rollout_log_probs / advantages is about predicting
+``tokens[t+1]`` from the logits at ``t``. Packed batches (``packed=True``) have ``B == 1`` and an extra
+``cu_seqlens`` [n+1] int32 (sample boundaries); use packing with CP size 1 only (padded batches for CP > 1).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from slime_corr.rollout.sample import Sample
+
+BATCH_KEYS = ("tokens", "position_ids", "labels", "loss_mask", "rollout_log_probs", "advantages")
+
+
+def grpo_advantages(samples: Sequence[Sample], normalize_std: bool = True, eps: float = 1e-6) -> list[float]:
+    """GRPO group-normalised advantage per sample: (reward - group mean) [/ (group std + eps)].
+
+    Groups are by ``group_id``; std is the unbiased std (0 for singleton groups). Rewards must be set.
+    """
+    groups: dict[int, list[int]] = defaultdict(list)
+    for i, s in enumerate(samples):
+        if s.reward is None:
+            raise ValueError(f"reward: sample {s.index} (group {s.group_id}) has no reward")
+        groups[s.group_id].append(i)
+    adv = [0.0] * len(samples)
+    for idx in groups.values():
+        r = torch.tensor([float(samples[i].reward) for i in idx], dtype=torch.float64)  # type: ignore[arg-type]
+        a = r - r.mean()
+        if normalize_std:
+            std = r.std() if len(idx) > 1 else torch.tensor(0.0, dtype=torch.float64)
+            a = a / (std + eps)
+        for i, v in zip(idx, a.tolist(), strict=True):
+            adv[i] = v
+    return adv
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def _sample_rows(s: Sample, adv: float | Sequence[float], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """One sample's 1-D rows (length prompt + response), already shifted to Megatron's alignment."""
+    p, r = len(s.prompt_tokens), s.response_length
+    n = p + r
+    tokens = torch.tensor(s.prompt_tokens + s.response_tokens, dtype=torch.long)
+    labels = torch.full((n,), pad_token_id, dtype=torch.long)
+    labels[:-1] = tokens[1:]
+    mask = torch.zeros(n, dtype=torch.float32)
+    lp = torch.zeros(n, dtype=torch.float32)
+    adv_row = torch.zeros(n, dtype=torch.float32)
+    if r:
+        m = torch.tensor(s.loss_mask, dtype=torch.float32)
+        mask[p - 1 : n - 1] = m
+        lp[p - 1 : n - 1] = s.rollout_log_probs * m
+        a = torch.full((r,), float(adv)) if isinstance(adv, int | float) else torch.tensor(list(adv), dtype=torch.float32)
+        if a.numel() != r:
+            raise ValueError(f"advantages: {a.numel()} values for {r} response tokens of sample {s.index}")
+        adv_row[p - 1 : n - 1] = a * m
+    return {"tokens": tokens, "position_ids": torch.arange(n), "labels": labels, "loss_mask": mask,
+            "rollout_log_probs": lp, "advantages": adv_row}
+
+
+def build_micro_batch(
+    samples: Sequence[Sample],
+    advantages: Sequence[float | Sequence[float]] | None = None,
+    *,
+    pad_to_multiple: int = 1,
+    pad_token_id: int = 0,
+    packed: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Build one micro-batch dict (see the module docstring) from ``samples``.
+
+    ``advantages``: one scalar per sample (broadcast over its response tokens) or one list per sample (per
+    token); None means zeros. ``pad_to_multiple``: pad S to a multiple of it (2 * CP size for zig-zag).
+    """
+    if not samples:
+        raise ValueError("samples: empty micro-batch")
+    advs = list(advantages) if advantages is not None else [0.0] * len(samples)
+    if len(advs) != len(samples):
+        raise ValueError(f"advantages: {len(advs)} entries for {len(samples)} samples")
+    rows = [_sample_rows(s, a, pad_token_id) for s, a in zip(samples, advs, strict=True)]
+    if packed:
+        lengths = [len(r["tokens"]) for r in rows]
+        total = sum(lengths)
+        s_len = _round_up(total, pad_to_multiple)
+        out = {k: torch.cat([r[k] for r in rows]) for k in BATCH_KEYS}
+        pad = s_len - total
+        for k in BATCH_KEYS:
+            fill = pad_token_id if k in ("tokens", "labels") else 0
+            out[k] = torch.cat([out[k], torch.full((pad,), fill, dtype=out[k].dtype)]).unsqueeze(0)
+        if pad:
+            out["position_ids"][0, total:] = torch.arange(pad)
+        out["cu_seqlens"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        return out
+    s_len = _round_up(max(len(r["tokens"]) for r in rows), pad_to_multiple)
+    out = {}
+    for k in BATCH_KEYS:
+        fill = pad_token_id if k in ("tokens", "labels") else 0
+        t = torch.full((len(rows), s_len), fill, dtype=rows[0][k].dtype)
+        for i, r in enumerate(rows):
+            t[i, : len(r[k])] = r[k]
+        out[k] = t
+    out["position_ids"] = torch.arange(s_len).expand(len(rows), s_len).clone()
+    return out
+
+
+def zigzag_slice(tensor: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1) -> torch.Tensor:
+    """Context-parallel zig-zag slice: split ``dim`` into 2*cp_size chunks, keep chunks r and 2*cp_size-1-r.
+
+    The length of ``dim`` must be a multiple of 2*cp_size (pad with ``pad_to_multiple=2*cp_size``).
+    """
+    if cp_size == 1:
+        return tensor
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} not in [0, {cp_size})")
+    n = tensor.size(dim)
+    if n % (2 * cp_size):
+        raise ValueError(f"size {n} of dim {dim} is not a multiple of 2*cp_size={2 * cp_size}")
+    c = n // (2 * cp_size)
+    return torch.cat([tensor.narrow(dim, cp_rank * c, c), tensor.narrow(dim, (2 * cp_size - 1 - cp_rank) * c, c)],
+                     dim=dim)
+
+
+def slice_micro_batch_for_cp(batch: dict[str, torch.Tensor], cp_rank: int, cp_size: int) -> dict[str, torch.Tensor]:
+    """Apply :func:`zigzag_slice` on the sequence dim of every [B, S] entry (others are passed through)."""
+    return {k: zigzag_slice(v, cp_rank, cp_size, dim=1) if k in BATCH_KEYS else v for k, v in batch.items()}
+
+
+def balance_across_dp(lengths: Sequence[int], dp_size: int, equal_count: bool = True) -> list[list[int]]:
+    """Assign item indices to ``dp_size`` ranks, balancing the summed ``lengths`` (greedy longest-first).
+
+    Every index goes to exactly one rank. With ``equal_count`` each rank gets the same number of items
+    (required so every DP rank runs the same number of micro-batches); ``len(lengths)`` must then be
+    divisible by ``dp_size``. Each rank's list is sorted by index.
+    """
+    n = len(lengths)
+    if equal_count and n % dp_size:
+        raise ValueError(f"{n} samples cannot be split equally across {dp_size} DP ranks")
+    cap = n // dp_size if equal_count else n
+    heap = [(0, 0, r) for r in range(dp_size)]  # (tokens, count, rank): the least loaded rank pops first
+    out: list[list[int]] = [[] for _ in range(dp_size)]
+    for i in sorted(range(n), key=lambda i: (-lengths[i], i)):
+        tokens, count, rank = heapq.heappop(heap)
+        out[rank].append(i)
+        if count + 1 < cap:  # a full rank leaves the heap
+            heapq.heappush(heap, (tokens + lengths[i], count + 1, rank))
+    return [sorted(x) for x in out]
+
+
+def split_for_dp(samples: Sequence[Sample], dp_rank: int, dp_size: int) -> list[Sample]:
+    """This DP rank's share of a global batch, balanced by token count (see :func:`balance_across_dp`)."""
+    parts = balance_across_dp([s.total_length for s in samples], dp_size)
+    return [samples[i] for i in parts[dp_rank]]
+
+
+def micro_batch_iterator(
+    samples: Sequence[Sample],
+    micro_batch_size: int,
+    advantages: Sequence[float | Sequence[float]] | None = None,
+    *,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+    pad_token_id: int = 0,
+    packed: bool = False,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Megatron data iterator: consecutive micro-batches of ``micro_batch_size`` samples, CP-sliced."""
+    advs = list(advantages) if advantages is not None else [0.0] * len(samples)
+    for i in range(0, len(samples), micro_batch_size):
+        mb = build_micro_batch(samples[i : i + micro_batch_size], advs[i : i + micro_batch_size],
+                               pad_to_multiple=2 * cp_size if cp_size > 1 else 1, pad_token_id=pad_token_id,
+                               packed=packed)
+        yield slice_micro_batch_for_cp(mb, cp_rank, cp_size)
+
+
+def broadcast_micro_batch(
+    batch: dict[str, torch.Tensor] | None, src: int, group: dist.ProcessGroup | None = None
+) -> dict[str, torch.Tensor]:
+    """Broadcast a micro-batch dict from global rank ``src`` to the other ranks of ``group`` (e.g. a TP group).
+
+    ``src`` passes the dict, the others pass None (or anything) and receive a copy. With no initialised
+    process group (single process) the batch is returned as is.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        if batch is None:
+            raise ValueError("batch: required without a process group")
+        return batch
+    is_src = dist.get_rank() == src
+    meta = [[(k, tuple(v.shape), v.dtype) for k, v in batch.items()] if is_src and batch is not None else None]
+    dist.broadcast_object_list(meta, src=src, group=group)
+    if meta[0] is None:
+        raise ValueError("batch: the source rank passed None")
+    out = {}
+    for k, shape, dtype in meta[0]:
+        t = batch[k].contiguous() if is_src and batch is not None else torch.empty(shape, dtype=dtype)
+        dist.broadcast(t, src=src, group=group)
+        out[k] = t
+    return out

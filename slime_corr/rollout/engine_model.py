@@ -1,0 +1,192 @@
+"""The model served by the local engine: a tiny causal LM in plain torch, and the protocol the engine needs.
+
+The engine only needs an object with ``logits(input_ids) -> [B, T, V]`` and ``load_checkpoint(dir)``
+(:class:`EngineModel`). :class:`TorchEngineModel` adapts any ``nn.Module`` built by a factory from a
+checkpoint directory and runs it in a chosen dtype (bf16 by default, so its log-probs differ from an fp32
+training forward by a small, real amount). :class:`TinyCausalLM` is the default model: a GPT-style decoder
+with learned absolute positions over a byte vocabulary (256 ids, id 0 doubles as EOS).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.pt"
+
+
+@runtime_checkable
+class EngineModel(Protocol):
+    """What the local engine serves: logits for a right-padded batch, and a way to load new weights."""
+
+    vocab_size: int
+    eos_token_id: int | None
+    max_seq_len: int
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids`` [B, T] int64 -> float32 logits [B, T, V] (causal: row t sees tokens <= t)."""
+        ...
+
+    def load_checkpoint(self, checkpoint_dir: str) -> None:
+        """Replace the weights with those saved in ``checkpoint_dir``."""
+        ...
+
+
+@dataclass
+class TinyLMConfig:
+    """Hyper-parameters of :class:`TinyCausalLM` (saved as ``config.json`` next to the weights)."""
+
+    vocab_size: int = 256
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    ffn_size: int = 256
+    max_seq_len: int = 256
+    tie_embeddings: bool = True
+    eos_token_id: int | None = 0
+    seed: int = 0
+
+
+class _Block(nn.Module):
+    def __init__(self, cfg: TinyLMConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.ln1 = nn.LayerNorm(cfg.hidden_size)
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.ln2 = nn.LayerNorm(cfg.hidden_size)
+        self.fc1 = nn.Linear(cfg.hidden_size, cfg.ffn_size)
+        self.fc2 = nn.Linear(cfg.ffn_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(h, dim=-1)
+        q, k, v = (z.view(b, t, self.num_heads, h // self.num_heads).transpose(1, 2) for z in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, h))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class TinyCausalLM(nn.Module):
+    """A small GPT-style decoder: token + learned position embeddings, pre-LN blocks, (tied) LM head."""
+
+    def __init__(self, cfg: TinyLMConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        gen = torch.Generator().manual_seed(cfg.seed)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.pos = nn.Embedding(cfg.max_seq_len, cfg.hidden_size)
+        self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.num_layers))
+        self.ln_f = nn.LayerNorm(cfg.hidden_size)
+        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        with torch.no_grad():  # deterministic init from the config's seed, independent of the global RNG
+            for name, p in self.named_parameters():
+                if name.endswith("bias"):
+                    p.zero_()
+                elif "ln" in name:
+                    p.fill_(1.0)
+                else:
+                    std = 0.3 if name.startswith(("embed", "pos")) else 1.0 / math.sqrt(p.shape[-1])
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B, T] token ids -> [B, T, V] logits (in the parameters' dtype)."""
+        t = input_ids.shape[1]
+        if t > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {t} exceeds max_seq_len {self.cfg.max_seq_len}")
+        x = self.embed(input_ids) + self.pos(torch.arange(t, device=input_ids.device))
+        for blk in self.blocks:
+            x = blk(x)
+        x = self.ln_f(x)
+        return x @ self.embed.weight.t() if self.head is None else self.head(x)
+
+
+def save_checkpoint(model: TinyCausalLM, checkpoint_dir: str) -> str:
+    """Save ``model`` as ``checkpoint_dir/{config.json, model.pt}``; returns the directory."""
+    os.makedirs(checkpoint_dir, exist_ok=True)
+    with open(os.path.join(checkpoint_dir, CONFIG_FILE), "w") as f:
+        json.dump(asdict(model.cfg), f, indent=1)
+    tmp = os.path.join(checkpoint_dir, WEIGHTS_FILE + ".tmp")
+    torch.save({k: v.detach().float().cpu() for k, v in model.state_dict().items()}, tmp)
+    os.replace(tmp, os.path.join(checkpoint_dir, WEIGHTS_FILE))  # atomic: a reader never sees half a file
+    return checkpoint_dir
+
+
+def load_tiny_lm(checkpoint_dir: str) -> TinyCausalLM:
+    """Build a :class:`TinyCausalLM` from a checkpoint directory written by :func:`save_checkpoint`."""
+    with open(os.path.join(checkpoint_dir, CONFIG_FILE)) as f:
+        cfg = TinyLMConfig(**json.load(f))
+    model = TinyCausalLM(cfg)
+    state = torch.load(os.path.join(checkpoint_dir, WEIGHTS_FILE), map_location="cpu", weights_only=True)
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def create_tiny_checkpoint(checkpoint_dir: str, seed: int = 0, **config: int | bool | None) -> str:
+    """Write a freshly initialised :class:`TinyCausalLM` (deterministic from ``seed``) to ``checkpoint_dir``."""
+    return save_checkpoint(TinyCausalLM(TinyLMConfig(seed=seed, **config)), checkpoint_dir)
+
+
+class TorchEngineModel:
+    """Adapts an ``nn.Module`` built by ``factory(checkpoint_dir)`` to :class:`EngineModel`.
+
+    The module's weights are cast to ``dtype`` (bf16 by default: the rollout's numeric path differs from an
+    fp32 training forward); logits are returned as float32. The factory must return a module mapping
+    [B, T] ids to [B, T, V] logits and exposing ``cfg.vocab_size`` / ``cfg.eos_token_id`` / ``cfg.max_seq_len``
+    or passing them explicitly.
+    """
+
+    def __init__(
+        self,
+        checkpoint_dir: str,
+        factory: Callable[[str], nn.Module] = load_tiny_lm,
+        dtype: torch.dtype = torch.bfloat16,
+        num_threads: int | None = None,
+    ) -> None:
+        self.factory = factory
+        self.dtype = dtype
+        self.num_threads = num_threads
+        self.checkpoint_dir = ""
+        self.load_checkpoint(checkpoint_dir)
+
+    def load_checkpoint(self, checkpoint_dir: str) -> None:
+        """Rebuild the module from ``checkpoint_dir`` (the engine's /update_weights_from_disk)."""
+        module = self.factory(checkpoint_dir).to(self.dtype).eval()
+        cfg = getattr(module, "cfg", None)
+        self.vocab_size = int(getattr(cfg, "vocab_size", 0))
+        self.eos_token_id = getattr(cfg, "eos_token_id", None)
+        self.max_seq_len = int(getattr(cfg, "max_seq_len", 1 << 30))
+        self.module = module
+        self.checkpoint_dir = checkpoint_dir
+
+    @torch.inference_mode()
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B, T] -> float32 [B, T, V], computed in ``self.dtype``."""
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)
+        return self.module(input_ids).float()
+
+
+def teacher_forced_logprobs(
+    model: nn.Module, prompt: list[int], response: list[int], temperature: float = 1.0
+) -> torch.Tensor:
+    """Reference log-probs of ``response`` given ``prompt`` in one forward of ``model`` (SGLang's semantics).
+
+    Returns float32 [len(response)]: ``log_softmax(logits / T)`` of each response token (raw logits if T == 0).
+    """
+    ids = torch.tensor([prompt + response], dtype=torch.long)
+    with torch.no_grad():
+        logits = model(ids)[0, len(prompt) - 1 : -1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    lp = torch.log_softmax(logits, dim=-1)
+    return lp.gather(-1, torch.tensor(response).unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,217 @@
+"""SGLang /generate wire format: request building and strict response / stream-event parsing (no I/O).
+
+Everything a response must satisfy before its tokens reach a sample is checked here: output ids are ints,
+``output_token_logprobs`` has one finite log-prob per output token with the same token id, the finish reason is
+one of stop / length / abort, and stream events are consistent with ``completion_tokens`` (which tells
+cumulative from incremental streaming). A violation raises :class:`ResponseError`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+# Keys of SGLang 0.5.23's SamplingParams schema; any other key makes the server answer 400.
+SAMPLING_KEYS = frozenset(
+    "max_new_tokens stop stop_token_ids stop_regex temperature top_p top_k min_p frequency_penalty "
+    "presence_penalty repetition_penalty min_new_tokens n json_schema regex ebnf structural_tag ignore_eos "
+    "skip_special_tokens spaces_between_special_tokens no_stop_trim stream_interval logit_bias sampling_seed "
+    "custom_params beam_width watermark choice".split()
+)
+FINISH_TYPES = ("stop", "length", "abort")
+
+
+class ResponseError(ValueError):
+    """A response or stream event that violates the protocol (malformed, misaligned, NaN log-probs...)."""
+
+
+def build_generate_request(
+    input_ids: list[int],
+    sampling_params: dict[str, Any] | None,
+    rid: str,
+    stream: bool = False,
+    return_logprob: bool = True,
+) -> dict[str, Any]:
+    """The JSON body of one /generate request (one sample: token ids in, ``n`` must stay 1)."""
+    params = dict(sampling_params or {})
+    unknown = sorted(set(params) - SAMPLING_KEYS)
+    if unknown:
+        raise ValueError(f"sampling_params: unknown keys {unknown} (SGLang rejects them with 400)")
+    if int(params.get("n", 1) or 1) != 1:
+        raise ValueError("sampling_params.n must be 1: send one request per sample (rids stay abortable)")
+    if not input_ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in input_ids):
+        raise ValueError("input_ids: must be a non-empty list of non-negative ints")
+    return {
+        "rid": rid,
+        "input_ids": list(input_ids),
+        "sampling_params": params,
+        "return_logprob": return_logprob,
+        "stream": stream,
+    }
+
+
+@dataclass
+class GenerateOutput:
+    """Validated content of a finished /generate response (or of a stream once it ended)."""
+
+    output_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    weight_version: str | None = None
+    weight_versions: list[tuple[str, int, int]] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    rid: str = ""
+
+    @property
+    def finish_type(self) -> str | None:
+        return None if self.finish_reason is None else self.finish_reason.get("type")
+
+
+def _check_finish(fr: Any) -> dict[str, Any] | None:
+    if fr is None:
+        return None
+    if not isinstance(fr, dict) or fr.get("type") not in FINISH_TYPES:
+        raise ResponseError(f"finish_reason: unexpected value {fr!r}")
+    return fr
+
+
+def _parse_chunk(obj: Any, want_logprobs: bool) -> tuple[list[int], list[float], dict[str, Any]]:
+    """Check one response object; returns (output_ids, log_probs, meta_info)."""
+    if not isinstance(obj, dict):
+        raise ResponseError(f"response: expected an object, got {type(obj).__name__}")
+    ids, meta = obj.get("output_ids"), obj.get("meta_info")
+    if not isinstance(meta, dict):
+        raise ResponseError("meta_info: missing or not an object")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ResponseError("output_ids: missing or not a list of ints")
+    if not isinstance(meta.get("completion_tokens"), int):
+        raise ResponseError("meta_info.completion_tokens: missing or not an int")
+    log_probs: list[float] = []
+    if want_logprobs:
+        entries = meta.get("output_token_logprobs")
+        if not isinstance(entries, list):
+            raise ResponseError("meta_info.output_token_logprobs: missing (was return_logprob honoured?)")
+        if len(entries) != len(ids):
+            raise ResponseError(
+                f"meta_info.output_token_logprobs: {len(entries)} entries for {len(ids)} output tokens"
+            )
+        for i, (e, tok) in enumerate(zip(entries, ids, strict=True)):
+            if not isinstance(e, list | tuple) or len(e) < 2:
+                raise ResponseError(f"output_token_logprobs[{i}]: expected [logprob, token_id, text]")
+            lp, etok = e[0], e[1]
+            if etok != tok:
+                raise ResponseError(f"output_token_logprobs[{i}]: token {etok} != output_ids[{i}] {tok}")
+            if not isinstance(lp, int | float) or isinstance(lp, bool) or not math.isfinite(lp):
+                raise ResponseError(f"output_token_logprobs[{i}]: log-prob {lp!r} is not a finite number")
+            if lp > 1e-4:
+                raise ResponseError(f"output_token_logprobs[{i}]: log-prob {lp} > 0")
+            log_probs.append(float(lp))
+    return ids, log_probs, meta
+
+
+def _spans(meta: dict[str, Any]) -> list[tuple[str, int, int]]:
+    spans = meta.get("weight_versions") or []
+    try:
+        return [(str(s["version"]), int(s["start"]), int(s["end"])) for s in spans]
+    except (TypeError, KeyError, ValueError) as e:
+        raise ResponseError(f"meta_info.weight_versions: malformed ({e})") from e
+
+
+def parse_generate_response(obj: Any, want_logprobs: bool = True) -> GenerateOutput:
+    """Validate a non-streaming /generate response body (one sample)."""
+    ids, lps, meta = _parse_chunk(obj, want_logprobs)
+    if meta["completion_tokens"] != len(ids):
+        raise ResponseError(f"meta_info.completion_tokens {meta['completion_tokens']} != {len(ids)} output ids")
+    fr = _check_finish(meta.get("finish_reason"))
+    if fr is None:
+        raise ResponseError("meta_info.finish_reason: missing in a finished response")
+    return GenerateOutput(ids, lps, fr, meta.get("weight_version"), _spans(meta), int(meta.get("prompt_tokens", 0)),
+                          len(ids), str(meta.get("id", "")))
+
+
+class StreamAccumulator:
+    """Folds SSE events into one :class:`GenerateOutput`, for cumulative and incremental servers alike.
+
+    ``completion_tokens`` is cumulative in both modes: an event whose token count equals it (and extends what
+    we have) is cumulative; one whose count plus what we have equals it is a delta. Anything else is an error.
+    """
+
+    def __init__(self, want_logprobs: bool = True) -> None:
+        self.want_logprobs = want_logprobs
+        self.out = GenerateOutput()
+        self.mode: str | None = None  # "cumulative" | "incremental" once told apart
+        self.events = 0
+        self.done = False
+
+    def feed_line(self, data: str) -> None:
+        """Feed the payload of one ``data:`` line (without the prefix)."""
+        if data == "[DONE]":
+            self.done = True
+            return
+        try:
+            obj = json.loads(data)
+        except json.JSONDecodeError as e:
+            raise ResponseError(f"stream event: malformed JSON ({e})") from e
+        if isinstance(obj, dict) and "error" in obj:
+            raise StreamErrorEvent(obj["error"])
+        self.feed(obj)
+
+    def feed(self, obj: Any) -> None:
+        """Feed one decoded event object."""
+        if self.out.finish_reason is not None:
+            raise ResponseError("stream: event after the finishing event")
+        ids, lps, meta = _parse_chunk(obj, self.want_logprobs)
+        total, have, n = meta["completion_tokens"], len(self.out.output_ids), len(ids)
+        if have == 0 and n != total:
+            raise ResponseError(f"stream: first event has {n} tokens but completion_tokens {total}")
+        if have > 0 and self.mode is None:  # the first event after tokens arrived tells the modes apart
+            if n == total and n >= have:
+                self.mode = "cumulative"
+            elif have + n == total:
+                self.mode = "incremental"
+            else:
+                raise ResponseError(f"stream: event with {n} tokens after {have} inconsistent with "
+                                    f"completion_tokens {total}")
+        if self.mode == "incremental":
+            if have + n != total:
+                raise ResponseError(f"stream: delta of {n} tokens after {have} != completion_tokens {total}")
+            self.out.output_ids = self.out.output_ids + ids
+            self.out.log_probs = self.out.log_probs + lps
+        else:
+            if n != total or n < have or ids[:have] != self.out.output_ids:
+                raise ResponseError(f"stream: cumulative event of {n} tokens inconsistent with {have} received "
+                                    f"and completion_tokens {total}")
+            if self.want_logprobs and lps[:have] != self.out.log_probs:
+                raise ResponseError("stream: cumulative event rewrote earlier log-probs")
+            self.out.output_ids, self.out.log_probs = ids, lps
+        self.events += 1
+        self.out.finish_reason = _check_finish(meta.get("finish_reason"))
+        self.out.weight_version = meta.get("weight_version", self.out.weight_version)
+        self.out.weight_versions = _spans(meta) or self.out.weight_versions
+        self.out.prompt_tokens = int(meta.get("prompt_tokens", 0) or 0)
+        self.out.completion_tokens = total
+        self.out.rid = str(meta.get("id", self.out.rid))
+
+    def result(self) -> GenerateOutput:
+        """The finished output; raises if the stream did not end properly."""
+        if self.out.finish_reason is None:
+            raise ResponseError("stream: ended without a finish_reason")
+        if not self.done:
+            raise ResponseError("stream: ended without [DONE]")
+        return self.out
+
+
+class StreamErrorEvent(Exception):
+    """An ``{"error": {...}}`` event in a stream; ``retryable`` follows the event (or its HTTP-like code)."""
+
+    def __init__(self, err: Any) -> None:
+        err = err if isinstance(err, dict) else {"message": str(err)}
+        self.message = str(err.get("message", ""))
+        self.code = err.get("code")
+        r = err.get("retryable")
+        self.retryable = bool(r) if r is not None else (isinstance(self.code, int) and
+                                                        (self.code >= 500 or self.code in (408, 429)))
+        super().__init__(f"stream error event (code={self.code}): {self.message}")

@@ -1,0 +1,123 @@
+"""The rollout sample: prompt + response tokens, loss mask, rollout log-probs, reward, status."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import torch
+
+
+class SampleStatus(StrEnum):
+    """How a sample ended. Every sample ends exactly once with one of these."""
+
+    PENDING = "pending"
+    COMPLETED = "completed"  # finish_reason stop (EOS / stop token / stop string)
+    TRUNCATED = "truncated"  # finish_reason length (max_new_tokens or context length)
+    ABORTED = "aborted"  # aborted (by the user or a pause) and not resumed: partial output kept
+    FAILED = "failed"  # no usable output after bounded retries; see ``failure_reason``
+
+
+class SampleValidationError(ValueError):
+    """A sample field is inconsistent; the message starts with the field name."""
+
+
+@dataclass
+class Sample:
+    """One rollout sample. Per-token fields are over ``response_tokens`` only.
+
+    ``rollout_log_probs[i]`` is SGLang's log-prob of ``response_tokens[i]`` (fp32 tensor);
+    ``loss_mask[i]`` is 1 for tokens the policy generated and trains on, 0 for tool / environment /
+    other-turn tokens spliced into the response. ``weight_versions`` lists ``(version, start, end)``
+    spans over response positions when generation was resumed across a weight update.
+    """
+
+    prompt_tokens: list[int]
+    response_tokens: list[int] = field(default_factory=list)
+    rollout_log_probs: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float32))
+    loss_mask: list[int] | None = None
+    reward: float | None = None
+    group_id: int = 0
+    index: int = 0
+    weight_version: str | None = None
+    weight_versions: list[tuple[str, int, int]] = field(default_factory=list)
+    status: SampleStatus = SampleStatus.PENDING
+    failure_reason: str | None = None
+    attempts: int = 0
+    metadata: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rollout_log_probs, torch.Tensor):
+            self.rollout_log_probs = torch.tensor(list(self.rollout_log_probs), dtype=torch.float32)
+        if self.loss_mask is None:
+            self.loss_mask = [1] * len(self.response_tokens)
+        self.validate()
+
+    @property
+    def response_length(self) -> int:
+        return len(self.response_tokens)
+
+    @property
+    def total_length(self) -> int:
+        return len(self.prompt_tokens) + len(self.response_tokens)
+
+    def validate(self) -> None:
+        """Check types and lengths; raises :class:`SampleValidationError` naming the field."""
+        n = len(self.response_tokens)
+        if not self.prompt_tokens:
+            raise SampleValidationError("prompt_tokens: must not be empty")
+        for name in ("prompt_tokens", "response_tokens"):
+            if not all(isinstance(t, int) and t >= 0 for t in getattr(self, name)):
+                raise SampleValidationError(f"{name}: must be non-negative ints")
+        lp = self.rollout_log_probs
+        if lp.dtype != torch.float32:
+            raise SampleValidationError(f"rollout_log_probs: dtype must be float32, got {lp.dtype}")
+        if lp.dim() != 1 or lp.numel() != n:
+            raise SampleValidationError(
+                f"rollout_log_probs: length {lp.numel()} != len(response_tokens) {n}"
+            )
+        if n and not bool(torch.isfinite(lp).all()):
+            raise SampleValidationError("rollout_log_probs: contains NaN or inf")
+        if n and bool((lp > 1e-4).any()):
+            raise SampleValidationError("rollout_log_probs: log-probs must be <= 0")
+        assert self.loss_mask is not None
+        if len(self.loss_mask) != n:
+            raise SampleValidationError(f"loss_mask: length {len(self.loss_mask)} != len(response_tokens) {n}")
+        if any(m not in (0, 1) for m in self.loss_mask):
+            raise SampleValidationError("loss_mask: values must be 0 or 1")
+        if self.reward is not None and not math.isfinite(self.reward):
+            raise SampleValidationError("reward: must be finite")
+        if self.status == SampleStatus.FAILED and not self.failure_reason:
+            raise SampleValidationError("failure_reason: required when status is failed")
+
+    def append_segment(
+        self,
+        tokens: list[int],
+        log_probs: list[float],
+        weight_version: str | None,
+        trained: bool = True,
+        spans: list[tuple[str, int, int]] | None = None,
+    ) -> None:
+        """Append generated (``trained``) or tool/environment tokens (loss mask 0) and re-validate.
+
+        ``spans``: the server's per-token weight versions for this segment (relative positions), when the
+        weights changed during it (an in-place pause); otherwise the whole segment gets ``weight_version``.
+        """
+        start = len(self.response_tokens)
+        if spans and tokens:
+            for v, a, b in spans:
+                self.weight_versions.append((v, start + a, start + b))
+            weight_version, spans_done = spans[-1][0], True
+        else:
+            spans_done = False
+        self.response_tokens = self.response_tokens + list(tokens)
+        self.rollout_log_probs = torch.cat(
+            [self.rollout_log_probs, torch.tensor(log_probs, dtype=torch.float32).reshape(-1)]
+        )
+        self.loss_mask = list(self.loss_mask or []) + [1 if trained else 0] * len(tokens)
+        if tokens and weight_version is not None:
+            if not spans_done:
+                self.weight_versions.append((weight_version, start, start + len(tokens)))
+            self.weight_version = weight_version
+        self.validate()

@@ -1,0 +1,163 @@
+"""A fault-injection server speaking SGLang's /generate protocol, for the client's fault tests.
+
+It exists because a real SGLang server cannot be made to produce these faults on demand (5xx, 429, a kill
+mid-stream, a stream without [DONE], malformed JSON, misaligned or NaN log-probs...). The prompt selects the
+behaviour: ``input_ids = [fault_code, n_faulty_attempts, sample_id, ...]``; the first ``n_faulty_attempts``
+requests for ``sample_id`` get the fault, later ones a valid answer derived from ``sample_id``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import socket
+import threading
+from collections import Counter
+from collections.abc import Iterator
+
+from aiohttp import web
+
+FAULTS = ["ok", "http500", "http503", "http429", "http400", "timeout", "kill_mid_stream", "no_done",
+          "error_event", "error_event_fatal", "malformed_json", "misaligned", "nan", "missing_logprobs",
+          "token_mismatch", "abort_503", "close_before_headers"]
+CODE = {name: i for i, name in enumerate(FAULTS)}
+
+
+def closed_port_url() -> str:
+    """A loopback URL on which nothing listens (connection refused)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return f"http://127.0.0.1:{port}"
+
+
+def good_output(sample_id: int, n: int = 4) -> tuple[list[int], list[float]]:
+    ids = [(sample_id * 7 + k) % 250 + 1 for k in range(n)]
+    return ids, [-0.1 * (k + 1) for k in range(n)]
+
+
+def _payload(rid: str, ids: list[int], lps: list, finish: dict | None, total: int | None = None) -> dict:
+    return {"text": "", "output_ids": ids, "meta_info": {
+        "id": rid, "finish_reason": finish, "prompt_tokens": 3,
+        "completion_tokens": len(ids) if total is None else total, "weight_version": "fault",
+        "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids, strict=False)]}}
+
+
+class FaultServer:
+    def __init__(self, timeout_sleep: float = 1.0) -> None:
+        self.attempts: Counter[int] = Counter()
+        self.rids: list[str] = []
+        self.bodies: list[dict] = []  # every /generate and /abort_request body received
+        self.timeout_sleep = timeout_sleep
+        self.app = web.Application()
+        self.app.router.add_post("/generate", self.generate)
+        self.app.router.add_get("/health", self.health)
+        self.app.router.add_post("/abort_request", self.abort)
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def abort(self, request: web.Request) -> web.Response:
+        self.bodies.append(await request.json())
+        return web.json_response({"success": True})
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        rid, stream = body["rid"], bool(body.get("stream"))
+        self.rids.append(rid)
+        code, n_bad, sid = body["input_ids"][:3]
+        self.attempts[sid] += 1
+        fault = FAULTS[code] if self.attempts[sid] <= n_bad else "ok"
+        ids, lps = good_output(sid)
+        stop = {"type": "stop", "matched": ids[-1]}
+        if fault in ("http500", "http503", "http429", "http400"):
+            return web.json_response({"error": fault}, status=int(fault[4:]))
+        if fault == "timeout":
+            await asyncio.sleep(self.timeout_sleep)
+        if fault == "close_before_headers":
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response()
+        if fault == "abort_503":
+            return web.json_response(_payload(rid, ids[:1], lps[:1], {"type": "abort", "message": "oom",
+                                                                       "status_code": 503}))
+        if fault == "misaligned":
+            lps = lps[:-1]
+        if fault == "nan":
+            lps = [*lps[:-1], math.nan]
+        if not stream:
+            if fault == "malformed_json":
+                return web.Response(text='{"text": "", "output_ids": [1, 2', content_type="application/json")
+            payload = _payload(rid, ids, lps, stop)
+            if fault == "token_mismatch":  # output_ids disagree with the log-prob entries' token ids
+                payload["output_ids"] = [*ids[:-1], ids[-1] + 1]
+            if fault == "missing_logprobs":
+                del payload["meta_info"]["output_token_logprobs"]
+            if fault == "kill_mid_stream":
+                assert request.transport is not None
+                request.transport.close()
+                return web.Response()
+            return web.Response(text=json.dumps(payload), content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for k in range(1, len(ids) + 1):
+            if fault == "kill_mid_stream" and k == 3:
+                assert request.transport is not None
+                request.transport.close()
+                return resp
+            if fault == "malformed_json" and k == 2:
+                await resp.write(b'data: {"text": "", "output_ids": [\n\n')
+                continue
+            if fault in ("error_event", "error_event_fatal") and k == 2:
+                err = {"message": "scheduler crashed" if fault == "error_event" else "bad sampling params",
+                       "type": "InternalServerError", "code": 500 if fault == "error_event" else 400,
+                       "retryable": fault == "error_event"}
+                await resp.write(b"data: " + json.dumps({"error": err}).encode() + b"\n\n")
+                break
+            p = _payload(rid, ids[:k], lps[:k], stop if k == len(ids) else None)
+            if fault == "token_mismatch" and k == len(ids):
+                p["output_ids"] = [*ids[:-1], ids[-1] + 1]
+            if fault == "missing_logprobs":
+                del p["meta_info"]["output_token_logprobs"]
+            await resp.write(b"data: " + json.dumps(p).encode() + b"\n\n")
+        if fault != "no_done":
+            await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+@contextlib.contextmanager
+def run_fault_server(timeout_sleep: float = 1.0) -> Iterator[tuple[str, FaultServer]]:
+    """Serve a :class:`FaultServer` on 127.0.0.1 in a background thread; yields (url, server)."""
+    server = FaultServer(timeout_sleep)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(server.app, handle_signals=False, access_log=None)
+    ready = threading.Event()
+    port: list[int] = []
+
+    def _run() -> None:
+        asyncio.set_event_loop(loop)
+
+        async def start() -> None:
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            port.append(runner.addresses[0][1])
+
+        loop.run_until_complete(start())
+        ready.set()
+        loop.run_forever()
+        loop.run_until_complete(runner.cleanup())
+        loop.close()
+
+    t = threading.Thread(target=_run, daemon=True)
+    t.start()
+    ready.wait(10)
+    try:
+        yield f"http://127.0.0.1:{port[0]}", server
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(10)

@@ -1,0 +1,172 @@
+"""Micro-batch contract, GRPO advantages, CP zig-zag, DP balance, TP broadcast (gloo, 2 processes)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from slime_corr.rollout.batching import (
+    BATCH_KEYS,
+    balance_across_dp,
+    broadcast_micro_batch,
+    build_micro_batch,
+    grpo_advantages,
+    micro_batch_iterator,
+    split_for_dp,
+    zigzag_slice,
+)
+from slime_corr.rollout.sample import Sample
+
+
+def _s(prompt, resp, mask=None, reward=None, group=0, index=0):
+    lps = [-0.1 * (i + 1) for i in range(len(resp))]
+    return Sample(prompt_tokens=prompt, response_tokens=resp, rollout_log_probs=lps, loss_mask=mask,
+                  reward=reward, group_id=group, index=index)
+
+
+def test_micro_batch_alignment_and_padding():
+    a = _s([1, 2, 3], [4, 5], mask=[1, 0])
+    b = _s([6], [7, 8, 9])
+    mb = build_micro_batch([a, b], [2.0, -1.0], pad_to_multiple=4, pad_token_id=0)
+    assert set(BATCH_KEYS) <= set(mb) and mb["tokens"].shape == (2, 8)
+    assert mb["tokens"].dtype == torch.int64 and mb["labels"].dtype == torch.int64
+    for k in ("loss_mask", "rollout_log_probs", "advantages"):
+        assert mb[k].dtype == torch.float32
+    assert mb["tokens"][0].tolist() == [1, 2, 3, 4, 5, 0, 0, 0]
+    assert mb["labels"][0].tolist() == [2, 3, 4, 5, 0, 0, 0, 0]
+    # position t predicts labels[t] = tokens[t+1]: response token 4 is predicted at t=2
+    assert mb["loss_mask"][0].tolist() == [0, 0, 1, 0, 0, 0, 0, 0]
+    assert mb["rollout_log_probs"][0].tolist() == pytest.approx([0, 0, -0.1, 0, 0, 0, 0, 0])
+    assert mb["advantages"][0].tolist() == [0, 0, 2.0, 0, 0, 0, 0, 0]
+    assert mb["loss_mask"][1].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
+    assert mb["rollout_log_probs"][1, :3].tolist() == pytest.approx([-0.1, -0.2, -0.3])
+    assert mb["labels"][1, :3].tolist() == [7, 8, 9]
+    assert mb["position_ids"][1].tolist() == list(range(8))
+    # an independent check: every trained position's label is a response token with its own log-prob
+    for row, s in enumerate([a, b]):
+        pos = mb["loss_mask"][row].nonzero().flatten().tolist()
+        trained = [i for i, m in enumerate(s.loss_mask) if m]
+        assert [int(mb["labels"][row, t]) for t in pos] == [s.response_tokens[i] for i in trained]
+
+
+def test_packed_batch():
+    a, b = _s([1, 2], [3]), _s([4], [5, 6])
+    mb = build_micro_batch([a, b], packed=True, pad_to_multiple=4)
+    assert mb["tokens"].tolist() == [[1, 2, 3, 4, 5, 6, 0, 0]]
+    assert mb["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 0, 1]]
+    assert mb["labels"].tolist() == [[2, 3, 0, 5, 6, 0, 0, 0]]  # never across a sample boundary
+    assert mb["loss_mask"].tolist() == [[0, 1, 0, 1, 1, 0, 0, 0]]
+    assert mb["cu_seqlens"].tolist() == [0, 3, 6]
+
+
+def test_grpo_advantages_against_numpy_reference():
+    import numpy as np
+
+    rewards = [[1.0, 0.0, 0.0, 1.0], [0.5, 0.5], [3.0]]
+    samples = [_s([1], [2], reward=r, group=g) for g, rs in enumerate(rewards) for r in rs]
+    adv = grpo_advantages(samples, eps=1e-6)
+    ref = []
+    for rs in rewards:
+        r = np.array(rs)
+        std = r.std(ddof=1) if len(r) > 1 else 0.0
+        ref += list((r - r.mean()) / (std + 1e-6))
+    assert adv == pytest.approx(ref)
+    assert grpo_advantages(samples, normalize_std=False)[:4] == pytest.approx([0.5, -0.5, -0.5, 0.5])
+    with pytest.raises(ValueError, match="reward"):
+        grpo_advantages([_s([1], [2])])
+
+
+@settings(max_examples=30, deadline=None)
+@given(cp=st.integers(1, 4), chunk=st.integers(1, 3), b=st.integers(1, 2), dim=st.sampled_from([0, 1, 2]))
+def test_zigzag_slices_partition_the_sequence(cp, chunk, b, dim):
+    n = 2 * cp * chunk
+    shape = [b, 3, 2]
+    shape[dim] = n
+    x = torch.arange(torch.Size(shape).numel()).reshape(shape)
+    parts = [zigzag_slice(x, r, cp, dim=dim) for r in range(cp)]
+    # reference: rank r owns chunks r and 2cp-1-r
+    chunks = x.split(chunk, dim=dim)
+    for r, p in enumerate(parts):
+        assert torch.equal(p, torch.cat([chunks[r], chunks[2 * cp - 1 - r]], dim=dim))
+    # together they cover every position exactly once
+    idx = torch.cat([zigzag_slice(torch.arange(n), r, cp, dim=0) for r in range(cp)])
+    assert sorted(idx.tolist()) == list(range(n))
+    if cp > 1:
+        with pytest.raises(ValueError):
+            zigzag_slice(torch.zeros(1, n + 1), 0, cp)
+
+
+def test_cp_iterator_keeps_positions():
+    samples = [_s([1, 2, 3], [4, 5, 6, 7]), _s([8], [9])]
+    full = next(micro_batch_iterator(samples, 2, [1.0, 2.0], cp_size=2, cp_rank=0))
+    other = next(micro_batch_iterator(samples, 2, [1.0, 2.0], cp_size=2, cp_rank=1))
+    assert full["tokens"].shape == (2, 4) and other["tokens"].shape == (2, 4)
+    assert full["position_ids"][0].tolist() == [0, 1, 6, 7] and other["position_ids"][0].tolist() == [2, 3, 4, 5]
+    assert full["loss_mask"].sum() + other["loss_mask"].sum() == 5
+
+
+@settings(max_examples=50, deadline=None)
+@given(lengths=st.lists(st.integers(1, 500), min_size=1, max_size=40), dp=st.integers(1, 5))
+def test_dp_balance_assigns_each_sample_once(lengths, dp):
+    n = len(lengths) - len(lengths) % dp
+    lengths = lengths[:n]
+    if not lengths:
+        return
+    parts = balance_across_dp(lengths, dp)
+    flat = sorted(i for p in parts for i in p)
+    assert flat == list(range(n))
+    assert len({len(p) for p in parts}) == 1
+    loads = [sum(lengths[i] for i in p) for p in parts]
+    # greedy longest-first bound: spread no larger than the longest item
+    assert max(loads) - min(loads) <= max(lengths)
+    free = balance_across_dp(lengths, dp, equal_count=False)
+    assert sorted(i for p in free for i in p) == list(range(n))
+
+
+def test_split_for_dp_balances_tokens():
+    samples = [_s([1] * n, [2]) for n in (50, 40, 30, 20, 10, 5, 5, 4)]
+    shares = [split_for_dp(samples, r, 2) for r in range(2)]
+    tokens = [sum(s.total_length for s in sh) for sh in shares]
+    assert abs(tokens[0] - tokens[1]) <= 10 and sum(len(s) for s in shares) == 8
+
+
+def _bcast_worker(rank: int, world: int, port: int, q) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        batch = None
+        if rank == 0:
+            batch = build_micro_batch([_s([1, 2], [3, 4]), _s([5], [6])], [1.0, -1.0])
+        out = broadcast_micro_batch(batch, src=0, group=dist.new_group([0, 1]))
+        q.put((rank, {k: v.tolist() for k, v in out.items()}, {k: str(v.dtype) for k, v in out.items()}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp_broadcast_with_gloo():
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_bcast_worker, args=(r, 2, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict((r, (v, d)) for r, v, d in (q.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    expect = build_micro_batch([_s([1, 2], [3, 4]), _s([5], [6])], [1.0, -1.0])
+    for r in (0, 1):
+        vals, dtypes = results[r]
+        assert vals == {k: v.tolist() for k, v in expect.items()}
+        assert dtypes == {k: str(v.dtype) for k, v in expect.items()}

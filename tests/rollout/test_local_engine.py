@@ -1,0 +1,201 @@
+"""Real HTTP on loopback against the embedded engine: sampling semantics, streaming, control endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+import torch
+
+from slime_corr.rollout.client import GenerationError, SGLangClient
+from slime_corr.rollout.engine_model import load_tiny_lm, teacher_forced_logprobs
+from slime_corr.rollout.local_engine import start_local_engine
+
+PROMPT = [72, 101, 108, 108, 111, 32]
+
+
+def _gen(url: str, prompt=PROMPT, stream: bool = False, **params):
+    async def go():
+        async with SGLangClient(url) as c:
+            return await c.generate(prompt, params, stream=stream)
+
+    return asyncio.run(go())
+
+
+def _raw(url: str, path: str, body: dict):
+    async def go():
+        async with aiohttp.ClientSession() as s, s.post(url + path, json=body) as r:
+            return r.status, await r.json()
+
+    return asyncio.run(go())
+
+
+def test_stream_and_nonstream_agree(engine, tiny_ckpt):
+    params = dict(max_new_tokens=24, sampling_seed=7, temperature=0.9, ignore_eos=True)
+    a = _gen(engine.url, **params)
+    b = _gen(engine.url, stream=True, **params)
+    with start_local_engine(tiny_ckpt, incremental_streaming_output=True) as inc:
+        c = _gen(inc.url, stream=True, **params)
+    assert a.finish_reason == {"type": "length", "length": 24}
+    assert len(a.output_ids) == 24
+    assert a.output_ids == b.output_ids == c.output_ids
+    assert a.log_probs == b.log_probs == c.log_probs
+
+
+def test_logprobs_match_teacher_forced_bf16(engine, tiny_ckpt):
+    """bf16 engine vs an fp32 teacher-forced recomputation: close, but not identical (a real mismatch)."""
+    ref_model = load_tiny_lm(tiny_ckpt)
+    res = _gen(engine.url, max_new_tokens=40, sampling_seed=3, temperature=0.8, ignore_eos=True)
+    ref = teacher_forced_logprobs(ref_model, PROMPT, res.output_ids, temperature=0.8)
+    got = torch.tensor(res.log_probs)
+    diff = (got - ref).abs()
+    assert diff.max() < 0.15, diff
+    assert diff.max() > 1e-6  # bf16 really differs from fp32
+
+
+def test_logprobs_exact_in_fp32_mode_and_not_renormalized(tiny_ckpt):
+    """fp32 engine: log-probs equal log_softmax(logits / T) of the sampled token, NOT renormalised by top-k/p."""
+    ref_model = load_tiny_lm(tiny_ckpt)
+    with start_local_engine(tiny_ckpt, dtype=torch.float32) as h:
+        res = _gen(h.url, max_new_tokens=30, sampling_seed=5, temperature=1.3, top_k=3, top_p=0.9,
+                   ignore_eos=True)
+        greedy = _gen(h.url, max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    ref = teacher_forced_logprobs(ref_model, PROMPT, res.output_ids, temperature=1.3)
+    torch.testing.assert_close(torch.tensor(res.log_probs), ref, atol=1e-4, rtol=0)
+    # renormalising over the top-k set would raise every log-prob noticeably
+    ids = torch.tensor([PROMPT + res.output_ids])
+    with torch.no_grad():
+        logits = ref_model(ids)[0, len(PROMPT) - 1 : -1] / 1.3
+    top = torch.topk(logits, 3).values
+    renorm = logits.gather(-1, torch.tensor(res.output_ids)[:, None])[:, 0] - torch.logsumexp(top, -1)
+    assert (renorm - ref).max() > 0.05
+    # every sampled token lies in the top-3 set
+    assert all(lg[t] >= top_row[-1] for lg, t, top_row in zip(logits, res.output_ids, torch.topk(logits, 3).values,
+                                                               strict=True))
+    # greedy: argmax tokens, log-prob of the raw logits
+    ref_g = teacher_forced_logprobs(ref_model, PROMPT, greedy.output_ids, temperature=0.0)
+    torch.testing.assert_close(torch.tensor(greedy.log_probs), ref_g, atol=1e-4, rtol=0)
+    with torch.no_grad():
+        seq = list(PROMPT)
+        for t in greedy.output_ids:
+            assert int(ref_model(torch.tensor([seq]))[0, -1].argmax()) == t
+            seq.append(t)
+
+
+def test_stop_token_kept_in_output(engine):
+    base = _gen(engine.url, max_new_tokens=12, sampling_seed=11, ignore_eos=True)
+    stop_tok = base.output_ids[5]
+    first = base.output_ids.index(stop_tok)
+    res = _gen(engine.url, max_new_tokens=12, sampling_seed=11, ignore_eos=True, stop_token_ids=[stop_tok])
+    assert res.finish_reason == {"type": "stop", "matched": stop_tok}
+    assert res.output_ids == base.output_ids[: first + 1]  # the matched token stays
+    assert len(res.log_probs) == len(res.output_ids)
+
+
+def test_bad_request_is_not_retried(engine):
+    with pytest.raises(ValueError, match="unknown keys"):
+        _gen(engine.url, max_new_tokens=2, bogus=1)
+    status, body = _raw(engine.url, "/generate", {"input_ids": PROMPT, "sampling_params": {"bogus": 1}})
+    assert status == 400 and "bogus" in body["error"]
+    with pytest.raises(GenerationError, match="HTTP 400") as ei:
+        _gen(engine.url, prompt=[9999], max_new_tokens=2)
+    assert ei.value.attempts == 1
+
+
+def test_batch_request(engine):
+    status, body = _raw(engine.url, "/generate", {
+        "input_ids": [PROMPT, PROMPT[:3]], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True},
+        "return_logprob": True})
+    assert status == 200 and isinstance(body, list) and len(body) == 2
+    assert all(len(b["meta_info"]["output_token_logprobs"]) == 3 for b in body)
+
+
+def test_info_health_and_flush(engine):
+    async def go():
+        async with SGLangClient(engine.url) as c:
+            assert await c.health() and await c.health(generate=True)
+            mi, si = await c.model_info(), await c.server_info()
+            await c.flush_cache()
+            return mi, si
+
+    mi, si = asyncio.run(go())
+    assert mi["is_generation"] is True and mi["weight_version"] == "default"
+    assert si["max_context_length"] == 256 and si["incremental_streaming_output"] is False
+
+
+def test_health_false_when_nothing_listens():
+    from .fault_server import closed_port_url
+
+    async def go():
+        async with SGLangClient(closed_port_url()) as c:
+            return await c.health()
+
+    assert asyncio.run(go()) is False
+
+
+def test_update_weights_from_disk_and_flush_while_busy(tiny_ckpt, tiny_ckpt_v1):
+    new_model = load_tiny_lm(tiny_ckpt_v1)
+
+    async def go(url, engine):
+        async with SGLangClient(url) as c:
+            engine.step_delay = 0.01
+            busy = asyncio.create_task(c.generate(PROMPT, {"max_new_tokens": 30, "ignore_eos": True}))
+            while not engine.active:
+                await asyncio.sleep(0.005)
+            status, _ = await c._post(url, "/flush_cache")
+            assert status == 400  # SGLang refuses to flush with requests in flight
+            await busy
+            engine.step_delay = 0.0
+            await c.update_weights_from_disk(tiny_ckpt_v1, weight_version="v1")
+            res = await c.generate(PROMPT, {"max_new_tokens": 20, "ignore_eos": True, "sampling_seed": 1})
+            info = await c.model_info()
+            with pytest.raises(RuntimeError, match="update_weights_from_disk"):
+                await c.update_weights_from_disk("/nonexistent/ckpt")
+            return res, info
+
+    with start_local_engine(tiny_ckpt, dtype=torch.float32) as h:
+        res, info = asyncio.run(go(h.url, h.engine))
+    assert res.weight_version == "v1" and info["weight_version"] == "v1"
+    ref = teacher_forced_logprobs(new_model, PROMPT, res.output_ids)
+    torch.testing.assert_close(torch.tensor(res.log_probs), ref, atol=1e-4, rtol=0)
+
+
+def test_requests_spread_over_several_servers(tiny_ckpt):
+    with start_local_engine(tiny_ckpt) as a, start_local_engine(tiny_ckpt) as b:
+        async def go():
+            async with SGLangClient([a.url, b.url], max_concurrency_per_server=2) as c:
+                return await asyncio.gather(*(c.generate(PROMPT, {"max_new_tokens": 4, "ignore_eos": True})
+                                              for _ in range(8)))
+
+        res = asyncio.run(go())
+    assert {r.server for r in res} == {a.url, b.url}
+    assert all(len(r.output_ids) == 4 for r in res)
+
+
+def test_client_disconnect_aborts_the_request(tiny_ckpt):
+    """Like SGLang, the engine aborts a request whose client went away (no orphaned generation)."""
+    with start_local_engine(tiny_ckpt, step_delay=0.01) as h:
+        async def go():
+            body = {"input_ids": PROMPT, "stream": True, "return_logprob": True,
+                    "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
+            async with aiohttp.ClientSession() as s:
+                async with s.post(h.url + "/generate", json=body) as r:
+                    await r.content.readuntil(b"\n\n")
+                    assert len(h.engine.active) == 1
+            for _ in range(300):
+                if not h.engine.active:
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError("request still running after the client disconnected")
+
+        asyncio.run(go())
+
+
+def test_distributed_weight_update_is_refused_clearly(engine):
+    async def go():
+        async with SGLangClient(engine.url) as c:
+            await c.init_weights_update_group("127.0.0.1", 29500, 1, 2)
+
+    with pytest.raises(RuntimeError, match="NCCL"):
+        asyncio.run(go())
