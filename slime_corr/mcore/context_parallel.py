@@ -1,0 +1,110 @@
+"""Context-parallel (CP) helpers Megatron needs around the correction core.
+
+Layout (Megatron's zig-zag, load-balanced for causal attention): with C CP ranks the sequence dim is split into
+2·C chunks and CP rank r holds chunks r and 2·C−1−r. The slicing itself lives in ONE place,
+`slime_corr.rollout.batching.zigzag_slice`; this module re-exports it and adds the parallel-state glue:
+process groups, the full sequence length used by `seq-mean-token-sum-norm`, and the inverse (gather) used only
+by tests and debugging. Sequence-level sums are NOT gathered: the core all-reduces per-sequence [B, k] scalars
+over the CP group once per micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from slime_corr.rollout.batching import BATCH_KEYS, slice_micro_batch_for_cp, zigzag_slice
+
+ProcessGroup = dist.ProcessGroup | None
+
+
+def zigzag_indices(seq_len: int, cp_rank: int, cp_size: int) -> Tensor:
+    """Global positions held by `cp_rank` (in local order): chunks r and 2·C−1−r of 2·C."""
+    return zigzag_slice(torch.arange(seq_len).unsqueeze(0), cp_rank, cp_size, dim=1)[0]
+
+
+def zigzag_unslice(parts: list[Tensor], dim: int = 1) -> Tensor:
+    """Inverse of `zigzag_slice`: rebuild the full tensor from every CP rank's local slice (rank order)."""
+    cp_size = len(parts)
+    if cp_size == 1:
+        return parts[0]
+    chunks: list[Tensor | None] = [None] * (2 * cp_size)
+    for r, part in enumerate(parts):
+        first, second = part.chunk(2, dim=dim)
+        chunks[r], chunks[2 * cp_size - 1 - r] = first, second
+    return torch.cat([c for c in chunks if c is not None], dim=dim)
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """The process groups the loss needs. `None` = no communication (single process or size 1)."""
+
+    tp: ProcessGroup = None
+    cp: ProcessGroup = None
+    dp: ProcessGroup = None  # data parallel WITHOUT context parallel
+    dp_cp: ProcessGroup = None  # data x context parallel (Megatron's gradient / token-count group)
+    cp_size: int = 1
+    cp_rank: int = 0
+
+    @classmethod
+    def from_parallel_state(cls) -> ParallelGroups:
+        """Groups from `megatron.core.parallel_state` (must be initialised)."""
+        from megatron.core import parallel_state as ps
+
+        return cls(
+            tp=ps.get_tensor_model_parallel_group(),
+            cp=ps.get_context_parallel_group(),
+            dp=ps.get_data_parallel_group(with_context_parallel=False),
+            dp_cp=ps.get_data_parallel_group(with_context_parallel=True),
+            cp_size=ps.get_context_parallel_world_size(),
+            cp_rank=ps.get_context_parallel_rank(),
+        )
+
+    @classmethod
+    def current(cls) -> ParallelGroups:
+        """From parallel_state when it is initialised, else the single-process default."""
+        from megatron.core import parallel_state as ps
+
+        if dist.is_available() and dist.is_initialized() and ps.model_parallel_is_initialized():
+            return cls.from_parallel_state()
+        return cls()
+
+
+def all_reduce_dp_cp(x: Tensor, groups: ParallelGroups) -> Tensor:
+    """In-place SUM of `x` over DP×CP (one collective when `groups.dp_cp` is set); returns `x`."""
+    targets = [groups.dp_cp] if groups.dp_cp is not None else [groups.cp, groups.dp]
+    for g in targets:
+        if g is not None and dist.is_initialized() and dist.get_world_size(group=g) > 1:
+            dist.all_reduce(x, group=g)
+    return x
+
+
+def seq_length_for_norm(local_seq_len: int, cp_size: int) -> int:
+    """Full (un-sliced) padded sequence length T used by `seq-mean-token-sum-norm`: S_local · C."""
+    return local_seq_len * cp_size
+
+
+def slice_batch_for_cp(batch: dict[str, Tensor], groups: ParallelGroups) -> dict[str, Tensor]:
+    """This CP rank's zig-zag slice of every [B, S] micro-batch entry (tokens, labels, masks, log-probs, ...).
+
+    Also slices `old_log_probs` (added by the decoupled recompute pass); other keys pass through.
+    """
+    out = slice_micro_batch_for_cp(batch, groups.cp_rank, groups.cp_size)
+    if "old_log_probs" in batch:
+        out["old_log_probs"] = zigzag_slice(batch["old_log_probs"], groups.cp_rank, groups.cp_size, dim=1)
+    return out
+
+
+__all__ = [
+    "all_reduce_dp_cp",
+    "BATCH_KEYS",
+    "ParallelGroups",
+    "seq_length_for_norm",
+    "slice_batch_for_cp",
+    "zigzag_indices",
+    "zigzag_slice",
+    "zigzag_unslice",
+]

@@ -1,0 +1,178 @@
+"""Run Megatron-Core on a CPU-only torch (tests, CI, laptops). Every CPU adaptation lives here.
+
+Call `apply_cpu_compat()` once, after importing megatron and before building models or running a schedule.
+It does nothing when CUDA is available, so the same code and tests run unchanged on a GPU machine.
+
+What it changes (each item was measured to break on CPU torch with megatron-core 0.16; see
+shared/design/MEGATRON_ON_CPU.md):
+- `torch.cuda.current_device()` returns "cpu" (many Megatron buffers use it as their device);
+- `get_default_causal_mask` builds the mask on CPU (it hard-codes device="cuda");
+- the CUDA RNG tracker / `model_parallel_cuda_manual_seed` keep named CPU generator states instead;
+- `pipeline_parallel.schedules` tensor factories turn device="cuda" into CPU (its token counter);
+- `torch.cuda.current_stream()` returns a no-op stream (newer DDP versions call it in grad sync).
+Megatron's optimizer (hard-coded CUDA) is not adapted: use a plain `torch.optim` optimizer on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+_APPLIED = False
+
+
+def cpu_compat_needed() -> bool:
+    """True when torch has no usable CUDA device (the adaptations are then required)."""
+    return not torch.cuda.is_available()
+
+
+def is_cpu_compat_applied() -> bool:
+    return _APPLIED
+
+
+def _cpu_device(device: Any) -> Any:
+    """Map any CUDA device spec to CPU; leave others alone."""
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return "cpu"
+    if "cuda" in str(device):
+        return "cpu"
+    return device
+
+
+class _CPUTorchProxy(types.ModuleType):
+    """Stands in for `torch` inside one Megatron module: tensor factories given device="cuda" build on CPU."""
+
+    _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like", "empty_like")
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(torch, name)
+        if name in self._FACTORIES:
+
+            @functools.wraps(attr)
+            def factory(*args: Any, **kwargs: Any) -> Any:
+                if "device" in kwargs:
+                    kwargs["device"] = _cpu_device(kwargs["device"])
+                return attr(*args, **kwargs)
+
+            return factory
+        return attr
+
+
+class CPURNGStatesTracker:
+    """CPU replacement of Megatron's `CudaRNGStatesTracker`: named CPU generator states, same interface."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._is_initialized = False
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        orig = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(orig)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        orig = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+
+def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
+    """CPU version of `transformer.utils.get_default_causal_mask` (True = masked out)."""
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _install_rng_tracker() -> None:
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = CPURNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER = tracker
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+    def cpu_model_parallel_seed(seed: int, *args: Any, tp_rank: int | None = None, **kwargs: Any) -> None:
+        """CPU `model_parallel_cuda_manual_seed`: the same named states and TP seed offset as Megatron's."""
+        from megatron.core import parallel_state
+
+        if tp_rank is None:
+            tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        torch.manual_seed(seed)
+        tracker.reset()
+        tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+        tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+        tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + 100 + tp_rank)  # ep_rank 0
+
+    mrandom.model_parallel_cuda_manual_seed = cpu_model_parallel_seed
+    tensor_parallel.model_parallel_cuda_manual_seed = cpu_model_parallel_seed
+
+
+class _NoOpStream:
+    def wait_stream(self, *args: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def apply_cpu_compat() -> bool:
+    """Apply the CPU adaptations once (idempotent). Returns True if they are active, False on CUDA machines."""
+    global _APPLIED
+    if not cpu_compat_needed():
+        return False
+    if _APPLIED:
+        return True
+
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.current_stream = lambda *a, **k: _NoOpStream()  # type: ignore[assignment]
+    torch.cuda.default_stream = lambda *a, **k: _NoOpStream()  # type: ignore[assignment]
+
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.transformer import utils as transformer_utils
+
+    transformer_utils.get_default_causal_mask = _cpu_default_causal_mask
+    fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
+    schedules.torch = _CPUTorchProxy()
+    _install_rng_tracker()
+    _APPLIED = True
+    return True
+
+
+__all__ = ["apply_cpu_compat", "cpu_compat_needed", "is_cpu_compat_applied", "CPURNGStatesTracker"]

@@ -1,0 +1,106 @@
+"""Shared pieces of the Megatron-glue tests: gloo process spawning, the test batch, layouts, references.
+
+Multi-process tests spawn ONE set of processes and loop over (TP, CP, DP) layouts inside it
+(`destroy_model_parallel()` between layouts): each launch costs ~10 s of imports.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# (TP, CP, DP) layouts of 4 processes
+LAYOUTS_4 = ((1, 1, 4), (2, 1, 2), (1, 2, 2), (1, 4, 1), (2, 2, 1), (4, 1, 1))
+N_MB = 2  # micro-batches per step
+B_GLOBAL = 4  # rows of one global micro-batch (split over DP)
+S = 16  # divisible by 2 * CP for CP <= 4
+V = 32  # divisible by TP
+TEMPERATURE = 0.7
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from slime_corr.mcore.cpu_compat import apply_cpu_compat
+
+        apply_cpu_compat()
+        fn(rank, world, *args)
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], world: int, *args: Any) -> None:
+    """Run `fn(rank, world, *args)` in `world` gloo processes on a free loopback port; raise on any failure."""
+    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+
+
+def init_layout(tp: int, cp: int) -> None:
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+
+
+def step_data(seed: int = 0, dtype: torch.dtype = torch.float64) -> list[dict[str, torch.Tensor]]:
+    """N_MB global micro-batches [B_GLOBAL, S]: uneven masks (a sequence ending inside the first chunk, one
+    fully masked, one with holes), so CP ranks hold different token counts; rollout/old log-probs near a
+    random policy so RS/IS/veto all trigger."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    lengths = [(15, 3, 0, 11), (16, 7, 1, 9)]
+    starts = [(2, 1, 0, 4), (0, 2, 0, 5)]
+    for k in range(N_MB):
+        tokens = torch.randint(0, V, (B_GLOBAL, S), generator=g)
+        labels = torch.roll(tokens, -1, dims=1)
+        pos = torch.arange(S)
+        mask = ((pos[None] >= torch.tensor(starts[k])[:, None]) & (pos[None] < torch.tensor(lengths[k])[:, None]))
+        mask[3, ::4] = False
+        base = -torch.rand(B_GLOBAL, S, generator=g, dtype=dtype) * 3
+        out.append(
+            dict(
+                tokens=tokens,
+                labels=labels,
+                position_ids=pos.expand(B_GLOBAL, S).clone(),
+                loss_mask=mask.to(torch.float32),
+                rollout_log_probs=(base + 0.4 * torch.randn(B_GLOBAL, S, generator=g, dtype=dtype)) * mask,
+                advantages=torch.randn(B_GLOBAL, 1, generator=g, dtype=dtype).expand(B_GLOBAL, S) * mask,
+                old_log_probs=(base + 0.1 * torch.randn(B_GLOBAL, S, generator=g, dtype=dtype)) * mask,
+            )
+        )
+    return out
+
+
+def full_logits(seed: int = 1, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """[N_MB, B_GLOBAL, S, V] logits standing in for a model's output."""
+    g = torch.Generator().manual_seed(seed)
+    return 2.0 * torch.randn(N_MB, B_GLOBAL, S, V, generator=g, dtype=dtype)
+
+
+def local_rows(t: torch.Tensor, dp_rank: int, dp: int) -> torch.Tensor:
+    n = t.size(0) // dp
+    return t[dp_rank * n : (dp_rank + 1) * n]
+
+
+def assert_metrics_close(got: dict[str, float], want: dict[str, float], tag: str, rtol: float = 1e-6) -> None:
+    assert set(got) == set(want), f"{tag}: keys differ {set(got) ^ set(want)}"
+    for k, v in want.items():
+        assert abs(got[k] - v) <= rtol * max(1.0, abs(v)), f"{tag} {k}: {got[k]} != {v}"
