@@ -1,33 +1,222 @@
-"""The main job: `python -m slime_corr.main [flags]` (or under `torchrun`).
+"""The main job: a small end-to-end RL run with rollout correction, on CPU by default.
 
-It parses a launch command line (the rollout-correction flags plus the run's own), builds and validates the
-configuration, and prints it. `--self-check` stops there.
+    python -m slime_corr.main --rollout-correction-preset decoupled_seq_is_rs --num-steps 3
+
+Each step: prompts -> rollout (an SGLang server given by `--sglang-url`, else the embedded local engine serving
+the same Megatron GPTModel in bf16 on 127.0.0.1) -> rewards and GRPO advantages -> Megatron micro-batches ->
+`get_forward_backward_func` with the rollout-correction loss (fp32 training forward) -> optimizer step ->
+checkpoint -> `/update_weights_from_disk` on the rollout engine. The mismatch metrics are real: the engine's bf16
+log-probs differ from the trainer's fp32 ones. `--self-check` only builds and prints the configuration.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
+import random
 import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from slime_corr.arguments import add_rollout_correction_args, parse_rollout_correction_config
+from slime_corr.config import RolloutCorrectionConfig
+
+# Metrics printed each step (all of them are returned; these are the ones worth a glance).
+SHOWN_METRICS = (
+    "loss", "mismatch_kl", "mismatch_k3_kl", "mismatch_ppl_ratio", "train_rollout_logprob_abs_diff",
+    "mis_mean_is_weight_before_clip", "mis_ratio_mean_after_mis", "mis_rejected_seq_fraction", "mis_ess",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="slime_corr.main", description=__doc__, allow_abbrev=False)
+    from slime_corr.mcore.model import add_tiny_model_args
+
+    parser = argparse.ArgumentParser(prog="slime_corr.main", description=__doc__, allow_abbrev=False,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     run = parser.add_argument_group(title="run")
     run.add_argument("--self-check", action="store_true", help="Parse flags, build the config, print it, exit.")
+    run.add_argument("--num-steps", type=int, default=3, help="Training steps (rollout + update each).")
+    run.add_argument("--prompts-per-step", type=int, default=4, help="Prompts sampled per step.")
+    run.add_argument("--n-samples-per-prompt", type=int, default=4, help="GRPO group size.")
+    run.add_argument("--micro-batch-size", type=int, default=8, help="Samples per Megatron micro-batch.")
+    run.add_argument("--max-new-tokens", type=int, default=24, help="Response length cap.")
+    run.add_argument("--rollout-temperature", type=float, default=1.0,
+                     help="Sampling temperature; the trainer's log-probs use the same.")
+    run.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate.")
+    run.add_argument("--sglang-url", action="append", default=None,
+                     help="SGLang server or router URL (repeatable). Default: the embedded local engine.")
+    run.add_argument("--engine-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                     help="Numeric path of the embedded engine (bfloat16 gives a real mismatch).")
+    run.add_argument("--work-dir", default=None, help="Where checkpoints go (default: a temporary folder).")
+    add_tiny_model_args(parser)
+    parser.set_defaults(vocab_size=256)  # byte-level tokens, as the embedded engine uses
     return add_rollout_correction_args(parser)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, config = parse_rollout_correction_config(parser, argv)
+    if args.vocab_size < 128:
+        parser.error("--vocab-size must be >= 128: prompts and rewards use ASCII byte tokens.")
     print("rollout correction config:")
     print(config.describe())
     if args.self_check:
         return 0
+    if args.work_dir:
+        run(args, config, Path(args.work_dir))
+    else:
+        with tempfile.TemporaryDirectory(prefix="slime_corr_run_") as d:
+            run(args, config, Path(d))
     return 0
+
+
+# ---------------------------------------------------------------------------------------------- the toy task
+def make_prompts(step: int, n: int) -> list[list[int]]:
+    rng = random.Random(step)
+    words = ["hello", "count", "write", "spell", "lower", "story"]
+    return [list(f"{rng.choice(words)} {rng.randint(0, 99)}: ".encode()) for _ in range(n)]
+
+
+def reward_lowercase(sample: Any) -> float:
+    """Fraction of response tokens that are lowercase ASCII letters (the policy learns to write words)."""
+    return sum(97 <= t <= 122 for t in sample.response_tokens) / max(1, len(sample.response_tokens))
+
+
+# ---------------------------------------------------------------------------------------------- the run
+def _init_distributed() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    dist.init_process_group("gloo")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def save_checkpoint(module: Any, directory: Path) -> str:
+    import torch
+
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.save(module.state_dict(), directory / "model.pt")
+    return str(directory)
+
+
+class MegatronEngineModule:
+    """The trainer's GPTModel architecture, loaded from a checkpoint, as the embedded engine's model."""
+
+    def __init__(self, model_args: Any, checkpoint_dir: str) -> None:
+        import torch
+
+        from slime_corr.mcore.model import build_tiny_gpt
+
+        self.module = build_tiny_gpt(model_args, ddp=False)
+        self.module.load_state_dict(torch.load(Path(checkpoint_dir) / "model.pt", weights_only=True))
+        self.cfg = argparse.Namespace(vocab_size=model_args.vocab_size, eos_token_id=None,
+                                      max_seq_len=model_args.max_position_embeddings)
+
+    def to(self, dtype: Any) -> MegatronEngineModule:
+        self.module = self.module.to(dtype)
+        return self
+
+    def eval(self) -> MegatronEngineModule:
+        self.module.eval()
+        return self
+
+    def __call__(self, input_ids: Any) -> Any:
+        import torch
+
+        position_ids = torch.arange(input_ids.shape[1]).unsqueeze(0).expand_as(input_ids)
+        return self.module(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
+
+
+def run(args: argparse.Namespace, config: RolloutCorrectionConfig, work_dir: Path) -> None:
+    import contextlib
+
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from slime_corr.mcore.cpu_compat import apply_cpu_compat
+    from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
+    from slime_corr.mcore.model import build_tiny_gpt
+    from slime_corr.rollout.engine_model import TorchEngineModel
+    from slime_corr.rollout.local_engine import start_local_engine
+
+    _init_distributed()
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=1)
+    apply_cpu_compat()
+    model = build_tiny_gpt(args, ddp=True)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    hook = RolloutCorrectionLoss(config, temperature=args.rollout_temperature)
+    ckpt = save_checkpoint(model.module, work_dir / "step-0")
+
+    with contextlib.ExitStack() as stack:
+        if args.sglang_url:
+            urls = args.sglang_url
+        else:
+            dtype = getattr(torch, args.engine_dtype)
+            engine_model = TorchEngineModel(ckpt, factory=lambda d: MegatronEngineModule(args, d), dtype=dtype)
+            urls = [stack.enter_context(start_local_engine(ckpt, model=engine_model, weight_version="step-0")).url]
+            print(f"embedded engine at {urls[0]} ({args.engine_dtype}); trainer in float32")
+        for step in range(1, args.num_steps + 1):
+            samples = asyncio.run(_rollout(urls, args, step))
+            metrics = _train_step(model, optimizer, hook, samples, args)
+            reward = sum(s.reward for s in samples) / len(samples)
+            shown = " ".join(f"{k}={metrics[k]:.4g}" for k in SHOWN_METRICS if k in metrics)
+            print(f"step {step}: samples={len(samples)} reward={reward:.3f} {shown}", flush=True)
+            ckpt = save_checkpoint(model.module, work_dir / f"step-{step}")
+            asyncio.run(_sync_weights(urls, ckpt, f"step-{step}"))
+    ps.destroy_model_parallel()
+
+
+async def _rollout(urls: list[str], args: argparse.Namespace, step: int) -> list[Any]:
+    from slime_corr.rollout.client import SGLangClient
+    from slime_corr.rollout.rollout import generate_group_samples
+    from slime_corr.rollout.sample import SampleStatus
+
+    params = {"max_new_tokens": args.max_new_tokens, "temperature": args.rollout_temperature}
+    async with SGLangClient(urls) as client:
+        samples = await generate_group_samples(
+            client, make_prompts(step, args.prompts_per_step), args.n_samples_per_prompt, params,
+            stream=True, reward_fn=reward_lowercase, group_id_offset=step * args.prompts_per_step,
+        )
+    failed = [s for s in samples if s.status == SampleStatus.FAILED]
+    if failed:
+        raise RuntimeError(f"{len(failed)} rollout sample(s) failed, first: {failed[0].failure_reason}")
+    return samples
+
+
+def _train_step(model: Any, optimizer: Any, hook: Any, samples: list[Any], args: argparse.Namespace) -> dict:
+    from slime_corr.rollout.batching import grpo_advantages, micro_batch_iterator
+
+    advantages = grpo_advantages(samples)
+    micro_batches = list(micro_batch_iterator(samples, args.micro_batch_size, advantages))
+    model.zero_grad_buffer()
+    optimizer.zero_grad(set_to_none=True)
+    metrics = hook.train_step(model, micro_batches)
+    for p in model.parameters():  # Megatron DDP accumulates into main_grad; torch.optim reads .grad
+        p.grad = p.main_grad.to(p.dtype)
+    optimizer.step()
+    return metrics
+
+
+async def _sync_weights(urls: list[str], checkpoint_dir: str, version: str) -> None:
+    from slime_corr.rollout.client import SGLangClient
+
+    async with SGLangClient(urls) as client:
+        await client.sync_weights_from_disk(checkpoint_dir, weight_version=version)
 
 
 if __name__ == "__main__":
