@@ -57,6 +57,26 @@ def _get_forward_backward_func() -> Callable[..., Any]:
     return get_forward_backward_func()
 
 
+def _run_schedule(
+    fb: Callable[..., Any],
+    forward_step: Callable[..., Any],
+    model: torch.nn.Module,
+    micro_batches: Sequence[dict[str, Tensor]],
+    **kwargs: Any,
+) -> Any:
+    """Run Megatron's schedule `fb` over `micro_batches` (shapes taken from the first one)."""
+    b, s = micro_batches[0]["labels"].shape
+    return fb(
+        forward_step_func=forward_step,
+        data_iterator=iter(micro_batches),
+        model=model,
+        num_microbatches=len(micro_batches),
+        seq_length=s,
+        micro_batch_size=b,
+        **kwargs,
+    )
+
+
 def check_model_config(model: torch.nn.Module) -> None:
     """Fail early if the model config would normalize the loss per rank (wrong gradients under CP)."""
     from megatron.core.utils import get_model_config
@@ -261,18 +281,9 @@ class RolloutCorrectionLoss:
 
             return logits, collect
 
-        b, s = micro_batches[0]["labels"].shape
         with torch.no_grad():
-            outputs = fb(
-                forward_step_func=forward_step,
-                data_iterator=iter(micro_batches),
-                model=model,
-                num_microbatches=len(micro_batches),
-                seq_length=s,
-                micro_batch_size=b,
-                forward_only=True,
-                collect_non_loss_data=True,
-            )
+            outputs = _run_schedule(fb, forward_step, model, micro_batches, forward_only=True,
+                                    collect_non_loss_data=True)
         for batch, lp in zip(micro_batches, outputs, strict=True):
             batch["old_log_probs"] = lp
         return list(outputs)
@@ -294,16 +305,7 @@ class RolloutCorrectionLoss:
         fb = forward_backward_func or _get_forward_backward_func()
         if self.needs_old_log_probs and recompute_old_log_probs:
             self.compute_old_log_probs(model, micro_batches, forward_backward_func=fb)
-        b, s = micro_batches[0]["labels"].shape
-        losses = fb(
-            forward_step_func=self.forward_step,
-            data_iterator=iter(micro_batches),
-            model=model,
-            num_microbatches=len(micro_batches),
-            seq_length=s,
-            micro_batch_size=b,
-            forward_only=False,
-        )
+        losses = _run_schedule(fb, self.forward_step, model, micro_batches, forward_only=False)
         return self.reduce_step_metrics(losses)
 
 
