@@ -88,10 +88,15 @@ class RolloutCorrectionConfig:
 
     def __post_init__(self) -> None:
         self._validate()
-        if self.use_tis or self.use_rs or self.rs_veto_threshold is not None:
+        if self.requests_correction:
             object.__setattr__(self, "use_rollout_correction", True)
 
     # ------------------------------------------------------------------ derived values
+    @property
+    def requests_correction(self) -> bool:
+        """Whether any correction is asked for (IS, RS or veto); `use_rollout_correction` follows it."""
+        return self.use_tis or self.use_rs or self.rs_veto_threshold is not None
+
     @property
     def tis_bounds(self) -> tuple[float, float]:
         """(L, U) used by the IS weight; slime's --tis-clip/--tis-clip-low win when given."""
@@ -188,12 +193,16 @@ class RolloutCorrectionConfig:
         if self.rs_keep_loss_denominator and not (self.use_rs or self.rs_veto_threshold is not None):
             fail("--rs-keep-loss-denominator needs --use-rs or --rs-veto-threshold.")
 
-        if self.use_rollout_correction and not (
-            self.use_tis or self.use_rs or self.rs_veto_threshold is not None
-        ):
+        if self.use_rollout_correction and not self.requests_correction:
             fail(
                 "--use-rollout-correction enables nothing by itself: add --use-tis and/or --use-rs "
                 "(or --rs-veto-threshold), or use --get-mismatch-metrics to only measure."
+            )
+
+        if self.custom_tis_function_path and not self.requests_correction:
+            fail(
+                "--custom-tis-function-path is only called when correction is on; add --use-tis (and/or "
+                "--use-rs or --rs-veto-threshold), or drop the path."
             )
 
         if self.loss_type == "reinforce" and not self.use_rollout_logprobs:
@@ -231,39 +240,18 @@ class RolloutCorrectionConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], *, source: str = "config") -> RolloutCorrectionConfig:
         """Build from a mapping; unknown keys are an error that lists the valid ones."""
-        unknown = sorted(set(values) - set(cls.field_names()))
-        if unknown:
-            raise ConfigError(
-                f"{source}: unknown key(s) {', '.join(unknown)}; valid keys are the flag names with '_': "
-                f"{', '.join(cls.field_names())}."
-            )
+        _check_keys(values, source)
         return cls(**dict(values))
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> RolloutCorrectionConfig:
         """A named preset of the references (`decoupled_token_is`, ..., `disabled`), optionally overridden."""
-        if name not in PRESETS:
-            raise ConfigError(
-                f"--rollout-correction-preset {name!r} is unknown; choose one of {', '.join(PRESETS)}."
-            )
-        return cls.from_dict({**PRESETS[name], "rollout_correction_preset": name, **overrides})
+        return cls._layered(preset=name, yaml_path=None, overrides=overrides, source="preset")
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> RolloutCorrectionConfig:
         """Load a YAML mapping of field names (a `preset:` / `rollout_correction_preset:` key applies first)."""
-        values = _read_yaml(path)
-        preset_name = values.pop("preset", None) or values.get("rollout_correction_preset")
-        base = PRESETS.get(preset_name, {}) if preset_name else {}
-        if preset_name and preset_name not in PRESETS:
-            raise ConfigError(
-                f"--custom-config-path {path}: preset {preset_name!r} is unknown; choose one of "
-                f"{', '.join(PRESETS)}."
-            )
-        merged = {**base, **values, **overrides}
-        if preset_name:
-            merged["rollout_correction_preset"] = preset_name
-        merged.setdefault("custom_config_path", str(path))
-        return cls.from_dict(merged, source=f"--custom-config-path {path}")
+        return cls._layered(preset=None, yaml_path=path, overrides=overrides, source=f"--custom-config-path {path}")
 
     @classmethod
     def from_args(
@@ -275,41 +263,43 @@ class RolloutCorrectionConfig:
         > default. `explicit` is the set of field names given on the command line; by default it is taken from
         the namespace (the parser records it), else every non-default value counts as explicit.
         """
-        names = cls.field_names()
-        given = {n: getattr(args, n) for n in names if hasattr(args, n)}
+        given = {n: getattr(args, n) for n in cls.field_names() if hasattr(args, n)}
         if explicit is None:
             explicit = getattr(args, "_rollout_correction_explicit", None)
         if explicit is None:
             defaults = {f.name: f.default for f in fields(cls)}
             explicit = {n for n, v in given.items() if v != defaults.get(n)}
+        return cls._layered(
+            preset=given.get("rollout_correction_preset"),
+            yaml_path=given.get("custom_config_path"),
+            overrides={n: given[n] for n in explicit if n in given},
+            source="command line",
+        )
 
-        merged: dict[str, Any] = {}
-        preset_name = given.get("rollout_correction_preset")
-        yaml_path = given.get("custom_config_path")
+    @classmethod
+    def _layered(
+        cls, *, preset: str | None, yaml_path: str | Path | None, overrides: Mapping[str, Any], source: str
+    ) -> RolloutCorrectionConfig:
+        """The one merge of all sources: built-in default < preset < YAML file < `overrides`.
+
+        The preset is `preset`, else the YAML file's `preset:` / `rollout_correction_preset:` key.
+        """
         yaml_values: dict[str, Any] = {}
+        preset_source = "--rollout-correction-preset"
         if yaml_path:
             yaml_values = _read_yaml(yaml_path)
             yaml_preset = yaml_values.pop("preset", None) or yaml_values.get("rollout_correction_preset")
-            if not preset_name and yaml_preset:
-                preset_name = yaml_preset
-            unknown = sorted(set(yaml_values) - set(names))
-            if unknown:
-                raise ConfigError(
-                    f"--custom-config-path {yaml_path}: unknown key(s) {', '.join(unknown)}; valid keys are "
-                    f"the flag names with '_': {', '.join(names)}."
-                )
-        if preset_name:
-            if preset_name not in PRESETS:
-                raise ConfigError(
-                    f"--rollout-correction-preset {preset_name!r} is unknown; choose one of {', '.join(PRESETS)}."
-                )
-            merged.update(PRESETS[preset_name])
-            merged["rollout_correction_preset"] = preset_name
-        merged.update(yaml_values)
-        merged.update({n: given[n] for n in explicit if n in given})
+            if not preset and yaml_preset:
+                preset, preset_source = yaml_preset, f"--custom-config-path {yaml_path}: preset"
+            _check_keys(yaml_values, f"--custom-config-path {yaml_path}")
+        if preset and preset not in PRESETS:
+            raise ConfigError(f"{preset_source} {preset!r} is unknown; choose one of {', '.join(PRESETS)}.")
+        merged = {**PRESETS.get(preset or "", {}), **yaml_values, **overrides}
+        if preset:
+            merged["rollout_correction_preset"] = preset
         if yaml_path:
-            merged["custom_config_path"] = yaml_path
-        return cls.from_dict(merged, source="command line")
+            merged.setdefault("custom_config_path", str(yaml_path))
+        return cls.from_dict(merged, source=source)
 
     def replace(self, **changes: Any) -> RolloutCorrectionConfig:
         return dataclasses.replace(self, **changes)
@@ -325,6 +315,15 @@ class RolloutCorrectionConfig:
             if value != f.default or f.name in ("loss_type", "loss_agg_mode"):
                 lines.append(f"  {f.name} = {value!r}")
         return "\n".join(lines)
+
+
+def _check_keys(values: Mapping[str, Any], source: str) -> None:
+    unknown = sorted(set(values) - set(RolloutCorrectionConfig.field_names()))
+    if unknown:
+        raise ConfigError(
+            f"{source}: unknown key(s) {', '.join(unknown)}; valid keys are the flag names with '_': "
+            f"{', '.join(RolloutCorrectionConfig.field_names())}."
+        )
 
 
 def _read_yaml(path: str | Path) -> dict[str, Any]:

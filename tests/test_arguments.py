@@ -93,6 +93,22 @@ def test_yaml_naming_a_preset(tmp_path):
     assert c.loss_type == "reinforce" and c.rs_veto_threshold == 1e-6
 
 
+def test_yaml_naming_an_unknown_preset_fails_with_the_file(tmp_path, capsys):
+    f = tmp_path / "c.yaml"
+    f.write_text("preset: nope\n")
+    with pytest.raises(SystemExit):
+        parse(["--custom-config-path", str(f)])
+    assert f"--custom-config-path {f}: preset 'nope' is unknown; choose one of" in capsys.readouterr().err
+
+
+def test_preset_flag_beats_the_yaml_preset_key(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("preset: pg_rs\neps_clip: 0.3\n")
+    _, c = parse(["--rollout-correction-preset", "decoupled_token_is", "--custom-config-path", str(f)])
+    assert c.rollout_correction_preset == "decoupled_token_is" and c.use_tis and not c.use_rs
+    assert c.eps_clip == 0.3
+
+
 def test_from_args_on_a_plain_namespace_treats_non_defaults_as_explicit():
     ns = argparse.Namespace(use_tis=True, tis_level="sequence", tis_upper_bound=None)
     c = RolloutCorrectionConfig.from_args(ns)
@@ -107,7 +123,10 @@ def test_from_args_on_a_plain_namespace_treats_non_defaults_as_explicit():
         (["--use-rs"], "--use-rs needs --rs-upper-bound"),
         (["--rs-veto-threshold", "5"], "--rs-veto-threshold=5.0 must be in (0, 1)"),
         (["--custom-config-path", "/nonexistent/x.yaml"], "no such file"),
-        (["--custom-tis-function-path", "no_such_module_xyz.fn"], "cannot import module 'no_such_module_xyz'"),
+        (["--use-tis", "--custom-tis-function-path", "no_such_module_xyz.fn"],
+         "cannot import module 'no_such_module_xyz'"),
+        (["--custom-tis-function-path", "examples/custom_tis.py:length_aware_geometric_is"],
+         "--custom-tis-function-path is only called when correction is on; add --use-tis"),
     ],
 )
 def test_bad_flags_exit_at_parse_time_with_the_message(argv, message, capsys):

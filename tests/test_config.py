@@ -149,6 +149,8 @@ def test_empty_yaml_file_gives_defaults(tmp_path):
         (dict(use_rollout_logprobs=True, loss_type="reinforce", eps_clip_c=3.0), "--eps-clip-c (dual clip) applies to the PPO loss only"),
         (dict(rs_keep_loss_denominator=True), "--rs-keep-loss-denominator needs --use-rs or --rs-veto-threshold"),
         (dict(rollout_correction_preset="nope"), "--rollout-correction-preset 'nope' is unknown"),
+        (dict(custom_tis_function_path="examples/custom_tis.py:length_aware_geometric_is"),
+         "--custom-tis-function-path is only called when correction is on"),
     ],
 )
 def test_validation_errors_name_the_flag_and_the_fix(kwargs, message):
