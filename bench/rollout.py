@@ -5,9 +5,9 @@
 Starts the local engine (a tiny 1-layer model, bf16) in a subprocess on 127.0.0.1 and measures, in one run:
   * baseline: plain aiohttp, one non-streamed request at a time (no client layer);
   * SGLangClient streaming at 1, 16, 64 and 256 concurrent streams: end-to-end tokens/s and the client's own
-    CPU time per streamed token (time spent parsing/validating events, measured around the accumulator);
+    CPU time per streamed token (thread CPU time spent parsing/validating events, around the accumulator);
   * replay: client parsing cost per token of a recorded stream (cumulative and incremental), no network;
-  * peak RSS of this (client) process.
+  * peak RSS of this (client) process and of the engine process.
 Prints medians over ``--repeats`` runs and ratios to the baseline.
 """
 
@@ -50,16 +50,19 @@ def start_engine(ckpt: str, incremental: bool = False) -> tuple[subprocess.Popen
 
 
 class _Timed(protocol.StreamAccumulator):
-    """The client's stream accumulator with a CPU-time counter (the client's per-token work)."""
+    """The client's stream accumulator with a CPU-time counter (the client's per-token work).
+
+    Thread CPU time, not wall time: the engine shares the machine's cores, and its work must not be counted.
+    """
 
     spent = 0.0
 
     def feed_line(self, data: str) -> None:
-        t = time.perf_counter()
+        t = time.thread_time()
         try:
             super().feed_line(data)
         finally:
-            _Timed.spent += time.perf_counter() - t
+            _Timed.spent += time.thread_time() - t
 
 
 async def baseline(url: str, n: int, tokens: int) -> float:
@@ -104,8 +107,8 @@ def replay_us_per_token(events: list[str], tokens: int, reps: int = 20) -> float
     return 1e6 * (time.perf_counter() - t0) / (reps * tokens)
 
 
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def peak_rss_mb(who: int = resource.RUSAGE_SELF) -> float:
+    return resource.getrusage(who).ru_maxrss / 1024
 
 
 def main() -> None:
@@ -146,7 +149,7 @@ def main() -> None:
     inc = replay_us_per_token(inc_events, args.tokens)
     print(f"replay (client parsing only, {args.tokens}-token stream): cumulative {cum:.1f} us/tok, "
           f"incremental {inc:.1f} us/tok, ratio {cum / inc:.2f}")
-    print(f"peak RSS of the client process: {peak_rss_mb():.1f} MB")
+    print(f"peak RSS: client process {peak_rss_mb():.1f} MB, engine process {peak_rss_mb(resource.RUSAGE_CHILDREN):.1f} MB")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ class SampleBuffer:
         self._closed = False
         self.total_put = 0
         self.total_got = 0
+        self.waiting_producers = 0  # producers blocked right now because the buffer is full
 
     def _c(self) -> asyncio.Condition:
         if self._cond is None:  # created lazily inside the loop that uses it
@@ -52,8 +53,16 @@ class SampleBuffer:
         if len(samples) > self.maxsize:
             raise ValueError(f"group of {len(samples)} samples larger than the buffer ({self.maxsize})")
         cond = self._c()
+        def can_put() -> bool:
+            return self._closed or len(self._items) + len(samples) <= self.maxsize
+
         async with cond:
-            await cond.wait_for(lambda: self._closed or len(self._items) + len(samples) <= self.maxsize)
+            if not can_put():  # backpressure: wait until the trainer took enough samples
+                self.waiting_producers += 1
+                try:
+                    await cond.wait_for(can_put)
+                finally:
+                    self.waiting_producers -= 1
             if self._closed:
                 raise BufferClosed("put on a closed buffer")
             self._items.extend(samples)

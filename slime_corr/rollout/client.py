@@ -7,7 +7,8 @@ what happened                           what the client does
 ======================================  =========================================================
 connection refused / reset, broken      retry with backoff + jitter and a NEW rid (SGLang rejects a
 stream, stream ended without [DONE]     reused in-flight rid; a dropped connection aborts the old one)
-timeout                                 best-effort /abort_request of the old rid, then retry
+timeout                                 best-effort /abort_request of the old rid, then retry (the
+                                        server may still be generating it: it must not run twice)
 HTTP 429, 408, 5xx; abort with a 5xx    retry
 HTTP 400 / other 4xx                    fail at once (the request is wrong; retrying cannot help)
 error event in a stream                 retry if the event says ``retryable`` (or code 5xx/429), else fail
@@ -46,13 +47,17 @@ RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
 
 class GenerationError(Exception):
-    """A /generate call that ended without a usable result; ``reason`` says why, ``attempts`` how many tries."""
+    """A /generate call that ended without a usable result; ``reason`` says why, ``attempts`` how many tries.
 
-    def __init__(self, reason: str, retryable: bool = False, attempts: int = 0) -> None:
+    ``maybe_running``: the server may still be generating the request (a timeout): abort its rid before retrying.
+    """
+
+    def __init__(self, reason: str, retryable: bool = False, attempts: int = 0, maybe_running: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.retryable = retryable
         self.attempts = attempts
+        self.maybe_running = maybe_running
 
 
 @dataclass
@@ -83,7 +88,8 @@ class SGLangClient:
     """Talks to one or more SGLang servers (or one router URL) with bounded concurrency per server.
 
     Use as ``async with SGLangClient(urls) as client: ...``. Request ids are fixed-width and unique
-    (``{prefix}-{counter:012d}`` with a random per-client prefix) because SGLang's abort matches by prefix.
+    (``{prefix}-{counter:012d}`` with a random 8-character per-client prefix) because SGLang's abort matches
+    by prefix: no rid is a prefix of another, and ``abort(rid=client.rid_prefix)`` aborts exactly this client's.
     """
 
     def __init__(
@@ -104,9 +110,12 @@ class SGLangClient:
                                              sock_read=read_timeout)
         self.retry = retry or RetryPolicy()
         self.rid_prefix = rid_prefix or secrets.token_hex(4)
+        if len(self.rid_prefix) != 8 or not self.rid_prefix.isalnum() or not self.rid_prefix.isascii():
+            raise ValueError(f"rid_prefix: must be 8 ASCII letters/digits (fixed width, as SGLang's abort matches "
+                             f"rids by prefix), got {self.rid_prefix!r}")
         self._counter = itertools.count()
         self._sems = {u: asyncio.Semaphore(max_concurrency_per_server) for u in self.urls}
-        self._inflight: dict[str, int] = dict.fromkeys(self.urls, 0)
+        self._load: dict[str, int] = dict.fromkeys(self.urls, 0)  # requests assigned (queued or in flight)
         self._rr = itertools.count()
         self._session: aiohttp.ClientSession | None = None
         self._running: asyncio.Event | None = None  # cleared between pause() and continue_generation()
@@ -146,11 +155,11 @@ class SGLangClient:
         return f"{self.rid_prefix}-{next(self._counter):012d}"
 
     def _pick_server(self, avoid: str | None = None) -> str:
-        """Least in-flight server (round-robin among ties), avoiding ``avoid`` when there is a choice."""
+        """Least loaded server (round-robin among ties), avoiding ``avoid`` when there is a choice."""
         cands = [u for u in self.urls if u != avoid] or self.urls
         start = next(self._rr) % len(cands)
         cands = cands[start:] + cands[:start]
-        return min(cands, key=lambda u: self._inflight[u])
+        return min(cands, key=lambda u: self._load[u])
 
     # ---- generation ------------------------------------------------------------------------------------
     async def generate(
@@ -166,28 +175,27 @@ class SGLangClient:
         errors: list[str] = []
         server: str | None = None
         for attempt in range(1, self.retry.max_attempts + 1):
-            await self._running_event().wait()  # no new request between our pause() and continue
             server = self._pick_server(avoid=server)
             rid = self.new_rid()
             body = build_generate_request(input_ids, sampling_params, rid, stream, return_logprob)
+            self._load[server] += 1  # counted while queued on the semaphore too, so new work goes elsewhere
             try:
                 async with self._sems[server]:
-                    self._inflight[server] += 1
-                    try:
-                        out = await self._attempt(server, body, stream, return_logprob)
-                    finally:
-                        self._inflight[server] -= 1
+                    await self._running_event().wait()  # nothing is sent between our pause() and continue
+                    out = await self._attempt(server, body, stream, return_logprob)
                 return GenerateResult(**vars(out), server=server, attempts=attempt, errors=errors)
             except GenerationError as e:
                 errors.append(f"attempt {attempt} ({rid} @ {server}): {e.reason}")
                 if not e.retryable:
                     raise GenerationError(e.reason, False, attempt) from e
-                if "timeout" in e.reason:
+                if e.maybe_running:
                     task = asyncio.ensure_future(self._quiet_abort(server, rid))
                     self._background.add(task)
                     task.add_done_callback(self._background.discard)
-                if attempt < self.retry.max_attempts:
-                    await asyncio.sleep(self.retry.delay(attempt))
+            finally:
+                self._load[server] -= 1
+            if attempt < self.retry.max_attempts:
+                await asyncio.sleep(self.retry.delay(attempt))  # backoff with jitter; the next try gets a new rid
         raise GenerationError(f"gave up after {self.retry.max_attempts} attempts; " + "; ".join(errors),
                               False, self.retry.max_attempts)
 
@@ -214,7 +222,7 @@ class SGLangClient:
         except StreamErrorEvent as e:
             raise GenerationError(str(e), retryable=e.retryable) from e
         except TimeoutError as e:
-            raise GenerationError(f"timeout ({e!r})", retryable=True) from e
+            raise GenerationError(f"timeout ({e!r})", retryable=True, maybe_running=True) from e
         except aiohttp.ClientConnectorError as e:
             raise GenerationError(f"connection failed: {e}", retryable=True) from e
         except (aiohttp.ClientError, ConnectionError) as e:  # disconnects, payload errors, resets
@@ -307,7 +315,13 @@ class SGLangClient:
         return await self._info(url, "/server_info", "/get_server_info")
 
     async def abort(self, rid: str = "", abort_all: bool = False) -> None:
-        """``POST /abort_request`` on every server (SGLang matches ``rid`` by prefix)."""
+        """``POST /abort_request`` on every server (SGLang matches ``rid`` by prefix).
+
+        ``abort(rid=client.rid_prefix)`` aborts every request of this client; aborting everything on the
+        servers needs ``abort_all=True`` (an empty ``rid`` alone is refused: as a prefix it matches any rid).
+        """
+        if not rid and not abort_all:
+            raise ValueError("rid: empty; pass a rid (prefix) or abort_all=True")
         await self._post_all("/abort_request", {"rid": rid, "abort_all": abort_all})
 
     async def pause(self, mode: str = "abort") -> None:
@@ -327,13 +341,16 @@ class SGLangClient:
             self._running_event().set()
 
     async def flush_cache(self, max_tries: int = 50, interval: float = 0.1) -> None:
-        """``POST /flush_cache`` on every server, retrying the 400 SGLang gives while requests are in flight."""
+        """``POST /flush_cache`` on every server, retrying the 400 SGLang gives while requests are in flight.
+
+        Any other error status fails at once (flushing is safe to repeat, but only the 400 is transient).
+        """
         for u in self.urls:
             for i in range(max_tries):
                 status, body = await self._post(u, "/flush_cache")
                 if status == 200:
                     break
-                if i == max_tries - 1:
+                if status != 400 or i == max_tries - 1:
                     raise RuntimeError(f"flush_cache on {u}: HTTP {status} {body}")
                 await asyncio.sleep(interval)
 

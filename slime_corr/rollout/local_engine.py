@@ -2,13 +2,15 @@
 
 Used when no SGLang URL is given (laptops, CI). It implements the endpoints an RL trainer uses: ``/generate``
 (token ids in/out, ``return_logprob``, streaming SSE cumulative or incremental, batches of prompts),
-``/abort_request`` (rid prefix match), ``/pause_generation`` + ``/continue_generation``, ``/flush_cache``,
+``/abort_request`` (rid prefix match), ``/pause_generation`` + ``/continue_generation`` (requests arriving
+during a pause wait for continue, as in SGLang), ``/flush_cache`` (400 while requests run),
 ``/update_weights_from_disk``, ``/update_weight_version``, health and model/server info.
 
 Scheduling: every active request advances one token per step; a step runs the model on the whole batch
 (right-padded, no KV cache: the tiny model recomputes the prefix) in a worker thread. Log-probs follow SGLang:
-``log_softmax(logits / temperature)`` of the sampled token, not renormalised after top-k/top-p/min-p
-filtering; with ``temperature == 0`` decoding is greedy and the log-prob is ``log_softmax(logits)`` (raw).
+``log_softmax(logits / temperature)`` of the sampled token, not renormalised after top-p/top-k/min-p
+filtering (applied in SGLang's order); with ``temperature == 0`` decoding is greedy and the log-prob is
+``log_softmax(logits)`` (raw).
 The matched stop token / EOS stays in ``output_ids`` and the log-probs; only ``text`` is trimmed.
 The distributed weight-update calls need NCCL/GPUs and answer 400 here.
 """
@@ -56,21 +58,20 @@ def sample_next_token(
         tok = int(torch.argmax(logits))
         return tok, float(torch.log_softmax(logits, dim=-1)[tok])
     logp = torch.log_softmax(logits / temperature, dim=-1)
-    probs = logp.exp()
-    top_k = int(params.get("top_k", -1) or -1)
-    if 0 < top_k < probs.numel():
-        kth = torch.topk(probs, top_k).values[-1]
-        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    # SGLang's filter, on the probabilities sorted once: top-p on the cumulative sum of the FULL distribution,
+    # top-k by rank, min-p relative to the largest probability; then sample among what is left.
+    sorted_p, order = torch.sort(logp.exp(), descending=True)
+    keep = torch.ones_like(sorted_p, dtype=torch.bool)
     top_p = float(params.get("top_p", 1.0))
     if top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        drop = (torch.cumsum(sorted_p, 0) - sorted_p) > top_p * sorted_p.sum()
-        sorted_p[drop] = 0.0
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
+        keep &= (torch.cumsum(sorted_p, 0) - sorted_p) <= top_p
+    top_k = int(params.get("top_k", -1) or -1)
+    if 0 < top_k < sorted_p.numel():
+        keep[top_k:] = False
     min_p = float(params.get("min_p", 0.0))
     if min_p > 0.0:
-        probs = torch.where(probs >= min_p * probs.max(), probs, torch.zeros_like(probs))
-    tok = int(torch.multinomial(probs, 1, generator=generator))
+        keep &= sorted_p >= sorted_p[0] * min_p
+    tok = int(order[torch.multinomial(torch.where(keep, sorted_p, 0.0), 1, generator=generator)])
     return tok, float(logp[tok])  # NOT renormalised after filtering
 
 
@@ -86,6 +87,7 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)
     finish: dict[str, Any] | None = None
+    admitted: bool = True  # False while held: it arrived during a pause and waits for continue_generation
     trim: int | None = None  # text length after trimming a matched stop string
     created: float = field(default_factory=time.perf_counter)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -162,7 +164,7 @@ class LocalEngine:
     async def _scheduler(self) -> None:
         assert self._wake is not None and self._step_lock is not None
         while True:
-            runnable = [r for r in self.active.values() if r.finish is None]
+            runnable = [r for r in self.active.values() if r.finish is None and r.admitted]
             if self.paused or not runnable:
                 self._wake.clear()
                 await self._wake.wait()
@@ -334,7 +336,8 @@ class LocalEngine:
             reqs, is_batch, stream = self._parse(body)
         except (BadRequest, ValueError, TypeError, KeyError, IndexError) as e:
             return web.json_response({"error": str(e)}, status=400)
-        for req in reqs:
+        for req in reqs:  # like SGLang, a request that arrives during a pause waits for continue_generation
+            req.admitted = not self.paused
             self.active[req.rid] = req
         assert self._wake is not None
         self._wake.set()
@@ -439,18 +442,20 @@ class LocalEngine:
         assert self._step_lock is not None
         async with self._step_lock:  # wait for the running step to finish
             if mode == "abort":
-                for req in list(self.active.values()):
+                for req in [r for r in self.active.values() if r.admitted]:
                     req.finish_with({"type": "abort", "message": "Abort by pause_generation"})
         return web.json_response({"success": True, "message": f"Generation paused ({mode})."})
 
     async def handle_continue(self, request: web.Request) -> web.Response:
         self.paused = False
+        for req in self.active.values():
+            req.admitted = True
         assert self._wake is not None
         self._wake.set()
         return web.json_response({"success": True, "message": "Generation continued."})
 
     async def handle_flush(self, request: web.Request) -> web.Response:
-        if any(r.finish is None for r in self.active.values()):
+        if any(r.finish is None and r.admitted for r in self.active.values()):  # held requests hold no cache
             return web.json_response({"success": False, "message": "Cache not flushed: requests in flight."},
                                      status=400)
         return web.json_response({"success": True, "message": "Cache flushed."})
@@ -571,11 +576,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fp32", action="store_true", help="serve in fp32 instead of bf16")
     ap.add_argument("--incremental-streaming-output", action="store_true")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
+    ap.add_argument("--step-delay", type=float, default=0.0, help="seconds slept after each decode step")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     with start_local_engine(args.checkpoint, dtype=torch.float32 if args.fp32 else torch.bfloat16,
-                            incremental_streaming_output=args.incremental_streaming_output) as h:
+                            incremental_streaming_output=args.incremental_streaming_output,
+                            step_delay=args.step_delay) as h:
         print(f"READY {h.url}", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             threading.Event().wait()

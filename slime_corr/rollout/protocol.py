@@ -85,8 +85,8 @@ def _parse_chunk(obj: Any, want_logprobs: bool) -> tuple[list[int], list[float],
     ids, meta = obj.get("output_ids"), obj.get("meta_info")
     if not isinstance(meta, dict):
         raise ResponseError("meta_info: missing or not an object")
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise ResponseError("output_ids: missing or not a list of ints")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ResponseError("output_ids: missing or not a list of non-negative ints")
     if not isinstance(meta.get("completion_tokens"), int):
         raise ResponseError("meta_info.completion_tokens: missing or not an int")
     log_probs: list[float] = []

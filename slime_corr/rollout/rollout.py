@@ -12,7 +12,8 @@ which is what SGLang returns for ``/pause_generation mode=abort`` and ``/abort_r
 
 At most ``max_resumes`` aborts are absorbed per sample, after that it ends ``ABORTED``. When ``stop`` (an
 ``asyncio.Event``) is set, aborted samples end ``ABORTED`` whatever the policy. A call that exhausts the client's
-retries ends the sample ``FAILED`` with the reason. Every sample ends exactly once.
+retries ends the sample ``FAILED`` with the reason, and so does a response that does not fit the sample or a
+``reward_fn`` that raises. Every sample ends exactly once.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from slime_corr.rollout.buffer import SampleBuffer
 from slime_corr.rollout.client import GenerationError, SGLangClient
-from slime_corr.rollout.sample import Sample, SampleStatus
+from slime_corr.rollout.sample import Sample, SampleStatus, SampleValidationError
 
 
 class PausePolicy(StrEnum):
@@ -46,7 +47,18 @@ async def generate_sample(
     stop: asyncio.Event | None = None,
 ) -> Sample:
     """Fill ``sample``'s response by generation; returns it with a final status (never raises on faults)."""
-    policy = PausePolicy(pause_policy)
+    try:
+        return await _generate_sample(client, sample, sampling_params, stream, PausePolicy(pause_policy),
+                                      max_resumes, stop)
+    except SampleValidationError as e:  # a response the sample rejects (defence in depth: protocol checks first)
+        sample.status, sample.failure_reason = SampleStatus.FAILED, f"invalid response: {e}"
+        return sample
+
+
+async def _generate_sample(
+    client: SGLangClient, sample: Sample, sampling_params: dict[str, Any], stream: bool, policy: PausePolicy,
+    max_resumes: int, stop: asyncio.Event | None,
+) -> Sample:
     max_new = int(sampling_params.get("max_new_tokens", 128))
     aborts = 0
     while True:
@@ -106,7 +118,12 @@ async def generate_group_samples(
         if reward_fn is not None:
             for s in samples:
                 if s.status != SampleStatus.FAILED:
-                    s.reward = float(reward_fn(s))
+                    try:
+                        s.reward = float(reward_fn(s))
+                        s.validate()  # e.g. a NaN reward
+                    except Exception as e:  # noqa: BLE001 - the sample fails with the reason; the others go on
+                        s.reward = None
+                        s.status, s.failure_reason = SampleStatus.FAILED, f"reward_fn: {e!r}"
         if buffer is not None:
             await buffer.put_group(samples)
         return samples

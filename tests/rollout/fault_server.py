@@ -4,6 +4,12 @@ It exists because a real SGLang server cannot be made to produce these faults on
 mid-stream, a stream without [DONE], malformed JSON, misaligned or NaN log-probs...). The prompt selects the
 behaviour: ``input_ids = [fault_code, n_faulty_attempts, sample_id, ...]``; the first ``n_faulty_attempts``
 requests for ``sample_id`` get the fault, later ones a valid answer derived from ``sample_id``.
+``served_ok[sample_id]`` counts the valid answers sent in full, so a test can prove no sample was generated twice.
+
+It also plays an OLD SGLang server / router for the control endpoints (only ``/get_model_info``,
+``/get_server_info``, ``/add_worker``, ``/list_workers``; ``/flush_cache`` answering the statuses queued in
+``flush_statuses`` first) and records every control call in ``calls`` - behaviour a current server cannot be
+made to show on demand.
 """
 
 from __future__ import annotations
@@ -49,6 +55,9 @@ def _payload(rid: str, ids: list[int], lps: list, finish: dict | None, total: in
 class FaultServer:
     def __init__(self, timeout_sleep: float = 1.0) -> None:
         self.attempts: Counter[int] = Counter()
+        self.served_ok: Counter[int] = Counter()
+        self.calls: list[tuple[str, dict]] = []  # (path, JSON body or query) of every control call
+        self.flush_statuses: list[int] = []  # statuses /flush_cache answers before it answers 200
         self.rids: list[str] = []
         self.bodies: list[dict] = []  # every /generate and /abort_request body received
         self.timeout_sleep = timeout_sleep
@@ -56,6 +65,24 @@ class FaultServer:
         self.app.router.add_post("/generate", self.generate)
         self.app.router.add_get("/health", self.health)
         self.app.router.add_post("/abort_request", self.abort)
+        for path in ("/pause_generation", "/continue_generation", "/flush_cache", "/update_weights_from_disk",
+                     "/init_weights_update_group", "/update_weights_from_distributed", "/add_worker"):
+            self.app.router.add_post(path, self.control)
+        for path in ("/get_model_info", "/get_server_info", "/list_workers"):
+            self.app.router.add_get(path, self.control)
+
+    async def control(self, request: web.Request) -> web.Response:
+        body = await request.json() if request.can_read_body else dict(request.query)
+        self.calls.append((request.path, body))
+        if request.path == "/flush_cache" and self.flush_statuses:
+            return web.json_response({"success": False}, status=self.flush_statuses.pop(0))
+        if request.path == "/get_model_info":
+            return web.json_response({"model_path": "fault", "is_generation": True, "weight_version": "fault"})
+        if request.path == "/get_server_info":
+            return web.json_response({"model_path": "fault", "version": "old"})
+        if request.path == "/list_workers":
+            return web.json_response({"urls": [b.get("url") for p, b in self.calls if p == "/add_worker"]})
+        return web.json_response({"success": True, "message": "ok"})
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response()
@@ -82,9 +109,15 @@ class FaultServer:
             assert request.transport is not None
             request.transport.close()
             return web.Response()
-        if fault == "abort_503":
-            return web.json_response(_payload(rid, ids[:1], lps[:1], {"type": "abort", "message": "oom",
-                                                                       "status_code": 503}))
+        if fault == "abort_503":  # an abort carrying a status code: a server-side failure, partial output
+            p = _payload(rid, ids[:1], lps[:1], {"type": "abort", "message": "oom", "status_code": 503})
+            if not stream:
+                return web.json_response(p)
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b"data: " + json.dumps(p).encode() + b"\n\ndata: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
         if fault == "misaligned":
             lps = lps[:-1]
         if fault == "nan":
@@ -101,6 +134,8 @@ class FaultServer:
                 assert request.transport is not None
                 request.transport.close()
                 return web.Response()
+            if fault == "ok":
+                self.served_ok[sid] += 1
             return web.Response(text=json.dumps(payload), content_type="application/json")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -126,6 +161,8 @@ class FaultServer:
             await resp.write(b"data: " + json.dumps(p).encode() + b"\n\n")
         if fault != "no_done":
             await resp.write(b"data: [DONE]\n\n")
+        if fault == "ok":  # counted once [DONE] is out: the client may hang up before the final chunk
+            self.served_ok[sid] += 1
         await resp.write_eof()
         return resp
 

@@ -136,14 +136,19 @@ def test_split_for_dp_balances_tokens():
     assert abs(tokens[0] - tokens[1]) <= 10 and sum(len(s) for s in shares) == 8
 
 
+def _tp_batch(src: int) -> dict:
+    """A different micro-batch per TP group (told apart by its source rank)."""
+    return build_micro_batch([_s([1, 2 + src], [3, 4]), _s([5], [6 + src])], [1.0, -1.0 - src], packed=src == 1)
+
+
 def _bcast_worker(rank: int, world: int, port: int, q) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        batch = None
-        if rank == 0:
-            batch = build_micro_batch([_s([1, 2], [3, 4]), _s([5], [6])], [1.0, -1.0])
-        out = broadcast_micro_batch(batch, src=0, group=dist.new_group([0, 1]))
+        # two TP groups, {0} and {1, 2}; the source of each is its first GLOBAL rank (1 for the second group)
+        groups = [dist.new_group([0]), dist.new_group([1, 2])]
+        src, group = (0, groups[0]) if rank == 0 else (1, groups[1])
+        out = broadcast_micro_batch(_tp_batch(src) if rank == src else None, src=src, group=group)
         q.put((rank, {k: v.tolist() for k, v in out.items()}, {k: str(v.dtype) for k, v in out.items()}))
     finally:
         dist.destroy_process_group()
@@ -158,15 +163,16 @@ def test_tp_broadcast_with_gloo():
     s.close()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_bcast_worker, args=(r, 2, port, q)) for r in range(2)]
+    procs = [ctx.Process(target=_bcast_worker, args=(r, 3, port, q)) for r in range(3)]
     for p in procs:
         p.start()
     results = dict((r, (v, d)) for r, v, d in (q.get(timeout=120) for _ in procs))
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
-    expect = build_micro_batch([_s([1, 2], [3, 4]), _s([5], [6])], [1.0, -1.0])
-    for r in (0, 1):
-        vals, dtypes = results[r]
+    for rank, src in ((0, 0), (1, 1), (2, 1)):  # rank 2 passed None and got its group's batch (packed too)
+        expect = _tp_batch(src)
+        vals, dtypes = results[rank]
         assert vals == {k: v.tolist() for k, v in expect.items()}
         assert dtypes == {k: str(v.dtype) for k, v in expect.items()}
+    assert results[2][0] != results[0][0]

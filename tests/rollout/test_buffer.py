@@ -17,6 +17,12 @@ def _s(i: int) -> Sample:
     return Sample(prompt_tokens=[1], index=i)
 
 
+async def _settle() -> None:
+    """Let every ready task run until it finishes or waits (no timers, no I/O: deterministic)."""
+    for _ in range(50):
+        await asyncio.sleep(0)
+
+
 def test_producers_block_when_full():
     async def go():
         buf = SampleBuffer(maxsize=4)
@@ -27,11 +33,13 @@ def test_producers_block_when_full():
             done.append(i)
 
         tasks = [asyncio.create_task(producer(i)) for i in range(10)]
-        await asyncio.sleep(0.05)
-        assert len(buf) == 4 and len(done) == 4  # six producers are waiting: backpressure
+        await _settle()
+        # backpressure: four puts went through, six producers are blocked inside put()
+        assert len(buf) == 4 and len(done) == 4 and buf.waiting_producers == 6
+        assert sum(not t.done() for t in tasks) == 6
         got = await buf.get(3)
-        await asyncio.sleep(0.02)
-        assert len(done) == 7 and len(buf) == 4
+        await _settle()
+        assert len(done) == 7 and len(buf) == 4 and buf.waiting_producers == 3
         rest = [*got]
         while len(rest) < 10:
             rest += await buf.get(1)
@@ -51,8 +59,8 @@ def test_groups_are_atomic():
         buf = SampleBuffer(maxsize=5)
         await buf.put_group([_s(0), _s(1), _s(2)])
         t = asyncio.create_task(buf.put_group([_s(3), _s(4), _s(5)]))
-        await asyncio.sleep(0.02)
-        assert not t.done() and len(buf) == 3  # no partial group
+        await _settle()
+        assert not t.done() and len(buf) == 3 and buf.waiting_producers == 1  # no partial group
         await buf.get(3)
         await t
         assert [s.index for s in await buf.get(3)] == [3, 4, 5]
@@ -63,12 +71,20 @@ def test_groups_are_atomic():
 
 
 def test_rollout_into_buffer_with_sync_trainer(engine):
-    """Rollout runs in a background loop; a 'trainer' thread drains groups slower than they are produced."""
+    """Rollout runs in a background loop against the real engine; the 'trainer' thread starts draining only
+    once the buffer is full and a rollout producer is blocked on it (backpressure), then takes every group."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     buf = SampleBuffer(maxsize=4)
     max_seen = 0
+    blocked = threading.Event()
+
+    def until_blocked() -> None:
+        if buf.waiting_producers and len(buf) == 4:
+            blocked.set()
+        else:
+            loop.call_later(0.005, until_blocked)
 
     async def rollout():
         async with SGLangClient(engine.url) as c:
@@ -77,6 +93,9 @@ def test_rollout_into_buffer_with_sync_trainer(engine):
 
     fut = asyncio.run_coroutine_threadsafe(rollout(), loop)
     try:
+        loop.call_soon_threadsafe(until_blocked)
+        assert blocked.wait(60), "the buffer never filled up"
+        assert not fut.done() and buf.total_put == 4  # generation finished for more, but they wait
         got = []
         for _ in range(6):
             max_seen = max(max_seen, len(buf))

@@ -1,38 +1,56 @@
 """Every fault of a /generate call, injected by a fault server (see fault_server.py for why one is needed).
 
-Asserted for each: retried only when safe, with a NEW rid, bounded, and every sample ends exactly once.
+Asserted for each: retried only when safe, with a NEW fixed-width rid, bounded, and every sample ends exactly
+once (complete, or failed with its reason) - never lost, never generated twice. Faults that only exist in a
+stream (no [DONE], an error event) are paired with streaming only: a plain response has neither.
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
 import re
 
 import pytest
 
+from slime_corr.rollout.buffer import SampleBuffer
 from slime_corr.rollout.client import GenerationError, RetryPolicy, SGLangClient
 from slime_corr.rollout.rollout import generate_group_samples
 from slime_corr.rollout.sample import SampleStatus
 
 from .fault_server import CODE, closed_port_url, good_output, run_fault_server
 
-RETRYABLE = ["http500", "http503", "http429", "timeout", "kill_mid_stream", "no_done", "error_event",
-             "malformed_json", "misaligned", "nan", "missing_logprobs", "token_mismatch", "abort_503",
-             "close_before_headers"]
-FATAL = ["http400", "error_event_fatal"]
-STREAM_ONLY = {"no_done", "error_event", "error_event_fatal"}  # a plain response has no events / [DONE]
+# fault -> what the failure reason says when it persists
+RETRYABLE = {
+    "http500": "HTTP 500", "http503": "HTTP 503", "http429": "HTTP 429", "timeout": "timeout",
+    "kill_mid_stream": "connection broken", "close_before_headers": "connection broken",
+    "no_done": r"without \[DONE\]", "error_event": r"stream error event \(code=500\)",
+    "malformed_json": "malformed JSON", "misaligned": "3 entries for 4 output tokens",
+    "nan": "nan is not a finite number", "missing_logprobs": "output_token_logprobs: missing",
+    "token_mismatch": r"token \d+ != output_ids", "abort_503": "aborted by server with status 503",
+}
+FATAL = {"http400": "HTTP 400", "error_event_fatal": r"stream error event \(code=400\)"}
+STREAM_ONLY = {"no_done", "error_event", "error_event_fatal"}  # a plain response has no events and no [DONE]
 RETRY = RetryPolicy(max_attempts=3, base_delay=0.005, max_delay=0.02)
+RID = re.compile(r"[0-9a-f]{8}-\d{12}")
+
+
+def _cases(faults) -> list[tuple[str, bool]]:
+    return [(f, s) for f in faults for s in (False, True) if s or f not in STREAM_ONLY]
+
+
+def _ids(cases) -> list[str]:
+    return [f"{f}-{'stream' if s else 'plain'}" for f, s in cases]
 
 
 @pytest.fixture(scope="module")
 def fault_server():
-    with run_fault_server(timeout_sleep=1.0) as (url, server):
+    with run_fault_server(timeout_sleep=3.0) as (url, server):
         yield url, server
 
 
 def _client(urls, **kw) -> SGLangClient:
-    return SGLangClient(urls, read_timeout=0.4, request_timeout=5.0, retry=RETRY, **kw)
+    # read timeout well below the fault server's 3 s stall, well above a loaded machine's worst gap between bytes
+    return SGLangClient(urls, read_timeout=1.0, request_timeout=10.0, retry=RETRY, **kw)
 
 
 def _generate(urls, prompt, stream):
@@ -46,86 +64,183 @@ def _generate(urls, prompt, stream):
 _sid = iter(range(1000, 100000))
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-@pytest.mark.parametrize("fault", RETRYABLE)
+@pytest.mark.parametrize(("fault", "stream"), _cases(RETRYABLE), ids=_ids(_cases(RETRYABLE)))
 def test_retryable_fault_recovers_with_new_rid(fault_server, fault, stream):
-    if fault in STREAM_ONLY and not stream:
-        pytest.skip("stream-only fault")
     url, server = fault_server
     sid = next(_sid)
-    n0 = len(server.rids)
+    n0, b0 = len(server.rids), len(server.bodies)
     res = _generate(url, [CODE[fault], 1, sid], stream)
     ids, lps = good_output(sid)
     assert res.output_ids == ids and res.log_probs == pytest.approx(lps)
-    assert res.attempts == 2 and len(res.errors) == 1
+    assert res.attempts == 2 and len(res.errors) == 1 and re.search(RETRYABLE[fault], res.errors[0])
     rids = server.rids[n0:]
-    assert len(rids) == 2 and rids[0] != rids[1] and len(rids[0]) == len(rids[1])
+    assert len(rids) == 2 and rids[0] != rids[1] and all(RID.fullmatch(r) for r in rids)
+    assert server.served_ok[sid] == 1
+    aborts = [b["rid"] for b in server.bodies[b0:] if "input_ids" not in b]
+    # a timed-out request may still run on the server: its rid is aborted; no other fault needs it
+    assert aborts == ([rids[0]] if fault == "timeout" else [])
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-@pytest.mark.parametrize("fault", RETRYABLE)
+@pytest.mark.parametrize(("fault", "stream"), _cases(RETRYABLE), ids=_ids(_cases(RETRYABLE)))
 def test_persistent_fault_fails_after_bounded_attempts(fault_server, fault, stream):
-    if fault in STREAM_ONLY and not stream:
-        pytest.skip("stream-only fault")
     url, server = fault_server
     sid = next(_sid)
     with pytest.raises(GenerationError) as ei:
         _generate(url, [CODE[fault], 99, sid], stream)
     assert ei.value.attempts == RETRY.max_attempts == server.attempts[sid]
-    assert "gave up after 3 attempts" in ei.value.reason
+    assert "gave up after 3 attempts" in ei.value.reason and re.search(RETRYABLE[fault], ei.value.reason)
 
 
-@pytest.mark.parametrize("fault", FATAL)
-def test_fatal_fault_is_not_retried(fault_server, fault):
+@pytest.mark.parametrize(("fault", "stream"), _cases(FATAL), ids=_ids(_cases(FATAL)))
+def test_fatal_fault_is_not_retried(fault_server, fault, stream):
     url, server = fault_server
     sid = next(_sid)
     with pytest.raises(GenerationError) as ei:
-        _generate(url, [CODE[fault], 1, sid], stream=True)
-    assert ei.value.attempts == 1 and server.attempts[sid] == 1
+        _generate(url, [CODE[fault], 1, sid], stream=stream)
+    assert ei.value.attempts == 1 and server.attempts[sid] == 1 and re.search(FATAL[fault], ei.value.reason)
 
 
-def test_nan_never_reaches_a_sample(fault_server):
-    url, _ = fault_server
-    sid = next(_sid)
-    with pytest.raises(GenerationError, match="not a finite number"):
-        _generate(url, [CODE["nan"], 99, sid], stream=False)
+def _run_samples(urls, prompts, stream_of):
+    """Samples through the rollout driver into a buffer (drained concurrently); returns (samples, drained)."""
+    async def go():
+        buf = SampleBuffer(maxsize=8)  # smaller than the run: producers block until drained
+        drained = []
+
+        async def drain():
+            while True:
+                try:
+                    drained.extend(await buf.get(1))
+                except Exception:  # noqa: BLE001 - BufferClosed once everything was taken
+                    return
+
+        drainer = asyncio.create_task(drain())
+        by_mode = {st: [i for i in range(len(prompts)) if stream_of(i) == st] for st in (False, True)}
+        async with _client(urls, max_concurrency_per_server=16) as c:
+            parts = await asyncio.gather(*(
+                generate_group_samples(c, [prompts[i] for i in idx], 1, {"max_new_tokens": 8}, stream=st,
+                                       reward_fn=lambda s: 1.0, buffer=buf)
+                for st, idx in by_mode.items()))
+        await buf.close()
+        await drainer
+        samples = [None] * len(prompts)
+        for idx, part in zip(by_mode.values(), parts, strict=True):
+            for i, s in zip(idx, part, strict=True):
+                samples[i] = s
+        return samples, drained
+
+    return asyncio.run(go())
 
 
-def test_connection_refused_fails_then_other_server_is_used(fault_server):
+def test_every_sample_ends_exactly_once_under_every_fault(fault_server):
+    """Each fault, plain and streamed, once transient and once persistent, all concurrently: every sample
+    ends exactly once with the predicted status and reason, reaches the buffer once, and the server delivered
+    a valid answer for it exactly once (completed) or never (failed)."""
+    url, server = fault_server
+    cases = [(f, st, n_bad) for f, st in _cases({**RETRYABLE, **FATAL, "ok": ""}) for n_bad in (1, 99)]
+    prompts = [[CODE[f], n_bad, next(_sid)] for f, _, n_bad in cases]
+    n0 = len(server.rids)
+    samples, drained = _run_samples(url, prompts, lambda i: cases[i][1])
+    assert sorted(id(s) for s in drained) == sorted(id(s) for s in samples)  # each sample in the buffer once
+    for (fault, _, n_bad), p, s in zip(cases, prompts, samples, strict=True):
+        sid = p[2]
+        ok = fault == "ok" or (fault in RETRYABLE and n_bad < RETRY.max_attempts)
+        if ok:
+            assert s.status == SampleStatus.COMPLETED, (fault, n_bad, s.failure_reason)
+            assert s.response_tokens == good_output(sid)[0] and s.reward == 1.0
+            assert s.rollout_log_probs.tolist() == pytest.approx(good_output(sid)[1])
+            assert server.served_ok[sid] == 1
+        else:
+            assert s.status == SampleStatus.FAILED, (fault, n_bad)
+            assert re.search({**RETRYABLE, **FATAL}[fault], s.failure_reason), s.failure_reason
+            assert s.response_tokens == [] and s.reward is None and server.served_ok[sid] == 0
+            assert s.attempts == (1 if fault in FATAL else RETRY.max_attempts) == server.attempts[sid]
+    rids = server.rids[n0:]
+    assert len(rids) == len(set(rids)) and all(RID.fullmatch(r) for r in rids)  # a fresh rid per attempt
+
+
+def test_connection_refused_fails_each_sample_once_or_moves_to_a_live_server(fault_server):
     url, server = fault_server
     with pytest.raises(GenerationError, match="connection failed"):
         _generate(closed_port_url(), [0, 0, 1], stream=False)
-    sid = next(_sid)
-    res = _generate([closed_port_url(), url], [CODE["ok"], 0, sid], stream=True)
-    assert res.output_ids == good_output(sid)[0] and res.server == url
+    dead = closed_port_url()
+    prompts = [[CODE["ok"], 0, next(_sid)] for _ in range(6)]
+    samples, drained = _run_samples(dead, prompts, lambda i: i % 2 == 1)
+    assert len(drained) == 6 and all(s.status == SampleStatus.FAILED for s in samples)
+    assert all("connection failed" in s.failure_reason and s.attempts == RETRY.max_attempts for s in samples)
+    samples, drained = _run_samples([dead, url], prompts, lambda i: i % 2 == 1)
+    assert len(drained) == 6 and all(s.status == SampleStatus.COMPLETED for s in samples)
+    assert all(server.served_ok[p[2]] == 1 for p in prompts)
+    assert any(s.attempts == 2 for s in samples)  # some went to the dead server first, then moved
 
 
-def test_every_sample_ends_exactly_once_under_mixed_faults(fault_server):
-    """Many concurrent samples with random faults: none lost, none duplicated, statuses as predicted."""
+def test_rid_prefix_is_fixed_width_and_abort_needs_a_target():
+    c = SGLangClient("http://127.0.0.1:1", rid_prefix="abcd0123")
+    rids = [c.new_rid() for _ in range(3)]
+    assert rids == ["abcd0123-000000000000", "abcd0123-000000000001", "abcd0123-000000000002"]
+    assert re.fullmatch(r"[0-9a-f]{8}", SGLangClient("http://127.0.0.1:1").rid_prefix)
+    for bad in ("ab", "abcd-123", "abcdefghi"):
+        with pytest.raises(ValueError, match="rid_prefix"):
+            SGLangClient("http://127.0.0.1:1", rid_prefix=bad)
+    with pytest.raises(ValueError, match="rid"):  # an empty rid is a prefix of every rid on the server
+        asyncio.run(c.abort())
+
+
+def test_control_calls_old_server_names_and_flush_retry(fault_server):
+    """Payloads of the control / weight-sync calls as SGLang names them; the old info and router endpoint
+    names as fallbacks; flush_cache retried on 400 only (the fault server plays an old server here)."""
     url, server = fault_server
-    rng = random.Random(0)
-    prompts, expect = [], []
-    for _ in range(120):
-        fault = rng.choice([*RETRYABLE, *FATAL, "ok"])
-        n_bad = rng.choice([0, 1, 2, 5])
-        prompts.append([CODE[fault], n_bad, next(_sid)])
-        ok = fault == "ok" or n_bad == 0 or (fault in RETRYABLE and n_bad < RETRY.max_attempts)
-        expect.append(SampleStatus.COMPLETED if ok else SampleStatus.FAILED)
-    n0 = len(server.rids)
+    server.calls.clear()
+    server.flush_statuses[:] = [400, 400]
 
     async def go():
-        async with _client(url, max_concurrency_per_server=32) as c:
-            return await generate_group_samples(c, prompts, 1, {"max_new_tokens": 8},
-                                                stream=True, reward_fn=lambda s: 1.0)
+        async with _client(url) as c:
+            mi, si = await c.model_info(), await c.server_info()  # /model_info, /server_info: 404 here
+            await c.sync_weights_from_disk("/ckpt/step-3", weight_version="step-3", pause_mode="retract")
+            await c.init_weights_update_group("127.0.0.1", 29500, 1, 3, group_name="g")
+            await c.update_weights_from_distributed(["w"], ["bfloat16"], [[2, 3]], group_name="g",
+                                                    weight_version="step-4")
+            await c.add_worker("http://127.0.0.1:30001")
+            workers = await c.list_workers()
+            server.flush_statuses[:] = [500]
+            with pytest.raises(RuntimeError, match="flush_cache.*HTTP 500"):
+                await c.flush_cache()
+            return mi, si, workers
+
+    mi, si, workers = asyncio.run(go())
+    assert mi["weight_version"] == "fault" and si["version"] == "old"
+    assert workers == {"urls": ["http://127.0.0.1:30001"]}
+    assert server.calls == [
+        ("/get_model_info", {}), ("/get_server_info", {}),
+        ("/pause_generation", {"mode": "retract"}),
+        ("/update_weights_from_disk", {"model_path": "/ckpt/step-3", "flush_cache": False,
+                                       "weight_version": "step-3"}),
+        ("/flush_cache", {}), ("/flush_cache", {}), ("/flush_cache", {}),  # 400, 400, then 200
+        ("/continue_generation", {}),
+        ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1,
+                                        "world_size": 3, "group_name": "g", "backend": "nccl"}),
+        ("/update_weights_from_distributed", {"names": ["w"], "dtypes": ["bfloat16"], "shapes": [[2, 3]],
+                                              "group_name": "g", "flush_cache": False,
+                                              "weight_version": "step-4"}),
+        ("/add_worker", {"url": "http://127.0.0.1:30001"}), ("/list_workers", {}),
+        ("/flush_cache", {}),  # 500: not retried
+    ]
+
+
+def test_a_failing_reward_fails_only_its_sample(fault_server):
+    url, _ = fault_server
+    prompts = [[CODE["ok"], 0, next(_sid)] for _ in range(4)]
+
+    def reward(s):
+        if s.index == 1:
+            raise ZeroDivisionError("bad reward")
+        return float("nan") if s.index == 2 else 1.0
+
+    async def go():
+        async with _client(url) as c:
+            return await generate_group_samples(c, prompts, 1, {"max_new_tokens": 8}, reward_fn=reward)
 
     samples = asyncio.run(go())
-    assert sorted(s.index for s in samples) == list(range(len(prompts)))
-    for s, st, p in zip(samples, expect, prompts, strict=True):
-        assert s.status == st, (s.failure_reason, p)
-        if st == SampleStatus.COMPLETED:
-            assert s.response_tokens == good_output(p[2])[0] and s.reward == 1.0
-        else:
-            assert s.failure_reason and s.response_tokens == []
-    rids = server.rids[n0:]
-    assert len(rids) == len(set(rids))  # every attempt used a fresh rid
-    assert all(re.fullmatch(r"[0-9a-f]{8}-\d{12}", r) for r in rids)
+    assert [s.status for s in samples] == [SampleStatus.COMPLETED, SampleStatus.FAILED, SampleStatus.FAILED,
+                                           SampleStatus.COMPLETED]
+    assert "bad reward" in samples[1].failure_reason and "reward: must be finite" in samples[2].failure_reason
+    assert samples[1].reward is None and samples[2].reward is None and samples[3].reward == 1.0

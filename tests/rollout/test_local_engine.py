@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import signal
+import subprocess
+import sys
 
 import aiohttp
 import pytest
@@ -10,7 +13,9 @@ import torch
 
 from slime_corr.rollout.client import GenerationError, SGLangClient
 from slime_corr.rollout.engine_model import load_tiny_lm, teacher_forced_logprobs
-from slime_corr.rollout.local_engine import start_local_engine
+from slime_corr.rollout.local_engine import sample_next_token, start_local_engine
+from slime_corr.rollout.rollout import generate_sample
+from slime_corr.rollout.sample import Sample, SampleStatus
 
 PROMPT = [72, 101, 108, 108, 111, 32]
 
@@ -199,3 +204,58 @@ def test_distributed_weight_update_is_refused_clearly(engine):
 
     with pytest.raises(RuntimeError, match="NCCL"):
         asyncio.run(go())
+
+
+def test_real_server_killed_mid_stream_samples_move_to_the_other_server(tiny_ckpt):
+    """A real engine process is SIGKILLed while streaming: its samples are regenerated on the other server
+    with new rids; every sample ends exactly once, complete, with a single consistent set of log-probs."""
+    cmd = [sys.executable, "-m", "slime_corr.rollout.local_engine", "--checkpoint", tiny_ckpt, "--fp32",
+           "--step-delay", "0.05", "--threads", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("READY "), line
+        doomed = line.split()[1]
+        with start_local_engine(tiny_ckpt, dtype=torch.float32) as live:
+            async def go():
+                async with SGLangClient([doomed, live.url], max_concurrency_per_server=8) as c:
+                    samples = [Sample(prompt_tokens=list(PROMPT), index=i) for i in range(4)]
+                    tasks = [asyncio.create_task(generate_sample(c, s, {"max_new_tokens": 40, "ignore_eos": True},
+                                                                 stream=True)) for s in samples]
+                    for _ in range(2000):  # until the doomed server is streaming its share
+                        info = await c.server_info(doomed)
+                        if info["internal_states"][0]["num_running"] >= 2:
+                            break
+                        await asyncio.sleep(0.01)
+                    proc.send_signal(signal.SIGKILL)
+                    return await asyncio.gather(*tasks)
+
+            samples = asyncio.run(go())
+    finally:
+        proc.kill()
+        proc.wait(30)
+    assert [s.index for s in samples] == [0, 1, 2, 3]
+    assert all(s.status == SampleStatus.TRUNCATED and s.response_length == 40 for s in samples)
+    assert sorted(s.attempts for s in samples) == [1, 1, 2, 2]  # the doomed server's two, retried once each
+    ref_model = load_tiny_lm(tiny_ckpt)
+    for s in samples:  # no token or log-prob of the killed attempt leaked into a sample
+        ref = teacher_forced_logprobs(ref_model, PROMPT, s.response_tokens)
+        torch.testing.assert_close(s.rollout_log_probs, ref, atol=1e-4, rtol=0)
+
+
+def test_sampling_filters_follow_sglang_and_logprobs_are_not_renormalized():
+    """top-p on the cumulative sum of the FULL distribution (not renormalised after top-k), as SGLang does;
+    the returned log-prob is log_softmax(logits / T) of the sampled token, whatever the filters kept."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log() * 2.0  # temperature 2 gives back ``probs``
+    gen = torch.Generator().manual_seed(0)
+    # top_k=2 then top_p=0.55: SGLang keeps {0, 1} (0.5 < 0.55); renormalising after top-k would keep {0}
+    draws = [sample_next_token(logits, {"temperature": 2.0, "top_k": 2, "top_p": 0.55}, gen) for _ in range(300)]
+    assert {t for t, _ in draws} == {0, 1}
+    for t, lp in draws:
+        assert lp == pytest.approx(float(probs[t].log()), abs=1e-6)
+    # min_p relative to the largest probability: 0.5 * 0.35 = 0.175 keeps {0, 1}
+    assert {sample_next_token(logits, {"temperature": 2.0, "min_p": 0.35}, gen)[0] for _ in range(300)} == {0, 1}
+    # greedy: argmax, log-prob of the raw logits
+    tok, lp = sample_next_token(logits, {"temperature": 0.0}, gen)
+    assert tok == 0 and lp == pytest.approx(float(torch.log_softmax(logits, -1)[0]), abs=1e-6)
