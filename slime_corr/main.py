@@ -3,9 +3,10 @@
     python -m slime_corr.main --rollout-correction-preset decoupled_seq_is_rs --num-steps 3
 
 Each step: prompts -> rollout (an SGLang server given by `--sglang-url`, else the embedded local engine serving
-the same Megatron GPTModel in bf16 on 127.0.0.1) -> rewards and GRPO advantages -> Megatron micro-batches ->
-`get_forward_backward_func` with the rollout-correction loss (fp32 training forward) -> optimizer step ->
-checkpoint -> `/update_weights_from_disk` on the rollout engine. The mismatch metrics are real: the engine's bf16
+the same Megatron GPTModel in bf16 on 127.0.0.1) on a background event loop, each finished GRPO group streaming
+into a bounded buffer -> the trainer's data iterator takes micro-batches from it as they fill (GRPO advantages,
+padding) -> `get_forward_backward_func` with the rollout-correction loss (fp32 training forward) -> optimizer
+step -> checkpoint -> `/update_weights_from_disk` on the rollout engine. The mismatch metrics are real: the engine's bf16
 log-probs differ from the trainer's fp32 ones. `--self-check` only builds and prints the configuration.
 """
 
@@ -41,7 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--num-steps", type=int, default=3, help="Training steps (rollout + update each).")
     run.add_argument("--prompts-per-step", type=int, default=4, help="Prompts sampled per step.")
     run.add_argument("--n-samples-per-prompt", type=int, default=4, help="GRPO group size.")
-    run.add_argument("--micro-batch-size", type=int, default=8, help="Samples per Megatron micro-batch.")
+    run.add_argument("--micro-batch-size", type=int, default=8,
+                     help="Samples per Megatron micro-batch (a multiple of --n-samples-per-prompt).")
+    run.add_argument("--rollout-buffer-size", type=int, default=None,
+                     help="Samples the rollout may run ahead of training (default: 2 micro-batches).")
     run.add_argument("--max-new-tokens", type=int, default=24, help="Response length cap.")
     run.add_argument("--rollout-temperature", type=float, default=1.0,
                      help="Sampling temperature; the trainer's log-probs use the same.")
@@ -61,6 +65,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, config = parse_rollout_correction_config(parser, argv)
     if args.vocab_size < 128:
         parser.error("--vocab-size must be >= 128: prompts and rewards use ASCII byte tokens.")
+    if args.micro_batch_size % args.n_samples_per_prompt:
+        parser.error(f"--micro-batch-size {args.micro_batch_size} must be a multiple of --n-samples-per-prompt "
+                     f"{args.n_samples_per_prompt}: GRPO groups are not split across micro-batches.")
+    if args.rollout_buffer_size is not None and args.rollout_buffer_size < args.micro_batch_size:
+        parser.error(f"--rollout-buffer-size {args.rollout_buffer_size} must be >= --micro-batch-size "
+                     f"{args.micro_batch_size}.")
     print("rollout correction config:")
     print(config.describe())
     if args.self_check:
@@ -151,6 +161,7 @@ def run(args: argparse.Namespace, config: RolloutCorrectionConfig, work_dir: Pat
     from slime_corr.mcore.cpu_compat import apply_cpu_compat
     from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
     from slime_corr.mcore.model import build_tiny_gpt
+    from slime_corr.rollout.data_iterator import background_event_loop
     from slime_corr.rollout.engine_model import TorchEngineModel
     from slime_corr.rollout.local_engine import start_local_engine
 
@@ -170,46 +181,60 @@ def run(args: argparse.Namespace, config: RolloutCorrectionConfig, work_dir: Pat
             engine_model = TorchEngineModel(ckpt, factory=lambda d: MegatronEngineModule(args, d), dtype=dtype)
             urls = [stack.enter_context(start_local_engine(ckpt, model=engine_model, weight_version="step-0")).url]
             print(f"embedded engine at {urls[0]} ({args.engine_dtype}); trainer in float32")
+        loop = stack.enter_context(background_event_loop())
         for step in range(1, args.num_steps + 1):
-            samples = asyncio.run(_rollout(urls, args, step))
-            metrics = _train_step(model, optimizer, hook, samples, args)
-            reward = sum(s.reward for s in samples) / len(samples)
+            metrics, samples, skipped = _step(model, optimizer, hook, urls, loop, args, step)
+            not_trained = {id(s) for s in skipped}
+            trained = [s.reward for s in samples if id(s) not in not_trained]
+            reward = sum(trained) / max(1, len(trained))
             shown = " ".join(f"{k}={metrics[k]:.4g}" for k in SHOWN_METRICS if k in metrics)
-            print(f"step {step}: samples={len(samples)} reward={reward:.3f} {shown}", flush=True)
+            dropped = f" not_trained={len(skipped)} ({skipped[0].failure_reason})" if skipped else ""
+            print(f"step {step}: samples={len(samples)}{dropped} reward={reward:.3f} {shown}", flush=True)
             ckpt = save_checkpoint(model.module, work_dir / f"step-{step}")
-            asyncio.run(_sync_weights(urls, ckpt, f"step-{step}"))
+            asyncio.run_coroutine_threadsafe(_sync_weights(urls, ckpt, f"step-{step}"), loop).result()
     ps.destroy_model_parallel()
 
 
-async def _rollout(urls: list[str], args: argparse.Namespace, step: int) -> list[Any]:
-    from slime_corr.rollout.client import SGLangClient
-    from slime_corr.rollout.rollout import generate_group_samples
-    from slime_corr.rollout.sample import SampleStatus
+def _step(model: Any, optimizer: Any, hook: Any, urls: list[str], loop: Any, args: argparse.Namespace,
+          step: int) -> tuple[dict, list[Any], list[Any]]:
+    """One RL step: the rollout streams samples into a buffer while the data iterator builds micro-batches."""
+    from slime_corr.rollout.buffer import BufferClosed, SampleBuffer
+    from slime_corr.rollout.data_iterator import BufferMicroBatchIterator
 
-    params = {"max_new_tokens": args.max_new_tokens, "temperature": args.rollout_temperature}
-    async with SGLangClient(urls) as client:
-        samples = await generate_group_samples(
-            client, make_prompts(step, args.prompts_per_step), args.n_samples_per_prompt, params,
-            stream=True, reward_fn=reward_lowercase, group_id_offset=step * args.prompts_per_step,
-        )
-    failed = [s for s in samples if s.status == SampleStatus.FAILED]
-    if failed:
-        raise RuntimeError(f"{len(failed)} rollout sample(s) failed, first: {failed[0].failure_reason}")
-    return samples
-
-
-def _train_step(model: Any, optimizer: Any, hook: Any, samples: list[Any], args: argparse.Namespace) -> dict:
-    from slime_corr.rollout.batching import grpo_advantages, micro_batch_iterator
-
-    advantages = grpo_advantages(samples)
-    micro_batches = list(micro_batch_iterator(samples, args.micro_batch_size, advantages))
+    num_samples = args.prompts_per_step * args.n_samples_per_prompt
+    buffer = SampleBuffer(maxsize=args.rollout_buffer_size or 2 * args.micro_batch_size)
+    rollout = asyncio.run_coroutine_threadsafe(_rollout(urls, args, step, buffer), loop)
+    data = BufferMicroBatchIterator(buffer, loop, num_samples, args.micro_batch_size,
+                                    group_size=args.n_samples_per_prompt)
+    # Decoupled mode runs two passes (pi_old recompute, then training) over the step's micro-batches: keep them.
+    try:
+        micro_batches = list(data)
+    except BufferClosed:  # the rollout ended early: raise its own error
+        rollout.result()
+        raise
+    rollout.result()
     model.zero_grad_buffer()
     optimizer.zero_grad(set_to_none=True)
     metrics = hook.train_step(model, micro_batches)
     for p in model.parameters():  # Megatron DDP accumulates into main_grad; torch.optim reads .grad
         p.grad = p.main_grad.to(p.dtype)
     optimizer.step()
-    return metrics
+    return metrics, data.samples, data.skipped
+
+
+async def _rollout(urls: list[str], args: argparse.Namespace, step: int, buffer: Any) -> None:
+    from slime_corr.rollout.client import SGLangClient
+    from slime_corr.rollout.rollout import generate_group_samples
+
+    params = {"max_new_tokens": args.max_new_tokens, "temperature": args.rollout_temperature}
+    try:
+        async with SGLangClient(urls) as client:
+            await generate_group_samples(
+                client, make_prompts(step, args.prompts_per_step), args.n_samples_per_prompt, params, stream=True,
+                reward_fn=reward_lowercase, group_id_offset=step * args.prompts_per_step, buffer=buffer,
+            )
+    finally:
+        await buffer.close()  # a trainer still waiting for samples then fails instead of hanging
 
 
 async def _sync_weights(urls: list[str], checkpoint_dir: str, version: str) -> None:
