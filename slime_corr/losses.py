@@ -27,7 +27,6 @@ from slime_corr.correction.reductions import (
     cp_first,
     global_sum,
     group_size,
-    masked_mean,
     seq_sums,
     valid_mask,
 )
@@ -50,6 +49,7 @@ class LossInputs:
     advantages: Tensor
     loss_mask: Tensor
     weights: Tensor | None
+    count: Tensor | None = None  # Σ loss_mask (local)
     metrics: dict[str, Tensor] = field(default_factory=dict)
 
 
@@ -65,18 +65,22 @@ class PolicyLossOutput:
 @LOSS_FUNCTIONS.register("ppo")
 def ppo_loss(inputs: LossInputs, config: RolloutCorrectionConfig) -> Tensor:
     """Clipped PPO (asymmetric ε, optional dual clip), times the IS weight when given."""
-    a = inputs.advantages
+    neg_a = -inputs.advantages
     log_ratio = (inputs.log_probs - inputs.old_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = log_ratio.exp()
     low, high = config.clip_range
-    loss1 = -a * ratio
-    loss2 = -a * ratio.clamp(low, high)
+    loss1 = neg_a * ratio
+    loss2 = neg_a * ratio.clamp(low, high)
     loss = torch.maximum(loss1, loss2)
     if config.eps_clip_c is not None:
-        loss = torch.where(a < 0, torch.minimum(loss, -a * config.eps_clip_c), loss)
-    mask = inputs.loss_mask
-    inputs.metrics["pg_clipfrac"] = masked_mean((loss2 > loss1).to(ratio.dtype), mask).detach()
-    inputs.metrics["ppo_kl"] = masked_mean(-log_ratio.detach(), mask)
+        loss = torch.where(neg_a > 0, torch.minimum(loss, neg_a * config.eps_clip_c), loss)
+    # inputs are 0 outside the mask, so there loss1 = loss2 = 0 and log_ratio = 0: plain sums suffice
+    n = inputs.count if inputs.count is not None else inputs.loss_mask.sum()
+    n = n.clamp_min(1).to(ratio.dtype)
+    inputs.metrics["pg_clipfrac"] = ((loss2 > loss1).sum() / n).detach()
+    inputs.metrics["ppo_kl"] = -log_ratio.detach().sum() / n
+    if not config.use_rollout_logprobs:  # decoupled: the on-policy ratio pi_theta / pi_old ("ois" of the references)
+        inputs.metrics["ois"] = (ratio.detach() - 1.0).sum() / n + 1.0  # ratio = 1 outside the mask
     return loss if inputs.weights is None else loss * inputs.weights
 
 
@@ -87,8 +91,7 @@ def reinforce_loss(inputs: LossInputs, config: RolloutCorrectionConfig) -> Tenso
     return loss if inputs.weights is None else loss * inputs.weights
 
 
-def _bool(mask_bool: Tensor | None, mask: Tensor) -> Tensor:
-    return mask_bool if mask_bool is not None else valid_mask(mask)
+BUILTIN_LOSSES = (ppo_loss, reinforce_loss)  # per-token losses known to be 0 outside the (sanitized) mask
 
 
 def compute_policy_loss(
@@ -129,31 +132,35 @@ def compute_policy_loss(
         correction = compute_rollout_correction(
             lp_train, rollout_log_probs, loss_mask, config, cp_group=cp_group, dp_group=dp_group
         )
+    dtype = log_probs.dtype
     if correction is not None and config.use_rollout_correction:
-        mask = _bool(correction.mask_bool, correction.loss_mask)
-        den_mask = _bool(correction.denominator_mask_bool, correction.denominator_mask)
+        mask_f = correction.loss_mask.to(dtype)
+        den_mask = correction.denominator_mask
         weights = correction.weights
     else:
-        mask = den_mask = valid_mask(loss_mask)
+        den_mask = valid_mask(loss_mask)
+        mask_f = den_mask.to(dtype)
         weights = None
 
     old = old_log_probs.detach()
-    finite = (log_probs.detach() - old + advantages.detach()).isfinite()  # one pass; an overflow also drops
-    ok = mask & finite
-    dtype = log_probs.dtype
-    zero = torch.zeros((), dtype=dtype, device=log_probs.device)
-    # Sanitize BEFORE the loss math so neither the value nor the gradient can see a NaN/inf.
+    adv = advantages.detach()
+    finite = (log_probs.detach() - old + adv).isfinite()  # one pass; an overflow also drops
+    okf = mask_f * finite.to(dtype)
+    # Sanitize BEFORE the loss math (nan_to_num x mask) so neither the value nor the gradient sees a NaN/inf;
+    # every input is then finite and 0 outside the mask, so the built-in per-token losses are 0 there too.
     inputs = LossInputs(
-        log_probs=torch.where(ok, log_probs, zero),
-        old_log_probs=torch.where(ok, old, zero),
+        log_probs=torch.nan_to_num(log_probs, 0.0, 0.0, 0.0) * okf,
+        old_log_probs=torch.nan_to_num(old, 0.0, 0.0, 0.0).mul_(okf),
         rollout_log_probs=rollout_log_probs,
-        advantages=torch.where(ok, advantages.detach(), zero),
-        loss_mask=ok,
-        weights=None if weights is None else torch.where(ok, weights.detach().to(dtype), zero),
+        advantages=torch.nan_to_num(adv, 0.0, 0.0, 0.0).mul_(okf),
+        loss_mask=okf > 0,
+        weights=None if weights is None else weights.detach().to(dtype) * okf,
+        count=okf.sum(),
     )
     fn = loss_fn if callable(loss_fn) else LOSS_FUNCTIONS.get(loss_fn or config.loss_type, flag="--loss-type")
     token_loss = fn(inputs, config)
-    masked = torch.where(ok, token_loss, zero)
+    zero = torch.zeros((), dtype=dtype, device=log_probs.device)
+    masked = token_loss if fn in BUILTIN_LOSSES else torch.where(inputs.loss_mask, token_loss, zero)
 
     mode = config.loss_agg_mode
     has_groups = group_size(cp_group) > 1 or group_size(dp_group) > 1
@@ -186,7 +193,7 @@ def compute_policy_loss(
     metrics: dict[str, Tensor] = dict(correction.metrics) if correction is not None else {}
     metrics.update(inputs.metrics)
     metrics["pg_loss"] = loss.detach()
-    metrics["pg_nonfinite_token_count"] = (mask & ~finite).sum().to(torch.float64)
+    metrics["pg_nonfinite_token_count"] = (mask_f.sum() - inputs.count).to(torch.float64)
     return PolicyLossOutput(
         loss=loss, loss_sum=loss_sum, denominator=denominator, metrics=metrics, correction=correction
     )

@@ -83,15 +83,17 @@ def compute_rollout_correction(
     lp_t = log_probs.detach().to(dtype)
     lp_r = rollout_log_probs.detach().to(dtype)
     zero = torch.zeros((), dtype=dtype, device=lp_t.device)
-
-    diff = lp_t - lp_r
-    # NaN/inf in either input or in the difference; |lr| >= 1e30 also counts (row sums must not overflow)
-    ok_tok = valid & (diff.abs() < MAX_ABS_LOG_RATIO)
-    lr = torch.where(ok_tok, diff, zero)
-    columns = [valid, ok_tok, lr, torch.where(ok_tok, lp_t, zero), torch.where(ok_tok, lp_r, zero)]
+    # A valid token is usable ("ok") when lr = lp_t - lp_r is finite; |lr| >= 1e30 also counts as non-finite (row
+    # sums must not overflow). Inputs are sanitized with nan_to_num x float mask: no full-size torch.where.
+    ok_tok = valid & ((lp_t - lp_r).abs() < MAX_ABS_LOG_RATIO)
+    okf = ok_tok.to(dtype)
+    lpt0 = torch.nan_to_num(lp_t, 0.0, 0.0, 0.0).mul_(okf)  # lp_t at ok tokens, 0 elsewhere
+    lpr0 = torch.nan_to_num(lp_r, 0.0, 0.0, 0.0).mul_(okf)
+    lr = lpt0 - lpr0  # finite everywhere, 0 outside ok
+    columns = [valid, okf, lr, lpt0, lpr0]
     veto = correct and config.rs_veto_threshold is not None
-    if veto:
-        columns.append(ok_tok & (lr < math.log(config.rs_veto_threshold)))
+    if veto:  # log C < 0 and lr = 0 outside ok, so no extra mask is needed
+        columns.append(lr < math.log(config.rs_veto_threshold))
     fn = weight_function(config) if correct else None
     is_default = fn is default_weights
     token_rs = is_default and config.use_rs and config.rs_level == "token"
@@ -103,10 +105,9 @@ def compute_rollout_correction(
     # a non-finite token, or whole-sequence sums that overflowed
     seq_bad = (n_ok < n_orig) | ~(s_lr.isfinite() & s_lpt.isfinite() & s_lpr.isfinite())
     seq_ok = (n_orig > 0) & ~seq_bad
+    good = (~seq_bad).to(dtype).unsqueeze(-1)  # [B, 1]
     n_seq = torch.where(seq_bad, torch.zeros_like(n_ok), n_ok)
     s_lr = torch.where(seq_bad, torch.zeros_like(s_lr), s_lr)
-    mask_ok = ok_tok & ~seq_bad.unsqueeze(-1)
-    lr = lr * (~seq_bad).unsqueeze(-1).to(dtype)  # lr is finite everywhere, so multiplying is safe
 
     cp0 = cp_first(cp_group)
     stats = BatchStats()
@@ -116,72 +117,86 @@ def compute_rollout_correction(
     stats.add_sum("n_valid_seq", _count(n_orig > 0, cp0))
     stats.add_sum("n_bad_tok", _count(torch.where(seq_bad, n_orig - n_ok, torch.zeros_like(n_ok)), cp0))
     stats.add_sum("n_bad_seq", _count(seq_bad, cp0))
-    M.add_token_mismatch(stats, lr, lp_t, lp_r, mask_ok)
+    M.add_token_mismatch(stats, lr, lpt0, lpr0, okf, good.squeeze(-1))
     M.add_seq_mismatch(stats, seq_ok, n_seq, s_lpt, s_lpr, s_lr, cp0)
 
     weights: Tensor | None = None
-    final = mask_ok
+    final_f = okf  # float 0/1 mask after rejection and veto: final_f = tok_f x row_f, built once below
     n_final = n_seq
+    w_seq: Tensor | None = None  # built-in sequence/geometric IS: the bounded weight of each sequence [B]
     fn_metrics: dict[str, Tensor] = {}
     if correct:
-        inputs = WeightInputs(
-            log_ratio=lr,
-            loss_mask=mask_ok,
+        tok_f, row_f = okf, good  # [B, S] token keep, [B, 1] sequence keep (non-finite, RS, veto)
+        custom = not is_default
+        inputs = WeightInputs(  # a custom function sees bad sequences removed; the built-in one needs only [B]
+            log_ratio=lr * good if custom else lr,
+            loss_mask=(okf * good) > 0 if custom else okf,
             seq_log_ratio_sum=s_lr,
             seq_token_count=n_seq,
             cp_group=cp_group,
             dp_group=dp_group,
         )
-        out = fn(inputs, config)
-        fn_metrics = dict(out.metrics)
-        fn_mask = valid_mask(out.loss_mask) & mask_ok
-        if is_default:  # whole-sequence counts of the RS mask follow from the sums already reduced
+        lower, upper = config.tis_bounds
+        if is_default:
+            # `default_weights` evaluated in place from the same helpers, without materializing [B, S] copies of
+            # per-sequence quantities; its whole-sequence RS counts follow from the sums already reduced
             n_fn = torch.where(seq_bad, torch.zeros_like(n_seq), seq[:, -1]) if token_rs else n_seq
-            if config.use_rs and config.rs_level != "token":
-                n_fn = torch.where(rs_keep(inputs, config).squeeze(-1), n_fn, torch.zeros_like(n_fn))
+            if config.use_rs:
+                keep = rs_keep(inputs, config)
+                if token_rs:
+                    tok_f = okf * keep.to(dtype)
+                else:
+                    row_f = row_f * keep.to(dtype)
+                    n_fn = torch.where(keep.squeeze(-1), n_fn, torch.zeros_like(n_fn))
+            w_out = raw_out = None
+            if config.use_tis:
+                raw_out = raw_is_weights(inputs, config)
+                w_out = bound_weights(raw_out, config.effective_tis_mode, lower, upper)
         else:  # a custom mask is arbitrary: one extra CP collective for its per-sequence counts
+            out = fn(inputs, config)
+            fn_metrics = dict(out.metrics)
+            fn_mask = valid_mask(out.loss_mask) & inputs.loss_mask
             n_fn = seq_sums([fn_mask], cp_group)[:, 0]
-        final = fn_mask
+            tok_f = fn_mask.to(dtype)
+            w_out = None if out.weights is None else out.weights.detach().to(dtype)
+            raw_out = None if out.raw_weights is None else out.raw_weights.detach().to(dtype)
         n_final = n_fn
         if veto:
             vetoed = seq[:, 5] > 0
-            final = fn_mask & ~vetoed.unsqueeze(-1)
+            row_f = row_f * (~vetoed).to(dtype).unsqueeze(-1)
             n_final = torch.where(vetoed, torch.zeros_like(n_fn), n_fn)
             stats.add_sum("n_cat_tok", _count(torch.where(seq_ok, seq[:, 5], torch.zeros_like(n_fn)), cp0))
             stats.add_sum("n_cat_seq", _count(vetoed & seq_ok, cp0))
+        final_f = tok_f * row_f
         stats.add_sum("n_fn_tok", _count(n_fn, cp0))
         stats.add_sum("n_fn_seq_rej", _count(seq_ok & (n_fn == 0), cp0))
         stats.add_sum("n_final_tok", _count(n_final, cp0))
         stats.add_sum("n_final_seq_rej", _count((n_orig > 0) & (n_final == 0), cp0))
 
-        if out.weights is not None:
-            w = out.weights.detach().to(dtype)
-            final_w = final if is_default else final & w.isfinite()  # built-in weights are finite
-            weights = torch.where(final_w, w, zero)
-            lower, upper = config.tis_bounds
-            if is_default and config.tis_level != "token":
-                # constant along each sequence: statistics on [B], each sequence counted once
-                w_raw = raw_is_weights(inputs, config).squeeze(-1)
-                w_seq = bound_weights(w_raw, config.effective_tis_mode, lower, upper)
-                M.add_weight_stats(stats, w_seq, (n_final > 0).to(dtype) * cp0, n_final > 0)
-                M.add_raw_weight_stats(stats, w_raw, seq_ok.to(dtype) * cp0, lower, upper)
+        if w_out is not None and is_default and config.tis_level != "token":
+            # constant along each sequence: statistics on [B], each sequence counted once
+            w_seq = w_out.squeeze(-1)
+            M.add_weight_stats(stats, w_seq, (n_final > 0).to(dtype) * cp0, n_final > 0)
+            M.add_raw_weight_stats(stats, raw_out.squeeze(-1), seq_ok.to(dtype) * cp0, lower, upper)
+        elif w_out is not None:
+            if is_default:  # built-in weights are finite
+                weights, final_w = w_out * final_f, final_f
             else:
-                unit = final_w.to(dtype)
+                contributing = (final_f > 0) & w_out.isfinite()
+                weights, final_w = torch.where(contributing, w_out, zero), contributing.to(dtype)
+            unit = final_w
+            if config.tis_level != "token":
+                unit = unit / n_final.clamp_min(1).unsqueeze(-1)
+            M.add_weight_stats(stats, weights, unit, final_w > 0)
+            if raw_out is not None:
+                unit0 = okf * good
                 if config.tis_level != "token":
-                    unit = unit / n_final.clamp_min(1).unsqueeze(-1)
-                M.add_weight_stats(stats, weights, unit, final_w)
-                if out.raw_weights is not None:
-                    raw = torch.where(mask_ok, out.raw_weights.detach().to(dtype), zero)
-                    unit0 = mask_ok.to(dtype)
-                    if config.tis_level != "token":
-                        unit0 = unit0 / n_seq.clamp_min(1).unsqueeze(-1)
-                    M.add_raw_weight_stats(stats, raw, unit0, lower, upper)
+                    unit0 = unit0 / n_seq.clamp_min(1).unsqueeze(-1)
+                M.add_raw_weight_stats(stats, torch.nan_to_num(raw_out, 0.0, 0.0, 0.0) * unit0, unit0, lower, upper)
 
     keep_den = not correct or config.rs_keep_loss_denominator
-    loss_bool = final if correct else valid
-    den_bool = valid if keep_den else final
-    final_mask = loss_bool.to(torch.float32)
-    den_mask = final_mask if den_bool is loss_bool else den_bool.to(torch.float32)
+    final_mask = final_f.to(torch.float32) if correct else valid.to(torch.float32)
+    den_mask = valid.to(torch.float32) if correct and keep_den else final_mask
     n_den = n_orig if keep_den else n_final
     stats.add_sum("g_tok", _count(n_den, cp0))
     stats.add_sum("g_seq", _count(n_den > 0, cp0))
@@ -207,11 +222,15 @@ def compute_rollout_correction(
         metrics["mis_all_rejected"] = (r["n_final_tok"] == 0).to(torch.float64)
         if "raw_u" in r:
             metrics.update(M.finalize_raw_weight(r, config.effective_tis_mode))
-        if weights is not None:
+        if "w_u" in r:
             factor = None
             if config.tis_batch_normalize:
                 mean = M._div(r["w_uw"], r["w_u"])
                 factor = torch.where(mean > BATCH_NORM_MIN_MEAN, mean, torch.ones_like(mean))
+            if w_seq is not None:  # one [B, S] pass: per-sequence weight (normalized) x final mask
+                w_col = w_seq if factor is None else w_seq / factor.to(dtype)
+                weights = w_col.unsqueeze(-1) * final_f
+            elif factor is not None:
                 weights = weights / factor.to(dtype)
             metrics.update(M.finalize_weight(r, factor))
     metrics.update(fn_metrics)
@@ -219,8 +238,6 @@ def compute_rollout_correction(
         weights=weights,
         loss_mask=final_mask,
         denominator_mask=den_mask,
-        mask_bool=loss_bool,
-        denominator_mask_bool=den_bool,
         metrics=metrics,
         seq_token_count=n_den,
         global_token_count=r["g_tok"],

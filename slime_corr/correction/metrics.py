@@ -71,25 +71,34 @@ def _div(num: Tensor, den: Tensor) -> Tensor:
     return num / den.clamp_min(1e-30) if den.dtype.is_floating_point else num / den.clamp_min(1)
 
 
-def add_token_mismatch(stats: BatchStats, lr: Tensor, lp_train: Tensor, lp_rollout: Tensor, mask: Tensor) -> None:
-    """Token-level sums; `lr` is 0 outside the bool `mask`, lp_* may hold anything there."""
+def add_token_mismatch(
+    stats: BatchStats, lr: Tensor, lp_train: Tensor, lp_rollout: Tensor, mask: Tensor, row_weight: Tensor
+) -> None:
+    """Token-level sums over the float 0/1 `mask` of finite tokens (`lr`, `lp_*` finite and 0 outside it), of the
+    rows with `row_weight` [B] = 1 (0 excludes a sequence; applied to row sums, not to [B, S] tensors).
+
+    k3 = exp(x) - x - 1 and chi2 = exp(2x) - 1 use expm1 (no cancellation for small x); both vanish at x = 0.
+    """
+    rw = row_weight.to(torch.float64)
+
+    def total(v: Tensor) -> Tensor:
+        return (v.to(torch.float64) * rw).sum()
+
     x = lr.clamp(-20.0, 20.0)
-    e = x.exp()
-    stats.add_sum("tok_neg_lr", -_total(lr))
-    stats.add_sum("tok_k3", _total((e - x) - 1.0))
-    stats.add_sum("tok_chi2", _total(torch.addcmul(e.new_tensor(-1.0), e, e)))  # exp(2x) - 1, 0 at padding
-    stats.add_sum("tok_abs_lr", _total(lr.abs()))
-    neg_inf = torch.tensor(-math.inf, dtype=lp_train.dtype, device=lp_train.device)
-    # 0 outside the mask; the clamp only touches invalid log-probs (> 20) so that squares stay finite
-    p_t = torch.where(mask, lp_train, neg_inf).clamp_(max=LOG_PROB_CLAMP).exp_()
-    p_r = torch.where(mask, lp_rollout, neg_inf).clamp_(max=LOG_PROB_CLAMP).exp_()
-    d = (p_t - p_r).abs()
-    stats.add_sum("tok_d", _total(d))
-    stats.add_sum("tok_d2", _total(torch.linalg.vecdot(d, d)))
-    stats.add_max("tok_d_max", d.max() if d.numel() else torch.zeros(()))
+    e1 = x.expm1()
+    stats.add_sum("tok_neg_lr", -total(lr.sum(-1)))
+    stats.add_sum("tok_k3", total((e1 - x).sum(-1)))
+    stats.add_sum("tok_chi2", total(torch.linalg.vecdot(e1, e1 + 2.0)))  # e1·(e1 + 2) = exp(2x) - 1
+    stats.add_sum("tok_abs_lr", total(lr.abs().sum(-1)))
+    # the clamp only touches invalid log-probs (> 20) so that squares stay finite; x mask: 0 outside it
+    p_t = lp_train.clamp(max=LOG_PROB_CLAMP).exp_().mul_(mask)
+    p_r = lp_rollout.clamp(max=LOG_PROB_CLAMP).exp_().mul_(mask)
+    d = (p_t - p_r).abs_()
+    stats.add_sum("tok_d", total(d.sum(-1)))
+    stats.add_sum("tok_d2", total(torch.linalg.vecdot(d, d)))
+    stats.add_max("tok_d_max", (d.amax(-1) * rw).max() if d.numel() else torch.zeros(()))  # d >= 0
     for name, a, b in (("pt", p_t, None), ("pr", p_r, None), ("pt2", p_t, p_t), ("pr2", p_r, p_r), ("ptr", p_t, p_r)):
-        value = _total(a) if b is None else _total(torch.linalg.vecdot(a, b))
-        stats.add_sum(f"tok_{name}", value)
+        stats.add_sum(f"tok_{name}", total(a.sum(-1) if b is None else torch.linalg.vecdot(a, b)))
 
 
 def add_seq_mismatch(

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from slime_corr.config import RolloutCorrectionConfig as C
-from slime_corr.correction import metrics_to_host
+from slime_corr.correction import compute_rollout_correction, metrics_to_host
 from slime_corr.losses import compute_policy_loss
 
 WORLD = 4
@@ -45,6 +45,45 @@ def zigzag_index(cp_rank: int, cp: int) -> torch.Tensor:
     c = S // (2 * cp)
     chunks = (cp_rank, 2 * cp - 1 - cp_rank)
     return torch.cat([torch.arange(k * c, (k + 1) * c) for k in chunks])
+
+
+class CountingAllReduce:
+    """Wraps the real `dist.all_reduce` (the collective still runs) and counts calls per process group."""
+
+    def __init__(self) -> None:
+        self.real = dist.all_reduce
+        self.calls: list[object] = []
+
+    def __call__(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        self.calls.append(group)
+        return self.real(tensor, op=op, group=group, async_op=async_op)
+
+    def count(self, group) -> int:
+        return sum(g is group for g in self.calls)
+
+
+def _check_collective_count(cfg, agg, sl, y, old, ro, adv, mask, cp_group, dp_group, cp, dp, tag) -> None:
+    """Per call: ONE all_reduce over CP for all sequence sums, plus one SUM and one MAX per group for the batch
+    statistics; the loss adds none (it uses the correction's global counts)."""
+    counter = CountingAllReduce()
+    dist.all_reduce = counter
+    try:
+        if cfg.computes_metrics:
+            compute_rollout_correction(sl(old), sl(ro), sl(mask), cfg, cp_group=cp_group, dp_group=dp_group)
+            assert counter.count(cp_group) == (3 if cp > 1 else 0), tag
+            assert counter.count(dp_group) == (2 if dp > 1 else 0), tag
+            assert len(counter.calls) == (3 if cp > 1 else 0) + (2 if dp > 1 else 0), tag
+            counter.calls.clear()
+            compute_policy_loss(sl(y), sl(old), sl(ro), sl(adv), sl(mask), cfg, cp_group=cp_group, dp_group=dp_group)
+            assert counter.count(cp_group) == (3 if cp > 1 else 0), tag
+            assert counter.count(dp_group) == (2 if dp > 1 else 0), tag
+        else:  # no correction: per-sequence counts (seq-mean-*) over CP, then the global denominator
+            compute_policy_loss(sl(y), sl(old), sl(ro), sl(adv), sl(mask), cfg, cp_group=cp_group, dp_group=dp_group)
+            seq_level = agg != "token-mean"
+            assert counter.count(cp_group) == ((1 + seq_level) if cp > 1 else 0), tag
+            assert counter.count(dp_group) == (1 if dp > 1 else 0), tag
+    finally:
+        dist.all_reduce = counter.real
 
 
 def _worker(rank: int, store_path: str) -> None:
@@ -89,6 +128,7 @@ def _worker(rank: int, store_path: str) -> None:
                 assert set(got) == set(want), tag
                 for k, v in want.items():
                     assert abs(got[k] - v) <= 1e-9 * max(1.0, abs(v)), f"{tag} {k}: {got[k]} != {v}"
+            _check_collective_count(cfg, agg, sl, lp, old, ro, adv, mask, cp_groups[d], dp_groups[c], cp, dp, tag)
     dist.destroy_process_group()
 
 

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slime_corr.config import RolloutCorrectionConfig as C
+from slime_corr.correction import metrics_to_host
 from slime_corr.losses import compute_policy_loss
 
 AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -60,27 +61,61 @@ def test_dual_clip_hand_computed():
     assert compute_policy_loss(lp, z, None, a, m, C()).loss.item() == pytest.approx(math.exp(2.0))
 
 
-def test_gradients_match_analytic_and_weights_carry_none():
-    lp, old, ro, adv, mask = _batch(2)
-    # decoupled token IS: d/dlp of w·(-A r) = -A r w on unclipped tokens, 0 on clipped ones
-    cfg = C.preset("decoupled_token_is")
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000), level=st.sampled_from(("token", "sequence", "geometric")), bypass=st.booleans(), norm=st.booleans())
+def test_gradients_match_analytic_and_weights_carry_none(seed, level, bypass, norm):
+    """d loss / d lp against the analytic formula with w treated as a constant (token-mean, N valid tokens).
+
+    pg_is (bypass REINFORCE): w is computed from lp.detach(), so d/dlp (-A·lp·w) = -A·w exactly; a weight that
+    carried gradient (through the whole sequence at sequence/geometric level) would add terms.
+    Decoupled PPO with IS: d/dlp (w·max(-A r, -A clip(r))) = -A·r·w on unclipped tokens, 0 on clipped ones.
+    """
+    lp, old, ro, adv, mask = _batch(seed)
+    is_kw = dict(use_tis=True, tis_level=level, tis_batch_normalize=norm)
+    cfg = C(use_rollout_logprobs=True, loss_type="reinforce", **is_kw) if bypass else C(**is_kw)
     x = lp.clone().requires_grad_()
-    out = compute_policy_loss(x, old, ro, adv, mask, cfg)
+    out = compute_policy_loss(x, None if bypass else old, ro, adv, mask, cfg)
     out.loss.backward()
     w = out.correction.weights
-    r = (lp - old).exp()
-    lo, hi = cfg.clip_range
-    unclipped = ~(((adv > 0) & (r > hi)) | ((adv < 0) & (r < lo)))
-    expected = torch.where(mask & unclipped, -adv * r * w, torch.zeros_like(r)) / mask.sum()
-    torch.testing.assert_close(x.grad, expected)
-    # pg_is: w is computed from lp.detach(), so d/dlp of -A·lp·w = -A·w exactly
-    cfg = C.preset("pg_is")
-    x = lp.clone().requires_grad_()
-    out = compute_policy_loss(x, None, ro, adv, mask, cfg)
-    out.loss.backward()
-    expected = torch.where(mask, -adv * out.correction.weights, torch.zeros_like(lp)) / mask.sum()
-    torch.testing.assert_close(x.grad, expected)
-    assert out.correction.weights.requires_grad is False
+    assert w.requires_grad is False and w.grad_fn is None
+    if bypass:
+        per_token = -adv * w
+    else:
+        r = (lp - old).exp()
+        lo, hi = cfg.clip_range
+        unclipped = ~(((adv > 0) & (r > hi)) | ((adv < 0) & (r < lo)))
+        per_token = torch.where(unclipped, -adv * r * w, torch.zeros_like(r))
+    expected = torch.where(mask, per_token, torch.zeros_like(lp)) / max(int(mask.sum()), 1)
+    torch.testing.assert_close(x.grad, expected, rtol=1e-12, atol=1e-15)
+
+
+def test_asymmetric_clip_hand_computed():
+    # ratios e^0.5 = 1.6487 (A=+1), e^-0.5 = 0.6065 (A=-1), 1.1 (A=+2); eps 0.2 / eps_high 0.28
+    lp = torch.tensor([[0.5, -0.5, math.log(1.1)]], dtype=torch.float64)
+    z = torch.zeros_like(lp)
+    a = torch.tensor([[1.0, -1.0, 2.0]], dtype=torch.float64)
+    m = torch.ones(1, 3, dtype=torch.bool)
+    asym = compute_policy_loss(lp, z, None, a, m, C(eps_clip_high=0.28)).loss.item()
+    assert asym == pytest.approx((-1.28 + 0.8 - 2.2) / 3)  # max(-1.6487, -1.28), max(0.6065, 0.8), -2.2
+    sym = compute_policy_loss(lp, z, None, a, m, C()).loss.item()
+    assert sym == pytest.approx((-1.2 + 0.8 - 2.2) / 3)
+
+
+@pytest.mark.parametrize(
+    "agg,keep,drop",
+    [("token-mean", -6 / 5, -6 / 3), ("seq-mean-token-sum", -6 / 2, -6 / 1), ("seq-mean-token-mean", -2 / 2, -2 / 1)],
+)
+def test_rs_keep_loss_denominator_hand_computed(agg, keep, drop):
+    # ratio 1 everywhere, so the per-token loss is -A; RS (sequence, U=1.4) rejects sequence 1 (ratio 1.5)
+    old = torch.full((2, 4), -1.0, dtype=torch.float64)
+    ro = old.clone()
+    ro[1, 0] -= math.log(1.5)
+    adv = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 5.0, 9.0, 9.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    cfg = C(use_rs=True, rs_level="sequence", rs_upper_bound=1.4, loss_agg_mode=agg)
+    for keep_den, expected in ((True, keep), (False, drop)):
+        out = compute_policy_loss(old, old, ro, adv, mask, cfg.replace(rs_keep_loss_denominator=keep_den))
+        assert out.loss.item() == pytest.approx(expected)
 
 
 @settings(max_examples=25, deadline=None)
@@ -114,29 +149,48 @@ def test_metrics_only_is_bitwise_plain(seed, agg, bypass, float_mask):
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 
-@pytest.mark.parametrize("agg", AGG)
-@pytest.mark.parametrize("preset", ("decoupled_seq_is_rs", "pg_is", "decoupled_token_is"))
-def test_padding_and_microbatch_invariance(preset, agg):
-    lp, old, ro, adv, mask = _batch(3, B=8, S=10)
-    cfg = C.preset(preset, loss_agg_mode=agg, tis_batch_normalize=False)
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    preset=st.sampled_from(("decoupled_seq_is_rs", "decoupled_geo_rs", "pg_is", "pg_rs", "decoupled_token_is")),
+    agg=st.sampled_from(AGG),
+    pad_len=st.integers(1, 7),
+    cuts=st.lists(st.integers(1, 7), min_size=1, max_size=3, unique=True),
+)
+def test_padding_and_microbatch_invariance(seed, preset, agg, pad_len, cuts):
+    lp, old, ro, adv, mask = _batch(seed, B=8, S=10)
+    extra = {"rs_upper_bound": 1.5} if "rs" in preset else {}
+    cfg = C.preset(preset, loss_agg_mode=agg, tis_batch_normalize=False, **extra)
     kw = dict(seq_length_for_norm=16)
     x = lp.clone().requires_grad_()
     full = compute_policy_loss(x, old, ro, adv, mask, cfg, **kw)
     full.loss.backward()
-    # padding: 6 extra padded columns (with garbage) change nothing
-    pad = lambda t, v: torch.cat([t, torch.full((t.shape[0], 6), v, dtype=t.dtype)], dim=1)  # noqa: E731
+    # padding: extra padded columns holding garbage change nothing (loss, gradient, weights, masks, metrics)
+    pad = lambda t, v: torch.cat([t, torch.full((t.shape[0], pad_len), v, dtype=t.dtype)], dim=1)  # noqa: E731
     y = pad(lp, float("nan")).requires_grad_()
     padded = compute_policy_loss(y, pad(old, 5.0), pad(ro, -float("inf")), pad(adv, 1e30), pad(mask, False), cfg, **kw)
     padded.loss.backward()
-    assert padded.loss.item() == pytest.approx(full.loss.item(), rel=1e-12)
+    assert padded.loss.item() == pytest.approx(full.loss.item(), rel=1e-12, abs=1e-15)
     torch.testing.assert_close(y.grad[:, :10], x.grad)
+    assert (y.grad[:, 10:] == 0).all()
+    assert torch.equal(padded.correction.loss_mask[:, :10], full.correction.loss_mask)
+    if full.correction.weights is not None:
+        torch.testing.assert_close(padded.correction.weights[:, :10], full.correction.weights)
+    got, want = metrics_to_host(padded.metrics), metrics_to_host(full.metrics)
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
     # micro-batches: Σ loss_sum / Σ denominator equals the full-batch loss and gradient
     z = lp.clone().requires_grad_()
-    parts = [compute_policy_loss(z[s], old[s], ro[s], adv[s], mask[s], cfg, **kw) for s in (slice(0, 3), slice(3, 8))]
+    bounds = [0, *sorted(cuts), 8]
+    parts = [
+        compute_policy_loss(z[a:b], old[a:b], ro[a:b], adv[a:b], mask[a:b], cfg, **kw)
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
     den = sum(p.denominator for p in parts)
     total = sum(p.loss_sum for p in parts) / den.clamp_min(1)
     total.backward()
-    assert total.item() == pytest.approx(full.loss.item(), rel=1e-12)
+    assert total.item() == pytest.approx(full.loss.item(), rel=1e-12, abs=1e-15)
     torch.testing.assert_close(z.grad, x.grad)
 
 
@@ -158,9 +212,10 @@ def test_all_rejected_and_all_padding_give_zero(agg):
     scale=st.sampled_from([1.0, 50.0, 1e4]),
     preset=st.sampled_from(PRESETS),
     agg=st.sampled_from(AGG),
-    n_bad=st.integers(0, 4),
+    n_bad=st.integers(0, 5),
+    float_mask=st.booleans(),
 )
-def test_extreme_inputs_never_nan(seed, scale, preset, agg, n_bad):
+def test_extreme_inputs_never_nan(seed, scale, preset, agg, n_bad, float_mask):
     g = torch.Generator().manual_seed(seed)
     B, S = 5, 9
     old = -scale * torch.rand(B, S, generator=g)
@@ -168,12 +223,14 @@ def test_extreme_inputs_never_nan(seed, scale, preset, agg, n_bad):
     lp = (-scale * torch.rand(B, S, generator=g)).requires_grad_()
     adv = scale * torch.randn(B, S, generator=g)
     mask = torch.rand(B, S, generator=g) > 0.4
-    bad = [float("nan"), float("inf"), -float("inf"), 3e38]
-    for k in range(n_bad):
-        i, t = k % B, (k * 3) % S
-        (ro if k % 2 else old)[i, t] = bad[k % 4]
+    bad = [float("nan"), float("inf"), -float("inf"), 3e38, -3e38]
+    with torch.no_grad():
+        for k in range(n_bad):
+            i, t = k % B, (k * 3) % S
+            # log-probs get any of them; advantages only non-finite ones (a finite |A| ~ 1e38 overflows any loss)
+            (ro, old, lp, adv)[k % 4][i, t] = bad[k % 5] if k % 4 != 3 else bad[k % 3]
     cfg = C.preset(preset, loss_agg_mode=agg)
-    out = compute_policy_loss(lp, old, ro, adv, mask, cfg)
+    out = compute_policy_loss(lp, old, ro, adv, mask.float() if float_mask else mask, cfg)
     out.loss.backward()
     assert torch.isfinite(out.loss) and torch.isfinite(lp.grad).all()
     assert all(torch.isfinite(v) for v in out.metrics.values())
@@ -200,3 +257,18 @@ def test_custom_loss_by_name_and_callable():
     assert "ppo" in LOSS_FUNCTIONS.names()
     sq = compute_policy_loss(lp, old, ro, adv, mask, C(), loss_fn=lambda inputs, config: inputs.advantages**2)
     assert sq.loss.item() == pytest.approx((adv**2)[mask].mean().item())
+
+
+def test_custom_loss_by_path(tmp_path):
+    f = tmp_path / "my_loss.py"
+    f.write_text("def abs_adv(inputs, config):\n    return inputs.advantages.abs() + 0 * inputs.log_probs\n")
+    lp, old, ro, adv, mask = _batch(7)
+    x = lp.clone().requires_grad_()
+    out = compute_policy_loss(x, old, ro, adv, mask, C(), loss_fn=f"{f}:abs_adv")
+    assert out.loss.item() == pytest.approx(adv.abs()[mask].mean().item())
+    out.loss.backward()
+    assert (x.grad == 0).all()
+    from slime_corr.config import ConfigError
+
+    with pytest.raises(ConfigError):
+        compute_policy_loss(lp, old, ro, adv, mask, C(), loss_fn="no_such_loss")

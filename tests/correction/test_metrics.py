@@ -104,3 +104,41 @@ def test_all_padding_batch_metrics_are_finite_zero():
     m = metrics_to_host(res.metrics)
     assert all(math.isfinite(v) for v in m.values())
     assert m["mismatch_kl"] == 0.0 and m["mis_valid_token_count"] == 0.0
+
+
+def test_token_level_quantiles_beyond_torch_quantile_limit():
+    # 32k responses x 513 tokens = 16.8M weights > 2**24, where torch.quantile raises; the histogram does not.
+    from slime_corr.correction.metrics import add_weight_stats, finalize_weight
+    from slime_corr.correction.reductions import BatchStats
+
+    B, S = 32768, 513
+    g = torch.Generator().manual_seed(1)
+    w = (0.3 * torch.randn(B, S, generator=g)).exp_()
+    mask = torch.ones(B, S, dtype=torch.bool)
+    mask[:, -13:] = False  # padding is not counted
+    w[~mask] = 0.0
+    with pytest.raises(RuntimeError):
+        torch.quantile(w.reshape(-1), 0.5)
+    stats = BatchStats()
+    add_weight_stats(stats, w, mask.float(), mask)
+    m = metrics_to_host(finalize_weight(stats.reduce(), None))
+    # w = exp(0.3 z), z ~ N(0, 1): quantile q is exp(0.3 Φ⁻¹(q)); sampling error at 16M draws is ~1e-4
+    normal = torch.distributions.Normal(0.0, 1.0)
+    for name, q in (("p10", 0.1), ("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
+        exact = math.exp(0.3 * normal.icdf(torch.tensor(q)).item())
+        assert m[f"mis_weight_{name}"] == pytest.approx(exact, rel=2 * HIST_LOG_RANGE / HIST_BINS), name
+    assert m["mis_weight_max"] == w.max().item() and m["mis_weight_min"] == w[mask].min().item()
+
+
+@pytest.mark.parametrize("level", ("sequence", "geometric"))
+def test_sequence_level_quantiles_match_torch_quantile(level):
+    lp_t, lp_r, mask = _batch(4, B=300, S=12)
+    cfg = C(use_tis=True, tis_level=level, tis_mode="mask", tis_upper_bound=1.3, tis_batch_normalize=True)
+    res = compute_rollout_correction(lp_t, lp_r, mask, cfg)
+    m = metrics_to_host(res.metrics)
+    rows = mask.any(-1)
+    w = res.weights[rows].max(-1).values  # one weight per sequence (0 for masked-out ones)
+    assert m["mis_weight_min"] == pytest.approx(w.min().item()) and m["mis_weight_max"] == pytest.approx(w.max().item())
+    for name, q in (("p10", 0.1), ("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
+        exact = torch.quantile(w, q, interpolation="higher").item()
+        assert m[f"mis_weight_{name}"] == pytest.approx(exact, rel=2 * HIST_LOG_RANGE / HIST_BINS, abs=1e-12), name

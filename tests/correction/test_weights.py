@@ -194,3 +194,107 @@ def test_custom_weight_function_bad_signature(tmp_path):
     f.write_text("def f(x):\n    return x\n")
     with pytest.raises(ConfigError):
         run(C(use_tis=True, custom_tis_function_path=f"{f}:f"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hand-computed grid: every IS level x mode x RS level x veto x batch normalization on one tiny batch.
+# Tokens (valid only): seq 0 ratios [3, 0.25, 1], seq 1 ratios [1.5, 1], seq 2 empty (garbage at padding).
+# IS bounds U = 1.2, L = 1/1.2 = 5/6. Sequence ratios: 0.75 and 1.5; geometric: g0 = 0.75^(1/3), g1 = 1.5^(1/2).
+GRID_LR = torch.tensor(
+    [[math.log(3.0), math.log(0.25), 0.0, 7.0], [math.log(1.5), 0.0, -50.0, 0.0], [float("nan"), 1e4, -1e4, 0.0]],
+    dtype=torch.float64,
+)
+GRID_MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)
+GRID_POS = [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]  # the five valid tokens, in this order
+G0, G1 = 0.75 ** (1 / 3), 1.5**0.5
+L6 = 5 / 6
+HAND_WEIGHTS = {  # (level, mode) -> weight of each valid token, before rejection and normalization
+    ("token", "truncate"): [1.2, 0.25, 1.0, 1.2, 1.0],
+    ("token", "clip"): [1.2, L6, 1.0, 1.2, 1.0],
+    ("token", "mask"): [0.0, 0.0, 1.0, 0.0, 1.0],
+    ("sequence", "truncate"): [0.75, 0.75, 0.75, 1.2, 1.2],
+    ("sequence", "clip"): [L6, L6, L6, 1.2, 1.2],
+    ("sequence", "mask"): [0.0, 0.0, 0.0, 0.0, 0.0],
+    ("geometric", "truncate"): [G0, G0, G0, 1.2, 1.2],
+    ("geometric", "clip"): [G0, G0, G0, 1.2, 1.2],
+    ("geometric", "mask"): [G0, G0, G0, 0.0, 0.0],
+}
+HAND_RS = {  # rs level -> (config, keep of each valid token)
+    None: ({}, [1, 1, 1, 1, 1]),
+    "token": (dict(rs_upper_bound=2.0), [0, 0, 1, 1, 1]),  # keep ratio in [0.5, 2]
+    "sequence": (dict(rs_upper_bound=1.4), [1, 1, 1, 0, 0]),  # 0.75 in [0.714, 1.4], 1.5 not
+    "geometric": (dict(rs_lower_bound=0.95, rs_upper_bound=1.3), [0, 0, 0, 1, 1]),  # g0 0.909 < 0.95, g1 1.22 ok
+}
+HAND_VETO = {None: [1, 1, 1, 1, 1], 0.3: [0, 0, 0, 1, 1]}  # 0.25 < 0.3 vetoes sequence 0
+
+
+@pytest.mark.parametrize("norm", (False, True))
+@pytest.mark.parametrize("veto", (None, 0.3))
+@pytest.mark.parametrize("rs_level", (None, *LEVELS))
+@pytest.mark.parametrize("mode", ("truncate", "clip", "mask"))
+@pytest.mark.parametrize("level", LEVELS)
+def test_hand_computed_grid(level, mode, rs_level, veto, norm):
+    rs_kw, rs_keep = HAND_RS[rs_level]
+    rs_kw = dict(use_rs=True, rs_level=rs_level, **rs_kw) if rs_level else {}
+    cfg = C(use_tis=True, tis_level=level, tis_mode=mode, tis_upper_bound=1.2, tis_batch_normalize=norm,
+            rs_veto_threshold=veto, **rs_kw)
+    w = HAND_WEIGHTS[(level, mode)]
+    keep = [a * b for a, b in zip(rs_keep, HAND_VETO[veto], strict=True)]
+    # batch-norm mean: over kept tokens (token level) or kept sequences, each once (sequence/geometric level)
+    if level == "token":
+        units = [w[k] for k in range(5) if keep[k]]
+    else:  # a sequence contributes when any of its tokens is kept (token-level RS may keep part of it)
+        units = [w[first] for first, toks in ((0, keep[:3]), (3, keep[3:])) if any(toks)]
+    mean = sum(units) / len(units) if units else 0.0
+    factor = mean if norm and mean > 1e-8 else 1.0
+
+    for mask in (GRID_MASK, GRID_MASK.float()):
+        res = run(cfg, GRID_LR - 1.0, torch.full_like(GRID_LR, -1.0), mask)
+        exp_mask = torch.zeros(3, 4, dtype=torch.float64)
+        exp_w = torch.zeros(3, 4, dtype=torch.float64)
+        for k, (i, t) in enumerate(GRID_POS):
+            exp_mask[i, t] = keep[k]
+            exp_w[i, t] = keep[k] * w[k] / factor
+        assert torch.equal(res.loss_mask.double(), exp_mask)
+        assert torch.equal(res.denominator_mask, res.loss_mask)
+        torch.testing.assert_close(res.weights, exp_w, rtol=1e-12, atol=1e-12)
+        assert torch.isfinite(res.weights).all() and res.weights.grad_fn is None
+        m = metrics_to_host(res.metrics)
+        assert m["mis_rejected_token_fraction"] == pytest.approx(1 - sum(keep) / 5)
+        assert m["mis_rejected_seq_fraction"] == pytest.approx(((sum(keep[:3]) == 0) + (sum(keep[3:]) == 0)) / 2)
+        assert m["mis_all_rejected"] == float(sum(keep) == 0)
+        if veto is not None:
+            assert m["mis_catastrophic_token_fraction"] == pytest.approx(1 / 5)
+            assert m["mis_catastrophic_seq_fraction"] == pytest.approx(1 / 2)
+        if norm:
+            assert m["mis_batch_norm_factor"] == pytest.approx(factor)
+        if units:
+            assert m["mis_weight_min"] == pytest.approx(min(units) / factor)
+            assert m["mis_weight_max"] == pytest.approx(max(units) / factor)
+            assert m["mis_ratio_mean_after_mis"] == pytest.approx(mean / factor)
+            sq = sum(u * u for u in units)
+            assert m["mis_ess"] == pytest.approx(sum(units) ** 2 / (len(units) * sq) if sq else 0.0)
+        assert all(math.isfinite(v) for v in m.values())
+
+
+@pytest.mark.parametrize("level,expected", [("token", [2.5, 0.5, 1.0, 1.5, 1.0]), ("sequence", [0.8] * 3 + [1.2] * 2)])
+def test_hand_computed_slime_tis_clip_flags(level, expected):
+    # slime's --tis-clip C / --tis-clip-low c: a two-sided clamp to [c, C] (c defaults to 0)
+    cfg = C(use_tis=True, tis_level=level, tis_clip=2.5 if level == "token" else 1.2, tis_clip_low=0.5 if level == "token" else 0.8)
+    res = run(cfg, GRID_LR - 1.0, torch.full_like(GRID_LR, -1.0), GRID_MASK)
+    got = [res.weights[i, t].item() for i, t in GRID_POS]
+    assert got == pytest.approx(expected)
+    only_high = run(C(use_tis=True, tis_clip=2.5), GRID_LR - 1.0, torch.full_like(GRID_LR, -1.0), GRID_MASK)
+    assert [only_high.weights[i, t].item() for i, t in GRID_POS] == pytest.approx([2.5, 0.25, 1.0, 1.5, 1.0])
+
+
+def test_hand_computed_rs_keep_loss_denominator():
+    cfg = C(use_rs=True, rs_level="sequence", rs_upper_bound=1.4, rs_keep_loss_denominator=True)
+    res = run(cfg, GRID_LR - 1.0, torch.full_like(GRID_LR, -1.0), GRID_MASK)
+    assert res.loss_mask.tolist() == [[1, 1, 1, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
+    assert torch.equal(res.denominator_mask, GRID_MASK.float())
+    assert res.seq_token_count.tolist() == [3, 2, 0]
+    assert res.global_token_count.item() == 5 and res.global_seq_count.item() == 2
+    drop = run(cfg.replace(rs_keep_loss_denominator=False), GRID_LR - 1.0, torch.full_like(GRID_LR, -1.0), GRID_MASK)
+    assert drop.seq_token_count.tolist() == [3, 0, 0]
+    assert drop.global_token_count.item() == 3 and drop.global_seq_count.item() == 1
