@@ -1,11 +1,11 @@
 """Communication and time of the rollout-correction loss hook for a realistic micro-batch (not run by pytest).
 
-    /work/venv/bin/python bench/parallel.py [--batch 8 --seq 4096 --vocab 32768 --cp 2 --repeats 5]
+    .venv/bin/python bench/parallel.py [--batch 8 --seq 2048 --vocab 8192 --cp 2 --chunk 4096 --repeats 5]
 
-1. Bytes per micro-batch each CP rank sends into collectives: the correction's sequence-level reduction
-   (per-sequence [B, k] scalars + batch statistics, counted by wrapping torch.distributed.all_reduce in a
-   CP=2 gloo run of the real loss) versus an all-gather of the full log-prob tensors it avoids
-   (log-probs, rollout log-probs and mask, fp32: 3·B·S·4 bytes).
+1. Bytes per micro-batch each CP rank sends into collectives, counted by wrapping torch.distributed.all_reduce
+   in a CP gloo run of the real loss: the per-sequence [B, k] sums (grow with B only) and the batch statistics
+   (fixed size, independent of B and S), versus an all-gather of the full log-prob tensors they avoid
+   (log-probs, rollout log-probs and mask, fp32: 3·B·(S/CP)·4·(CP−1) bytes received per rank).
 2. Loss-hook time (vocab-parallel log-probs + loss + backward to the logits) with the correction on
    (`decoupled_seq_is_rs`, `pg_is`) versus off (plain PPO, no metrics), single process. Medians; ratios printed.
 """
@@ -51,7 +51,7 @@ def _count_worker(rank: int, world: int, port: int, args: argparse.Namespace, ou
     real_all_reduce = dist.all_reduce
 
     def counting_all_reduce(tensor, *a, **k):
-        sent.append(tensor.numel() * tensor.element_size())
+        sent.append((tensor.dim() == 2, tensor.numel() * tensor.element_size()))  # 2-D = per-sequence [B, k]
         return real_all_reduce(tensor, *a, **k)
 
     groups = ParallelGroups(cp=cp_group, dp=None, dp_cp=cp_group, cp_size=world, cp_rank=rank)
@@ -65,13 +65,15 @@ def _count_worker(rank: int, world: int, port: int, args: argparse.Namespace, ou
         dist.all_reduce = counting_all_reduce
         try:
             _, _, reduced = hook.loss_func(batch, logits)
-            per_mb = sum(sent)
+            seq = sum(n for is_seq, n in sent if is_seq)
+            stats = sum(n for is_seq, n in sent if not is_seq)
+            n_mb = len(sent)
             hook.reduce_step_metrics([reduced])  # once per step, not per micro-batch
-            per_step = sum(sent) - per_mb
+            per_step = sum(n for _, n in sent[n_mb:])
         finally:
             dist.all_reduce = real_all_reduce
         if rank == 0:
-            out[name] = (per_mb, per_step)
+            out[name] = (seq, stats, n_mb, per_step)
     dist.destroy_process_group()
 
 
@@ -85,10 +87,12 @@ def bytes_report(args: argparse.Namespace) -> None:
     mp.spawn(_count_worker, args=(args.cp, port, args, out), nprocs=args.cp, join=True)
     local_tokens = args.batch * args.seq // args.cp
     gather = 3 * local_tokens * 4 * (args.cp - 1)  # what each rank would receive to rebuild full tensors
-    print(f"\n[communication per micro-batch, CP={args.cp}, B={args.batch}, S={args.seq}]")
-    for name, (per_mb, per_step) in out.items():
-        print(f"  {name:22s} reduction {per_mb:8d} B/micro-batch (+{per_step} B once per step)  "
-              f"vs all-gather {gather:10d} B  -> ratio {gather / per_mb:8.1f}x less")
+    print(f"\n[bytes each rank sends per micro-batch, CP={args.cp}, B={args.batch}, S={args.seq}]")
+    print(f"  all-gather of log-probs, rollout log-probs, mask (fp32) it avoids: {gather} B")
+    for name, (seq, stats, n_calls, per_step) in out.items():
+        print(f"  {name:20s} per-sequence sums {seq:6d} B ({gather / seq:.0f}x less)  + batch statistics "
+              f"{stats:6d} B (fixed size, incl. the weight histogram) = {seq + stats} B in {n_calls} all-reduces "
+              f"({gather / (seq + stats):.1f}x less); +{per_step} B once per step")
 
 
 def time_report(args: argparse.Namespace) -> None:

@@ -1,8 +1,9 @@
 """A custom weighting function for `--custom-tis-function-path examples/custom_tis.py:length_aware_geometric_is`.
 
 Signature (checked at start-up): `fn(inputs: WeightInputs, config: RolloutCorrectionConfig) -> WeightOutputs`.
-It only uses the per-sequence quantities the core has already summed over the context-parallel group
-(`seq_log_ratio_sum`, `seq_token_count`), so it is CP-correct without touching process groups.
+Its weights and mask only use the per-sequence quantities the core has already summed over the context-parallel
+group (`seq_log_ratio_sum`, `seq_token_count`), so they are CP-correct without touching process groups; its one
+metric is a batch fraction, counted over `inputs.dp_group`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.correction import WeightInputs, WeightOutputs
+from slime_corr.correction.reductions import global_sum
 
 
 def length_aware_geometric_is(inputs: WeightInputs, config: RolloutCorrectionConfig) -> WeightOutputs:
@@ -29,5 +31,7 @@ def length_aware_geometric_is(inputs: WeightInputs, config: RolloutCorrectionCon
     weights = torch.where(valid, log_g.exp().clamp(max=upper)[:, None].expand_as(valid), 0.0)
     loss_mask = inputs.loss_mask & keep[:, None]
     has_tokens = inputs.seq_token_count > 0
-    rejected = (~keep & has_tokens).sum() / has_tokens.sum().clamp(min=1)
+    # Every CP rank holds the same sequences, so counting over the data-parallel group gives the batch fraction.
+    counts = global_sum(torch.stack([(~keep & has_tokens).sum(), has_tokens.sum()]).double(), dp_group=inputs.dp_group)
+    rejected = counts[0] / counts[1].clamp(min=1)
     return WeightOutputs(weights=weights, loss_mask=loss_mask, metrics={"custom_rejected_seq_fraction": rejected})

@@ -11,8 +11,9 @@ One MAX and one SUM all-reduce per chunk. The SUM is the identity in backward (e
 loss from the reduced value, as in Megatron's vocab-parallel cross entropy), so gradients wrt the local logit
 shard are exact and the results are bitwise identical on all TP ranks.
 
-Half-precision logits are upcast to fp32 per chunk. Memory: tokens are processed in chunks of `chunk_size`; with gradients on, each chunk is recomputed in backward
-(activation checkpointing), so the fp32 [chunk, V/TP] temporaries exist for one chunk at a time.
+Half-precision logits are upcast to fp32 per chunk. Memory: tokens are processed in chunks of `chunk_size`; with
+gradients on, each chunk is recomputed in backward (activation checkpointing, the TP collectives re-run in the same
+order on every TP rank), so the fp32 [chunk, V/TP] temporaries exist for one chunk at a time.
 """
 
 from __future__ import annotations
@@ -47,10 +48,12 @@ class _AllReduceSumIdentityGrad(torch.autograd.Function):
 
 
 def _chunk_stats(
-    logits: Tensor, labels: Tensor, inv_temperature: float, vocab_start: int, group: ProcessGroup, entropy: bool
+    logits: Tensor, labels: Tensor, temperature: float, vocab_start: int, group: ProcessGroup, entropy: bool
 ) -> Tensor:
     """[N, V_local] logits, [N] labels -> [N, 1 or 2] (log-prob, entropy) for one chunk."""
-    z = (logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits) * inv_temperature
+    z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    if temperature != 1.0:
+        z = z / temperature  # divide, as SGLang does (logits.div_(T)); not a multiply by 1/T
     tp = _tp_size(group)
     zmax = z.detach().amax(dim=-1)  # lse is invariant to the shift: no gradient needed through the max
     if tp > 1:
@@ -97,17 +100,16 @@ def vocab_parallel_log_probs(
     vocab_start = dist.get_rank(group=tp_group) * logits.size(-1) if tp > 1 else 0
     flat_logits = logits.reshape(-1, logits.size(-1))
     flat_labels = labels.reshape(-1).long()
-    inv_t = 1.0 / temperature
     use_ckpt = torch.is_grad_enabled() and logits.requires_grad and flat_labels.numel() > chunk_size
     parts = []
     for start in range(0, flat_labels.numel(), chunk_size):
         args = (flat_logits[start : start + chunk_size], flat_labels[start : start + chunk_size])
         if use_ckpt:
             parts.append(
-                checkpoint(_chunk_stats, *args, inv_t, vocab_start, tp_group, with_entropy, use_reentrant=False)
+                checkpoint(_chunk_stats, *args, temperature, vocab_start, tp_group, with_entropy, use_reentrant=False)
             )
         else:
-            parts.append(_chunk_stats(*args, inv_t, vocab_start, tp_group, with_entropy))
+            parts.append(_chunk_stats(*args, temperature, vocab_start, tp_group, with_entropy))
     stats = torch.cat(parts, dim=0) if parts else flat_logits.new_zeros(0, 2 if with_entropy else 1).float()
     log_probs = stats[:, 0].reshape(labels.shape)
     if with_entropy:

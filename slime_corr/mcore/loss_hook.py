@@ -23,6 +23,13 @@ and divides the summed gradients by that total, so the gradient is
 
 — the single-rank full-batch value for any (TP, CP, DP) factorization, even when CP ranks hold different
 numbers of valid tokens (a per-rank mean, `calculate_per_token_loss=False`, would not be).
+
+Several micro-batches per step. The loss, its gradient and the loss-level metrics are exact over the whole step.
+The correction runs per micro-batch: IS weights and rejection are per token/sequence and unaffected, but the
+`--tis-batch-normalize` mean is taken over one micro-batch (across DP×CP), not over the step, and the correction
+metrics (`mis_*`, `mismatch_*`, global over DP×CP for their micro-batch) are averaged over micro-batches with
+equal weight (`*_max` / `*_min`: extremes). Both are the step-global values with one micro-batch per step.
+Micro-batches are padded [B, S] (one sequence per row); packed batches are rejected.
 """
 
 from __future__ import annotations
@@ -161,6 +168,11 @@ class RolloutCorrectionLoss:
         """
         from slime_corr.losses import compute_policy_loss
 
+        if "cu_seqlens" in batch:
+            raise ValueError(
+                "RolloutCorrectionLoss needs padded [B, S] micro-batches (one sequence per row): sequence-level "
+                "sums are taken per row, so packed batches (cu_seqlens) would mix sequences."
+            )
         cfg = self.config
         groups = self.groups
         log_probs, entropy = self.log_probs(logits, batch["labels"])
@@ -226,8 +238,8 @@ class RolloutCorrectionLoss:
 
         - `loss` (= `pg_loss`): Σ loss_sum / Σ count over micro-batches and DP×CP (one all-reduce per step);
         - loss-level metrics (`pg_clipfrac`, `ppo_kl`, ...): token-weighted means; `*_count`: sums;
-        - correction metrics (already global per micro-batch): mean over micro-batches (`*_max`: max,
-          `*_min`: min); exact for one micro-batch per step.
+        - correction metrics (already global over DP×CP per micro-batch): equal-weight mean over micro-batches
+          (`*_max`: max, `*_min`: min); the step-global value for one micro-batch per step (module docstring).
         """
         if not losses_reduced:
             return {}

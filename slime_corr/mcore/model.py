@@ -21,6 +21,7 @@ class TinyGPTArgs:
     vocab_size: int = 128  # must be divisible by the TP size
     max_position_embeddings: int = 256
     seed: int = 1234
+    params_dtype: torch.dtype = torch.float32  # tests use float64 to compare gradients at 1e-6
 
 
 def add_tiny_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -37,8 +38,8 @@ def add_tiny_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 
 def build_tiny_gpt(args: TinyGPTArgs | argparse.Namespace | None = None, *, ddp: bool = True) -> torch.nn.Module:
-    """A tiny fp32 GPTModel on the current parallel_state (TP from it; CP attention is not used: build with
-    context_parallel_size=1 and zig-zag-slice the logits to emulate CP on CPU). Same weights on every
+    """A tiny GPTModel (fp32 unless `params_dtype`) on the current parallel_state (TP from it; CP attention is
+    not used: build with context_parallel_size=1 and zig-zag-slice the logits to emulate CP on CPU). Same weights on every
     DP/CP rank for a given seed; TP shards come from `use_cpu_initialization` of the full weights."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -49,6 +50,7 @@ def build_tiny_gpt(args: TinyGPTArgs | argparse.Namespace | None = None, *, ddp:
     from megatron.core.transformer import TransformerConfig
 
     a = args or TinyGPTArgs()
+    dtype = getattr(a, "params_dtype", torch.float32)
     torch.manual_seed(a.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(a.seed)
     config = TransformerConfig(
@@ -60,7 +62,7 @@ def build_tiny_gpt(args: TinyGPTArgs | argparse.Namespace | None = None, *, ddp:
         hidden_dropout=0.0,
         attention_dropout=0.0,
         calculate_per_token_loss=True,
-        params_dtype=torch.float32,
+        params_dtype=dtype,
     )
     model: torch.nn.Module = GPTModel(
         config=config,
@@ -69,10 +71,10 @@ def build_tiny_gpt(args: TinyGPTArgs | argparse.Namespace | None = None, *, ddp:
         max_sequence_length=a.max_position_embeddings,
         position_embedding_type="learned_absolute",
         parallel_output=True,
-    )
+    ).to(dtype)  # the local spec's torch LayerNorm ignores params_dtype
     if ddp:
         model = DistributedDataParallel(
-            config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model
+            config, DistributedDataParallelConfig(grad_reduce_in_fp32=dtype != torch.float64), module=model
         )
     config.finalize_model_grads_func = finalize_model_grads
     return model

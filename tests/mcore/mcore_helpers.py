@@ -60,10 +60,19 @@ def init_layout(tp: int, cp: int) -> None:
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
 
 
-def step_data(seed: int = 0, dtype: torch.dtype = torch.float64) -> list[dict[str, torch.Tensor]]:
+# per (micro-batch, row) noise scale of lp_old and lp_rollout around the model's log-probs: 1e-4 rows pass the
+# presets' geometric RS (|mean lr| < log 1.001), 0.3 rows are rejected by it and get non-trivial IS weights
+NOISE = ((1e-4, 0.3, 1e-4, 1e-4), (0.3, 1e-4, 1e-4, 0.3))
+CATASTROPHIC = (1, 3, 6)  # (micro-batch, row, position): lr ≈ -12 < log(1e-4), vetoed by decoupled_geo_rs / pg_rs
+
+
+def step_data(
+    seed: int = 0, dtype: torch.dtype = torch.float64, logits: torch.Tensor | None = None
+) -> list[dict[str, torch.Tensor]]:
     """N_MB global micro-batches [B_GLOBAL, S]: uneven masks (a sequence ending inside the first chunk, one
-    fully masked, one with holes), so CP ranks hold different token counts; rollout/old log-probs near a
-    random policy so RS/IS/veto all trigger."""
+    fully masked, one with holes), so CP ranks hold different token counts. lp_old and lp_rollout are the
+    log-probs of `logits` [N_MB, B_GLOBAL, S, V] at TEMPERATURE (random when None) plus per-row noise
+    (NOISE), so every preset keeps some sequences and rejects, truncates or vetoes others."""
     g = torch.Generator().manual_seed(seed)
     out = []
     lengths = [(15, 3, 0, 11), (16, 7, 1, 9)]
@@ -74,16 +83,25 @@ def step_data(seed: int = 0, dtype: torch.dtype = torch.float64) -> list[dict[st
         pos = torch.arange(S)
         mask = ((pos[None] >= torch.tensor(starts[k])[:, None]) & (pos[None] < torch.tensor(lengths[k])[:, None]))
         mask[3, ::4] = False
-        base = -torch.rand(B_GLOBAL, S, generator=g, dtype=dtype) * 3
+        if logits is None:
+            model_lp = -torch.rand(B_GLOBAL, S, generator=g, dtype=dtype) * 3
+        else:
+            z = torch.log_softmax(logits[k].to(dtype) / TEMPERATURE, dim=-1)
+            model_lp = z.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        noise = torch.tensor(NOISE[k], dtype=dtype)[:, None]
+        rollout = model_lp + noise * torch.randn(B_GLOBAL, S, generator=g, dtype=dtype)
+        old = model_lp + noise * torch.randn(B_GLOBAL, S, generator=g, dtype=dtype)
+        if k == CATASTROPHIC[0]:
+            rollout[CATASTROPHIC[1], CATASTROPHIC[2]] += 12.0
         out.append(
             dict(
                 tokens=tokens,
                 labels=labels,
                 position_ids=pos.expand(B_GLOBAL, S).clone(),
                 loss_mask=mask.to(torch.float32),
-                rollout_log_probs=(base + 0.4 * torch.randn(B_GLOBAL, S, generator=g, dtype=dtype)) * mask,
+                rollout_log_probs=rollout * mask,
                 advantages=torch.randn(B_GLOBAL, 1, generator=g, dtype=dtype).expand(B_GLOBAL, S) * mask,
-                old_log_probs=(base + 0.1 * torch.randn(B_GLOBAL, S, generator=g, dtype=dtype)) * mask,
+                old_log_probs=old * mask,
             )
         )
     return out

@@ -1,6 +1,8 @@
 """Every preset under (TP, CP, DP) factorizations of 4 gloo processes, through the REAL Megatron schedule
 (`get_forward_backward_func`), Megatron DDP and `finalize_model_grads`, equals a single-rank full-tensor
-reference: loss, IS weights, masks, step metrics and gradients.
+reference: loss, IS weights, masks, step metrics and gradients, for every preset and the example custom weighting
+function (`--custom-tis-function-path`). Layouts: TP=2 and CP=2 alone (2 processes); DP=4, TP=2×DP=2,
+CP=2×DP=2, CP=4, TP=2×CP=2, TP=4 (4 processes). Each case also checks the loss's CP/DP communication.
 
 The "model" is the step's logits as one parameter (vocab-sharded over TP, replicated over DP/CP): each rank
 reads its DP rows and CP zig-zag positions, so the gradient Megatron finalizes is exactly d loss / d logits.
@@ -10,6 +12,9 @@ correction core without process groups.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 import torch.distributed as dist
 from mcore_helpers import (
@@ -31,17 +36,27 @@ from slime_corr.mcore.logprobs import vocab_parallel_log_probs
 from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
 
 SEQ_MODES = ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+CUSTOM_FN = f"{Path(__file__).resolve().parents[2] / 'examples' / 'custom_tis.py'}:length_aware_geometric_is"
+# (TP, CP, DP) layouts per world size: pure TP=2 and CP=2 need their own 2-process launch
+LAYOUTS = {2: ((2, 1, 1), (1, 2, 1)), 4: LAYOUTS_4}
 
 
-def cases() -> list[RolloutCorrectionConfig]:
+def cases() -> list[tuple[str, RolloutCorrectionConfig, dict]]:
+    """(tag, config, hook options): every preset with token-mean and one seq-mean mode, plus the example
+    `--custom-tis-function-path` function; every other case runs chunked log-probs (chunk_size=5, so chunks
+    straddle rows) and logs the entropy."""
     out = []
     for i, name in enumerate(PRESETS):
         for mode in ("token-mean", SEQ_MODES[i % len(SEQ_MODES)]):
-            out.append(RolloutCorrectionConfig.preset(name, loss_agg_mode=mode))
-    return out
+            out.append((f"{name}/{mode}", RolloutCorrectionConfig.preset(name, loss_agg_mode=mode)))
+    custom = RolloutCorrectionConfig(use_tis=True, tis_upper_bound=2.0, custom_tis_function_path=CUSTOM_FN,
+                                     loss_agg_mode="seq-mean-token-mean")
+    out.append(("custom_tis_function/seq-mean-token-mean", custom))
+    return [(tag, cfg, dict(chunk_size=5 if i % 2 else 4096, compute_entropy=i % 2 == 1))
+            for i, (tag, cfg) in enumerate(out)]
 
 
-def reference(cfg: RolloutCorrectionConfig, data: list[dict], logits: torch.Tensor):
+def reference(cfg: RolloutCorrectionConfig, opts: dict, data: list[dict], logits: torch.Tensor):
     """Single rank, full tensors: Σ_k loss_sum_k / Σ_k count_k and its gradient wrt the logits."""
     from slime_corr.losses import compute_policy_loss
 
@@ -56,9 +71,75 @@ def reference(cfg: RolloutCorrectionConfig, data: list[dict], logits: torch.Tens
         outs.append(out)
     loss = sum(sums) / torch.stack(dens).sum().clamp_min(1)
     loss.backward()
-    hook = RolloutCorrectionLoss(cfg, temperature=TEMPERATURE, groups=ParallelGroups())
+    hook = RolloutCorrectionLoss(cfg, temperature=TEMPERATURE, groups=ParallelGroups(), **opts)
     metrics = hook.reduce_step_metrics([hook.loss_func(b, logits[k])[2] for k, b in enumerate(data)])
     return loss.detach(), leaf.grad, outs, metrics
+
+
+def check_reference_is_not_trivial(tag: str, cfg: RolloutCorrectionConfig, ref: tuple) -> None:
+    """The data must exercise every preset: a non-zero gradient, IS weights both truncated and below the
+    bound, and rejection that keeps some sequences."""
+    _, grad, outs, metrics = ref
+    assert grad.abs().sum() > 0, f"{tag}: zero reference gradient"
+    if cfg.use_tis and not cfg.custom_tis_function_path:
+        w = torch.cat([o.correction.weights[o.correction.loss_mask > 0] for o in outs])
+        upper = cfg.tis_bounds[1]
+        assert ((w > 0) & (w < upper) & ((w - 1).abs() > 0.02)).any(), f"{tag}: weights {w}"
+        assert cfg.use_rs or (w == upper).any(), f"{tag}: no weight truncated {w}"  # RS rejects above U
+    if cfg.use_rs or cfg.rs_veto_threshold is not None or cfg.custom_tis_function_path:
+        assert 0 < metrics["mis_rejected_seq_fraction"] < 1, f"{tag}: {metrics['mis_rejected_seq_fraction']}"
+    if cfg.rs_veto_threshold is not None:
+        assert metrics["mis_catastrophic_seq_fraction"] > 0, tag
+
+
+def record_collectives(fn) -> list[tuple[str, object, tuple]]:
+    """Run `fn()` and return every torch.distributed collective it issued: (name, group, tensor shape)."""
+    names = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
+             "all_to_all", "gather", "scatter", "reduce")
+    calls: list[tuple[str, object, tuple]] = []
+    real = {n: getattr(dist, n) for n in names}
+
+    def wrap(name):
+        def call(tensor, *args, **kwargs):
+            shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else ("list",)
+            calls.append((name, kwargs.get("group"), shape))
+            return real[name](tensor, *args, **kwargs)
+
+        return call
+
+    try:
+        for n in names:
+            setattr(dist, n, wrap(n))
+        fn()
+    finally:
+        for n, f in real.items():
+            setattr(dist, n, f)
+    return calls
+
+
+def check_sequence_reduction(tag: str, cfg: RolloutCorrectionConfig, opts: dict, groups: ParallelGroups,
+                             tp: int, b_local: int) -> None:
+    """One micro-batch's CP/DP communication: only all_reduce (no gather of log-prob tensors); exactly one
+    [B, k] CP all_reduce of per-sequence sums (a custom weighting function adds one for its mask's counts);
+    the same number of CP/DP bytes whatever the sequence length."""
+    g = torch.Generator().manual_seed(7)
+    traffic = {}
+    for s_local in (8, 32):
+        mask = (torch.arange(s_local)[None] < torch.tensor([s_local, 3, 0, 5][:b_local])[:, None]).float()
+        lp = -torch.rand(b_local, s_local, generator=g, dtype=torch.float64) * mask
+        batch = dict(labels=torch.randint(0, V, (b_local, s_local), generator=g), loss_mask=mask,
+                     rollout_log_probs=lp, old_log_probs=lp * 0.9, advantages=mask.double())
+        logits = torch.randn(b_local, s_local, V // tp, generator=g, dtype=torch.float64, requires_grad=True)
+        hook = RolloutCorrectionLoss(cfg, temperature=TEMPERATURE, **opts)
+        calls = record_collectives(lambda hook=hook, batch=batch, logits=logits: hook.loss_func(batch, logits))
+        assert {name for name, _, _ in calls} <= {"all_reduce"}, f"{tag}: {calls}"
+        where = {id(groups.tp): "tp", id(groups.cp): "cp", id(groups.dp): "dp"}
+        assert all(id(grp) in where for _, grp, _ in calls), f"{tag}: collective on an unexpected group"
+        seq = [shape for _, grp, shape in calls if grp is groups.cp and len(shape) == 2]
+        expected = 0 if groups.cp_size == 1 else (2 if cfg.custom_tis_function_path else 1)
+        assert len(seq) == expected and all(shape[0] == b_local for shape in seq), f"{tag}: {seq}"
+        traffic[s_local] = [(where[id(grp)], shape) for _, grp, shape in calls if grp is not groups.tp]
+    assert traffic[8] == traffic[32], f"{tag}: CP/DP traffic depends on the sequence length {traffic}"
 
 
 class LogitsModel(torch.nn.Module):
@@ -97,35 +178,47 @@ def _worker(rank: int, world: int) -> None:
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.transformer import TransformerConfig
 
-    data = step_data()
     logits = full_logits()
+    data = step_data(seed=1, logits=logits)
     refs = {}
-    for cfg in cases():
-        refs[(cfg.rollout_correction_preset, cfg.loss_agg_mode)] = reference(cfg, data, logits)
-    for tp, cp, dp in LAYOUTS_4:
+    for name, cfg, opts in cases():
+        refs[name] = reference(cfg, opts, data, logits)
+        check_reference_is_not_trivial(name, cfg, refs[name])
+    for tp, cp, dp in LAYOUTS[world]:
         init_layout(tp, cp)
         groups = ParallelGroups.from_parallel_state()
         tp_rank, cp_rank = ps.get_tensor_model_parallel_rank(), ps.get_context_parallel_rank()
         dp_rank = ps.get_data_parallel_rank()
-        assert ps.get_data_parallel_world_size() == dp
+        assert (ps.get_tensor_model_parallel_world_size(), groups.cp_size, ps.get_data_parallel_world_size()) == (
+            tp, cp, dp)
         vshard = slice(tp_rank * V // tp, (tp_rank + 1) * V // tp)
         batches = _local_batches(data, dp_rank, dp, groups)
 
-        # vocab-parallel log-probs + entropy: equal to the full-vocab reference and bitwise equal on TP ranks
+        # vocab-parallel log-probs + entropy, chunked, forward and backward: equal to torch on the full vocab
+        # and bitwise equal on every TP rank
         lg = zigzag_slice(local_rows(logits[0], dp_rank, dp), cp_rank, cp, dim=1)
-        lp, ent = vocab_parallel_log_probs(lg[..., vshard], batches[0]["labels"], tp_group=groups.tp,
-                                           temperature=TEMPERATURE, chunk_size=7, with_entropy=True)
-        full = torch.log_softmax(lg / TEMPERATURE, -1)
-        torch.testing.assert_close(lp, full.gather(-1, batches[0]["labels"].unsqueeze(-1)).squeeze(-1))
-        torch.testing.assert_close(ent, -(full.exp() * full).sum(-1))
-        gathered = [torch.empty_like(lp) for _ in range(tp)]
-        dist.all_gather(gathered, lp, group=groups.tp)
-        assert all(torch.equal(g, lp) for g in gathered), "log-probs differ across TP ranks"
+        labels = batches[0]["labels"]
+        shard = lg[..., vshard].clone().requires_grad_()
+        lp, ent = vocab_parallel_log_probs(shard, labels, tp_group=groups.tp, temperature=TEMPERATURE,
+                                           chunk_size=7, with_entropy=True)
+        full = lg.clone().requires_grad_()
+        ref_logp = torch.log_softmax(full / TEMPERATURE, -1)
+        ref_lp, ref_ent = ref_logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1), -(ref_logp.exp() * ref_logp).sum(-1)
+        torch.testing.assert_close(lp, ref_lp, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(ent, ref_ent, rtol=1e-12, atol=1e-12)
+        coef = torch.randn((2, *labels.shape), generator=torch.Generator().manual_seed(3), dtype=lp.dtype)
+        (coef[0] * lp + coef[1] * ent).sum().backward()
+        (coef[0] * ref_lp + coef[1] * ref_ent).sum().backward()
+        torch.testing.assert_close(shard.grad, full.grad[..., vshard], rtol=1e-10, atol=1e-12)
+        for t in (lp, ent):
+            gathered = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(gathered, t.detach(), group=groups.tp)
+            assert all(torch.equal(g, t) for g in gathered), "log-probs/entropy differ across TP ranks"
 
-        for cfg in cases():
-            key = (cfg.rollout_correction_preset, cfg.loss_agg_mode)
-            tag = f"TP={tp} CP={cp} DP={dp} {key}"
-            ref_loss, ref_grad, ref_outs, ref_metrics = refs[key]
+        for name, cfg, opts in cases():
+            tag = f"TP={tp} CP={cp} DP={dp} {name} {opts}"
+            ref_loss, ref_grad, ref_outs, ref_metrics = refs[name]
+            check_sequence_reduction(tag, cfg, opts, groups, tp, batches[0]["labels"].shape[0])
             tcfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=4,
                                      tensor_model_parallel_size=tp, context_parallel_size=cp,
                                      calculate_per_token_loss=True, use_cpu_initialization=True,
@@ -135,7 +228,7 @@ def _worker(rank: int, world: int) -> None:
                 tcfg, DistributedDataParallelConfig(), module=LogitsModel(tcfg, logits[..., vshard], dp_rank,
                                                                           dp, cp_rank, cp))
             hook = RolloutCorrectionLoss(cfg, temperature=TEMPERATURE, keep_outputs=True,
-                                         model_forward=lambda m, b: m(b["mb_index"]))
+                                         model_forward=lambda m, b: m(b["mb_index"]), **opts)
             # decoupled presets: lp_old is given in the batch (as if recomputed), so skip the recompute pass
             metrics = hook.train_step(model, [dict(b) for b in batches], recompute_old_log_probs=False)
             grad = model.module.logits.main_grad
@@ -143,6 +236,7 @@ def _worker(rank: int, world: int) -> None:
             torch.testing.assert_close(torch.tensor(metrics["loss"], dtype=torch.float64), ref_loss,
                                        rtol=1e-6, atol=1e-12, msg=tag)
             assert_metrics_close(metrics, ref_metrics, tag)
+            assert len(hook.outputs) == N_MB
             for k, out in enumerate(hook.outputs):
                 ref = ref_outs[k].correction
                 def sl(t, dp_rank=dp_rank, dp=dp, cp_rank=cp_rank, cp=cp):
@@ -152,12 +246,13 @@ def _worker(rank: int, world: int) -> None:
                     assert out.correction is None, tag
                     continue
                 assert torch.equal(out.correction.loss_mask, sl(ref.loss_mask)), tag
+                assert (out.correction.weights is None) == (ref.weights is None), tag
                 if ref.weights is not None:
                     torch.testing.assert_close(out.correction.weights, sl(ref.weights), rtol=1e-6, atol=1e-12,
                                                msg=tag)
-            assert len(hook.outputs) == N_MB
     ps.destroy_model_parallel()
 
 
-def test_presets_under_tp_cp_dp_match_single_rank_reference():
-    spawn(_worker, 4)
+@pytest.mark.parametrize("world", [2, 4])
+def test_presets_under_tp_cp_dp_match_single_rank_reference(world):
+    spawn(_worker, world)

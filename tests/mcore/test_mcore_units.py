@@ -88,6 +88,15 @@ def test_decoupled_loss_func_requires_old_log_probs():
         hook.loss_func(batch, torch.zeros(1, 4, 8))
 
 
+def test_loss_func_rejects_packed_micro_batches():
+    hook = RolloutCorrectionLoss(RolloutCorrectionConfig.preset("pg_is"), groups=ParallelGroups())
+    batch = dict(labels=torch.zeros(1, 4, dtype=torch.long), loss_mask=torch.ones(1, 4),
+                 rollout_log_probs=torch.zeros(1, 4), advantages=torch.zeros(1, 4),
+                 cu_seqlens=torch.tensor([0, 2, 4], dtype=torch.int32))
+    with pytest.raises(ValueError, match="packed"):
+        hook.loss_func(batch, torch.zeros(1, 4, 8))
+
+
 def test_bypass_loss_func_single_rank_matches_core():
     from slime_corr.losses import compute_policy_loss
 
