@@ -139,6 +139,11 @@ def zigzag_slice(tensor: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1)
 
 def slice_micro_batch_for_cp(batch: dict[str, torch.Tensor], cp_rank: int, cp_size: int) -> dict[str, torch.Tensor]:
     """Apply :func:`zigzag_slice` on the sequence dim of every [B, S] entry (others are passed through)."""
+    if cp_size > 1 and "cu_seqlens" in batch:
+        raise ValueError(
+            f"cp_size={cp_size}: a packed micro-batch (cu_seqlens) cannot be zig-zag sliced as one row, its "
+            "sequences would mix; use padded micro-batches (packed=False) with context parallelism."
+        )
     return {k: zigzag_slice(v, cp_rank, cp_size, dim=1) if k in BATCH_KEYS else v for k, v in batch.items()}
 
 

@@ -63,6 +63,8 @@ def test_packed_batch():
     assert mb["labels"].tolist() == [[2, 3, 0, 5, 6, 0, 0, 0]]  # never across a sample boundary
     assert mb["loss_mask"].tolist() == [[0, 1, 0, 1, 1, 0, 0, 0]]
     assert mb["cu_seqlens"].tolist() == [0, 3, 6]
+    with pytest.raises(ValueError, match="cp_size=2: a packed micro-batch .cu_seqlens. cannot be zig-zag sliced"):
+        next(micro_batch_iterator([a, b], 2, packed=True, cp_rank=0, cp_size=2))
 
 
 def test_grpo_advantages_against_numpy_reference():
