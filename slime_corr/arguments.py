@@ -65,7 +65,7 @@ def add_rollout_correction_args(parser: argparse.ArgumentParser) -> argparse.Arg
           choices=LEVELS)
     value("--tis-lower-bound", "Lower bound L for clip/mask modes (default 1/U).", type=float)
     value("--tis-upper-bound", "Upper bound U for IS weights (default 2.0).", type=float)
-    switch("--tis-batch-normalize", "Divide IS weights by their batch mean (over DP and CP ranks).")
+    switch("--tis-batch-normalize", "Divide IS weights by their mean over the step (micro-batches, DP and CP ranks).")
     value("--tis-clip", "slime's TIS upper clamp C: weight clamped to [tis_clip_low, C].", type=float)
     value("--tis-clip-low", "slime's TIS lower clamp c (default 0 when --tis-clip is given).",
           type=float)

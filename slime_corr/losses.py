@@ -105,6 +105,7 @@ def compute_policy_loss(
     cp_group: ProcessGroup = None,
     dp_group: ProcessGroup = None,
     seq_length_for_norm: int | None = None,
+    batch_norm_mean: Tensor | None = None,
     loss_fn: str | Callable | None = None,
 ) -> PolicyLossOutput:
     """The policy loss of one micro-batch ([B, S] local slices) under `config`.
@@ -114,6 +115,7 @@ def compute_policy_loss(
     denominator mask): token-mean Σ l·m / Σ m; seq-mean-token-sum mean_i Σ_t l·m; seq-mean-token-mean
     mean_i Σ_t l·m / n_i; seq-mean-token-sum-norm mean_i Σ_t l·m / T (T = seq_length_for_norm or S·cp_size).
     `loss_fn` overrides `config.loss_type` with a registered name, an import path, or a callable.
+    `batch_norm_mean`: the step's IS-weight mean for `--tis-batch-normalize` (see `compute_rollout_correction`).
     """
     if config.use_rollout_logprobs:
         if rollout_log_probs is None:
@@ -130,7 +132,8 @@ def compute_policy_loss(
         if rollout_log_probs is None:
             raise ValueError("rollout correction / mismatch metrics need rollout_log_probs")
         correction = compute_rollout_correction(
-            lp_train, rollout_log_probs, loss_mask, config, cp_group=cp_group, dp_group=dp_group
+            lp_train, rollout_log_probs, loss_mask, config, cp_group=cp_group, dp_group=dp_group,
+            batch_norm_mean=batch_norm_mean,
         )
     dtype = log_probs.dtype
     if correction is not None and config.use_rollout_correction:

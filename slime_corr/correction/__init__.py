@@ -4,8 +4,13 @@ The IS/RS formulas live in `weights.py`, the orchestration (and the only collect
 definitions in `metrics.py`, and the masked-reduction helpers in `reductions.py`.
 """
 
-from slime_corr.correction.core import compute_rollout_correction, weight_function
-from slime_corr.correction.metrics import metrics_to_host
+from slime_corr.correction.core import (
+    compute_rollout_correction,
+    correction_metrics,
+    weight_function,
+    weight_mean,
+)
+from slime_corr.correction.metrics import merge_stats, metrics_to_host
 from slime_corr.correction.types import CorrectionResult, WeightInputs, WeightOutputs
 from slime_corr.correction.weights import default_weights
 
@@ -14,7 +19,10 @@ __all__ = [
     "WeightInputs",
     "WeightOutputs",
     "compute_rollout_correction",
+    "correction_metrics",
+    "merge_stats",
     "default_weights",
     "metrics_to_host",
     "weight_function",
+    "weight_mean",
 ]

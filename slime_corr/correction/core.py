@@ -65,19 +65,21 @@ def compute_rollout_correction(
     *,
     cp_group: ProcessGroup = None,
     dp_group: ProcessGroup = None,
+    batch_norm_mean: Tensor | None = None,
 ) -> CorrectionResult:
     """Weights, masks and metrics for [B, S] local slices.
 
     `log_probs` is lp_train (lp_old in decoupled mode, lp in bypass; detached here). `loss_mask` may be bool
     or float (valid = mask > 0). Without `config.use_rollout_correction` the weights are None and the mask is
     returned unchanged; metrics are computed when `config.computes_metrics`.
+    `batch_norm_mean`: with `--tis-batch-normalize`, the mean to divide the weights by; default this call's own
+    batch mean. A step of several micro-batches passes the step's mean (`weight_mean(merge_stats(...))` of a
+    pre-pass), so the normalization is over the whole step as SPEC.md asks.
     """
     valid = valid_mask(loss_mask)
     if not config.computes_metrics:
         orig_mask = valid.to(torch.float32)
-        return CorrectionResult(
-            weights=None, loss_mask=orig_mask, denominator_mask=orig_mask, metrics={}, mask_bool=valid
-        )
+        return CorrectionResult(weights=None, loss_mask=orig_mask, denominator_mask=orig_mask, metrics={})
     correct = config.use_rollout_correction
     dtype = compute_dtype(log_probs, rollout_log_probs)
     lp_t = log_probs.detach().to(dtype)
@@ -203,36 +205,14 @@ def compute_rollout_correction(
 
     r = stats.reduce(cp_group, dp_group)  # the one batch collective (SUM + MAX per group)
 
-    metrics = M.finalize_mismatch(r)
-    metrics["mis_valid_token_count"] = r["n_valid_tok"]
-    metrics["mis_valid_seq_count"] = r["n_valid_seq"]
-    metrics["mis_nonfinite_token_count"] = r["n_bad_tok"]
-    metrics["mis_nonfinite_seq_count"] = r["n_bad_seq"]
-    metrics["mis_nonfinite_seq_fraction"] = M._div(r["n_bad_seq"], r["n_valid_seq"])
-    if correct:
-        n_tok, n_seqs = r["n_tok"], r["n_seq"]
-        metrics["mis_rs_rejected_token_fraction"] = M._div(n_tok - r["n_fn_tok"], n_tok)
-        metrics["mis_rs_rejected_seq_fraction"] = M._div(r["n_fn_seq_rej"], n_seqs)
-        if veto:
-            metrics["mis_catastrophic_token_fraction"] = M._div(r["n_cat_tok"], n_tok)
-            metrics["mis_catastrophic_seq_fraction"] = M._div(r["n_cat_seq"], n_seqs)
-        metrics["mis_rejected_token_fraction"] = M._div(r["n_valid_tok"] - r["n_final_tok"], r["n_valid_tok"])
-        metrics["mis_rejected_seq_fraction"] = M._div(r["n_final_seq_rej"], r["n_valid_seq"])
-        metrics["mis_contributing_token_count"] = r["n_final_tok"]
-        metrics["mis_all_rejected"] = (r["n_final_tok"] == 0).to(torch.float64)
-        if "raw_u" in r:
-            metrics.update(M.finalize_raw_weight(r, config.effective_tis_mode))
-        if "w_u" in r:
-            factor = None
-            if config.tis_batch_normalize:
-                mean = M._div(r["w_uw"], r["w_u"])
-                factor = torch.where(mean > BATCH_NORM_MIN_MEAN, mean, torch.ones_like(mean))
-            if w_seq is not None:  # one [B, S] pass: per-sequence weight (normalized) x final mask
-                w_col = w_seq if factor is None else w_seq / factor.to(dtype)
-                weights = w_col.unsqueeze(-1) * final_f
-            elif factor is not None:
-                weights = weights / factor.to(dtype)
-            metrics.update(M.finalize_weight(r, factor))
+    divisor = None
+    if "w_u" in r and config.tis_batch_normalize:
+        divisor = normalization_divisor(weight_mean(r) if batch_norm_mean is None else batch_norm_mean)
+    if w_seq is not None:  # one [B, S] pass: per-sequence weight (normalized) x final mask
+        weights = (w_seq if divisor is None else w_seq / divisor.to(dtype)).unsqueeze(-1) * final_f
+    elif divisor is not None:
+        weights = weights / divisor.to(dtype)
+    metrics = correction_metrics(r, config, divisor)
     metrics.update(fn_metrics)
     return CorrectionResult(
         weights=weights,
@@ -242,4 +222,52 @@ def compute_rollout_correction(
         seq_token_count=n_den,
         global_token_count=r["g_tok"],
         global_seq_count=r["g_seq"],
+        stats=r,
+        function_metrics=fn_metrics,
     )
+
+
+def weight_mean(stats: dict[str, Tensor]) -> Tensor:
+    """Mean of the bounded IS weights over contributing units (tokens, or sequences counted once)."""
+    return M._div(stats["w_uw"], stats["w_u"])
+
+
+def normalization_divisor(mean: Tensor) -> Tensor:
+    """What `--tis-batch-normalize` divides the weights by: the batch mean, or 1 when the mean is ≤ 1e-8."""
+    mean = mean.to(torch.float64)
+    return torch.where(mean > BATCH_NORM_MIN_MEAN, mean, torch.ones_like(mean))
+
+
+def correction_metrics(
+    stats: dict[str, Tensor], config: RolloutCorrectionConfig, divisor: Tensor | None = None
+) -> dict[str, Tensor]:
+    """The metrics of reduced statistics: one call's `CorrectionResult.stats`, or a step's (`merge_stats`).
+
+    `divisor`: the `--tis-batch-normalize` divisor that was applied (default: the weight mean of `stats`).
+    """
+    r = stats
+    metrics = M.finalize_mismatch(r)
+    metrics["mis_valid_token_count"] = r["n_valid_tok"]
+    metrics["mis_valid_seq_count"] = r["n_valid_seq"]
+    metrics["mis_nonfinite_token_count"] = r["n_bad_tok"]
+    metrics["mis_nonfinite_seq_count"] = r["n_bad_seq"]
+    metrics["mis_nonfinite_seq_fraction"] = M._div(r["n_bad_seq"], r["n_valid_seq"])
+    if not config.use_rollout_correction:
+        return metrics
+    n_tok, n_seqs = r["n_tok"], r["n_seq"]
+    metrics["mis_rs_rejected_token_fraction"] = M._div(n_tok - r["n_fn_tok"], n_tok)
+    metrics["mis_rs_rejected_seq_fraction"] = M._div(r["n_fn_seq_rej"], n_seqs)
+    if "n_cat_tok" in r:  # veto
+        metrics["mis_catastrophic_token_fraction"] = M._div(r["n_cat_tok"], n_tok)
+        metrics["mis_catastrophic_seq_fraction"] = M._div(r["n_cat_seq"], n_seqs)
+    metrics["mis_rejected_token_fraction"] = M._div(r["n_valid_tok"] - r["n_final_tok"], r["n_valid_tok"])
+    metrics["mis_rejected_seq_fraction"] = M._div(r["n_final_seq_rej"], r["n_valid_seq"])
+    metrics["mis_contributing_token_count"] = r["n_final_tok"]
+    metrics["mis_all_rejected"] = (r["n_final_tok"] == 0).to(torch.float64)
+    if "raw_u" in r:
+        metrics.update(M.finalize_raw_weight(r, config.effective_tis_mode))
+    if "w_u" in r:
+        if divisor is None and config.tis_batch_normalize:
+            divisor = normalization_divisor(weight_mean(r))
+        metrics.update(M.finalize_weight(r, divisor))
+    return metrics

@@ -54,6 +54,19 @@ PPL_EXP_CLAMP = 80.0
 LOG_PROB_CLAMP = 20.0
 
 
+EXTREMA = {"tok_d_max": torch.maximum, "w_max": torch.maximum, "w_min": torch.minimum}
+
+
+def merge_stats(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """The reduced statistics of a whole step from its micro-batches': sums add, extremes take the max/min."""
+    merged: dict[str, Tensor] = {}
+    for stats in parts:
+        for key, value in stats.items():
+            combine = EXTREMA.get(key, torch.add)
+            merged[key] = value if key not in merged else combine(merged[key], value)
+    return merged
+
+
 def metrics_to_host(metrics: dict[str, Tensor]) -> dict[str, float]:
     """All metrics to Python floats in ONE device->host transfer."""
     if not metrics:

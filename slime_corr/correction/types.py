@@ -60,6 +60,9 @@ class CorrectionResult:
     - `seq_token_count` [B]: Σ_t denominator_mask over the whole sequence (CP-reduced).
     - `global_token_count`, `global_seq_count`: 0-dim float64, Σ denominator_mask and the number of sequences
       with ≥ 1 denominator token, over DP x CP (each sequence counted once).
+    - `stats`: the reduced batch statistics (sums over DP x CP, true extremes) `metrics` are computed from;
+      `merge_stats` of a step's micro-batches then `correction_metrics` gives the exact metrics of the step.
+    - `function_metrics`: the part of `metrics` a custom weighting function returned (not in `stats`).
     """
 
     weights: Tensor | None
@@ -69,6 +72,5 @@ class CorrectionResult:
     seq_token_count: Tensor | None = None
     global_token_count: Tensor | None = None
     global_seq_count: Tensor | None = None
-    # bool views of the two masks (saves a conversion in the loss); None means "use mask > 0"
-    mask_bool: Tensor | None = field(default=None, repr=False)
-    denominator_mask_bool: Tensor | None = field(default=None, repr=False)
+    stats: dict[str, Tensor] = field(default_factory=dict, repr=False)
+    function_metrics: dict[str, Tensor] = field(default_factory=dict)

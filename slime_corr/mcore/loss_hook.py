@@ -6,9 +6,9 @@
     metrics = hook.train_step(model, micro_batches)       # decoupled recompute (if needed) + fwd/bwd
     optimizer.step()
 
-or, inside an existing training loop, pass `hook.forward_step` as `forward_step_func` (after
-`hook.compute_old_log_probs(model, micro_batches)` in decoupled mode) and `hook.reduce_step_metrics(...)` on what
-the schedule returns.
+or, inside an existing training loop, call `hook.prepare_step(model, micro_batches)` before the schedule (it
+recomputes lp_old in decoupled mode and the step's `--tis-batch-normalize` mean), pass `hook.forward_step` as
+`forward_step_func`, and `hook.reduce_step_metrics(...)` on what the schedule returns.
 
 Modes (from the config): decoupled (default; lp_old recomputed by a forward-only pass before the update and
 stored as `batch["old_log_probs"]`), bypass (`use_rollout_logprobs`: lp_old := lp_rollout, no extra forward),
@@ -24,11 +24,12 @@ and divides the summed gradients by that total, so the gradient is
 — the single-rank full-batch value for any (TP, CP, DP) factorization, even when CP ranks hold different
 numbers of valid tokens (a per-rank mean, `calculate_per_token_loss=False`, would not be).
 
-Several micro-batches per step. The loss, its gradient and the loss-level metrics are exact over the whole step.
-The correction runs per micro-batch: IS weights and rejection are per token/sequence and unaffected, but the
-`--tis-batch-normalize` mean is taken over one micro-batch (across DP×CP), not over the step, and the correction
-metrics (`mis_*`, `mismatch_*`, global over DP×CP for their micro-batch) are averaged over micro-batches with
-equal weight (`*_max` / `*_min`: extremes). Both are the step-global values with one micro-batch per step.
+Several micro-batches per step. Every batch quantity is over the whole step, across DP×CP: the loss and its
+gradient (above); the `--tis-batch-normalize` mean, from a pre-pass over the step's micro-batches in
+`prepare_step` (decoupled mode reuses the recomputed lp_old; bypass mode, which has no lp_old, pays one
+forward-only pass, and only when normalization is on with more than one micro-batch); and the correction metrics,
+finalized once from the micro-batches' summed statistics (`merge_stats`). Only the extra metrics of a custom
+weighting function are averaged over micro-batches with equal weight.
 Micro-batches are padded [B, S] (one sequence per row); packed batches are rejected.
 """
 
@@ -42,7 +43,13 @@ import torch
 from torch import Tensor
 
 from slime_corr.config import RolloutCorrectionConfig
-from slime_corr.correction import metrics_to_host
+from slime_corr.correction import (
+    compute_rollout_correction,
+    correction_metrics,
+    merge_stats,
+    metrics_to_host,
+    weight_mean,
+)
 from slime_corr.mcore.context_parallel import ParallelGroups, all_reduce_dp_cp, seq_length_for_norm
 from slime_corr.mcore.logprobs import DEFAULT_CHUNK_SIZE, vocab_parallel_log_probs
 
@@ -127,6 +134,7 @@ class RolloutCorrectionLoss:
         self.compute_entropy = compute_entropy
         self.keep_outputs = keep_outputs
         self.outputs: list[Any] = []
+        self.step_batch_norm_mean: Tensor | None = None  # set by `prepare_step`, cleared by `train_step`
 
     # ------------------------------------------------------------------ properties
     @property
@@ -163,8 +171,8 @@ class RolloutCorrectionLoss:
     def loss_func(self, batch: dict[str, Tensor], logits: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:
         """Megatron `loss_func`: (local loss_sum with grad, local count as int tensor, reduced data).
 
-        The reduced data holds the core's metrics (already reduced over DP×CP for this micro-batch) and the
-        local numerators that `reduce_step_metrics` reduces once per step.
+        The reduced data holds the core's statistics (already reduced over DP×CP for this micro-batch), a custom
+        weighting function's metrics, and the local numerators that `reduce_step_metrics` reduces once per step.
         """
         from slime_corr.losses import compute_policy_loss
 
@@ -195,12 +203,15 @@ class RolloutCorrectionLoss:
             cp_group=groups.cp,
             dp_group=groups.dp,
             seq_length_for_norm=seq_length_for_norm(log_probs.shape[-1], groups.cp_size),
+            batch_norm_mean=self.step_batch_norm_mean,
         )
         if self.keep_outputs:
             self.outputs.append(out)
         count = out.denominator.detach().round().to(torch.int)
+        corr = out.correction
         reduced = {
-            "global": {k: v.detach() for k, v in (out.correction.metrics if out.correction else {}).items()},
+            "stats": dict(corr.stats) if corr is not None else {},  # already reduced over DP×CP
+            "function": {k: v.detach() for k, v in corr.function_metrics.items()} if corr is not None else {},
             "local": self._local_numerators(out, loss_mask, log_probs, entropy),
         }
         return out.loss_sum, count, reduced
@@ -209,7 +220,7 @@ class RolloutCorrectionLoss:
         """This rank's sums for the loss-level metrics the core leaves local (weighted by token counts)."""
         corr = out.correction
         if corr is not None and self.config.use_rollout_correction:
-            used = corr.mask_bool if corr.mask_bool is not None else corr.loss_mask > 0
+            used = corr.loss_mask > 0
         else:
             used = loss_mask > 0
         nonfinite = out.metrics.get("pg_nonfinite_token_count", torch.zeros((), dtype=torch.float64))
@@ -238,8 +249,8 @@ class RolloutCorrectionLoss:
 
         - `loss` (= `pg_loss`): Σ loss_sum / Σ count over micro-batches and DP×CP (one all-reduce per step);
         - loss-level metrics (`pg_clipfrac`, `ppo_kl`, ...): token-weighted means; `*_count`: sums;
-        - correction metrics (already global over DP×CP per micro-batch): equal-weight mean over micro-batches
-          (`*_max`: max, `*_min`: min); the step-global value for one micro-batch per step (module docstring).
+        - correction metrics: finalized from the micro-batches' merged statistics, i.e. over the whole step;
+        - a custom weighting function's metrics: equal-weight mean over micro-batches.
         """
         if not losses_reduced:
             return {}
@@ -263,14 +274,12 @@ class RolloutCorrectionLoss:
                 out[key] = tot[key]
             else:
                 out[key] = tot[key] / tot["tokens"].clamp_min(1)
-        for key in sorted(set().union(*(r["global"] for r in losses_reduced))):
-            values = torch.stack([r["global"][key].to(torch.float64) for r in losses_reduced if key in r["global"]])
-            if key.endswith("_max"):
-                out[key] = values.max()
-            elif key.endswith("_min"):
-                out[key] = values.min()
-            else:
-                out[key] = values.mean()
+        stats = [r["stats"] for r in losses_reduced if r["stats"]]
+        if stats:
+            out.update(correction_metrics(merge_stats(stats), self.config))
+        for key in sorted(set().union(*(r["function"] for r in losses_reduced))):
+            values = [r["function"][key].to(torch.float64) for r in losses_reduced if key in r["function"]]
+            out[key] = torch.stack(values).mean()
         return metrics_to_host(out)
 
     def compute_old_log_probs(
@@ -282,7 +291,15 @@ class RolloutCorrectionLoss:
     ) -> list[Tensor]:
         """Decoupled mode: log π_old for every micro-batch by a forward-only pass (no grad), stored in place
         as `batch["old_log_probs"]` ([B, S] local slice, fp32) and returned."""
-        fb = forward_backward_func or _get_forward_backward_func()
+        outputs = self._forward_log_probs(model, micro_batches, forward_backward_func)
+        for batch, lp in zip(micro_batches, outputs, strict=True):
+            batch["old_log_probs"] = lp
+        return outputs
+
+    def _forward_log_probs(
+        self, model: torch.nn.Module, micro_batches: Sequence[dict[str, Tensor]], fb: Callable[..., Any] | None
+    ) -> list[Tensor]:
+        """log π(labels) of the current weights for every micro-batch: a forward-only pass through Megatron."""
 
         def forward_step(data_iterator: Iterator[dict[str, Tensor]], model: torch.nn.Module):
             batch = next(data_iterator)
@@ -294,11 +311,42 @@ class RolloutCorrectionLoss:
             return logits, collect
 
         with torch.no_grad():
-            outputs = _run_schedule(fb, forward_step, model, micro_batches, forward_only=True,
-                                    collect_non_loss_data=True)
-        for batch, lp in zip(micro_batches, outputs, strict=True):
-            batch["old_log_probs"] = lp
+            outputs = _run_schedule(fb or _get_forward_backward_func(), forward_step, model, micro_batches,
+                                    forward_only=True, collect_non_loss_data=True)
         return list(outputs)
+
+    def prepare_step(
+        self,
+        model: torch.nn.Module,
+        micro_batches: Sequence[dict[str, Tensor]],
+        *,
+        forward_backward_func: Callable[..., Any] | None = None,
+        recompute_old_log_probs: bool = True,
+    ) -> None:
+        """Before a step's training pass: lp_old by a forward-only pass (decoupled mode, unless
+        `recompute_old_log_probs` is False and the batches carry it), then `step_batch_norm_mean`.
+
+        With `--tis-batch-normalize` and more than one micro-batch, the weights of every micro-batch are divided
+        by their mean over the WHOLE step: a pre-pass computes each micro-batch's weight statistics from lp_train
+        (lp_old; in bypass mode the log-probs of a forward-only pass, equal to what the training pass sees).
+        """
+        if self.needs_old_log_probs and recompute_old_log_probs:
+            self.compute_old_log_probs(model, micro_batches, forward_backward_func=forward_backward_func)
+        self.step_batch_norm_mean = None
+        cfg = self.config
+        if not (cfg.use_tis and cfg.tis_batch_normalize) or len(micro_batches) < 2:
+            return
+        if self.needs_old_log_probs:
+            train_log_probs = [b["old_log_probs"] for b in micro_batches]
+        else:
+            train_log_probs = self._forward_log_probs(model, micro_batches, forward_backward_func)
+        groups = self.groups
+        stats = [
+            compute_rollout_correction(lp, b["rollout_log_probs"].to(lp.dtype), b["loss_mask"], cfg,
+                                       cp_group=groups.cp, dp_group=groups.dp).stats
+            for lp, b in zip(train_log_probs, micro_batches, strict=True)
+        ]
+        self.step_batch_norm_mean = weight_mean(merge_stats(stats))
 
     def train_step(
         self,
@@ -310,14 +358,17 @@ class RolloutCorrectionLoss:
     ) -> dict[str, float]:
         """One step's forward+backward over `micro_batches` (gradients accumulated and finalized by Megatron).
 
-        Decoupled mode first recomputes lp_old (`compute_old_log_probs`) unless `recompute_old_log_probs` is
-        False (the batches then carry `old_log_probs` already). The caller zeroes grads before, steps after.
+        `prepare_step` first (lp_old in decoupled mode unless `recompute_old_log_probs` is False, the step's
+        normalization mean), then the training pass. The caller zeroes grads before, steps after.
         """
         check_model_config(model)
         fb = forward_backward_func or _get_forward_backward_func()
-        if self.needs_old_log_probs and recompute_old_log_probs:
-            self.compute_old_log_probs(model, micro_batches, forward_backward_func=fb)
-        losses = _run_schedule(fb, self.forward_step, model, micro_batches, forward_only=False)
+        self.prepare_step(model, micro_batches, forward_backward_func=fb,
+                          recompute_old_log_probs=recompute_old_log_probs)
+        try:
+            losses = _run_schedule(fb, self.forward_step, model, micro_batches, forward_only=False)
+        finally:
+            self.step_batch_norm_mean = None
         return self.reduce_step_metrics(losses)
 
 

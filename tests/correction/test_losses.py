@@ -11,7 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slime_corr.config import RolloutCorrectionConfig as C
-from slime_corr.correction import metrics_to_host
+from slime_corr.correction import (
+    compute_rollout_correction,
+    correction_metrics,
+    merge_stats,
+    metrics_to_host,
+    weight_mean,
+)
 from slime_corr.losses import compute_policy_loss
 
 AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -156,11 +162,12 @@ def test_metrics_only_is_bitwise_plain(seed, agg, bypass, float_mask):
     agg=st.sampled_from(AGG),
     pad_len=st.integers(1, 7),
     cuts=st.lists(st.integers(1, 7), min_size=1, max_size=3, unique=True),
+    normalize=st.booleans(),
 )
-def test_padding_and_microbatch_invariance(seed, preset, agg, pad_len, cuts):
+def test_padding_and_microbatch_invariance(seed, preset, agg, pad_len, cuts, normalize):
     lp, old, ro, adv, mask = _batch(seed, B=8, S=10)
     extra = {"rs_upper_bound": 1.5} if "rs" in preset else {}
-    cfg = C.preset(preset, loss_agg_mode=agg, tis_batch_normalize=False, **extra)
+    cfg = C.preset(preset, loss_agg_mode=agg, tis_batch_normalize=normalize and C.preset(preset).use_tis, **extra)
     kw = dict(seq_length_for_norm=16)
     x = lp.clone().requires_grad_()
     full = compute_policy_loss(x, old, ro, adv, mask, cfg, **kw)
@@ -180,18 +187,28 @@ def test_padding_and_microbatch_invariance(seed, preset, agg, pad_len, cuts):
     assert set(got) == set(want)
     for k, v in want.items():
         assert got[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
-    # micro-batches: Σ loss_sum / Σ denominator equals the full-batch loss and gradient
+    # micro-batches: Σ loss_sum / Σ denominator equals the full-batch loss and gradient; with batch normalization
+    # the step's mean comes from a pre-pass; merged statistics give the full-batch metrics
     z = lp.clone().requires_grad_()
     bounds = [0, *sorted(cuts), 8]
-    parts = [
-        compute_policy_loss(z[a:b], old[a:b], ro[a:b], adv[a:b], mask[a:b], cfg, **kw)
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True)
-    ]
+    rows = list(zip(bounds[:-1], bounds[1:], strict=True))
+    lp_train = lp if cfg.use_rollout_logprobs else old
+    pre = [compute_rollout_correction(lp_train[a:b], ro[a:b], mask[a:b], cfg).stats for a, b in rows]
+    step_mean = weight_mean(merge_stats(pre)) if cfg.tis_batch_normalize else None
+    parts = [compute_policy_loss(z[a:b], old[a:b], ro[a:b], adv[a:b], mask[a:b], cfg, batch_norm_mean=step_mean,
+                                 **kw) for a, b in rows]
     den = sum(p.denominator for p in parts)
     total = sum(p.loss_sum for p in parts) / den.clamp_min(1)
     total.backward()
     assert total.item() == pytest.approx(full.loss.item(), rel=1e-12, abs=1e-15)
     torch.testing.assert_close(z.grad, x.grad)
+    if full.correction.weights is not None:
+        torch.testing.assert_close(torch.cat([p.correction.weights for p in parts]), full.correction.weights)
+    merged = metrics_to_host(correction_metrics(merge_stats([p.correction.stats for p in parts]), cfg))
+    want = metrics_to_host(full.correction.metrics)
+    assert set(merged) == set(want)
+    for k, v in want.items():
+        assert merged[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
 
 
 @pytest.mark.parametrize("agg", AGG)

@@ -18,9 +18,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from mcore_helpers import (
+    B_GLOBAL,
     LAYOUTS_4,
     N_MB,
     TEMPERATURE,
+    S,
     V,
     assert_metrics_close,
     full_logits,
@@ -31,6 +33,7 @@ from mcore_helpers import (
 )
 
 from slime_corr.config import PRESETS, RolloutCorrectionConfig
+from slime_corr.correction import compute_rollout_correction
 from slime_corr.mcore.context_parallel import ParallelGroups, slice_batch_for_cp, zigzag_slice
 from slime_corr.mcore.logprobs import vocab_parallel_log_probs
 from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
@@ -52,40 +55,60 @@ def cases() -> list[tuple[str, RolloutCorrectionConfig, dict]]:
     custom = RolloutCorrectionConfig(use_tis=True, tis_upper_bound=2.0, custom_tis_function_path=CUSTOM_FN,
                                      loss_agg_mode="seq-mean-token-mean")
     out.append(("custom_tis_function/seq-mean-token-mean", custom))
+    # --tis-batch-normalize over a step of N_MB micro-batches: the pre-pass uses lp_old (decoupled) or a
+    # forward-only pass (bypass)
+    out.append(("decoupled_token_is+normalize/token-mean",
+                RolloutCorrectionConfig.preset("decoupled_token_is", tis_batch_normalize=True)))
+    out.append(("pg_is+normalize/seq-mean-token-mean",
+                RolloutCorrectionConfig.preset("pg_is", tis_batch_normalize=True, loss_agg_mode="seq-mean-token-mean")))
     return [(tag, cfg, dict(chunk_size=5 if i % 2 else 4096, compute_entropy=i % 2 == 1))
             for i, (tag, cfg) in enumerate(out)]
 
 
 def reference(cfg: RolloutCorrectionConfig, opts: dict, data: list[dict], logits: torch.Tensor):
-    """Single rank, full tensors: Σ_k loss_sum_k / Σ_k count_k and its gradient wrt the logits."""
+    """Single rank, full tensors, the whole step as ONE [N_MB·B, S] batch: its loss and gradient wrt the logits,
+    its correction (micro-batch k = rows k·B..(k+1)·B) and the step metrics. Only a custom weighting function's
+    own metrics are the mean of per-micro-batch values, as the hook documents."""
     from slime_corr.losses import compute_policy_loss
 
+    step = {k: torch.cat([b[k] for b in data]) for k in data[0]}
     leaf = logits.clone().requires_grad_()
-    sums, dens, outs = [], [], []
-    for k, b in enumerate(data):
-        lp = torch.log_softmax(leaf[k] / TEMPERATURE, dim=-1).gather(-1, b["labels"].unsqueeze(-1)).squeeze(-1)
-        old = None if cfg.use_rollout_logprobs else b["old_log_probs"]
-        out = compute_policy_loss(lp, old, b["rollout_log_probs"], b["advantages"], b["loss_mask"], cfg)
-        sums.append(out.loss_sum)
-        dens.append(out.denominator)
-        outs.append(out)
-    loss = sum(sums) / torch.stack(dens).sum().clamp_min(1)
-    loss.backward()
-    hook = RolloutCorrectionLoss(cfg, temperature=TEMPERATURE, groups=ParallelGroups(), **opts)
-    metrics = hook.reduce_step_metrics([hook.loss_func(b, logits[k])[2] for k, b in enumerate(data)])
-    return loss.detach(), leaf.grad, outs, metrics
+    logp = torch.log_softmax(leaf.reshape(-1, S, V) / TEMPERATURE, dim=-1)
+    lp = logp.gather(-1, step["labels"].unsqueeze(-1)).squeeze(-1)
+    old = None if cfg.use_rollout_logprobs else step["old_log_probs"]
+    out = compute_policy_loss(lp, old, step["rollout_log_probs"], step["advantages"], step["loss_mask"], cfg)
+    out.loss.backward()
+    metrics = {k: v.item() for k, v in out.metrics.items()}
+    metrics.update(loss=out.loss.item(), loss_denominator=out.denominator.item())
+    if opts["compute_entropy"]:
+        valid = step["loss_mask"] > 0
+        metrics["entropy"] = (-(logp.exp() * logp).sum(-1))[valid].mean().item()
+    if out.correction is not None:
+        lp_train = lp.detach() if cfg.use_rollout_logprobs else step["old_log_probs"]
+        per_mb = [compute_rollout_correction(lp_train[rows], step["rollout_log_probs"][rows], step["loss_mask"][rows],
+                                             cfg).function_metrics for rows in _mb_rows()]
+        for key in out.correction.function_metrics:
+            metrics[key] = sum(m[key].item() for m in per_mb) / N_MB
+    return out.loss.detach(), leaf.grad, out.correction, metrics
+
+
+def _mb_rows() -> list[slice]:
+    return [slice(k * B_GLOBAL, (k + 1) * B_GLOBAL) for k in range(N_MB)]
 
 
 def check_reference_is_not_trivial(tag: str, cfg: RolloutCorrectionConfig, ref: tuple) -> None:
     """The data must exercise every preset: a non-zero gradient, IS weights both truncated and below the
     bound, and rejection that keeps some sequences."""
-    _, grad, outs, metrics = ref
+    _, grad, correction, metrics = ref
     assert grad.abs().sum() > 0, f"{tag}: zero reference gradient"
     if cfg.use_tis and not cfg.custom_tis_function_path:
-        w = torch.cat([o.correction.weights[o.correction.loss_mask > 0] for o in outs])
+        w = correction.weights[correction.loss_mask > 0]
         upper = cfg.tis_bounds[1]
+        if cfg.tis_batch_normalize:  # weights are divided by a step mean that is not 1
+            assert abs(metrics["mis_batch_norm_factor"] - 1) > 1e-3, f"{tag}: {metrics['mis_batch_norm_factor']}"
+            w = w * metrics["mis_batch_norm_factor"]
         assert ((w > 0) & (w < upper) & ((w - 1).abs() > 0.02)).any(), f"{tag}: weights {w}"
-        assert cfg.use_rs or (w == upper).any(), f"{tag}: no weight truncated {w}"  # RS rejects above U
+        assert cfg.use_rs or torch.isclose(w, torch.tensor(upper, dtype=w.dtype)).any(), f"{tag}: none truncated {w}"
     if cfg.use_rs or cfg.rs_veto_threshold is not None or cfg.custom_tis_function_path:
         assert 0 < metrics["mis_rejected_seq_fraction"] < 1, f"{tag}: {metrics['mis_rejected_seq_fraction']}"
     if cfg.rs_veto_threshold is not None:
@@ -217,7 +240,7 @@ def _worker(rank: int, world: int) -> None:
 
         for name, cfg, opts in cases():
             tag = f"TP={tp} CP={cp} DP={dp} {name} {opts}"
-            ref_loss, ref_grad, ref_outs, ref_metrics = refs[name]
+            ref_loss, ref_grad, ref_corr, ref_metrics = refs[name]
             check_sequence_reduction(tag, cfg, opts, groups, tp, batches[0]["labels"].shape[0])
             tcfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=4,
                                      tensor_model_parallel_size=tp, context_parallel_size=cp,
@@ -237,19 +260,18 @@ def _worker(rank: int, world: int) -> None:
                                        rtol=1e-6, atol=1e-12, msg=tag)
             assert_metrics_close(metrics, ref_metrics, tag)
             assert len(hook.outputs) == N_MB
-            for k, out in enumerate(hook.outputs):
-                ref = ref_outs[k].correction
-                def sl(t, dp_rank=dp_rank, dp=dp, cp_rank=cp_rank, cp=cp):
-                    return zigzag_slice(local_rows(t, dp_rank, dp), cp_rank, cp, dim=1)
+            for rows, out in zip(_mb_rows(), hook.outputs, strict=True):
+                def sl(t, rows=rows, dp_rank=dp_rank, dp=dp, cp_rank=cp_rank, cp=cp):
+                    return zigzag_slice(local_rows(t[rows], dp_rank, dp), cp_rank, cp, dim=1)
 
-                if ref is None:
+                if ref_corr is None:
                     assert out.correction is None, tag
                     continue
-                assert torch.equal(out.correction.loss_mask, sl(ref.loss_mask)), tag
-                assert (out.correction.weights is None) == (ref.weights is None), tag
-                if ref.weights is not None:
-                    torch.testing.assert_close(out.correction.weights, sl(ref.weights), rtol=1e-6, atol=1e-12,
-                                               msg=tag)
+                assert torch.equal(out.correction.loss_mask, sl(ref_corr.loss_mask)), tag
+                assert (out.correction.weights is None) == (ref_corr.weights is None), tag
+                if ref_corr.weights is not None:
+                    torch.testing.assert_close(out.correction.weights, sl(ref_corr.weights), rtol=1e-6,
+                                               atol=1e-12, msg=tag)
     ps.destroy_model_parallel()
 
 

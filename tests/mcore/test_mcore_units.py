@@ -112,7 +112,10 @@ def test_bypass_loss_func_single_rank_matches_core():
     ref = compute_policy_loss(lp, None, batch["rollout_log_probs"], batch["advantages"], batch["loss_mask"], cfg)
     torch.testing.assert_close(loss_sum, ref.loss_sum)
     assert count.dtype == torch.int32 and int(count) == int(ref.denominator) == 8
-    assert set(reduced) == {"global", "local"}
+    assert set(reduced) == {"stats", "function", "local"}
+    assert reduced["stats"].keys() == ref.correction.stats.keys()
+    for k, v in ref.correction.stats.items():
+        torch.testing.assert_close(reduced["stats"][k], v, rtol=1e-9, atol=1e-12, msg=k)
 
 
 def test_cpu_compat_is_a_noop_when_cuda_is_available(monkeypatch):
