@@ -158,10 +158,14 @@ def compute_rollout_correction(
             out = fn(inputs, config)
             fn_metrics = dict(out.metrics)
             fn_mask = valid_mask(out.loss_mask) & inputs.loss_mask
-            n_fn = seq_sums([fn_mask], cp_group)[:, 0]
-            tok_f = fn_mask.to(dtype)
             w_out = None if out.weights is None else out.weights.detach().to(dtype)
             raw_out = None if out.raw_weights is None else out.raw_weights.detach().to(dtype)
+            if w_out is not None:  # a NaN/inf weight rejects its token (counted), like a non-finite log-prob
+                finite_w = w_out.isfinite()
+                stats.add_sum("n_fn_bad_w", (fn_mask & ~finite_w).sum())
+                fn_mask = fn_mask & finite_w
+            n_fn = seq_sums([fn_mask], cp_group)[:, 0]
+            tok_f = fn_mask.to(dtype)
         n_final = n_fn
         if veto:
             vetoed = seq[:, 5] > 0
@@ -183,9 +187,8 @@ def compute_rollout_correction(
         elif w_out is not None:
             if is_default:  # built-in weights are finite
                 weights, final_w = w_out * final_f, final_f
-            else:
-                contributing = (final_f > 0) & w_out.isfinite()
-                weights, final_w = torch.where(contributing, w_out, zero), contributing.to(dtype)
+            else:  # non-finite weights already left the mask; `where` keeps their NaN out of the product
+                weights, final_w = torch.where(final_f > 0, w_out, zero), final_f
             unit = final_w
             if config.tis_level != "token":
                 unit = unit / n_final.clamp_min(1).unsqueeze(-1)
@@ -264,6 +267,8 @@ def correction_metrics(
     metrics["mis_rejected_seq_fraction"] = M._div(r["n_final_seq_rej"], r["n_valid_seq"])
     metrics["mis_contributing_token_count"] = r["n_final_tok"]
     metrics["mis_all_rejected"] = (r["n_final_tok"] == 0).to(torch.float64)
+    if "n_fn_bad_w" in r:
+        metrics["mis_custom_nonfinite_weight_count"] = r["n_fn_bad_w"]
     if "raw_u" in r:
         metrics.update(M.finalize_raw_weight(r, config.effective_tis_mode))
     if "w_u" in r:

@@ -36,6 +36,7 @@ With correction on (IS, RS or veto):
 | mis_rejected_token_fraction / _seq_fraction | valid tokens / sequences dropped for any reason (RS, veto, non-finite) |
 | mis_contributing_token_count | tokens left in the loss mask |
 | mis_all_rejected | 1.0 when no token is left in the loss mask of the whole batch |
+| mis_custom_nonfinite_weight_count | a custom weighting function's NaN/inf weights: tokens rejected for them |
 """
 
 from __future__ import annotations

@@ -187,6 +187,28 @@ def test_custom_weight_function_by_path(tmp_path):
     assert metrics_to_host(res.metrics)["my_metric"] == 7.0
 
 
+def test_custom_weight_function_nonfinite_weights_reject_their_tokens(tmp_path):
+    f = tmp_path / "nan_tis.py"
+    f.write_text(
+        "import torch\n"
+        "from slime_corr.correction import WeightOutputs\n"
+        "def first_token_nan(inputs, config):\n"
+        "    w = torch.ones_like(inputs.log_ratio)\n"
+        "    w[:, 0] = float('nan')\n"
+        "    w[0, 1] = float('inf')\n"
+        "    return WeightOutputs(weights=w, loss_mask=inputs.loss_mask)\n"
+    )
+    lp_t = torch.zeros(2, 4, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]], dtype=torch.bool)  # row 1's first token is padding
+    res = run(C(use_tis=True, custom_tis_function_path=f"{f}:first_token_nan"), lp_t, lp_t.clone(), mask)
+    assert res.loss_mask.tolist() == [[0, 0, 1, 0], [0, 1, 1, 1]]
+    assert res.weights.tolist() == [[0, 0, 1, 0], [0, 1, 1, 1]]
+    m = metrics_to_host(res.metrics)
+    assert m["mis_custom_nonfinite_weight_count"] == 2
+    assert m["mis_rs_rejected_token_fraction"] == pytest.approx(2 / 6)
+    assert m["mis_weight_max"] == 1.0 and m["mis_ratio_mean_after_mis"] == 1.0
+
+
 def test_custom_weight_function_bad_signature(tmp_path):
     from slime_corr.config import ConfigError
 
