@@ -178,8 +178,8 @@ class StreamAccumulator:
         if self.mode == "incremental":
             if have + n != total:
                 raise ResponseError(f"stream: delta of {n} tokens after {have} != completion_tokens {total}")
-            self.out.output_ids = self.out.output_ids + ids
-            self.out.log_probs = self.out.log_probs + lps
+            self.out.output_ids.extend(ids)  # the lists are ours (decoded from this stream): append in place
+            self.out.log_probs.extend(lps)
         else:
             if n != total or n < have or ids[:have] != self.out.output_ids:
                 raise ResponseError(f"stream: cumulative event of {n} tokens inconsistent with {have} received "
