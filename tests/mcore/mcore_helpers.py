@@ -49,8 +49,20 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
 
 
 def spawn(fn: Callable[..., Any], world: int, *args: Any) -> None:
-    """Run `fn(rank, world, *args)` in `world` gloo processes on a free loopback port; raise on any failure."""
-    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+    """Run `fn(rank, world, *args)` in `world` gloo processes on a free loopback port; raise on any failure.
+
+    The processes never see a GPU (CUDA_VISIBLE_DEVICES is empty for them), so on a GPU machine these tests run
+    unchanged: Megatron then allocates its DDP buffers on the CPU like the models, and gloo reduces CPU tensors.
+    """
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # read by the children when they start
+    try:
+        mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+    finally:
+        if saved is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
 def init_layout(tp: int, cp: int) -> None:

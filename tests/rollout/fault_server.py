@@ -20,6 +20,7 @@ import json
 import math
 import socket
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 
@@ -56,6 +57,7 @@ class FaultServer:
     def __init__(self, timeout_sleep: float = 1.0) -> None:
         self.attempts: Counter[int] = Counter()
         self.served_ok: Counter[int] = Counter()
+        self.active = 0  # /generate handlers running now (see wait_idle)
         self.calls: list[tuple[str, dict]] = []  # (path, JSON body or query) of every control call
         self.flush_statuses: list[int] = []  # statuses /flush_cache answers before it answers 200
         self.rids: list[str] = []
@@ -92,6 +94,22 @@ class FaultServer:
         return web.json_response({"success": True})
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
+        self.active += 1
+        try:
+            return await self._generate(request)
+        finally:
+            self.active -= 1
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Block the caller's thread until no /generate handler runs, so the counters are final: a client may
+        return as soon as it has read [DONE], before the handler that wrote it has counted its answer."""
+        deadline = time.monotonic() + timeout
+        while self.active:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"fault server still busy with {self.active} request(s) after {timeout} s")
+            time.sleep(0.005)
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
         rid, stream = body["rid"], bool(body.get("stream"))

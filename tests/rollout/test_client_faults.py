@@ -70,6 +70,7 @@ def test_retryable_fault_recovers_with_new_rid(fault_server, fault, stream):
     sid = next(_sid)
     n0, b0 = len(server.rids), len(server.bodies)
     res = _generate(url, [CODE[fault], 1, sid], stream)
+    server.wait_idle()
     ids, lps = good_output(sid)
     assert res.output_ids == ids and res.log_probs == pytest.approx(lps)
     assert res.attempts == 2 and len(res.errors) == 1 and re.search(RETRYABLE[fault], res.errors[0])
@@ -87,6 +88,7 @@ def test_persistent_fault_fails_after_bounded_attempts(fault_server, fault, stre
     sid = next(_sid)
     with pytest.raises(GenerationError) as ei:
         _generate(url, [CODE[fault], 99, sid], stream)
+    server.wait_idle()
     assert ei.value.attempts == RETRY.max_attempts == server.attempts[sid]
     assert "gave up after 3 attempts" in ei.value.reason and re.search(RETRYABLE[fault], ei.value.reason)
 
@@ -97,6 +99,7 @@ def test_fatal_fault_is_not_retried(fault_server, fault, stream):
     sid = next(_sid)
     with pytest.raises(GenerationError) as ei:
         _generate(url, [CODE[fault], 1, sid], stream=stream)
+    server.wait_idle()
     assert ei.value.attempts == 1 and server.attempts[sid] == 1 and re.search(FATAL[fault], ei.value.reason)
 
 
@@ -140,6 +143,7 @@ def test_every_sample_ends_exactly_once_under_every_fault(fault_server):
     prompts = [[CODE[f], n_bad, next(_sid)] for f, _, n_bad in cases]
     n0 = len(server.rids)
     samples, drained = _run_samples(url, prompts, lambda i: cases[i][1])
+    server.wait_idle()
     assert sorted(id(s) for s in drained) == sorted(id(s) for s in samples)  # each sample in the buffer once
     for (fault, _, n_bad), p, s in zip(cases, prompts, samples, strict=True):
         sid = p[2]
@@ -168,6 +172,7 @@ def test_connection_refused_fails_each_sample_once_or_moves_to_a_live_server(fau
     assert len(drained) == 6 and all(s.status == SampleStatus.FAILED for s in samples)
     assert all("connection failed" in s.failure_reason and s.attempts == RETRY.max_attempts for s in samples)
     samples, drained = _run_samples([dead, url], prompts, lambda i: i % 2 == 1)
+    server.wait_idle()
     assert len(drained) == 6 and all(s.status == SampleStatus.COMPLETED for s in samples)
     assert all(server.served_ok[p[2]] == 1 for p in prompts)
     assert any(s.attempts == 2 for s in samples)  # some went to the dead server first, then moved
