@@ -2,7 +2,8 @@
 
 (a) a straightforward per-metric reference: one masked reduction and one `.item()` per metric, as the reference
     framework does; (b) a memory-bound floor: one elementwise exp over the same tensor.
-Prints medians over interleaved repeats and the ratios. Run: `python bench/correction.py [--repeats N] [--batch B --seq S]`.
+Prints medians over interleaved repeats and the ratios. Run: `python bench/correction.py [--repeats N] [--batch B --seq S]
+[--compile]` (`--compile` also times the same call under torch.compile).
 """
 
 from __future__ import annotations
@@ -112,6 +113,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--compile", action="store_true",
+                   help="also time torch.compile of the same call (fused kernels; the compile itself is not timed)")
     args = p.parse_args()
     g = torch.Generator().manual_seed(0)
     shape = (args.batch, args.seq)
@@ -134,7 +137,23 @@ def main() -> None:
         with torch.no_grad():
             return naive_step(lp, old, ro, adv, mask, cfg)
 
-    t = timed({"ours": ours, "naive": naive, "floor": lambda: torch.exp(lp)}, args.repeats)
+    fns = {"ours": ours, "naive": naive, "floor": lambda: torch.exp(lp)}
+    if args.compile:
+        def loss_and_metrics(lp, old, ro, adv, mask):
+            out = compute_policy_loss(lp, old, ro, adv, mask, cfg)
+            return torch.stack([v.reshape(()).to(torch.float64) for v in (*out.metrics.values(), out.loss)])
+
+        compiled = torch.compile(loss_and_metrics, dynamic=False)
+
+        def ours_compiled():
+            with torch.no_grad():
+                return compiled(lp, old, ro, adv, mask).tolist()
+
+        t0 = time.perf_counter()
+        ours_compiled()
+        print(f"torch.compile: first call (compilation) {time.perf_counter() - t0:.1f} s")
+        fns["compiled"] = ours_compiled
+    t = timed(fns, args.repeats)
     t_ours, t_naive, t_floor = t["ours"], t["naive"], t["floor"]
     print(
         f"threads={torch.get_num_threads()} batch={shape} tokens={mask.sum().item()} metrics={len(ours())} "
@@ -143,6 +162,10 @@ def main() -> None:
     print(f"ours  (correction + metrics + loss): {t_ours * 1e3:8.2f} ms")
     print(f"(a) per-metric reference           : {t_naive * 1e3:8.2f} ms  -> speedup {t_naive / t_ours:.2f}x (target >= 3x)")
     print(f"(b) floor, one exp                 : {t_floor * 1e3:8.2f} ms  -> ours / floor {t_ours / t_floor:.2f}x (target <= 10x)")
+    if "compiled" in t:
+        t_c = t["compiled"]
+        print(f"ours, torch.compile                : {t_c * 1e3:8.2f} ms  -> (a) / compiled {t_naive / t_c:.2f}x, "
+              f"compiled / floor {t_c / t_floor:.2f}x")
 
 
 if __name__ == "__main__":
