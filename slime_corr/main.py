@@ -206,16 +206,16 @@ def _step(model: Any, optimizer: Any, hook: Any, urls: list[str], loop: Any, arg
     rollout = asyncio.run_coroutine_threadsafe(_rollout(urls, args, step, buffer), loop)
     data = BufferMicroBatchIterator(buffer, loop, num_samples, args.micro_batch_size,
                                     group_size=args.n_samples_per_prompt)
-    # Decoupled mode runs two passes (pi_old recompute, then training) over the step's micro-batches: keep them.
+    model.zero_grad_buffer()
+    optimizer.zero_grad(set_to_none=True)
     try:
-        micro_batches = list(data)
+        # Bypass mode reads the stream once: Megatron's schedule trains each micro-batch as soon as the rollout
+        # has filled it. Decoupled mode (pi_old recompute) and step-wide normalization need a first pass: keep them.
+        metrics = hook.train_step(model, data if hook.can_stream(len(data)) else list(data))
     except BufferClosed:  # the rollout ended early: raise its own error
         rollout.result()
         raise
     rollout.result()
-    model.zero_grad_buffer()
-    optimizer.zero_grad(set_to_none=True)
-    metrics = hook.train_step(model, micro_batches)
     for p in model.parameters():  # Megatron DDP accumulates into main_grad; torch.optim reads .grad
         p.grad = p.main_grad.to(p.dtype)
     optimizer.step()

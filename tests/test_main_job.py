@@ -31,3 +31,9 @@ def test_main_job_rejects_bad_flags_before_starting(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "corrects twice" in proc.stderr and "embedded engine" not in proc.stdout
+
+
+def test_main_job_streams_the_rollout_into_the_schedule_in_bypass_mode(tmp_path):
+    # pg_is reads the micro-batches once, straight from the rollout's buffer (the laziness itself is checked in
+    # tests/mcore/test_mcore_parallel.py); the run must train and measure a real bf16 mismatch all the same.
+    assert min(run_main(tmp_path, "--rollout-correction-preset", "pg_is")) > 0

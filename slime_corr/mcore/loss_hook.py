@@ -71,20 +71,28 @@ def _get_forward_backward_func() -> Callable[..., Any]:
     return get_forward_backward_func()
 
 
+MicroBatches = Sequence[dict[str, Tensor]] | Iterator[dict[str, Tensor]]  # a stream must also have len()
+
+
 def _run_schedule(
     fb: Callable[..., Any],
     forward_step: Callable[..., Any],
     model: torch.nn.Module,
-    micro_batches: Sequence[dict[str, Tensor]],
+    micro_batches: MicroBatches,
     **kwargs: Any,
 ) -> Any:
-    """Run Megatron's schedule `fb` over `micro_batches` (shapes taken from the first one)."""
-    b, s = micro_batches[0]["labels"].shape
+    """Run Megatron's schedule `fb` over `micro_batches`: a list, or a stream with `len()` (e.g. a
+    `BufferMicroBatchIterator`) that the schedule reads one micro-batch per forward step."""
+    if isinstance(micro_batches, Sequence):
+        b, s = micro_batches[0]["labels"].shape
+        data = iter(micro_batches)
+    else:  # shapes are not known ahead of a stream; the schedule without pipelining does not use them
+        (b, s), data = (0, 0), micro_batches
     return fb(
         forward_step_func=forward_step,
-        data_iterator=iter(micro_batches),
+        data_iterator=data,
         model=model,
-        num_microbatches=len(micro_batches),
+        num_microbatches=len(micro_batches),  # type: ignore[arg-type]
         seq_length=s,
         micro_batch_size=b,
         **kwargs,
@@ -333,8 +341,7 @@ class RolloutCorrectionLoss:
         if self.needs_old_log_probs and recompute_old_log_probs:
             self.compute_old_log_probs(model, micro_batches, forward_backward_func=forward_backward_func)
         self.step_batch_norm_mean = None
-        cfg = self.config
-        if not (cfg.use_tis and cfg.tis_batch_normalize) or len(micro_batches) < 2:
+        if not self._needs_step_mean(len(micro_batches)):
             return
         if self.needs_old_log_probs:
             train_log_probs = [b["old_log_probs"] for b in micro_batches]
@@ -342,16 +349,24 @@ class RolloutCorrectionLoss:
             train_log_probs = self._forward_log_probs(model, micro_batches, forward_backward_func)
         groups = self.groups
         stats = [
-            compute_rollout_correction(lp, b["rollout_log_probs"].to(lp.dtype), b["loss_mask"], cfg,
+            compute_rollout_correction(lp, b["rollout_log_probs"].to(lp.dtype), b["loss_mask"], self.config,
                                        cp_group=groups.cp, dp_group=groups.dp).stats
             for lp, b in zip(train_log_probs, micro_batches, strict=True)
         ]
         self.step_batch_norm_mean = weight_mean(merge_stats(stats))
 
+    def _needs_step_mean(self, num_micro_batches: int) -> bool:
+        return self.config.use_tis and self.config.tis_batch_normalize and num_micro_batches > 1
+
+    def can_stream(self, num_micro_batches: int) -> bool:
+        """Whether `train_step` can read the micro-batches once, as a stream: no lp_old recompute (bypass) and
+        no step-wide normalization mean, which both need a pass over every micro-batch first."""
+        return not self.needs_old_log_probs and not self._needs_step_mean(num_micro_batches)
+
     def train_step(
         self,
         model: torch.nn.Module,
-        micro_batches: Sequence[dict[str, Tensor]],
+        micro_batches: MicroBatches,
         *,
         forward_backward_func: Callable[..., Any] | None = None,
         recompute_old_log_probs: bool = True,
@@ -360,11 +375,21 @@ class RolloutCorrectionLoss:
 
         `prepare_step` first (lp_old in decoupled mode unless `recompute_old_log_probs` is False, the step's
         normalization mean), then the training pass. The caller zeroes grads before, steps after.
+        `micro_batches` may be a stream with `len()` (e.g. `BufferMicroBatchIterator`) when `can_stream`: the
+        schedule then trains each micro-batch as soon as the rollout has filled it.
         """
+        if not isinstance(micro_batches, Sequence):
+            if not self.can_stream(len(micro_batches)):  # type: ignore[arg-type]
+                raise ValueError(
+                    "micro_batches: a stream is read once, but decoupled mode (lp_old recompute) and "
+                    "--tis-batch-normalize over several micro-batches need a pass over all of them first; pass a "
+                    "list (e.g. list(stream))."
+                )
         check_model_config(model)
         fb = forward_backward_func or _get_forward_backward_func()
-        self.prepare_step(model, micro_batches, forward_backward_func=fb,
-                          recompute_old_log_probs=recompute_old_log_probs)
+        if isinstance(micro_batches, Sequence):
+            self.prepare_step(model, micro_batches, forward_backward_func=fb,
+                              recompute_old_log_probs=recompute_old_log_probs)
         try:
             losses = _run_schedule(fb, self.forward_step, model, micro_batches, forward_only=False)
         finally:

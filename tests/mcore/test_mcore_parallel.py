@@ -165,6 +165,27 @@ def check_sequence_reduction(tag: str, cfg: RolloutCorrectionConfig, opts: dict,
     assert traffic[8] == traffic[32], f"{tag}: CP/DP traffic depends on the sequence length {traffic}"
 
 
+class LazyStream:
+    """Micro-batches as a stream (like `BufferMicroBatchIterator`): fails if micro-batch k is read before the
+    forward of micro-batch k - 1 ran, i.e. if the schedule did not consume the stream lazily."""
+
+    def __init__(self, batches: list[dict], forwards: list[int]) -> None:
+        self.batches, self.forwards, self.pulled = batches, forwards, 0
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> LazyStream:
+        return self
+
+    def __next__(self) -> dict:
+        if self.pulled == len(self.batches):
+            raise StopIteration
+        assert self.forwards == list(range(self.pulled)), f"read {self.pulled} after forwards {self.forwards}"
+        self.pulled += 1
+        return dict(self.batches[self.pulled - 1])
+
+
 class LogitsModel(torch.nn.Module):
     """Stands in for a model: its parameter IS the logits [N_MB, B, S, V/TP] of the whole step."""
 
@@ -250,10 +271,15 @@ def _worker(rank: int, world: int) -> None:
             model = DistributedDataParallel(
                 tcfg, DistributedDataParallelConfig(), module=LogitsModel(tcfg, logits[..., vshard], dp_rank,
                                                                           dp, cp_rank, cp))
+            forwards: list[int] = []
             hook = RolloutCorrectionLoss(cfg, temperature=TEMPERATURE, keep_outputs=True,
-                                         model_forward=lambda m, b: m(b["mb_index"]), **opts)
-            # decoupled presets: lp_old is given in the batch (as if recomputed), so skip the recompute pass
-            metrics = hook.train_step(model, [dict(b) for b in batches], recompute_old_log_probs=False)
+                                         model_forward=lambda m, b, f=forwards: f.append(b["mb_index"]) or m(
+                                             b["mb_index"]), **opts)
+            # decoupled presets: lp_old is given in the batch (as if recomputed), so skip the recompute pass;
+            # single-pass modes read the micro-batches as a stream, as from the rollout's buffer
+            step_batches = LazyStream(batches, forwards) if hook.can_stream(N_MB) else [dict(b) for b in batches]
+            metrics = hook.train_step(model, step_batches, recompute_old_log_probs=False)
+            assert not isinstance(step_batches, LazyStream) or step_batches.pulled == N_MB, tag
             grad = model.module.logits.main_grad
             torch.testing.assert_close(grad, ref_grad[..., vshard], rtol=1e-6, atol=1e-12, msg=tag)
             torch.testing.assert_close(torch.tensor(metrics["loss"], dtype=torch.float64), ref_loss,

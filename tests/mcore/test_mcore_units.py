@@ -144,3 +144,20 @@ def test_cpu_compat_patches_megatron_on_cpu():
     assert torch.equal(torch.get_rng_state(), before)  # the default stream is untouched
     torch.manual_seed(7)
     assert torch.equal(a, torch.rand(2))
+
+
+@pytest.mark.parametrize("cfg", [RolloutCorrectionConfig.preset("decoupled_token_is"),
+                                 RolloutCorrectionConfig.preset("pg_is", tis_batch_normalize=True)])
+def test_a_stream_is_refused_where_a_first_pass_is_needed(cfg):
+    class Stream:
+        def __len__(self):
+            return 2
+
+        def __next__(self):
+            raise AssertionError("must not be read")
+
+    hook = RolloutCorrectionLoss(cfg, groups=ParallelGroups())
+    assert not hook.can_stream(2)
+    with pytest.raises(ValueError, match="micro_batches: a stream is read once"):
+        hook.train_step(None, Stream())
+    assert RolloutCorrectionLoss(RolloutCorrectionConfig.preset("pg_is"), groups=ParallelGroups()).can_stream(2)
