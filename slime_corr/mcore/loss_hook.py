@@ -378,17 +378,17 @@ class RolloutCorrectionLoss:
         `micro_batches` may be a stream with `len()` (e.g. `BufferMicroBatchIterator`) when `can_stream`: the
         schedule then trains each micro-batch as soon as the rollout has filled it.
         """
-        if not isinstance(micro_batches, Sequence):
-            if not self.can_stream(len(micro_batches)):  # type: ignore[arg-type]
-                raise ValueError(
-                    "micro_batches: a stream is read once, but decoupled mode (lp_old recompute) and "
-                    "--tis-batch-normalize over several micro-batches need a pass over all of them first; pass a "
-                    "list (e.g. list(stream))."
-                )
+        streamed = not isinstance(micro_batches, Sequence)
+        if streamed and not self.can_stream(len(micro_batches)):  # type: ignore[arg-type]
+            raise ValueError(
+                "micro_batches: a stream is read once, but decoupled mode (lp_old recompute) and "
+                "--tis-batch-normalize over several micro-batches need a pass over all of them first; pass a "
+                "list (e.g. list(stream))."
+            )
         check_model_config(model)
         fb = forward_backward_func or _get_forward_backward_func()
-        if isinstance(micro_batches, Sequence):
-            self.prepare_step(model, micro_batches, forward_backward_func=fb,
+        if not streamed:
+            self.prepare_step(model, micro_batches, forward_backward_func=fb,  # type: ignore[arg-type]
                               recompute_old_log_probs=recompute_old_log_probs)
         try:
             losses = _run_schedule(fb, self.forward_step, model, micro_batches, forward_only=False)
