@@ -120,6 +120,11 @@ def build_micro_batch(
     return out
 
 
+def cp_pad_multiple(cp_size: int) -> int:
+    """What the sequence length must be a multiple of for :func:`zigzag_slice` (2 * cp_size; 1 without CP)."""
+    return 2 * cp_size if cp_size > 1 else 1
+
+
 def zigzag_slice(tensor: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1) -> torch.Tensor:
     """Context-parallel zig-zag slice: split ``dim`` into 2*cp_size chunks, keep chunks r and 2*cp_size-1-r.
 
@@ -188,7 +193,7 @@ def micro_batch_iterator(
     advs = list(advantages) if advantages is not None else [0.0] * len(samples)
     for i in range(0, len(samples), micro_batch_size):
         mb = build_micro_batch(samples[i : i + micro_batch_size], advs[i : i + micro_batch_size],
-                               pad_to_multiple=2 * cp_size if cp_size > 1 else 1, pad_token_id=pad_token_id,
+                               pad_to_multiple=cp_pad_multiple(cp_size), pad_token_id=pad_token_id,
                                packed=packed)
         yield slice_micro_batch_for_cp(mb, cp_rank, cp_size)
 

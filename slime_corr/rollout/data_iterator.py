@@ -24,7 +24,12 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from slime_corr.rollout.batching import build_micro_batch, grpo_advantages, slice_micro_batch_for_cp
+from slime_corr.rollout.batching import (
+    build_micro_batch,
+    cp_pad_multiple,
+    grpo_advantages,
+    slice_micro_batch_for_cp,
+)
 from slime_corr.rollout.buffer import SampleBuffer
 from slime_corr.rollout.sample import Sample, SampleStatus
 
@@ -113,7 +118,7 @@ class BufferMicroBatchIterator:
         adv_of = dict(zip(map(id, trained), self.advantage_fn(trained), strict=True)) if trained else {}
         batch = build_micro_batch(
             samples, [adv_of.get(id(s), 0.0) for s in samples], pad_token_id=self.pad_token_id, packed=self.packed,
-            pad_to_multiple=2 * self.cp_size if self.cp_size > 1 else 1,
+            pad_to_multiple=cp_pad_multiple(self.cp_size),
         )
         for i, s in enumerate(samples):
             if s.status not in TRAINABLE:
