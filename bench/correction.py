@@ -9,6 +9,8 @@ Prints medians over interleaved repeats and the ratios. Run: `python bench/corre
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import statistics
 import sys
 import time
@@ -94,18 +96,23 @@ def naive_step(lp, old, ro, adv, mask, cfg) -> dict[str, float]:
     return metrics
 
 
-def timed(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median wall time of each function over `repeats` rounds. The functions run interleaved within a round, so
-    a machine shared with other jobs slows all of them alike and the ratios stay meaningful."""
+def timed(fns: dict[str, Callable[[], object]], repeats: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Median wall time and median minor page faults of each function over `repeats` rounds. The functions run
+    interleaved within a round, so a machine shared with other jobs slows all of them alike and the ratios stay
+    meaningful."""
     for fn in fns.values():
         fn()  # warm-up
     times: dict[str, list[float]] = {name: [] for name in fns}
+    faults: dict[str, list[int]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+            faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+    return ({name: statistics.median(ts) for name, ts in times.items()},
+            {name: statistics.median(fs) for name, fs in faults.items()})
 
 
 def main() -> None:
@@ -153,15 +160,17 @@ def main() -> None:
         ours_compiled()
         print(f"torch.compile: first call (compilation) {time.perf_counter() - t0:.1f} s")
         fns["compiled"] = ours_compiled
-    t = timed(fns, args.repeats)
+    t, faults = timed(fns, args.repeats)
     t_ours, t_naive, t_floor = t["ours"], t["naive"], t["floor"]
+    malloc_env = " ".join(f"{k}={v}" for k, v in os.environ.items() if k.startswith("MALLOC_")) or "glibc defaults"
     print(
         f"threads={torch.get_num_threads()} batch={shape} tokens={mask.sum().item()} metrics={len(ours())} "
-        f"repeats={args.repeats} (medians, interleaved)"
+        f"repeats={args.repeats} (medians, interleaved) malloc: {malloc_env}"
     )
     print(f"ours  (correction + metrics + loss): {t_ours * 1e3:8.2f} ms")
     print(f"(a) per-metric reference           : {t_naive * 1e3:8.2f} ms  -> speedup {t_naive / t_ours:.2f}x (target >= 3x)")
     print(f"(b) floor, one exp                 : {t_floor * 1e3:8.2f} ms  -> ours / floor {t_ours / t_floor:.2f}x (target <= 10x)")
+    print("minor page faults per call (medians): " + ", ".join(f"{name} {f:.0f}" for name, f in faults.items()))
     if "compiled" in t:
         t_c = t["compiled"]
         print(f"ours, torch.compile                : {t_c * 1e3:8.2f} ms  -> (a) / compiled {t_naive / t_c:.2f}x, "

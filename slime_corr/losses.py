@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -24,7 +25,10 @@ from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.correction import CorrectionResult, compute_rollout_correction
 from slime_corr.correction.reductions import (
     ProcessGroup,
+    count_greater_,
     cp_first,
+    finite_indicator_,
+    float_mask,
     global_sum,
     group_size,
     seq_sums,
@@ -37,20 +41,25 @@ LOG_RATIO_CLAMP = 20.0
 
 @dataclass
 class LossInputs:
-    """Inputs of a per-token loss function; all [B, S], finite, 0 outside `loss_mask` (bool).
+    """Inputs of a per-token loss function; all [B, S], finite, 0 outside the mask.
 
-    `log_probs` carries the gradient; `weights` (detached) is None when no IS weight applies. A function may
-    add 0-dim local metrics to `metrics`.
+    `token_mask` is the mask as float 0/1 and `loss_mask` the same as bool (made on first use). `log_probs`
+    carries the gradient; `weights` (detached) is None when no IS weight applies. A function may add 0-dim local
+    metrics to `metrics`.
     """
 
     log_probs: Tensor
     old_log_probs: Tensor
     rollout_log_probs: Tensor | None
     advantages: Tensor
-    loss_mask: Tensor
+    token_mask: Tensor
     weights: Tensor | None
-    count: Tensor | None = None  # Σ loss_mask (local)
+    count: Tensor | None = None  # Σ token_mask (local)
     metrics: dict[str, Tensor] = field(default_factory=dict)
+
+    @cached_property
+    def loss_mask(self) -> Tensor:
+        return self.token_mask > 0
 
 
 @dataclass
@@ -64,24 +73,32 @@ class PolicyLossOutput:
 
 @LOSS_FUNCTIONS.register("ppo")
 def ppo_loss(inputs: LossInputs, config: RolloutCorrectionConfig) -> Tensor:
-    """Clipped PPO (asymmetric ε, optional dual clip), times the IS weight when given."""
-    neg_a = -inputs.advantages
+    """Clipped PPO (asymmetric ε, optional dual clip), times the IS weight when given.
+
+    max(-A·r, -A·clip(r)) is computed as -min(A·r, A·clip(r)). The in-place steps only touch results that autograd
+    does not keep (exp_ keeps its own result), so the peak memory stays a few [B, S] buffers.
+    """
+    adv = inputs.advantages
+    n = inputs.count if inputs.count is not None else inputs.token_mask.sum()
+    n = n.clamp_min(1)
+    # inputs are 0 outside the mask, so there log_ratio = 0, ratio = 1 and both surrogates are 0: plain sums suffice
     log_ratio = (inputs.log_probs - inputs.old_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = log_ratio.exp()
-    low, high = config.clip_range
-    loss1 = neg_a * ratio
-    loss2 = neg_a * ratio.clamp(low, high)
-    loss = torch.maximum(loss1, loss2)
-    if config.eps_clip_c is not None:
-        loss = torch.where(neg_a > 0, torch.minimum(loss, neg_a * config.eps_clip_c), loss)
-    # inputs are 0 outside the mask, so there loss1 = loss2 = 0 and log_ratio = 0: plain sums suffice
-    n = inputs.count if inputs.count is not None else inputs.loss_mask.sum()
-    n = n.clamp_min(1).to(ratio.dtype)
-    inputs.metrics["pg_clipfrac"] = ((loss2 > loss1).sum() / n).detach()
     inputs.metrics["ppo_kl"] = -log_ratio.detach().sum() / n
+    ratio = log_ratio.exp_()
+    del log_ratio
     if not config.use_rollout_logprobs:  # decoupled: the on-policy ratio pi_theta / pi_old ("ois" of the references)
-        inputs.metrics["ois"] = (ratio.detach() - 1.0).sum() / n + 1.0  # ratio = 1 outside the mask
-    return loss if inputs.weights is None else loss * inputs.weights
+        inputs.metrics["ois"] = (ratio.detach() - 1.0).sum() / n + 1.0
+    low, high = config.clip_range
+    surr1 = adv * ratio
+    surr2 = ratio.clamp(low, high).mul_(adv)
+    del ratio
+    inputs.metrics["pg_clipfrac"] = count_greater_(surr1.detach() - surr2.detach(), 0.0).sum() / n  # the clipped branch won
+    loss = torch.minimum(surr1, surr2).neg_()
+    del surr1, surr2
+    if config.eps_clip_c is not None:
+        neg_a = -adv
+        loss = torch.where(neg_a > 0, torch.minimum(loss, neg_a * config.eps_clip_c), loss)
+    return loss if inputs.weights is None else loss.mul_(inputs.weights)
 
 
 @LOSS_FUNCTIONS.register("reinforce")
@@ -142,23 +159,23 @@ def compute_policy_loss(
         weights = correction.weights
     else:
         den_mask = valid_mask(loss_mask)
-        mask_f = den_mask.to(dtype)
+        mask_f = float_mask(den_mask, dtype)
         weights = None
 
     old = old_log_probs.detach()
     adv = advantages.detach()
-    finite = (log_probs.detach() - old + adv).isfinite()  # one pass; an overflow also drops
-    okf = mask_f * finite.to(dtype)
+    # a NaN/inf in lp, lp_old or A (or an overflow of lp - lp_old + A) drops the token: one pass for all three
+    okf = finite_indicator_((log_probs.detach() - old).add_(adv)).mul_(mask_f)
     # Sanitize BEFORE the loss math (nan_to_num x mask) so neither the value nor the gradient sees a NaN/inf;
     # every input is then finite and 0 outside the mask, so the built-in per-token losses are 0 there too.
     inputs = LossInputs(
-        log_probs=torch.nan_to_num(log_probs, 0.0, 0.0, 0.0) * okf,
+        log_probs=torch.nan_to_num(log_probs, 0.0, 0.0, 0.0).mul_(okf),
         old_log_probs=torch.nan_to_num(old, 0.0, 0.0, 0.0).mul_(okf),
         rollout_log_probs=rollout_log_probs,
         advantages=torch.nan_to_num(adv, 0.0, 0.0, 0.0).mul_(okf),
-        loss_mask=okf > 0,
+        token_mask=okf,
         weights=None if weights is None else weights.detach().to(dtype) * okf,
-        count=okf.sum(),
+        count=okf.sum(dtype=torch.promote_types(dtype, torch.float32)),  # bf16 cannot count above 256
     )
     fn = loss_fn if callable(loss_fn) else LOSS_FUNCTIONS.get(loss_fn or config.loss_type, flag="--loss-type")
     token_loss = fn(inputs, config)

@@ -23,7 +23,9 @@ from slime_corr.correction.reductions import (
     BatchStats,
     ProcessGroup,
     compute_dtype,
+    count_greater_,
     cp_first,
+    float_mask,
     seq_sums,
     valid_mask,
 )
@@ -53,8 +55,9 @@ def weight_function(config: RolloutCorrectionConfig) -> Callable:
 
 
 def _count(x: Tensor, cp0: float) -> Tensor:
-    """Σ over sequences of a [B] per-sequence (CP-reduced) quantity, counted once across CP ranks."""
-    return x.to(torch.float64).sum() * cp0
+    """Σ over sequences (dim 0) of a [B] or [B, k] per-sequence (CP-reduced) quantity, counted once across CP
+    ranks."""
+    return x.to(torch.float64).sum(0) * cp0
 
 
 def compute_rollout_correction(
@@ -78,34 +81,37 @@ def compute_rollout_correction(
     """
     valid = valid_mask(loss_mask)
     if not config.computes_metrics:
-        orig_mask = valid.to(torch.float32)
+        orig_mask = float_mask(valid, torch.float32)
         return CorrectionResult(weights=None, loss_mask=orig_mask, denominator_mask=orig_mask, metrics={})
     correct = config.use_rollout_correction
     dtype = compute_dtype(log_probs, rollout_log_probs)
     lp_t = log_probs.detach().to(dtype)
     lp_r = rollout_log_probs.detach().to(dtype)
     zero = torch.zeros((), dtype=dtype, device=lp_t.device)
-    # A valid token is usable ("ok") when lr = lp_t - lp_r is finite; |lr| >= 1e30 also counts as non-finite (row
-    # sums must not overflow). Inputs are sanitized with nan_to_num x float mask: no full-size torch.where.
-    ok_tok = valid & ((lp_t - lp_r).abs() < MAX_ABS_LOG_RATIO)
-    okf = ok_tok.to(dtype)
-    lpt0 = torch.nan_to_num(lp_t, 0.0, 0.0, 0.0).mul_(okf)  # lp_t at ok tokens, 0 elsewhere
-    lpr0 = torch.nan_to_num(lp_r, 0.0, 0.0, 0.0).mul_(okf)
-    lr = lpt0 - lpr0  # finite everywhere, 0 outside ok
-    columns = [valid, okf, lr, lpt0, lpr0]
+    valid_f = float_mask(valid, dtype)  # float 0/1; in good sequences also the mask of finite tokens
+    # lr = lp_t - lp_r at valid tokens, 0 elsewhere. NaN/±inf become ±big, so that "non-finite or |lr| > 1e30"
+    # is one test (|lr| > 1e30): such a token rejects its sequence. Masks are float products, not `where`.
+    big = torch.finfo(dtype).max
+    lr = (lp_t - lp_r).nan_to_num_(big, big, -big).mul_(valid_f)
+    lpt0 = torch.nan_to_num(lp_t, 0.0, 0.0, 0.0).mul_(valid_f)  # finite everywhere, 0 outside the mask
+    lpr0 = torch.nan_to_num(lp_r, 0.0, 0.0, 0.0).mul_(valid_f)
+    columns = [valid_f, count_greater_(lr.abs(), MAX_ABS_LOG_RATIO), lr, lpt0, lpr0]
     veto = correct and config.rs_veto_threshold is not None
-    if veto:  # log C < 0 and lr = 0 outside ok, so no extra mask is needed
-        columns.append(lr < math.log(config.rs_veto_threshold))
+    if veto:  # lr < log C, as -lr > -log C
+        columns.append(count_greater_(-lr, -math.log(config.rs_veto_threshold)))
     fn = weight_function(config) if correct else None
     is_default = fn is default_weights
     token_rs = is_default and config.use_rs and config.rs_level == "token"
     if token_rs:
-        columns.append(ok_tok & in_log_bounds(lr, *config.rs_bounds))
+        columns.append(valid & in_log_bounds(lr, *config.rs_bounds))
     seq = seq_sums(columns, cp_group)  # the one CP collective for sequence sums
+    tok_rows, tok_max_d = M.token_mismatch_rows(lr, lpt0, lpr0, valid_f)
+    del lpt0, lpr0
 
-    n_orig, n_ok, s_lr, s_lpt, s_lpr = seq[:, :5].unbind(-1)
+    n_orig, n_bad, s_lr, s_lpt, s_lpr = seq[:, :5].unbind(-1)
+    n_ok = n_orig - n_bad
     # a non-finite token, or whole-sequence sums that overflowed
-    seq_bad = (n_ok < n_orig) | ~(s_lr.isfinite() & s_lpt.isfinite() & s_lpr.isfinite())
+    seq_bad = (n_bad > 0) | ~(s_lr.isfinite() & s_lpt.isfinite() & s_lpr.isfinite())
     seq_ok = (n_orig > 0) & ~seq_bad
     good = (~seq_bad).to(dtype).unsqueeze(-1)  # [B, 1]
     n_seq = torch.where(seq_bad, torch.zeros_like(n_ok), n_ok)
@@ -113,26 +119,24 @@ def compute_rollout_correction(
 
     cp0 = cp_first(cp_group)
     stats = BatchStats()
-    stats.add_sum("n_tok", _count(n_seq, cp0))
-    stats.add_sum("n_seq", _count(seq_ok, cp0))
-    stats.add_sum("n_valid_tok", _count(n_orig, cp0))
-    stats.add_sum("n_valid_seq", _count(n_orig > 0, cp0))
-    stats.add_sum("n_bad_tok", _count(torch.where(seq_bad, n_orig - n_ok, torch.zeros_like(n_ok)), cp0))
-    stats.add_sum("n_bad_seq", _count(seq_bad, cp0))
-    M.add_token_mismatch(stats, lr, lpt0, lpr0, okf, good.squeeze(-1))
+    counts = torch.stack([n_seq, seq_ok, n_orig, n_orig > 0, torch.where(seq_bad, n_bad, torch.zeros_like(n_bad)),
+                          seq_bad], dim=-1)
+    stats.add_sums(("n_tok", "n_seq", "n_valid_tok", "n_valid_seq", "n_bad_tok", "n_bad_seq"), _count(counts, cp0))
+    M.add_token_mismatch(stats, tok_rows, tok_max_d, ~seq_bad)
     M.add_seq_mismatch(stats, seq_ok, n_seq, s_lpt, s_lpr, s_lr, cp0)
 
     weights: Tensor | None = None
-    final_f = okf  # float 0/1 mask after rejection and veto: final_f = tok_f x row_f, built once below
+    final_f = valid_f  # float 0/1 mask after rejection and veto: final_f = tok_f x row_f, built once below
     n_final = n_seq
     w_seq: Tensor | None = None  # built-in sequence/geometric IS: the bounded weight of each sequence [B]
     fn_metrics: dict[str, Tensor] = {}
+    step_counts: dict[str, Tensor] = {}  # [B] per-sequence counts, summed into batch statistics at once below
     if correct:
-        tok_f, row_f = okf, good  # [B, S] token keep, [B, 1] sequence keep (non-finite, RS, veto)
+        tok_f, row_f = valid_f, good  # [B, S] token keep, [B, 1] sequence keep (non-finite, RS, veto)
         custom = not is_default
         inputs = WeightInputs(  # a custom function sees bad sequences removed; the built-in one needs only [B]
             log_ratio=lr * good if custom else lr,
-            loss_mask=(okf * good) > 0 if custom else okf,
+            loss_mask=(valid_f * good) > 0 if custom else valid_f,
             seq_log_ratio_sum=s_lr,
             seq_token_count=n_seq,
             cp_group=cp_group,
@@ -146,7 +150,7 @@ def compute_rollout_correction(
             if config.use_rs:
                 keep = rs_keep(inputs, config)
                 if token_rs:
-                    tok_f = okf * keep.to(dtype)
+                    tok_f = valid_f * keep.to(dtype)
                 else:
                     row_f = row_f * keep.to(dtype)
                     n_fn = torch.where(keep.squeeze(-1), n_fn, torch.zeros_like(n_fn))
@@ -171,13 +175,10 @@ def compute_rollout_correction(
             vetoed = seq[:, 5] > 0
             row_f = row_f * (~vetoed).to(dtype).unsqueeze(-1)
             n_final = torch.where(vetoed, torch.zeros_like(n_fn), n_fn)
-            stats.add_sum("n_cat_tok", _count(torch.where(seq_ok, seq[:, 5], torch.zeros_like(n_fn)), cp0))
-            stats.add_sum("n_cat_seq", _count(vetoed & seq_ok, cp0))
+            step_counts.update(n_cat_tok=torch.where(seq_ok, seq[:, 5], torch.zeros_like(n_fn)), n_cat_seq=vetoed & seq_ok)
         final_f = tok_f * row_f
-        stats.add_sum("n_fn_tok", _count(n_fn, cp0))
-        stats.add_sum("n_fn_seq_rej", _count(seq_ok & (n_fn == 0), cp0))
-        stats.add_sum("n_final_tok", _count(n_final, cp0))
-        stats.add_sum("n_final_seq_rej", _count((n_orig > 0) & (n_final == 0), cp0))
+        step_counts.update(n_fn_tok=n_fn, n_fn_seq_rej=seq_ok & (n_fn == 0), n_final_tok=n_final,
+                           n_final_seq_rej=(n_orig > 0) & (n_final == 0))
 
         if w_out is not None and is_default and config.tis_level != "token":
             # constant along each sequence: statistics on [B], each sequence counted once
@@ -194,17 +195,17 @@ def compute_rollout_correction(
                 unit = unit / n_final.clamp_min(1).unsqueeze(-1)
             M.add_weight_stats(stats, weights, unit, final_w > 0)
             if raw_out is not None:
-                unit0 = okf * good
+                unit0 = valid_f * good
                 if config.tis_level != "token":
                     unit0 = unit0 / n_seq.clamp_min(1).unsqueeze(-1)
                 M.add_raw_weight_stats(stats, torch.nan_to_num(raw_out, 0.0, 0.0, 0.0) * unit0, unit0, lower, upper)
 
     keep_den = not correct or config.rs_keep_loss_denominator
-    final_mask = final_f.to(torch.float32) if correct else valid.to(torch.float32)
-    den_mask = valid.to(torch.float32) if correct and keep_den else final_mask
+    final_mask = final_f.to(torch.float32) if correct else float_mask(valid, torch.float32)
+    den_mask = float_mask(valid, torch.float32) if correct and keep_den else final_mask
     n_den = n_orig if keep_den else n_final
-    stats.add_sum("g_tok", _count(n_den, cp0))
-    stats.add_sum("g_seq", _count(n_den > 0, cp0))
+    step_counts.update(g_tok=n_den, g_seq=n_den > 0)
+    stats.add_sums(tuple(step_counts), _count(torch.stack([c.to(dtype) for c in step_counts.values()], -1), cp0))
 
     r = stats.reduce(cp_group, dp_group)  # the one batch collective (SUM + MAX per group)
 

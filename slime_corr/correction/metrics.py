@@ -72,7 +72,8 @@ def metrics_to_host(metrics: dict[str, Tensor]) -> dict[str, float]:
     """All metrics to Python floats in ONE device->host transfer."""
     if not metrics:
         return {}
-    values = torch.stack([v.detach().reshape(()).to(torch.float64) for v in metrics.values()]).tolist()
+    with torch.no_grad():
+        values = torch.stack([v.reshape(()) for v in metrics.values()]).to(torch.float64).tolist()
     return dict(zip(metrics.keys(), values, strict=True))
 
 
@@ -82,68 +83,80 @@ def _total(x: Tensor) -> Tensor:
 
 
 def _div(num: Tensor, den: Tensor) -> Tensor:
-    return num / den.clamp_min(1e-30) if den.dtype.is_floating_point else num / den.clamp_min(1)
+    """num / den for float64 batch statistics; 0 / 0 = 0."""
+    return num / den.clamp_min(1e-30)
 
 
-def add_token_mismatch(
-    stats: BatchStats, lr: Tensor, lp_train: Tensor, lp_rollout: Tensor, mask: Tensor, row_weight: Tensor
-) -> None:
-    """Token-level sums over the float 0/1 `mask` of finite tokens (`lr`, `lp_*` finite and 0 outside it), of the
-    rows with `row_weight` [B] = 1 (0 excludes a sequence; applied to row sums, not to [B, S] tensors).
+def _ratios(r: dict[str, Tensor], keys: tuple[str, ...], den: Tensor) -> dict[str, Tensor]:
+    """{key: r[key] / den} for several keys in three tensor ops."""
+    return dict(zip(keys, _div(torch.stack([r[k] for k in keys]), den).unbind(), strict=True))
 
-    k3 = exp(x) - x - 1 and chi2 = exp(2x) - 1 use expm1 (no cancellation for small x); both vanish at x = 0.
+
+TOKEN_SUMS = ("tok_neg_lr", "tok_k3", "tok_chi2", "tok_abs_lr", "tok_d", "tok_d2", "tok_pt", "tok_pr", "tok_pt2",
+              "tok_pr2", "tok_ptr")
+
+
+def token_mismatch_rows(lr: Tensor, lp_train: Tensor, lp_rollout: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-sequence sums of the token-level mismatch terms ([B, len(TOKEN_SUMS)], in TOKEN_SUMS order) and the
+    per-sequence max of |p_train - p_rollout| ([B]).
+
+    `lr`, `lp_*` must be finite at the float 0/1 `mask` and 0 outside it. k3 = exp(x) - x - 1 and
+    chi2 = exp(2x) - 1 use expm1 (no cancellation for small x). Written as a stream of passes that each free
+    their temporaries: on CPU, touching fresh memory costs more than the arithmetic.
     """
-    rw = row_weight.to(torch.float64)
-
-    def total(v: Tensor) -> Tensor:
-        return (v.to(torch.float64) * rw).sum()
-
     x = lr.clamp(-20.0, 20.0)
     e1 = x.expm1()
-    stats.add_sum("tok_neg_lr", -total(lr.sum(-1)))
-    stats.add_sum("tok_k3", total((e1 - x).sum(-1)))
-    stats.add_sum("tok_chi2", total(torch.linalg.vecdot(e1, e1 + 2.0)))  # e1·(e1 + 2) = exp(2x) - 1
-    stats.add_sum("tok_abs_lr", total(lr.abs().sum(-1)))
+    k3 = x.neg_().add_(e1).sum(-1)  # x is not needed after this
+    del x
+    chi2 = torch.linalg.vecdot(e1, e1) + 2.0 * e1.sum(-1)  # e1·(e1 + 2) = exp(2x) - 1
+    del e1
+    abs_lr = lr.abs().sum(-1)
     # the clamp only touches invalid log-probs (> 20) so that squares stay finite; x mask: 0 outside it
     p_t = lp_train.clamp(max=LOG_PROB_CLAMP).exp_().mul_(mask)
     p_r = lp_rollout.clamp(max=LOG_PROB_CLAMP).exp_().mul_(mask)
-    d = (p_t - p_r).abs_()
-    stats.add_sum("tok_d", total(d.sum(-1)))
-    stats.add_sum("tok_d2", total(torch.linalg.vecdot(d, d)))
-    stats.add_max("tok_d_max", (d.amax(-1) * rw).max() if d.numel() else torch.zeros(()))  # d >= 0
-    for name, a, b in (("pt", p_t, None), ("pr", p_r, None), ("pt2", p_t, p_t), ("pr2", p_r, p_r), ("ptr", p_t, p_r)):
-        stats.add_sum(f"tok_{name}", total(a.sum(-1) if b is None else torch.linalg.vecdot(a, b)))
+    products = [torch.linalg.vecdot(a, b) for a, b in ((p_t, p_t), (p_r, p_r), (p_t, p_r))]
+    sum_t, sum_r = p_t.sum(-1), p_r.sum(-1)
+    d = p_t.sub_(p_r)  # p_t is not needed after this
+    del p_r
+    d2 = torch.linalg.vecdot(d, d)
+    d = d.abs_()
+    rows = torch.stack([-lr.sum(-1), k3, chi2, abs_lr, d.sum(-1), d2, sum_t, sum_r, *products], dim=-1)
+    return rows, d.amax(-1) if d.numel() else torch.zeros(d.shape[:-1], dtype=d.dtype, device=d.device)
+
+
+def add_token_mismatch(stats: BatchStats, rows: Tensor, row_max_d: Tensor, use_row: Tensor) -> None:
+    """Batch token sums of `token_mismatch_rows` over the sequences with `use_row` [B] (bool) true."""
+    # a rejected sequence may hold inf/NaN: `where`, not a product, keeps it out
+    zero = torch.zeros((), dtype=torch.float64, device=rows.device)
+    stats.add_sums(TOKEN_SUMS, torch.where(use_row[:, None], rows.to(torch.float64), zero).sum(0))
+    stats.add_max("tok_d_max", torch.where(use_row, row_max_d.to(torch.float64), zero).amax() if use_row.numel() else zero)
+
+
+SEQ_SUMS = ("seq_train_log_ppl", "seq_rollout_log_ppl", "seq_train_ppl", "seq_rollout_ppl", "seq_log_ppl_diff",
+            "seq_log_ppl_abs_diff", "seq_ppl_ratio", "seq_chi2")
 
 
 def add_seq_mismatch(
     stats: BatchStats, seq_ok: Tensor, n: Tensor, s_lpt: Tensor, s_lpr: Tensor, s_lr: Tensor, cp0: float
 ) -> None:
     """Sequence-level sums from whole-sequence (CP-reduced) sums; counted on CP rank 0 only."""
-    sw = seq_ok.to(torch.float64) * cp0
     n = n.to(torch.float64).clamp_min(1)
     mt = s_lpt.to(torch.float64) / n
     mr = s_lpr.to(torch.float64) / n
-    s_lr = s_lr.to(torch.float64)
-    zero = torch.zeros((), dtype=torch.float64, device=sw.device)
-
-    def add(name: str, v: Tensor) -> None:
-        stats.add_sum(name, (torch.where(seq_ok, v, zero) * sw).sum())
-
-    add("seq_train_log_ppl", -mt)
-    add("seq_rollout_log_ppl", -mr)
-    add("seq_train_ppl", (-mt).clamp(-PPL_EXP_CLAMP, PPL_EXP_CLAMP).exp())
-    add("seq_rollout_ppl", (-mr).clamp(-PPL_EXP_CLAMP, PPL_EXP_CLAMP).exp())
-    add("seq_log_ppl_diff", mr - mt)
-    add("seq_log_ppl_abs_diff", (mr - mt).abs())
-    add("seq_ppl_ratio", (mr - mt).clamp(-PPL_EXP_CLAMP, PPL_EXP_CLAMP).exp())
-    add("seq_chi2", (2.0 * s_lr.clamp(-20.0, 20.0)).exp() - 1.0)
+    diff = mr - mt
+    log_ppl = torch.stack([-mt, -mr, diff], dim=-1)  # [B, 3]
+    ppl = log_ppl.clamp(-PPL_EXP_CLAMP, PPL_EXP_CLAMP).exp()  # train ppl, rollout ppl, ppl ratio
+    chi2 = (2.0 * s_lr.to(torch.float64).clamp(-20.0, 20.0)).exp() - 1.0
+    columns = torch.cat([log_ppl[:, :2], ppl[:, :2], diff[:, None], diff.abs()[:, None], ppl[:, 2:], chi2[:, None]], 1)
+    # a rejected sequence may hold inf/NaN: `where`, not a product, keeps it out
+    columns = torch.where(seq_ok[:, None], columns, torch.zeros((), dtype=torch.float64, device=columns.device))
+    stats.add_sums(SEQ_SUMS, cp0 * columns.sum(0))
 
 
 def finalize_mismatch(r: dict[str, Tensor]) -> dict[str, Tensor]:
     n_tok, n_seq = r["n_tok"], r["n_seq"]
-    tok = {k: _div(r[k], n_tok) for k in ("tok_neg_lr", "tok_k3", "tok_chi2", "tok_abs_lr", "tok_d", "tok_d2")}
-    tok.update({k: _div(r[k], n_tok) for k in ("tok_pt", "tok_pr", "tok_pt2", "tok_pr2", "tok_ptr")})
-    seq = {k: _div(r[k], n_seq) for k in r if k.startswith("seq_")}
+    tok = _ratios(r, TOKEN_SUMS, n_tok)
+    seq = _ratios(r, SEQ_SUMS, n_seq)
     var_t = (tok["tok_pt2"] - tok["tok_pt"] ** 2).clamp_min(0)
     var_r = (tok["tok_pr2"] - tok["tok_pr"] ** 2).clamp_min(0)
     cov = tok["tok_ptr"] - tok["tok_pt"] * tok["tok_pr"]
@@ -206,16 +219,17 @@ def add_weight_stats(stats: BatchStats, w: Tensor, unit: Tensor, contributing: T
     scale = HIST_BINS / (2 * HIST_LOG_RANGE)
     idx = ((w.log() + HIST_LOG_RANGE) * scale).nan_to_num(0.0, 0.0, 0.0).clamp_(0, HIST_BINS - 1).long() + 1
     idx = torch.where(w > 0, idx, torch.zeros_like(idx))
-    hist = torch.bincount(idx.reshape(-1), weights=unit.reshape(-1).to(torch.float64), minlength=HIST_BINS + 1)
+    # scatter_add_ into a fixed size: faster than bincount on CPU, and traceable by torch.compile
+    hist = torch.zeros(HIST_BINS + 1, dtype=torch.float64, device=w.device)
+    hist.scatter_add_(0, idx.reshape(-1), unit.reshape(-1).to(torch.float64))
     stats.add_sum("w_hist", hist)
 
 
-def histogram_quantile(hist: Tensor, q: float) -> Tensor:
-    """The weight at quantile q from the log-space histogram (bin center; 0 for the zero bin)."""
+def histogram_quantiles(hist: Tensor, qs: tuple[float, ...]) -> Tensor:
+    """The weights at quantiles `qs` from the log-space histogram (bin centers; 0 for the zero bin)."""
     cum = hist.cumsum(0)
-    total = cum[-1]
-    target = (q * total - 1e-9 * total).reshape(1)
-    i = torch.searchsorted(cum, target).clamp_max(hist.numel() - 1)[0]
+    target = (torch.tensor(qs, dtype=cum.dtype, device=cum.device) - 1e-9) * cum[-1]
+    i = torch.searchsorted(cum, target).clamp_max(hist.numel() - 1)
     width = 2 * HIST_LOG_RANGE / HIST_BINS
     center = (-HIST_LOG_RANGE + (i.to(torch.float64) - 0.5) * width).exp()
     return torch.where(i > 0, center, torch.zeros_like(center))
@@ -235,10 +249,10 @@ def finalize_weight(r: dict[str, Tensor], factor: Tensor | None) -> dict[str, Te
         "mis_weight_min": wmin,
         "mis_weight_max": wmax,
     }
-    for name, q in QUANTILES.items():
-        out[f"mis_weight_{name}"] = torch.minimum(torch.maximum(histogram_quantile(r["w_hist"], q), wmin), wmax)
+    quantiles = torch.minimum(torch.maximum(histogram_quantiles(r["w_hist"], tuple(QUANTILES.values())), wmin), wmax)
+    out.update(zip((f"mis_weight_{name}" for name in QUANTILES), quantiles.unbind(), strict=True))
     if factor is not None:
-        out = {k: v / factor for k, v in out.items()}
+        out = dict(zip(out, (torch.stack(list(out.values())) / factor).unbind(), strict=True))
         out["mis_batch_norm_factor"] = factor
     out["mis_ess"] = torch.where(uw2 > 0, uw**2 / (u * uw2).clamp_min(1e-300), zero)
     return out
