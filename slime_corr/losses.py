@@ -92,7 +92,8 @@ def ppo_loss(inputs: LossInputs, config: RolloutCorrectionConfig) -> Tensor:
     surr1 = adv * ratio
     surr2 = ratio.clamp(low, high).mul_(adv)
     del ratio
-    inputs.metrics["pg_clipfrac"] = count_greater_(surr1.detach() - surr2.detach(), 0.0).sum() / n  # the clipped branch won
+    # clipped fraction: tokens where the clipped surrogate is the smaller one (it is the one trained)
+    inputs.metrics["pg_clipfrac"] = count_greater_(surr1.detach() - surr2.detach(), 0.0).sum() / n
     loss = torch.minimum(surr1, surr2).neg_()
     del surr1, surr2
     if config.eps_clip_c is not None:
