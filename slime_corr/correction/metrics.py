@@ -144,10 +144,9 @@ def add_seq_mismatch(
     mt = s_lpt.to(torch.float64) / n
     mr = s_lpr.to(torch.float64) / n
     diff = mr - mt
-    log_ppl = torch.stack([-mt, -mr, diff], dim=-1)  # [B, 3]
-    ppl = log_ppl.clamp(-PPL_EXP_CLAMP, PPL_EXP_CLAMP).exp()  # train ppl, rollout ppl, ppl ratio
+    ppl_t, ppl_r, ppl_ratio = torch.stack([-mt, -mr, diff]).clamp(-PPL_EXP_CLAMP, PPL_EXP_CLAMP).exp().unbind()
     chi2 = (2.0 * s_lr.to(torch.float64).clamp(-20.0, 20.0)).exp() - 1.0
-    columns = torch.cat([log_ppl[:, :2], ppl[:, :2], diff[:, None], diff.abs()[:, None], ppl[:, 2:], chi2[:, None]], 1)
+    columns = torch.stack([-mt, -mr, ppl_t, ppl_r, diff, diff.abs(), ppl_ratio, chi2], dim=-1)  # SEQ_SUMS order
     # a rejected sequence may hold inf/NaN: `where`, not a product, keeps it out
     columns = torch.where(seq_ok[:, None], columns, torch.zeros((), dtype=torch.float64, device=columns.device))
     stats.add_sums(SEQ_SUMS, cp0 * columns.sum(0))

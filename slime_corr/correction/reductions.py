@@ -48,17 +48,6 @@ def finite_indicator_(x: Tensor) -> Tensor:
     return x.mul_(0.0).nan_to_num_(nan=-1.0).add_(1.0)
 
 
-def masked_sum(x: Tensor, valid: Tensor, dim: int | None = None) -> Tensor:
-    """Σ x over valid positions; `torch.where`, so NaN/inf at invalid positions never leaks."""
-    z = torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    return z.sum() if dim is None else z.sum(dim)
-
-
-def masked_mean(x: Tensor, valid: Tensor) -> Tensor:
-    """Σ_valid x / max(#valid, 1) (local, no communication); 0 when nothing is valid."""
-    return masked_sum(x, valid) / valid.sum().clamp_min(1).to(x.dtype)
-
-
 def group_size(group: ProcessGroup) -> int:
     if group is None or not dist.is_available() or not dist.is_initialized():
         return 1
