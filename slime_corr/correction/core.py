@@ -30,13 +30,7 @@ from slime_corr.correction.reductions import (
     valid_mask,
 )
 from slime_corr.correction.types import CorrectionResult, WeightInputs
-from slime_corr.correction.weights import (
-    bound_weights,
-    default_weights,
-    in_log_bounds,
-    raw_is_weights,
-    rs_keep,
-)
+from slime_corr.correction.weights import default_weight_parts, default_weights, in_log_bounds
 from slime_corr.registry import WEIGHT_FUNCTIONS
 
 BATCH_NORM_MIN_MEAN = 1e-8
@@ -144,20 +138,16 @@ def compute_rollout_correction(
         )
         lower, upper = config.tis_bounds
         if is_default:
-            # `default_weights` evaluated in place from the same helpers, without materializing [B, S] copies of
+            # `default_weights` at the shapes of its level ([B, 1] for sequence/geometric): no [B, S] copies of
             # per-sequence quantities; its whole-sequence RS counts follow from the sums already reduced
             n_fn = torch.where(seq_bad, torch.zeros_like(n_seq), seq[:, -1]) if token_rs else n_seq
-            if config.use_rs:
-                keep = rs_keep(inputs, config)
+            w_out, raw_out, keep = default_weight_parts(inputs, config)
+            if keep is not None:
                 if token_rs:
                     tok_f = valid_f * keep.to(dtype)
                 else:
                     row_f = row_f * keep.to(dtype)
                     n_fn = torch.where(keep.squeeze(-1), n_fn, torch.zeros_like(n_fn))
-            w_out = raw_out = None
-            if config.use_tis:
-                raw_out = raw_is_weights(inputs, config)
-                w_out = bound_weights(raw_out, config.effective_tis_mode, lower, upper)
         else:  # a custom mask is arbitrary: one extra CP collective for its per-sequence counts
             out = fn(inputs, config)
             fn_metrics = dict(out.metrics)

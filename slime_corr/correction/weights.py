@@ -62,18 +62,31 @@ def raw_is_weights(inputs: WeightInputs, config: RolloutCorrectionConfig) -> Ten
     return aggregate_log_ratio(inputs, config.tis_level).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
 
 
-@WEIGHT_FUNCTIONS.register("default")
-def default_weights(inputs: WeightInputs, config: RolloutCorrectionConfig) -> WeightOutputs:
-    """The IS weights (`--use-tis`) and RS mask (`--use-rs`) of SPEC.md."""
-    mask = valid_mask(inputs.loss_mask)
-    weights = raw = None
+def default_weight_parts(
+    inputs: WeightInputs, config: RolloutCorrectionConfig
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """(w, w_raw, keep) of the built-in function, unmasked, at the shape of their level: [B, S] (token) or
+    [B, 1] (sequence/geometric, broadcastable). w = bounded IS weight, w_raw = exp(clamp(ℓ, ±20)), keep = RS
+    decision (bool); None when `--use-tis` / `--use-rs` is off. The core uses these shapes directly."""
+    w = w_raw = keep = None
     if config.use_tis:
         w_raw = raw_is_weights(inputs, config)
-        lower, upper = config.tis_bounds
-        w = bound_weights(w_raw, config.effective_tis_mode, lower, upper)
+        w = bound_weights(w_raw, config.effective_tis_mode, *config.tis_bounds)
+    if config.use_rs:
+        keep = rs_keep(inputs, config)
+    return w, w_raw, keep
+
+
+@WEIGHT_FUNCTIONS.register("default")
+def default_weights(inputs: WeightInputs, config: RolloutCorrectionConfig) -> WeightOutputs:
+    """The IS weights (`--use-tis`) and RS mask (`--use-rs`) of SPEC.md, as [B, S] tensors zero outside the mask."""
+    mask = valid_mask(inputs.loss_mask)
+    w, w_raw, keep = default_weight_parts(inputs, config)
+    weights = raw = None
+    if w is not None:
         zero = torch.zeros((), dtype=w.dtype, device=w.device)
         weights = torch.where(mask, w, zero)
         raw = torch.where(mask, w_raw, zero)
-    if config.use_rs:
-        mask = mask & rs_keep(inputs, config)
+    if keep is not None:
+        mask = mask & keep
     return WeightOutputs(weights=weights, loss_mask=mask, raw_weights=raw)
