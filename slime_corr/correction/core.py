@@ -188,7 +188,7 @@ def compute_rollout_correction(
                 unit0 = valid_f * good
                 if config.tis_level != "token":
                     unit0 = unit0 / n_seq.clamp_min(1).unsqueeze(-1)
-                M.add_raw_weight_stats(stats, torch.nan_to_num(raw_out, 0.0, 0.0, 0.0) * unit0, unit0, lower, upper)
+                M.add_raw_weight_stats(stats, torch.nan_to_num(raw_out, 0.0, 0.0, 0.0), unit0, lower, upper)
 
     keep_den = not correct or config.rs_keep_loss_denominator
     final_mask = final_f.to(torch.float32) if correct else float_mask(valid, torch.float32)

@@ -127,6 +127,38 @@ def test_every_combination_matches_loop_reference(cfg):
     assert all(math.isfinite(v) for v in m.values())
 
 
+@pytest.fixture(scope="module")
+def default_weights_as_custom(tmp_path_factory):
+    """`default_weights` behind a wrapper, so the core takes its general (custom-function) path for it."""
+    f = tmp_path_factory.mktemp("custom") / "wrapped_default.py"
+    f.write_text(
+        "from slime_corr.correction import default_weights\n"
+        "def wrapped(inputs, config):\n"
+        "    return default_weights(inputs, config)\n"
+    )
+    return f"{f}:wrapped"
+
+
+@pytest.mark.parametrize("cfg", list(_configs()), ids=lambda c: f"{c.tis_level}-{c.tis_mode}-{c.use_tis}-{c.use_rs and c.rs_level}-{c.rs_veto_threshold}-{c.tis_batch_normalize}")
+def test_builtin_path_matches_default_weights_as_a_custom_function(cfg, default_weights_as_custom):
+    """The core's built-in path (per-sequence shapes, counts from the reduced sums) and the general path running
+    `default_weights` give the same weights, masks and metrics, non-finite sequences included."""
+    lp_t, lp_r, mask = _batch(4)
+    lp_t[1, 2], mask[1, 2] = math.nan, True
+    builtin = run(cfg, lp_t, lp_r, mask)
+    general = run(cfg.replace(custom_tis_function_path=default_weights_as_custom), lp_t, lp_r, mask)
+    assert builtin.loss_mask.sum() > 0 and torch.equal(builtin.loss_mask, general.loss_mask)
+    if builtin.weights is None:
+        assert general.weights is None
+    else:
+        torch.testing.assert_close(builtin.weights, general.weights, rtol=1e-12, atol=1e-12)
+    m_builtin, m_general = metrics_to_host(builtin.metrics), metrics_to_host(general.metrics)
+    assert m_general.pop("mis_custom_nonfinite_weight_count", 0) == 0  # absent without IS weights
+    assert m_builtin.keys() == m_general.keys()
+    for key, value in m_builtin.items():
+        assert m_general[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+
+
 def test_float32_and_float_mask_match_float64_bool():
     lp_t, lp_r, mask = _batch(2)
     cfg = C.preset("decoupled_seq_is_rs")
