@@ -3,12 +3,15 @@
 (a) a straightforward per-metric reference: one masked reduction and one `.item()` per metric, as the reference
     framework does; (b) a memory-bound floor: one elementwise exp over the same tensor.
 Prints medians over interleaved repeats and the ratios. Run: `python bench/correction.py [--repeats N] [--batch B --seq S]
-[--compile]` (`--compile` also times the same call under torch.compile).
+[--compile] [--fusion-estimate]` (`--compile` also times the same call under torch.compile; `--fusion-estimate`
+times `fusion_estimate`, the same per-token arithmetic rewritten as two row-reduction passes for torch.compile to
+fuse: an estimate of what a fused kernel would reach, not product code).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import resource
 import statistics
@@ -18,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
@@ -96,6 +100,46 @@ def naive_step(lp, old, ro, adv, mask, cfg) -> dict[str, float]:
     return metrics
 
 
+def fusion_estimate(lp, old, ro, adv, mask, cfg) -> Tensor:
+    """What `ours` computes per token for the bench's preset (sequence-level truncated IS with batch normalization,
+    sequence RS, veto, the token mismatch sums, token-mean PPO), as two passes that each end in row sums, written
+    for torch.compile to fuse into few loops. Returns the batch sums and, last, the loss (checked against ours)."""
+    f = old.dtype
+    m = mask.to(f)
+    # pass 1: the correction's per-sequence sums and the token mismatch terms
+    lr = torch.where(mask, old - ro, 0.0)
+    bad = (lr.abs() > 1e30) | (lr != lr)
+    lr = torch.where(bad, 0.0, lr)
+    x = lr.clamp(-20.0, 20.0)
+    e1 = x.expm1()
+    p_t = torch.where(mask, old.exp(), 0.0)
+    p_r = torch.where(mask, ro.exp(), 0.0)
+    d = p_t - p_r
+    veto = lr < math.log(cfg.rs_veto_threshold)
+    terms = (m, bad.to(f), lr, torch.where(mask, old, 0.0), torch.where(mask, ro, 0.0), veto.to(f), e1 - x,
+             e1 * (e1 + 2.0), lr.abs(), d.abs(), d * d, p_t, p_r, p_t * p_t, p_r * p_r, p_t * p_r)
+    rows = torch.stack([t.sum(-1) for t in terms], -1)
+    d_max = torch.maximum(d, -d).amax(-1)
+    # per sequence: RS, veto, truncated IS weight, batch normalization over the kept sequences
+    n, n_bad, s_lr, n_veto = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 5]
+    rs_low, rs_high = cfg.rs_bounds
+    keep = ((n > 0) & (n_bad == 0) & (n_veto == 0) & (s_lr >= math.log(rs_low)) & (s_lr <= math.log(rs_high))).to(f)
+    w = s_lr.clamp(-20.0, 20.0).exp().clamp(max=cfg.tis_bounds[1])
+    mean = (w * keep).sum() / keep.sum().clamp_min(1)
+    w = w / torch.where(mean > 1e-8, mean, 1.0)
+    # pass 2: PPO over the kept tokens (a NaN/inf in lp, lp_old or A drops the token)
+    check = lp - old + adv
+    mk = m * keep[:, None] * ((check == check) & (check.abs() < math.inf)).to(f)
+    log_ratio = torch.where(mk > 0, lp - old, 0.0).clamp(-20.0, 20.0)
+    ratio = log_ratio.exp()
+    a = torch.where(mk > 0, adv, 0.0)
+    surr1, surr2 = a * ratio, a * ratio.clamp(*cfg.clip_range)
+    terms = (-torch.minimum(surr1, surr2), (surr1 > surr2).to(f) * mk, -log_ratio, (ratio - 1.0) * mk, mk)
+    loss_rows = torch.stack([t.sum(-1) for t in terms], -1)
+    loss = (loss_rows[:, 0] * w).sum() / loss_rows[:, 4].sum().clamp_min(1)
+    return torch.cat([rows.sum(0), d_max.amax().reshape(1), loss_rows.sum(0), loss.reshape(1)])
+
+
 def timed(fns: dict[str, Callable[[], object]], repeats: int) -> tuple[dict[str, float], dict[str, float]]:
     """Median wall time and median minor page faults of each function over `repeats` rounds. The functions run
     interleaved within a round, so a machine shared with other jobs slows all of them alike and the ratios stay
@@ -122,6 +166,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--compile", action="store_true",
                    help="also time torch.compile of the same call (fused kernels; the compile itself is not timed)")
+    p.add_argument("--fusion-estimate", action="store_true",
+                   help="also time `fusion_estimate` under torch.compile: what a fused kernel would reach")
     args = p.parse_args()
     g = torch.Generator().manual_seed(0)
     shape = (args.batch, args.seq)
@@ -160,6 +206,19 @@ def main() -> None:
         ours_compiled()
         print(f"torch.compile: first call (compilation) {time.perf_counter() - t0:.1f} s")
         fns["compiled"] = ours_compiled
+    if args.fusion_estimate:
+        estimate = torch.compile(fusion_estimate, dynamic=False)
+
+        def fused():
+            with torch.no_grad():
+                return estimate(lp, old, ro, adv, mask, cfg).tolist()
+
+        t0 = time.perf_counter()
+        loss_est = fused()[-1]
+        loss_ours = ours()["loss"]
+        print(f"fusion estimate: first call (compilation) {time.perf_counter() - t0:.1f} s; loss {loss_est:.8g}, "
+              f"ours {loss_ours:.8g} (relative difference {abs(loss_est - loss_ours) / abs(loss_ours):.1e})")
+        fns["fused"] = fused
     t, faults = timed(fns, args.repeats)
     t_ours, t_naive, t_floor = t["ours"], t["naive"], t["floor"]
     malloc_env = " ".join(f"{k}={v}" for k, v in os.environ.items() if k.startswith("MALLOC_")) or "glibc defaults"
@@ -175,6 +234,10 @@ def main() -> None:
         t_c = t["compiled"]
         print(f"ours, torch.compile                : {t_c * 1e3:8.2f} ms  -> (a) / compiled {t_naive / t_c:.2f}x, "
               f"compiled / floor {t_c / t_floor:.2f}x")
+    if "fused" in t:
+        t_f = t["fused"]
+        print(f"fusion estimate, torch.compile     : {t_f * 1e3:8.2f} ms  -> (a) / estimate {t_naive / t_f:.2f}x, "
+              f"estimate / floor {t_f / t_floor:.2f}x")
 
 
 if __name__ == "__main__":
