@@ -30,7 +30,12 @@ from slime_corr.correction.reductions import (
     valid_mask,
 )
 from slime_corr.correction.types import CorrectionResult, WeightInputs
-from slime_corr.correction.weights import default_weight_parts, default_weights, in_log_bounds
+from slime_corr.correction.weights import (
+    LOG_RATIO_CLAMP,
+    default_weight_parts,
+    default_weights,
+    in_log_bounds,
+)
 from slime_corr.registry import WEIGHT_FUNCTIONS
 
 BATCH_NORM_MIN_MEAN = 1e-8
@@ -188,7 +193,9 @@ def compute_rollout_correction(
                 unit0 = valid_f * good
                 if config.tis_level != "token":
                     unit0 = unit0 / n_seq.clamp_min(1).unsqueeze(-1)
-                M.add_raw_weight_stats(stats, torch.nan_to_num(raw_out, 0.0, 0.0, 0.0), unit0, lower, upper)
+                # a custom raw weight that overflowed counts as the built-in ceiling exp(20), so "above U" sees it
+                raw_out = torch.nan_to_num(raw_out, 0.0, math.exp(LOG_RATIO_CLAMP), 0.0)
+                M.add_raw_weight_stats(stats, raw_out, unit0, lower, upper)
 
     keep_den = not correct or config.rs_keep_loss_denominator
     final_mask = final_f.to(torch.float32) if correct else float_mask(valid, torch.float32)

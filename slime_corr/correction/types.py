@@ -39,7 +39,8 @@ class WeightOutputs:
     - `loss_mask` [B, S] (bool or float): the mask after the function's rejection; intersected with the input mask.
     - `metrics`: extra 0-dim tensors, logged as given (the function reduces them itself if needed).
     - `raw_weights` [B, S] or None: weights before bounding (e.g. exp(clamp(ℓ, -20, 20))); when given, the
-      `mis_mean_is_weight_before_clip` and truncate/clip/mask fractions are computed from it.
+      `mis_mean_is_weight_before_clip` and truncate/clip/mask fractions are computed from it (+inf counts as
+      exp(20), the built-in ceiling; NaN or -inf as 0).
     """
 
     weights: Tensor | None

@@ -241,6 +241,24 @@ def test_custom_weight_function_nonfinite_weights_reject_their_tokens(tmp_path):
     assert m["mis_weight_max"] == 1.0 and m["mis_ratio_mean_after_mis"] == 1.0
 
 
+def test_custom_raw_weights_nonfinite_count_as_the_ceiling(tmp_path):
+    """A custom function's overflowing raw weight (+inf) counts as exp(20), so it is "above U"; NaN counts as 0."""
+    f = tmp_path / "raw_tis.py"
+    f.write_text(
+        "import torch\n"
+        "from slime_corr.correction import WeightOutputs\n"
+        "def raw_overflow(inputs, config):\n"
+        "    raw = torch.tensor([[float('inf'), 1.0, 1.0], [float('nan'), 3.0, 1.0]], dtype=inputs.log_ratio.dtype)\n"
+        "    return WeightOutputs(weights=raw.clamp(max=2.0).nan_to_num(0.0), loss_mask=inputs.loss_mask, raw_weights=raw)\n"
+    )
+    lp = torch.zeros(2, 3, dtype=torch.float64)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    res = run(C(use_tis=True, tis_upper_bound=2.0, custom_tis_function_path=f"{f}:raw_overflow"), lp, lp.clone(), mask)
+    m = metrics_to_host(res.metrics)
+    assert m["mis_truncate_fraction"] == pytest.approx(2 / 6)  # exp(20) and 3.0
+    assert m["mis_mean_is_weight_before_clip"] == pytest.approx((math.exp(20.0) + 1 + 1 + 0 + 3 + 1) / 6)
+
+
 def test_custom_weight_function_bad_signature(tmp_path):
     from slime_corr.config import ConfigError
 
