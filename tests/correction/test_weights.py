@@ -144,7 +144,8 @@ def test_builtin_path_matches_default_weights_as_a_custom_function(cfg, default_
     """The core's built-in path (per-sequence shapes, counts from the reduced sums) and the general path running
     `default_weights` give the same weights, masks and metrics, non-finite sequences included."""
     lp_t, lp_r, mask = _batch(4)
-    lp_t[1, 2], mask[1, 2] = math.nan, True
+    lp_t[1, 2], mask[1, 2] = math.nan, True  # a non-finite sequence
+    mask[0, 3] = True  # the catastrophic token of `_batch` (ratio 0.018), vetoed at threshold 0.05
     builtin = run(cfg, lp_t, lp_r, mask)
     general = run(cfg.replace(custom_tis_function_path=default_weights_as_custom), lp_t, lp_r, mask)
     assert builtin.loss_mask.sum() > 0 and torch.equal(builtin.loss_mask, general.loss_mask)
@@ -155,6 +156,9 @@ def test_builtin_path_matches_default_weights_as_a_custom_function(cfg, default_
     m_builtin, m_general = metrics_to_host(builtin.metrics), metrics_to_host(general.metrics)
     assert m_general.pop("mis_custom_nonfinite_weight_count", 0) == 0  # absent without IS weights
     assert m_builtin.keys() == m_general.keys()
+    assert m_builtin["mis_nonfinite_seq_count"] == 1
+    if cfg.rs_veto_threshold is not None:
+        assert m_builtin["mis_catastrophic_seq_fraction"] > 0
     for key, value in m_builtin.items():
         assert m_general[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
 
