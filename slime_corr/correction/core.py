@@ -158,7 +158,9 @@ def compute_rollout_correction(
             fn_metrics = dict(out.metrics)
             fn_mask = valid_mask(out.loss_mask) & inputs.loss_mask
             w_out = None if out.weights is None else out.weights.detach().to(dtype)
-            raw_out = None if out.raw_weights is None else out.raw_weights.detach().to(dtype)
+            raw_out = None
+            if out.raw_weights is not None:  # an overflowed raw weight counts as the built-in ceiling exp(20)
+                raw_out = out.raw_weights.detach().to(dtype).nan_to_num(0.0, math.exp(LOG_RATIO_CLAMP), 0.0)
             if w_out is not None:  # a NaN/inf weight rejects its token (counted), like a non-finite log-prob
                 finite_w = w_out.isfinite()
                 stats.add_sum("n_fn_bad_w", (fn_mask & ~finite_w).sum())
@@ -193,8 +195,6 @@ def compute_rollout_correction(
                 unit0 = valid_f * good
                 if config.tis_level != "token":
                     unit0 = unit0 / n_seq.clamp_min(1).unsqueeze(-1)
-                # a custom raw weight that overflowed counts as the built-in ceiling exp(20), so "above U" sees it
-                raw_out = torch.nan_to_num(raw_out, 0.0, math.exp(LOG_RATIO_CLAMP), 0.0)
                 M.add_raw_weight_stats(stats, raw_out, unit0, lower, upper)
 
     keep_den = not correct or config.rs_keep_loss_denominator
