@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from slime_corr.mcore.context_parallel import zigzag_unslice
-from slime_corr.rollout.batching import build_micro_batch, grpo_advantages
+from slime_corr.rollout.batching import build_micro_batch, grpo_advantages, slice_micro_batch_for_cp
 from slime_corr.rollout.buffer import SampleBuffer
 from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.data_iterator import BufferMicroBatchIterator, background_event_loop
@@ -61,8 +61,6 @@ def test_streamed_micro_batches_equal_the_whole_batch_reference(engine, cp_size)
         want = build_micro_batch(part, [advantages[id(s)] for s in part], pad_to_multiple=2 * cp_size
                                  if cp_size > 1 else 1)
         if cp_size > 1:
-            from slime_corr.rollout.batching import slice_micro_batch_for_cp
-
             parts = [slice_micro_batch_for_cp(want, r, cp_size) for r in range(cp_size)]
             _assert_batches_equal(got, parts[0])
             assert torch.equal(zigzag_unslice([p["loss_mask"] for p in parts]), want["loss_mask"])
