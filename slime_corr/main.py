@@ -161,7 +161,7 @@ def run(args: argparse.Namespace, config: RolloutCorrectionConfig, work_dir: Pat
     from slime_corr.mcore.cpu_compat import apply_cpu_compat
     from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
     from slime_corr.mcore.model import build_tiny_gpt
-    from slime_corr.rollout.data_iterator import background_event_loop
+    from slime_corr.rollout.data_iterator import TRAINABLE, background_event_loop
     from slime_corr.rollout.engine_model import TorchEngineModel
     from slime_corr.rollout.local_engine import start_local_engine
 
@@ -184,8 +184,7 @@ def run(args: argparse.Namespace, config: RolloutCorrectionConfig, work_dir: Pat
         loop = stack.enter_context(background_event_loop())
         for step in range(1, args.num_steps + 1):
             metrics, samples, skipped = _step(model, optimizer, hook, urls, loop, args, step)
-            not_trained = {id(s) for s in skipped}
-            trained = [s.reward for s in samples if id(s) not in not_trained]
+            trained = [s.reward for s in samples if s.status in TRAINABLE]
             reward = sum(trained) / max(1, len(trained))
             shown = " ".join(f"{k}={metrics[k]:.4g}" for k in SHOWN_METRICS if k in metrics)
             dropped = f" not_trained={len(skipped)} ({skipped[0].failure_reason})" if skipped else ""
