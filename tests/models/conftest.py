@@ -26,7 +26,7 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny_hf")
-    return {case: make_tiny_checkpoint(root / case, case) for case in CASES}
+    return {case: make_tiny_checkpoint(root / case, kind, **cfg) for case, (kind, cfg) in CASES.items()}
 
 
 @pytest.fixture(scope="module")

@@ -29,11 +29,11 @@ def tiny_tokenizer_files(out: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>", unk_token="t0").save_pretrained(out)
 
 
-def make_tiny_checkpoint(out: Path, case: str, seed: int = 0) -> Path:
-    """Random-init HF model of `case`, weights scaled up (std 0.02 init gives near-uniform logits), saved."""
+def make_tiny_checkpoint(out: Path, model_type: str, seed: int = 0, **overrides: Any) -> Path:
+    """Random-init HF model (TINY sizes + `overrides`), weights scaled up (std 0.02 init gives near-uniform
+    logits), saved with a tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type, overrides = CASES[case]
     cfg = AutoConfig.for_model(model_type, **{**TINY, "eos_token_id": V - 1, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
