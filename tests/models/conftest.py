@@ -3,7 +3,6 @@ one-process gloo group for in-process Megatron checks. Multi-process tests reuse
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,14 +38,15 @@ def single_rank() -> Iterator[None]:
 
     from slime_corr.mcore.cpu_compat import apply_cpu_compat
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(free_port())
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        apply_cpu_compat()
-        ps.initialize_model_parallel(tensor_model_parallel_size=1)
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
-        yield
-    finally:
-        ps.destroy_model_parallel()
-        dist.destroy_process_group()
+    with pytest.MonkeyPatch.context() as mp:  # later tests' subprocesses must not inherit this port
+        mp.setenv("MASTER_ADDR", "127.0.0.1")
+        mp.setenv("MASTER_PORT", str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        try:
+            apply_cpu_compat()
+            ps.initialize_model_parallel(tensor_model_parallel_size=1)
+            tensor_parallel.model_parallel_cuda_manual_seed(0)
+            yield
+        finally:
+            ps.destroy_model_parallel()
+            dist.destroy_process_group()
