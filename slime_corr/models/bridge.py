@@ -138,19 +138,20 @@ class MegatronHFBridge:
     def save_hf_checkpoint(self, model: nn.Module, out_dir: str | os.PathLike[str]) -> Path:
         """Write `model` as an HF checkpoint (what the engine's `/update_weights_from_disk` reads): weights as one
         safetensors file, every other file (config, tokenizer, chat template) copied from the source checkpoint.
-        Collective over TP; rank 0 of the world writes."""
+        Every rank calls it; rank 0 of the world writes, and all return once the checkpoint is complete."""
         import torch.distributed as dist
         from safetensors.torch import save_file
 
         out = Path(out_dir)
-        weights = {name: t.contiguous().clone() for name, t in self.export_weights(model)}
-        if dist.is_initialized() and dist.get_rank() != 0:
-            return out
-        out.mkdir(parents=True, exist_ok=True)
-        for f in self.hf_dir.iterdir():
-            if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
-                shutil.copy2(f, out / f.name)
-        save_file(weights, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+        weights = {name: t.contiguous() for name, t in self.export_weights(model)}
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            for f in self.hf_dir.iterdir():
+                if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+                    shutil.copy2(f, out / f.name)
+            save_file(weights, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+        if dist.is_initialized():
+            dist.barrier()
         return out
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -121,9 +122,10 @@ def main(argv: list[str] | None = None) -> None:
     from slime_corr.mcore.cpu_compat import apply_cpu_compat
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29517")
+    if world == 1 and "MASTER_PORT" not in os.environ:  # plain `python -m`: a one-process group on loopback
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
     dist.init_process_group("gloo", rank=int(os.environ.get("RANK", "0")), world_size=world)
     apply_cpu_compat()
     ps.initialize_model_parallel(tensor_model_parallel_size=world)
