@@ -2,7 +2,7 @@
 
 mbridge (what slime and verl use) owns the name mapping, the q/k/v and gate/up fusion and the TP split/merge.
 Its own model builder does not run here (CPU, megatron-core 0.16.1, transformers 5), for these reasons, each
-worked around in `_LocalSpecMixin` while its weight loading and export run unchanged:
+worked around in `_local_spec_bridge` while its weight loading and export run unchanged:
 - `Bridge.get_model` builds with TransformerEngine's layer spec (`NameError: name 'TENorm' is not defined` without
   TE) and then calls `.cuda()`: we build `GPTModel` from mbridge's provider with the local spec instead;
 - the local spec names the norms `input_layernorm` / `pre_mlp_layernorm` (TE fuses them into the linear layers as
@@ -51,7 +51,7 @@ def _local_spec_bridge(spec: HFModelSpec, hf_config: Any, dtype: torch.dtype) ->
     """An instance of mbridge's bridge for `spec.model_type`, adapted to the local (non-TE) layer spec."""
     base = _mbridge_class(spec.model_type)
 
-    class _LocalSpecMixin(base):  # type: ignore[misc, valid-type]
+    class LocalSpecBridge(base):  # type: ignore[misc, valid-type]
         def _adjust_mapping_for_shared_weights(self) -> None:
             pass
 
@@ -66,13 +66,13 @@ def _local_spec_bridge(spec: HFModelSpec, hf_config: Any, dtype: torch.dtype) ->
                         position_embedding_type="rope", rotary_base=spec.rope_theta)
 
         def _weight_name_mapping_mcore_to_hf(self, name: str) -> list[str]:
-            parts = name.split(".")
-            if name.startswith("decoder.layers.") and ".".join(parts[3:]) in _LOCAL_SPEC_NORMS:
-                return [f"model.layers.{parts[2]}.{_LOCAL_SPEC_NORMS['.'.join(parts[3:])]}"]
+            layer, _, suffix = name.removeprefix("decoder.layers.").partition(".")
+            if name.startswith("decoder.layers.") and suffix in _LOCAL_SPEC_NORMS:
+                return [f"model.layers.{layer}.{_LOCAL_SPEC_NORMS[suffix]}"]
             return super()._weight_name_mapping_mcore_to_hf(name)
 
-    _LocalSpecMixin.__name__ = f"LocalSpec{base.__name__}"
-    return _LocalSpecMixin(hf_config, dtype=dtype)
+    LocalSpecBridge.__name__ = f"LocalSpec{base.__name__}"
+    return LocalSpecBridge(hf_config, dtype=dtype)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
