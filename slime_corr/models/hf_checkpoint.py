@@ -1,0 +1,196 @@
+"""Local Hugging Face Llama-family checkpoints: what we read from `config.json`, what we accept, and the plain HF
+model (the reference the converted Megatron model is checked against, and the module the local engine serves).
+
+Accepted: `model_type` llama or qwen2 with RMSNorm, SwiGLU (`hidden_act` silu), plain RoPE (`rope_type` default),
+grouped-query attention, tied or untied embeddings, Qwen2's q/k/v biases; weights as `*.safetensors`.
+`config.json` is read as JSON (no transformers import), in the layouts of transformers 4 (`rope_theta`,
+`rope_scaling`) and 5 (`rope_parameters`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+MODEL_EXTRA_HINT = "pip install 'slime_corr[model]'"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint (or a parallel layout for it) that slime_corr cannot use; the message says why and the fix."""
+
+
+@dataclass(frozen=True)
+class HFModelSpec:
+    """The architecture fields of a Llama-family `config.json` that the Megatron conversion depends on."""
+
+    path: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    eos_token_id: int | list[int] | None
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, str]:
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    return float(theta), str(kind)
+
+
+def spec_from_config(cfg: dict[str, Any], path: str = "", flag: str = "--hf-checkpoint") -> HFModelSpec:
+    """Validate a `config.json` dict and return its :class:`HFModelSpec` (errors name `flag` and `path`)."""
+    where = f"{flag} {path}" if path else flag
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(
+            f"{where}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)} "
+            "(Llama-family: RMSNorm, SwiGLU, RoPE, grouped-query attention)"
+        )
+    theta, rope_type = _rope(cfg)
+    problems = []
+    if cfg.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={cfg.get('hidden_act')!r} (only 'silu', i.e. SwiGLU)")
+    if rope_type != "default":
+        problems.append(f"rope_type={rope_type!r} (only plain RoPE, 'default')")
+    if cfg.get("use_sliding_window"):
+        problems.append("use_sliding_window=true (full causal attention only)")
+    if model_type == "llama" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+        problems.append("attention_bias/mlp_bias=true (Llama linear layers without biases only)")
+    if problems:
+        raise CheckpointError(f"{where}: unsupported {model_type} variant: {'; '.join(problems)}")
+    try:
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        return HFModelSpec(
+            path=path,
+            model_type=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rope_theta=theta,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            eos_token_id=cfg.get("eos_token_id"),
+        )
+    except KeyError as e:
+        raise CheckpointError(f"{where}: config.json lacks the field {e.args[0]!r}") from None
+
+
+def read_hf_checkpoint(path: str | os.PathLike[str], flag: str = "--hf-checkpoint") -> HFModelSpec:
+    """Check that `path` is a usable local checkpoint (config.json, *.safetensors, a tokenizer) and read its spec."""
+    p = Path(path)
+    if not p.is_dir():
+        raise CheckpointError(
+            f"{flag} {path}: not a directory; give a local Hugging Face checkpoint directory "
+            "(config.json, *.safetensors, tokenizer files): nothing is downloaded at run time"
+        )
+    if not (p / "config.json").is_file():
+        raise CheckpointError(f"{flag} {path}: no config.json in it; is this a Hugging Face checkpoint directory?")
+    try:
+        cfg = json.loads((p / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{flag} {path}: config.json is not valid JSON ({e})") from None
+    spec = spec_from_config(cfg, str(path), flag)
+    if not any(p.glob("*.safetensors")):
+        hint = " (it has PyTorch .bin weights: save them as safetensors)" if any(p.glob("*.bin")) else ""
+        raise CheckpointError(f"{flag} {path}: no *.safetensors weights{hint}")
+    if not ((p / "tokenizer.json").is_file() or (p / "tokenizer.model").is_file()):
+        raise CheckpointError(f"{flag} {path}: no tokenizer (tokenizer.json or tokenizer.model) next to the weights")
+    return spec
+
+
+def check_tensor_parallel(spec: HFModelSpec, tp: int, flag: str = "--tensor-model-parallel-size") -> None:
+    """Megatron splits heads, KV groups, the FFN and the vocabulary evenly over TP ranks: check they divide."""
+    sizes = {
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "intermediate_size": spec.intermediate_size,
+        "vocab_size": spec.vocab_size,
+    }
+    bad = {k: v for k, v in sizes.items() if tp >= 1 and v % tp}
+    if tp < 1 or bad:
+        fits = [d for d in range(1, spec.num_key_value_heads + 1) if all(v % d == 0 for v in sizes.values())]
+        detail = ", ".join(f"{k}={v}" for k, v in bad.items()) or f"{tp} < 1"
+        raise CheckpointError(
+            f"{flag}={tp} does not divide the model at {spec.path or 'this checkpoint'} ({detail}); "
+            f"sizes that fit: {', '.join(map(str, fits))}"
+        )
+
+
+def load_hf_causal_lm(
+    path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, attn_implementation: str = "eager"
+) -> nn.Module:
+    """The plain HF model from a local checkpoint. `eager` attention is the op order of Megatron's local
+    (non-TransformerEngine) attention: the converted fp32 model then gives bitwise-equal logits."""
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError as e:
+        raise ImportError(f"loading a Hugging Face model needs transformers: {MODEL_EXTRA_HINT}") from e
+    return AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
+    ).eval()
+
+
+@dataclass(frozen=True)
+class EngineModelInfo:
+    vocab_size: int
+    eos_token_id: int | None
+    max_seq_len: int
+
+
+class HFCausalLMModule(nn.Module):
+    """[B, T] ids -> [B, T, V] logits of a HF causal LM, with the `cfg` fields the local engine reads
+    (`rollout.engine_model.TorchEngineModel(checkpoint_dir, factory=load_engine_module)`)."""
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        super().__init__()
+        self.hf = hf_model
+        c = hf_model.config
+        eos = c.eos_token_id[0] if isinstance(c.eos_token_id, list) else c.eos_token_id
+        self.cfg = EngineModelInfo(int(c.vocab_size), eos, int(c.max_position_embeddings))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=input_ids, use_cache=False).logits
+
+
+def load_engine_module(checkpoint_dir: str) -> nn.Module:
+    """Factory for the local engine: the checkpoint's HF model (fp32 here; the engine casts it to its dtype)."""
+    read_hf_checkpoint(checkpoint_dir, flag="checkpoint_dir")
+    return HFCausalLMModule(load_hf_causal_lm(checkpoint_dir))
+
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "CheckpointError",
+    "HFModelSpec",
+    "spec_from_config",
+    "read_hf_checkpoint",
+    "check_tensor_parallel",
+    "load_hf_causal_lm",
+    "HFCausalLMModule",
+    "load_engine_module",
+]

