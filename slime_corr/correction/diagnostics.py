@@ -132,8 +132,11 @@ def diagnostic_sums(
     tok_k3 = k3(lr) * okf
     if positions is None:
         positions = response_positions(valid)
-    lag = torch.zeros_like(lr) if weight_lag is None else weight_lag.to(torch.float64).expand_as(lr).clamp_min(0)
-    lag = lag * okf
+    if weight_lag is None:
+        lag = torch.zeros_like(lr)
+    else:  # [B] (one lag per sequence) or [B, S]
+        lag = (weight_lag.unsqueeze(-1) if weight_lag.dim() == 1 else weight_lag).to(torch.float64)
+        lag = lag.expand_as(lr).clamp_min(0) * okf
 
     columns = torch.stack([okf, -lr, tok_k3, lr.abs(), lag]).reshape(len(BUCKET_SUMS), -1)
     p_index = torch.bucketize(torch.where(ok, lp_r, zero), lp_r.new_tensor([math.log(e) for e in PROB_EDGES]),
@@ -236,7 +239,8 @@ def reduce_diagnostics(
 
 def finalize_diagnostics(host: dict[str, list[float]]) -> DiagnosticsResult:
     """Host sums -> metrics. Per non-empty bucket of each view: `<view>/<label>/token_frac`, `kl` (mean −lr),
-    `k3`, `abs_log_ratio`, `k3_share` (its part of the view's Σ k3), `lag` (mean weight lag); `tokens`;
+    `k3`, `abs_log_ratio`, `k3_share` (its part of the view's Σ k3), and `lag` (mean weight lag) when some
+    token is stale (e.g. by position: resumed samples mix versions along the response); `tokens`;
     `lag/mean`; and the drift split `drift/rollout_to_old_k3`, `drift/old_to_current_k3`,
     `drift/rollout_to_current_k3`, `drift/mismatch_share` = Σa² / (Σa² + Σb²)."""
     out: dict[str, float] = {}
@@ -245,7 +249,7 @@ def finalize_diagnostics(host: dict[str, list[float]]) -> DiagnosticsResult:
         if values is None:
             continue
         table = {name: values[i * len(labels):(i + 1) * len(labels)] for i, name in enumerate(BUCKET_SUMS)}
-        total_n, total_k3 = sum(table["n"]), sum(table["k3"])
+        total_n, total_k3, stale = sum(table["n"]), sum(table["k3"]), sum(table["lag"]) > 0
         if view == "prob":
             out["tokens"] = total_n
             out["lag/mean"] = sum(table["lag"]) / total_n if total_n else 0.0
@@ -259,6 +263,8 @@ def finalize_diagnostics(host: dict[str, list[float]]) -> DiagnosticsResult:
             out[f"{key}/k3"] = table["k3"][b] / n
             out[f"{key}/abs_log_ratio"] = table["abs_lr"][b] / n
             out[f"{key}/k3_share"] = table["k3"][b] / total_k3 if total_k3 > 0 else 0.0
+            if stale:
+                out[f"{key}/lag"] = table["lag"][b] / n
     drift = host.get("diag_drift")
     if drift is not None:
         d = dict(zip(DRIFT_SUMS, drift, strict=True))

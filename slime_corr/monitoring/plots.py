@@ -45,6 +45,8 @@ def _save(fig: Figure, path: Path) -> Path:
 
 
 def _steps_axis(ax: Any) -> None:
+    if not (ax.lines or ax.collections or ax.patches):  # an empty panel keeps its message only
+        return
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(True, alpha=0.3)
@@ -291,7 +293,10 @@ def plot_comparison(runs: Sequence[Any], path: Path, keys: Sequence[tuple[str, s
             if run.has(key):
                 values += _line(a, run, key, label=run.name)
         if values:
-            _log_if_positive(a, values)
+            if key.endswith("frac"):
+                _fraction_axis(a, values)
+            else:
+                _log_if_positive(a, values)
             a.legend(loc="best", fontsize=8)
         else:
             _empty(a, f"{key} not logged by any run")
