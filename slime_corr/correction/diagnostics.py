@@ -19,6 +19,17 @@ concatenate) and `reduce_diagnostics` runs once: one SUM and one MAX all_reduce 
 (`BatchStats`), one SUM and one MAX (two with CP) over CP for the rows, one all_gather over DP for the top-k
 candidates, then ONE device→host transfer. Tokens with a non-finite log-prob are left out (the correction core
 rejects their whole sequence and counts them).
+
+Where the Megatron loss hook calls it (`RolloutCorrectionLoss`, which already holds every input):
+- `loss_func`, after `compute_policy_loss`: `reduced["diag"] = diagnostic_sums(old if decoupled else log_probs,
+  batch["rollout_log_probs"], loss_mask, lp_current=log_probs if decoupled else None,
+  positions=response_positions(loss_mask, batch["position_ids"], groups.cp), weight_lag=batch.get("weight_lag"),
+  sample_ids=batch.get("sample_ids"))` — `log_probs.detach()` is what the loss already computed, so nothing is
+  recomputed; `response_positions` adds one [B] all_reduce over CP only when CP > 1;
+- `reduce_step_metrics`: `reduce_diagnostics(merge_diagnostics([r["diag"] for r in losses_reduced]),
+  top_k=..., cp_group=groups.cp, dp_group=groups.dp)`, its metrics under `diag/`.
+Until then, `slime_corr.monitoring.step_diagnostics.ScheduleDiagnostics` does the same from the hook's
+`model_forward` (one extra log-softmax per micro-batch).
 """
 
 from __future__ import annotations
