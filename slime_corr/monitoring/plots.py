@@ -80,15 +80,14 @@ def _line(ax: Any, run: Any, key: str, label: str | None = None, **kw: Any) -> l
 def plot_mismatch(run: Any, path: Path, thresholds: Thresholds) -> Path:
     fig, ax = _figure(2, 1)
     top, bottom = ax[0][0], ax[1][0]
-    if run.has(C + "mismatch_kl"):
-        _line(top, run, C + "mismatch_kl", color="tab:blue")
+    if _panel(top, run, [(C + "mismatch_kl", None, {"color": "tab:blue"})],
+              "mismatch KL: token mean of log π_rollout − log π_train", "mismatch_kl",
+              "mismatch_kl not logged (turn on --get-mismatch-metrics)"):
         top.axhline(0.0, color="0.5", lw=0.8)
-    else:
-        _empty(top, "mismatch_kl not logged (turn on --get-mismatch-metrics)")
-    top.set_title("mismatch KL: token mean of log π_rollout − log π_train")
-    top.set_ylabel("mismatch_kl")
-    if run.has(METRIC):
-        values = _line(bottom, run, METRIC, label="mismatch_k3_kl", color="tab:red")
+    values = _panel(bottom, run, [(METRIC, "mismatch_k3_kl", {"color": "tab:red"})],
+                    "k3 KL estimate: token mean of exp(x) − x − 1, x = log π_train − log π_rollout",
+                    "mismatch_k3_kl", "mismatch_k3_kl not logged (turn on --get-mismatch-metrics)")
+    if values:
         bottom.axhline(thresholds.negligible_below, color="tab:green", ls="--", lw=1,
                        label=f"negligible < {thresholds.negligible_below:g}")
         bottom.axhline(thresholds.severe_from, color="tab:purple", ls="--", lw=1,
@@ -99,51 +98,30 @@ def plot_mismatch(run: Any, path: Path, thresholds: Thresholds) -> Path:
             bottom.set_ylim(min(min(finite), thresholds.negligible_below) / 3,
                             max(max(finite), thresholds.severe_from) * 3)
         bottom.legend(loc="best", fontsize=8)
-    else:
-        _empty(bottom, "mismatch_k3_kl not logged (turn on --get-mismatch-metrics)")
-    bottom.set_title("k3 KL estimate: token mean of exp(x) − x − 1, x = log π_train − log π_rollout")
-    bottom.set_ylabel("mismatch_k3_kl")
-    for a in (top, bottom):
-        _steps_axis(a)
     return _save(fig, path)
 
 
 def plot_is_weights(run: Any, path: Path) -> Path:
     fig, ax = _figure(height=4.2)
     a = ax[0][0]
-    if run.has(C + "mis_weight_p50"):
+    values = _panel(a, run, [(C + f"mis_weight_{q}", q, {}) for q in QUANTILE_KEYS],
+                    "IS weights (after bounding and normalization) over contributing units", "weight",
+                    "no IS weights in this run (--use-tis off)")
+    if values:
         steps, lo = run.series(C + "mis_weight_min")
         _, hi = run.series(C + "mis_weight_max")
-        a.fill_between(steps, lo, hi, color="tab:blue", alpha=0.12, label="min … max")
-        values: list[float] = lo + hi
-        for q in QUANTILE_KEYS:
-            values += _line(a, run, C + f"mis_weight_{q}", label=q)
+        a.fill_between(steps, lo, hi, color="tab:blue", alpha=0.12, label="min … max", zorder=0)
         a.axhline(1.0, color="0.4", lw=0.8, ls=":")
-        _log_if_positive(a, values)
+        _log_if_positive(a, values + lo + hi)
         a.legend(loc="best", fontsize=8, ncol=5)
-    else:
-        _empty(a, "no IS weights in this run (--use-tis off)")
-    a.set_title("IS weights (after bounding and normalization) over contributing units")
-    a.set_ylabel("weight")
-    _steps_axis(a)
     return _save(fig, path)
 
 
 def plot_rejection(run: Any, path: Path) -> Path:
     fig, ax = _figure(height=4.2)
-    a = ax[0][0]
-    present = [(k, label) for k, label in REJECTION_KEYS if run.has(C + k)]
-    values: list[float] = []
-    for key, label in present:
-        values += _line(a, run, C + key, label=label)
-    if present:
-        _fraction_axis(a, values)
-        a.legend(loc="best", fontsize=8)
-    else:
-        _empty(a, "no rejection in this run (no --use-rs / veto / correction)")
-    a.set_title("rejected fractions (of valid tokens / sequences)")
-    a.set_ylabel("fraction")
-    _steps_axis(a)
+    _panel(ax[0][0], run, [(C + k, label, {}) for k, label in REJECTION_KEYS],
+           "rejected fractions (of valid tokens / sequences)", "fraction",
+           "no rejection in this run (no --use-rs / veto / correction)", fraction=True)
     return _save(fig, path)
 
 
@@ -158,16 +136,28 @@ def _single(run: Any, path: Path, panels: Sequence[tuple[str, str, str]]) -> Pat
     """One line per panel; a panel whose key ends in "frac" is a [0, 1] fraction."""
     fig, ax = _figure(len(panels), 1, height=3.0)
     for a, (key, title, ylabel) in zip((r[0] for r in ax), panels, strict=True):
-        if run.has(key):
-            values = _line(a, run, key, color="tab:blue")
-            if key.endswith("frac"):
-                _fraction_axis(a, values)
-        else:
-            _empty(a, f"{key} not logged")
-        a.set_title(title)
-        a.set_ylabel(ylabel)
-        _steps_axis(a)
+        _panel(a, run, [(key, None, {"color": "tab:blue"})], title, ylabel, f"{key} not logged",
+               fraction=key.endswith("frac"))
     return _save(fig, path)
+
+
+def _panel(ax: Any, run: Any, lines: Sequence[tuple[str, str | None, dict[str, Any]]], title: str, ylabel: str,
+           empty: str, *, fraction: bool = False) -> list[float]:
+    """The lines `(key, label, style)` the run has over the steps, or the message `empty` when it has none."""
+    present = [line for line in lines if run.has(line[0])]
+    values: list[float] = []
+    for key, label, style in present:
+        values += _line(ax, run, key, label=label, **style)
+    if present and fraction:
+        _fraction_axis(ax, values)
+    if any(label for _, label, _ in present):
+        ax.legend(loc="best", fontsize=8)
+    if not present:
+        _empty(ax, empty)
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    _steps_axis(ax)
+    return values
 
 
 def display_label(label: str) -> str:
@@ -252,18 +242,14 @@ def plot_diagnostics(run: Any, path: Path) -> Path:
         a.set_xlabel(VIEW_TITLES[view])
         a.set_ylabel("k3 per token")
     drift = ax[2][0]
-    if run.has("diag/drift/rollout_to_old_k3"):
-        _line(drift, run, "diag/drift/rollout_to_current_k3", label="rollout → current (total)", ls="--", lw=3,
-              alpha=0.4, color="0.4")
-        _line(drift, run, "diag/drift/rollout_to_old_k3", label="rollout → old (mismatch)", color="tab:red")
-        _line(drift, run, "diag/drift/old_to_current_k3", label="old → current (update size)", color="tab:blue")
-        _compact_y(drift)
-        drift.legend(loc="best", fontsize=8)
-    else:
-        _empty(drift, "drift split: decoupled mode only (bypass has no separate π_old)")
-    drift.set_title("decoupled drift split (k3 per token)")
-    drift.set_ylabel("k3 per token")
-    _steps_axis(drift)
+    _panel(drift, run, [
+        ("diag/drift/rollout_to_current_k3", "rollout → current (total)", {"ls": "--", "lw": 3, "alpha": 0.4,
+                                                                         "color": "0.4"}),
+        ("diag/drift/rollout_to_old_k3", "rollout → old (mismatch)", {"color": "tab:red"}),
+        ("diag/drift/old_to_current_k3", "old → current (update size)", {"color": "tab:blue"}),
+    ], "decoupled drift split (k3 per token)", "k3 per token",
+        "drift split: decoupled mode only (bypass has no separate π_old)")
+    _compact_y(drift)
     return _save(fig, path)
 
 
