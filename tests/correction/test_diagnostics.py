@@ -200,7 +200,7 @@ def test_response_positions_start_at_the_first_valid_token():
 
 # ------------------------------------------------------------------------------------------------ DP x CP
 WORLD = 4
-LAYOUTS = ((2, 2), (1, 4), (4, 1))  # (dp, cp)
+LAYOUTS = ((2, 2), (1, 4))  # (dp, cp): DP gather and CP reduction together, and CP alone over 4 ranks
 
 
 def _zigzag(cp_rank: int, cp: int) -> torch.Tensor:

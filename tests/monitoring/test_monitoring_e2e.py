@@ -209,11 +209,9 @@ def test_report_command_makes_its_pngs_and_summary(run):
     assert "this run used decoupled_seq_is_rs" in summary
 
 
-def test_the_console_script_dispatches_report_and_the_main_job():
+def test_the_console_script_is_the_dispatcher():
+    # the fixture ran the main job and the report test the report through it (`python -m slime_corr.cli`)
     from importlib.metadata import entry_points
 
     (script,) = [e for e in entry_points(group="console_scripts") if e.name == "slime-corr"]
     assert script.value == "slime_corr.cli:main"
-    proc = subprocess.run([sys.executable, "-m", "slime_corr.cli", "--self-check"], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
-    assert proc.returncode == 0 and "rollout correction config:" in proc.stdout

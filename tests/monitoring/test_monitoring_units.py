@@ -7,8 +7,6 @@ import argparse
 import io
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,8 +23,6 @@ from slime_corr.monitoring.recommend import PRESETS, Thresholds, recommend
 from slime_corr.monitoring.report import load_run
 from slime_corr.monitoring.report import main as report_main
 from slime_corr.rollout.sample import Sample, SampleStatus
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------------------------------------ flags
@@ -56,10 +52,13 @@ def test_bad_values_are_refused_with_the_flag_name(kwargs, words):
         MonitoringConfig(**kwargs)
 
 
-def test_main_job_refuses_a_bad_logging_flag_at_parse_time():
-    proc = subprocess.run([sys.executable, "-m", "slime_corr.main", "--log-interval", "0", "--self-check"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert proc.returncode == 2 and "--log-interval must be an integer >= 1, got 0" in proc.stderr
+def test_main_job_refuses_a_bad_logging_flag_at_parse_time(capsys):
+    from slime_corr.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as e:
+        cli_main(["--log-interval", "0", "--self-check"])
+    assert e.value.code == 2 and "--log-interval must be an integer >= 1, got 0" in capsys.readouterr().err
+    assert cli_main(["--self-check"]) == 0 and "rollout correction config:" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------------------------------------ keys, logger
