@@ -173,8 +173,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError:
         parser.error("the report's plots need matplotlib: pip install 'slime_corr[plot]'.")
     out = Path(args.out) if args.out else None
-    for run in runs:
-        target = (out / run.name if len(runs) > 1 else out) if out else run.path / "report"
+    names = [run.name for run in runs]
+    for i, run in enumerate(runs):
+        sub = run.name if names.count(run.name) == 1 else f"{i}-{run.name}"  # e.g. a/run and b/run
+        target = (out / sub if len(runs) > 1 else out) if out else run.path / "report"
         written, text = report_run(run, target, thresholds)
         print(text, end="")
         print(f"wrote {len(written)} files to {target}\n")
