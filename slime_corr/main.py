@@ -8,6 +8,7 @@ into a bounded buffer -> the trainer's data iterator takes micro-batches from it
 padding) -> `get_forward_backward_func` with the rollout-correction loss (fp32 training forward) -> optimizer
 step -> checkpoint -> `/update_weights_from_disk` on the rollout engine. The mismatch metrics are real: the engine's bf16
 log-probs differ from the trainer's fp32 ones. `--self-check` only builds and prints the configuration.
+Each step's metrics go to the console, RUN_DIR/metrics.jsonl, TensorBoard and W&B (`slime_corr.monitoring`).
 """
 
 from __future__ import annotations
@@ -18,18 +19,14 @@ import os
 import random
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from slime_corr.arguments import add_rollout_correction_args, parse_rollout_correction_config
-from slime_corr.config import RolloutCorrectionConfig
-
-# Metrics printed each step (all of them are returned; these are the ones worth a glance).
-SHOWN_METRICS = (
-    "loss", "mismatch_kl", "mismatch_k3_kl", "mismatch_ppl_ratio", "train_rollout_logprob_abs_diff",
-    "mis_mean_is_weight_before_clip", "mis_ratio_mean_after_mis", "mis_rejected_seq_fraction", "mis_ess",
-)
+from slime_corr.config import ConfigError, RolloutCorrectionConfig
+from slime_corr.monitoring.config import MonitoringConfig, add_monitoring_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="Numeric path of the embedded engine (bfloat16 gives a real mismatch).")
     run.add_argument("--work-dir", default=None, help="Where checkpoints go (default: a temporary folder).")
     add_tiny_model_args(parser)
+    add_monitoring_args(parser)
     parser.set_defaults(vocab_size=256)  # byte-level tokens, as the embedded engine uses
     return add_rollout_correction_args(parser)
 
@@ -71,15 +69,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rollout_buffer_size is not None and args.rollout_buffer_size < args.micro_batch_size:
         parser.error(f"--rollout-buffer-size {args.rollout_buffer_size} must be >= --micro-batch-size "
                      f"{args.micro_batch_size}.")
+    try:
+        monitoring = MonitoringConfig.from_args(args, run_dir=args.run_dir or args.work_dir
+                                                or time.strftime("runs/%Y%m%d-%H%M%S"))
+    except ConfigError as e:
+        parser.error(str(e))
     print("rollout correction config:")
     print(config.describe())
     if args.self_check:
         return 0
     if args.work_dir:
-        run(args, config, Path(args.work_dir))
+        run(args, config, Path(args.work_dir), monitoring)
     else:
         with tempfile.TemporaryDirectory(prefix="slime_corr_run_") as d:
-            run(args, config, Path(d))
+            run(args, config, Path(d), monitoring)
     return 0
 
 
@@ -152,7 +155,8 @@ class MegatronEngineModule:
         return self.module(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
 
 
-def run(args: argparse.Namespace, config: RolloutCorrectionConfig, work_dir: Path) -> None:
+def run(args: argparse.Namespace, config: RolloutCorrectionConfig, work_dir: Path, monitoring: MonitoringConfig
+        ) -> None:
     import contextlib
 
     import torch
@@ -161,19 +165,30 @@ def run(args: argparse.Namespace, config: RolloutCorrectionConfig, work_dir: Pat
     from slime_corr.mcore.cpu_compat import apply_cpu_compat
     from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
     from slime_corr.mcore.model import build_tiny_gpt
-    from slime_corr.rollout.data_iterator import TRAINABLE, background_event_loop
+    from slime_corr.monitoring.logger import MetricsLogger, is_logging_rank
+    from slime_corr.monitoring.rollout_stats import rollout_metrics
+    from slime_corr.monitoring.step_diagnostics import ScheduleDiagnostics
+    from slime_corr.rollout.data_iterator import background_event_loop
     from slime_corr.rollout.engine_model import TorchEngineModel
-    from slime_corr.rollout.local_engine import start_local_engine
+    from slime_corr.rollout.local_engine import detokenize, start_local_engine
 
     _init_distributed()
     ps.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=1)
     apply_cpu_compat()
     model = build_tiny_gpt(args, ddp=True)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    hook = RolloutCorrectionLoss(config, temperature=args.rollout_temperature)
+    diag = None
+    if monitoring.log_mismatch_diagnostics and config.computes_metrics:
+        diag = ScheduleDiagnostics(top_k=monitoring.log_top_mismatch_samples, detokenize=detokenize)
+    hook = RolloutCorrectionLoss(config, temperature=args.rollout_temperature,
+                                 **({"model_forward": diag.model_forward} if diag else {}))
+    if diag:
+        diag.bind(hook)
     ckpt = save_checkpoint(model.module, work_dir / "step-0")
 
     with contextlib.ExitStack() as stack:
+        logger = stack.enter_context(MetricsLogger(monitoring, hparams=vars(args), enabled=is_logging_rank()))
+        print(f"metrics: {logger.run_dir / 'metrics.jsonl'}")
         if args.sglang_url:
             urls = args.sglang_url
         else:
@@ -183,28 +198,43 @@ def run(args: argparse.Namespace, config: RolloutCorrectionConfig, work_dir: Pat
             print(f"embedded engine at {urls[0]} ({args.engine_dtype}); trainer in float32")
         loop = stack.enter_context(background_event_loop())
         for step in range(1, args.num_steps + 1):
-            metrics, samples, skipped = _step(model, optimizer, hook, urls, loop, args, step)
-            trained = [s.reward for s in samples if s.status in TRAINABLE]
-            reward = sum(trained) / max(1, len(trained))
-            shown = " ".join(f"{k}={metrics[k]:.4g}" for k in SHOWN_METRICS if k in metrics)
-            dropped = f" not_trained={len(skipped)} ({skipped[0].failure_reason})" if skipped else ""
-            print(f"step {step}: samples={len(samples)}{dropped} reward={reward:.3f} {shown}", flush=True)
+            start = time.perf_counter()
+            metrics, samples, skipped = _step(model, optimizer, hook, urls, loop, args, step, diag)
+            if skipped:
+                print(f"step {step}: {len(skipped)} sample(s) not trained ({skipped[0].failure_reason})", flush=True)
             ckpt = save_checkpoint(model.module, work_dir / f"step-{step}")
             asyncio.run_coroutine_threadsafe(_sync_weights(urls, ckpt, f"step-{step}"), loop).result()
+            if diag:
+                diag_metrics, top = diag.end_step()
+                metrics.update(diag_metrics)
+                logger.log_samples(step, top)
+            metrics.update(rollout_metrics(samples))
+            metrics["perf/step_time"] = time.perf_counter() - start
+            logger.log(step, metrics)
     ps.destroy_model_parallel()
 
 
 def _step(model: Any, optimizer: Any, hook: Any, urls: list[str], loop: Any, args: argparse.Namespace,
-          step: int) -> tuple[dict, list[Any], list[Any]]:
-    """One RL step: the rollout streams samples into a buffer while the data iterator builds micro-batches."""
-    from slime_corr.rollout.buffer import BufferClosed, SampleBuffer
+          step: int, diag: Any = None) -> tuple[dict[str, float], list[Any], list[Any]]:
+    """One RL step: the rollout streams samples into a buffer while the data iterator builds micro-batches.
+    Returns the step's `train/` and `rollout_corr/` metrics, its samples and the ones not trained."""
+    import torch
+
+    from slime_corr.monitoring.keys import loss_step_metrics
+    from slime_corr.monitoring.progress import ProgressSampleBuffer, RolloutProgress
+    from slime_corr.monitoring.step_diagnostics import version_lag
+    from slime_corr.rollout.buffer import BufferClosed
     from slime_corr.rollout.data_iterator import BufferMicroBatchIterator
 
     num_samples = args.prompts_per_step * args.n_samples_per_prompt
-    buffer = SampleBuffer(maxsize=args.rollout_buffer_size or 2 * args.micro_batch_size)
+    progress = RolloutProgress(num_samples, step=step, mode=args.rollout_progress)
+    buffer = ProgressSampleBuffer(args.rollout_buffer_size or 2 * args.micro_batch_size, progress)
     rollout = asyncio.run_coroutine_threadsafe(_rollout(urls, args, step, buffer), loop)
     data = BufferMicroBatchIterator(buffer, loop, num_samples, args.micro_batch_size,
                                     group_size=args.n_samples_per_prompt)
+    if diag:  # the engine samples with "step-{k}" weights; the trainer is at step - 1 before this update
+        diag.begin_step(data.samples, args.micro_batch_size,
+                        weight_lag=version_lag({f"step-{k}": k for k in range(step)}, step - 1))
     model.zero_grad_buffer()
     optimizer.zero_grad(set_to_none=True)
     try:
@@ -214,11 +244,14 @@ def _step(model: Any, optimizer: Any, hook: Any, urls: list[str], loop: Any, arg
     except BufferClosed:  # the rollout ended early: raise its own error
         rollout.result()
         raise
+    finally:
+        progress.close()
     rollout.result()
     for p in model.parameters():  # Megatron DDP accumulates into main_grad; torch.optim reads .grad
         p.grad = p.main_grad.to(p.dtype)
+    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
     optimizer.step()
-    return metrics, data.samples, data.skipped
+    return {**loss_step_metrics(metrics), "train/grad_norm": float(grad_norm)}, data.samples, data.skipped
 
 
 async def _rollout(urls: list[str], args: argparse.Namespace, step: int, buffer: Any) -> None:

@@ -1,0 +1,133 @@
+"""Logging flags (Megatron's names where Megatron has them) and the typed config they build.
+
+    add_monitoring_args(parser)                       # one call; a Megatron `extra_args_provider` too
+    args = parser.parse_args()
+    config = MonitoringConfig.from_args(args)         # validated; ConfigError names the flag and the fix
+
+Megatron-LM's logging flags: `--log-interval`, `--tensorboard-dir`, `--tensorboard-log-interval`,
+`--tensorboard-queue-size`, `--wandb-project`, `--wandb-exp-name`, `--wandb-save-dir`, `--wandb-entity`. When the
+parser already has one of them (Megatron's own parser), it is left as Megatron defined it. slime's `--wandb-mode`
+(online / offline / disabled) selects offline mode. The rest are slime_corr's: `--run-dir`, `--rollout-progress`,
+`--log-mismatch-diagnostics`, `--log-top-mismatch-samples`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from dataclasses import dataclass, fields
+from typing import Any
+
+from slime_corr.config import ConfigError
+
+WANDB_MODES = ("online", "offline", "disabled")
+PROGRESS_MODES = ("auto", "bar", "lines", "none")
+
+
+@dataclass(frozen=True)
+class MonitoringConfig:
+    """Where and how often the step metrics go. Field names are the flag names with `-` -> `_`.
+
+    run_dir: metrics.jsonl (every metric of every step), top_mismatch.jsonl, run_config.json go here.
+    log_interval: console line every N steps. tensorboard_*: Megatron's TensorBoard settings (off without a dir).
+    wandb_*: W&B (off without a project); wandb_mode None defers to WANDB_MODE / wandb's default, "offline"
+    never touches the network. rollout_progress: "auto" = a tqdm bar on a terminal, plain lines otherwise.
+    log_mismatch_diagnostics: the bucketed mismatch views (`slime_corr.correction.diagnostics`);
+    log_top_mismatch_samples: how many of the step's sequences with the largest |Σ lr| to record (0 = none).
+    """
+
+    run_dir: str | None = None
+    log_interval: int = 1
+    tensorboard_dir: str | None = None
+    tensorboard_log_interval: int = 1
+    tensorboard_queue_size: int = 1000
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None
+    wandb_entity: str | None = None
+    wandb_mode: str | None = None
+    rollout_progress: str = "auto"
+    log_mismatch_diagnostics: bool = True
+    log_top_mismatch_samples: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("log_interval", "tensorboard_log_interval", "tensorboard_queue_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"--{_flag(name)} must be an integer >= 1, got {value!r}.")
+        if not isinstance(self.log_top_mismatch_samples, int) or self.log_top_mismatch_samples < 0:
+            raise ConfigError(f"--log-top-mismatch-samples must be an integer >= 0, got "
+                              f"{self.log_top_mismatch_samples!r}.")
+        if self.wandb_mode is not None and self.wandb_mode not in WANDB_MODES:
+            raise ConfigError(f"--wandb-mode must be one of {', '.join(WANDB_MODES)}, got {self.wandb_mode!r}.")
+        if self.rollout_progress not in PROGRESS_MODES:
+            raise ConfigError(f"--rollout-progress must be one of {', '.join(PROGRESS_MODES)}, got "
+                              f"{self.rollout_progress!r}.")
+        if self.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError(f"--tensorboard-dir {self.tensorboard_dir} needs the tensorboard package: "
+                              "pip install 'slime_corr[tensorboard]', or drop --tensorboard-dir.")
+        if self.wandb_project and self.wandb_mode != "disabled" and importlib.util.find_spec("wandb") is None:
+            raise ConfigError(f"--wandb-project {self.wandb_project} needs the wandb package: "
+                              "pip install 'slime_corr[wandb]', or drop --wandb-project.")
+        if self.rollout_progress == "bar" and importlib.util.find_spec("tqdm") is None:
+            raise ConfigError("--rollout-progress bar needs tqdm: pip install tqdm, or use --rollout-progress auto.")
+
+    @property
+    def uses_wandb(self) -> bool:
+        return bool(self.wandb_project) and self.wandb_mode != "disabled"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **overrides: Any) -> MonitoringConfig:
+        """From parsed flags (Megatron's or `add_monitoring_args`'); empty strings (Megatron's defaults) = unset."""
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if hasattr(args, f.name):
+                value = getattr(args, f.name)
+                values[f.name] = None if value == "" else value
+        values.update(overrides)
+        return cls(**values)
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def add_monitoring_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the logging flags the parser does not have yet (so Megatron's own stay as they are). Returns it."""
+    have = set(parser._option_string_actions)  # noqa: SLF001 - argparse has no public "has option"
+    g = parser.add_argument_group(title="monitoring (slime_corr)")
+    d = MonitoringConfig()
+
+    def add(flag: str, **kw: Any) -> None:
+        if flag not in have:
+            g.add_argument(flag, **kw)
+
+    add("--run-dir", type=str, default=d.run_dir,
+        help="Directory for metrics.jsonl (every metric of every step), top_mismatch.jsonl and run_config.json; "
+             "`slime-corr report RUN_DIR` reads it.")
+    add("--log-interval", type=int, default=d.log_interval, help="Print the step line every N steps.")
+    add("--tensorboard-dir", type=str, default=d.tensorboard_dir,
+        help="Write TensorBoard event files here (needs the tensorboard extra).")
+    add("--tensorboard-log-interval", type=int, default=d.tensorboard_log_interval,
+        help="Write to TensorBoard and W&B every N steps.")
+    add("--tensorboard-queue-size", type=int, default=d.tensorboard_queue_size,
+        help="TensorBoard events kept in memory before a flush to disk.")
+    add("--wandb-project", type=str, default=d.wandb_project, help="W&B project; W&B is off without it.")
+    add("--wandb-exp-name", type=str, default=d.wandb_exp_name, help="W&B run name (default: the run dir's name).")
+    add("--wandb-save-dir", type=str, default=d.wandb_save_dir,
+        help="Where W&B keeps its files (default: RUN_DIR/wandb).")
+    add("--wandb-entity", type=str, default=d.wandb_entity, help="W&B entity (team or user).")
+    add("--wandb-mode", type=str, choices=WANDB_MODES, default=d.wandb_mode,
+        help="online, offline (nothing leaves the machine; `wandb sync` later) or disabled. Default: WANDB_MODE, "
+             "else wandb's default (online).")
+    add("--rollout-progress", type=str, choices=PROGRESS_MODES, default=d.rollout_progress,
+        help="Rollout progress: auto = a bar on a terminal, plain lines otherwise (CI logs).")
+    add("--log-mismatch-diagnostics", action=argparse.BooleanOptionalAction, default=d.log_mismatch_diagnostics,
+        help="Log the mismatch by rollout-probability bucket, response position, weight lag, and the decoupled "
+             "drift split (when mismatch metrics are on).")
+    add("--log-top-mismatch-samples", type=int, default=d.log_top_mismatch_samples,
+        help="Record the N sequences of each step with the largest |sum of log-ratios| (with their text).")
+    return parser
+
+
+__all__ = ["MonitoringConfig", "PROGRESS_MODES", "WANDB_MODES", "add_monitoring_args"]

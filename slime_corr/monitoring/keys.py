@@ -1,0 +1,55 @@
+"""The metric key scheme: `<prefix>/<name>`, with SPEC.md's names unchanged after the prefix.
+
+| prefix | what | examples |
+| --- | --- | --- |
+| `rollout_corr/` | the correction metrics of SPEC.md, and a custom weighting function's own | `rollout_corr/mismatch_k3_kl`, `rollout_corr/mis_ess`, `rollout_corr/ois` |
+| `train/` | the policy loss and the optimizer | `train/loss`, `train/pg_clipfrac`, `train/ppo_kl`, `train/grad_norm`, `train/lr` |
+| `rollout/` | the step's samples | `rollout/reward_mean`, `rollout/samples`, `rollout/response_length_mean` |
+| `perf/` | time | `perf/step_time`, `perf/rollout_time` |
+| `diag/` | the diagnostics of `slime_corr.correction.diagnostics` | `diag/prob/lt_1e-06/k3`, `diag/drift/mismatch_share` |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+CORRECTION, TRAIN, ROLLOUT, PERF, DIAG = "rollout_corr", "train", "rollout", "perf", "diag"
+PREFIXES = (CORRECTION, TRAIN, ROLLOUT, PERF, DIAG)
+
+# Keys of `RolloutCorrectionLoss.reduce_step_metrics` that belong to the loss, not to the correction.
+TRAIN_KEYS = frozenset({"loss", "pg_loss", "loss_denominator", "pg_clipfrac", "ppo_kl", "entropy",
+                        "pg_nonfinite_token_count"})
+
+# The console line: (key, label) in order; a key the step does not have is left out.
+CONSOLE_KEYS = (
+    (f"{ROLLOUT}/samples", "samples"),
+    (f"{ROLLOUT}/reward_mean", "reward"),
+    (f"{TRAIN}/loss", "loss"),
+    (f"{TRAIN}/pg_clipfrac", "pg_clipfrac"),
+    (f"{TRAIN}/ppo_kl", "ppo_kl"),
+    (f"{TRAIN}/grad_norm", "grad_norm"),
+    (f"{PERF}/step_time", "step_time"),
+    (f"{CORRECTION}/mismatch_kl", "mismatch_kl"),
+    (f"{CORRECTION}/mismatch_k3_kl", "mismatch_k3_kl"),
+    (f"{CORRECTION}/train_rollout_logprob_abs_diff", "train_rollout_logprob_abs_diff"),
+    (f"{CORRECTION}/mis_ess", "mis_ess"),
+    (f"{CORRECTION}/mis_rejected_seq_fraction", "mis_rejected_seq_fraction"),
+    (f"{CORRECTION}/mis_weight_p99", "mis_weight_p99"),
+)
+
+
+def with_prefix(prefix: str, metrics: Mapping[str, float]) -> dict[str, float]:
+    """`{f"{prefix}/{key}": value}`; `prefix` must be one of PREFIXES."""
+    if prefix not in PREFIXES:
+        raise ValueError(f"prefix: {prefix!r} is not one of {', '.join(PREFIXES)}")
+    return {f"{prefix}/{k}": v for k, v in metrics.items()}
+
+
+def loss_step_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
+    """The flat dict `RolloutCorrectionLoss.train_step` / `reduce_step_metrics` returns, under the scheme:
+    its loss keys (TRAIN_KEYS) -> `train/`, everything else (SPEC.md's correction metrics and a custom
+    weighting function's) -> `rollout_corr/`."""
+    return {f"{TRAIN if k in TRAIN_KEYS else CORRECTION}/{k}": v for k, v in metrics.items()}
+
+
+__all__ = ["CONSOLE_KEYS", "PREFIXES", "TRAIN_KEYS", "loss_step_metrics", "with_prefix"]

@@ -1,0 +1,149 @@
+"""Which preset the measured mismatch calls for, following the decision guide of the rollout-correction theory
+document (reference 000, "Summary and Decision Guide"):
+
+- negligible (same checkpoint, minor differences): `ppo_is_bypass` — π_rollout as the proximal policy, no
+  recompute pass; naive PPO (π_old as behaviour policy) is wrong whenever π_rollout ≠ π_old;
+- moderate (async workers, slight staleness): `decoupled_token_is` — per-token IS with a separate proximal policy;
+- severe (replay buffers, old data): `decoupled_seq_is_rs` (or `decoupled_seq_is`) — sequence-level IS with
+  rejection sampling.
+
+The guide names the regimes by their cause, not by a number. The measured statistic is the token-level k3 KL
+estimate `mismatch_k3_kl` (≥ 0, E[k3] = KL(π_rollout ‖ π_train)); its QUANTILE over the logged steps (a regime
+holds when at least 10 % of the steps reach it) is compared with two thresholds, this project's choice,
+printed with every recommendation and settable on the command line:
+
+    negligible:  q < 1e-3        moderate:  1e-3 ≤ q < 1e-2        severe:  q ≥ 1e-2
+
+(bf16 rollout vs fp32 training at the same weights stays well under 1e-3 per token; one-step-stale async weights
+reach 1e-3 – 1e-2; k3 ≥ 1e-2 per token makes sequence-level ratios of a few hundred tokens leave any usable
+range, the case the guide sends to sequence IS with rejection.)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from slime_corr.correction.diagnostics import PROB_EDGES, VIEWS
+
+METRIC = "rollout_corr/mismatch_k3_kl"
+PRESETS = {"negligible": "ppo_is_bypass", "moderate": "decoupled_token_is", "severe": "decoupled_seq_is_rs"}
+WHY = {
+    "negligible": "the rollout and training policies agree closely (same checkpoint, minor numeric differences): "
+                  "bypass mode uses pi_rollout as the proximal policy, which is correct and skips the pi_old "
+                  "recompute pass",
+    "moderate": "the policies differ measurably (e.g. async workers, slight staleness): decoupled PPO with "
+                "per-token truncated IS corrects rollout->old while PPO clips old->current",
+    "severe": "the policies differ strongly (e.g. replay buffers, old data): sequence-level IS with sequence "
+              "rejection sampling corrects whole trajectories and drops the ones outside [0.5, 2]",
+}
+LOW_PROB_EDGE = 1e-3  # "low probability" for the concentration hint: p_rollout below this
+UPPER_EDGE = dict(zip(VIEWS["prob"], (*PROB_EDGES, 1.0), strict=True))  # bucket label -> its upper p edge
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    negligible_below: float = 1e-3
+    severe_from: float = 1e-2
+    quantile: float = 0.9
+
+    def __post_init__(self) -> None:
+        if not 0 < self.negligible_below < self.severe_from:
+            raise ValueError(f"thresholds: need 0 < --negligible-below ({self.negligible_below}) < --severe-from "
+                             f"({self.severe_from}).")
+        if not 0 <= self.quantile <= 1:
+            raise ValueError(f"--quantile must be in [0, 1], got {self.quantile}.")
+
+    def describe(self) -> str:
+        return (f"negligible: q < {self.negligible_below:g} <= moderate < {self.severe_from:g} <= severe, "
+                f"q = the {self.quantile:.0%} quantile over steps of {METRIC}")
+
+
+@dataclass
+class Recommendation:
+    regime: str
+    preset: str
+    statistic: float
+    median: float
+    maximum: float
+    steps: int
+    thresholds: Thresholds
+    hints: list[str] = field(default_factory=list)
+
+    @property
+    def why(self) -> str:
+        return WHY[self.regime]
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolation quantile of finite values (numpy's default)."""
+    xs = sorted(values)
+    pos = q * (len(xs) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def classify(statistic: float, thresholds: Thresholds) -> str:
+    if statistic < thresholds.negligible_below:
+        return "negligible"
+    return "moderate" if statistic < thresholds.severe_from else "severe"
+
+
+def recommend(records: Sequence[Mapping[str, float | None]], thresholds: Thresholds | None = None
+              ) -> Recommendation:
+    """The regime and preset of a run's step records (`metrics.jsonl` lines). Raises ValueError when the run
+    has no finite `rollout_corr/mismatch_k3_kl` (mismatch metrics were off)."""
+    thresholds = thresholds or Thresholds()
+    values = [float(v) for r in records if isinstance(v := r.get(METRIC), int | float) and math.isfinite(v)]
+    if not values:
+        raise ValueError(f"no finite {METRIC} in the run's metrics: run with --get-mismatch-metrics (or a "
+                         "correction flag) so the mismatch is measured.")
+    stat = quantile(values, thresholds.quantile)
+    regime = classify(stat, thresholds)
+    rec = Recommendation(regime, PRESETS[regime], stat, quantile(values, 0.5), max(values), len(values), thresholds)
+    rec.hints = _hints(records)
+    return rec
+
+
+def _hints(records: Sequence[Mapping[str, float | None]]) -> list[str]:
+    """Observations beyond the regime: low-probability concentration (-> veto), staleness, rejection, IS tails."""
+    hints: list[str] = []
+    low_share, low_tokens, total_tokens = 0.0, 0.0, 0.0
+    k3_total = 0.0
+    for r in records:
+        n = r.get("diag/tokens") or 0.0
+        for key, value in r.items():
+            if not (key.startswith("diag/prob/") and key.endswith("/k3")) or value is None:
+                continue
+            label = key[len("diag/prob/"):-len("/k3")]
+            frac = r.get(f"diag/prob/{label}/token_frac") or 0.0
+            k3_sum = value * frac * n
+            k3_total += k3_sum
+            if UPPER_EDGE.get(label, 1.0) <= LOW_PROB_EDGE:
+                low_share += k3_sum
+                low_tokens += frac * n
+        total_tokens += n
+    if k3_total > 0 and total_tokens > 0:
+        share, tok = low_share / k3_total, low_tokens / total_tokens
+        if share >= 0.5 and share > 2 * tok:
+            hints.append(f"{share:.0%} of the mismatch (k3) sits on tokens with p_rollout < {LOW_PROB_EDGE:g} "
+                         f"({tok:.1%} of the tokens): a veto (--rs-veto-threshold 1e-4) drops the sequences "
+                         "those tokens would blow up.")
+    lags = [v for r in records if isinstance(v := r.get("diag/lag/mean"), int | float)]
+    if lags and max(lags) > 0:
+        hints.append(f"samples are stale: mean weight lag up to {max(lags):.2f} versions (async rollout); "
+                     "the mismatch above includes it.")
+    rejected = [v for r in records if isinstance(v := r.get("rollout_corr/mis_rejected_seq_fraction"), int | float)]
+    if rejected and max(rejected) > 0.2:
+        hints.append(f"up to {max(rejected):.0%} of the sequences were rejected in a step: the bounds may be too "
+                     "tight for this mismatch, or the mismatch is severe.")
+    truncated = [v for r in records if isinstance(v := r.get("rollout_corr/mis_truncate_fraction"), int | float)]
+    if truncated and max(truncated) > 0.05:
+        hints.append(f"up to {max(truncated):.0%} of the IS weights were truncated in a step: the tail of the "
+                     "weights is heavy.")
+    return hints
+
+
+__all__ = ["METRIC", "PRESETS", "Recommendation", "Thresholds", "classify", "quantile", "recommend"]

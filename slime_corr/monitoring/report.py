@@ -1,0 +1,193 @@
+"""`slime-corr report RUN_DIR [RUN_DIR ...]`: PNG plots and a text summary with a preset recommendation.
+
+For each run directory (what the trainer's `--run-dir` holds: metrics.jsonl, top_mismatch.jsonl, run_config.json)
+it writes into RUN_DIR/report/ (or `--out`/<run name>/ for several runs): mismatch.png (mismatch KL and k3 with
+the regime thresholds), is_weights.png (IS weight quantiles and extremes), rejection.png (rejected fractions),
+reward.png, clipfrac.png (pg_clipfrac and ppo_kl), prob_buckets.png (the mismatch by rollout-probability bucket),
+diagnostics.png (by response position, by weight lag, the decoupled drift split), and summary.txt (also printed).
+With several runs it also writes `--out`/comparison.png, one line per run. Needs matplotlib (`.[plot]`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slime_corr.monitoring.logger import CONFIG_FILE, METRICS_FILE, SAMPLES_FILE
+from slime_corr.monitoring.recommend import METRIC, Recommendation, Thresholds, recommend
+
+
+@dataclass
+class Run:
+    """A run directory's records: one dict per step (the last line wins for a repeated step)."""
+
+    path: Path
+    records: list[dict[str, Any]]
+    config: dict[str, Any] = field(default_factory=dict)
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    skipped_lines: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.path.resolve().name
+
+    @property
+    def steps(self) -> list[int]:
+        return [int(r["step"]) for r in self.records]
+
+    def has(self, key: str) -> bool:
+        return any(_finite(r.get(key)) for r in self.records)
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """(steps, values) of `key` with NaN where a step lacks it (a gap in a plot)."""
+        values = [float(v) if _finite(v := r.get(key)) else math.nan for r in self.records]
+        return self.steps, values
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
+    rows, bad = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # e.g. a line cut by a crash mid-write
+            bad += 1
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+        else:
+            bad += 1
+    return rows, bad
+
+
+def load_run(run_dir: str | Path) -> Run:
+    path = Path(run_dir)
+    metrics = path / METRICS_FILE
+    if not metrics.is_file():
+        raise FileNotFoundError(f"RUN_DIR {path}: no {METRICS_FILE} there. Pass the directory the trainer wrote "
+                                "(--run-dir, default the --work-dir of the main job).")
+    rows, bad = _read_jsonl(metrics)
+    by_step: dict[int, dict[str, Any]] = {}
+    for row in rows:
+        if isinstance(row.get("step"), int):
+            by_step[row["step"]] = row
+        else:
+            bad += 1
+    if not by_step:
+        raise ValueError(f"RUN_DIR {path}: {METRICS_FILE} has no step records.")
+    config_path = path / CONFIG_FILE
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    samples = _read_jsonl(path / SAMPLES_FILE)[0] if (path / SAMPLES_FILE).is_file() else []
+    return Run(path, [by_step[s] for s in sorted(by_step)], config, samples, bad)
+
+
+def summary_text(run: Run, rec: Recommendation | None, error: str | None = None) -> str:
+    """The short text summary: what was measured, the thresholds, the regime and the preset, hints."""
+    preset = run.config.get("rollout_correction_preset")
+    lines = [f"slime-corr report: {run.path} ({len(run.records)} steps"
+             + (f", preset {preset}" if preset else "") + ")"]
+    if run.skipped_lines:
+        lines.append(f"note: {run.skipped_lines} unreadable line(s) in {METRICS_FILE} were skipped")
+    if rec is None:
+        lines.append(f"no recommendation: {error}")
+        return "\n".join(lines) + "\n"
+    t = rec.thresholds
+    lines += [
+        f"measured mismatch ({METRIC}, {rec.steps} steps): median {rec.median:.3g}, "
+        f"p{t.quantile * 100:.0f} {rec.statistic:.3g}, max {rec.maximum:.3g}",
+        f"thresholds: {t.describe()}",
+        f"regime: {rec.regime} -> recommended preset: {rec.preset}",
+        f"  why: {rec.why} (decision guide of the rollout-correction theory document).",
+        f"  use: --rollout-correction-preset {rec.preset}  (or --custom-config-path arguments/{rec.preset}.yaml)",
+    ]
+    if preset and preset != rec.preset:
+        lines.append(f"  this run used {preset}.")
+    if rec.hints:
+        lines.append("observations:")
+        lines += [f"  - {h}" for h in rec.hints]
+    if run.samples:
+        worst = max(run.samples, key=lambda s: abs(s.get("seq_log_ratio", 0.0)))
+        text = f", response {worst['response']!r}" if "response" in worst else ""
+        lines.append(f"largest sequence mismatch: step {worst.get('step')}, sum of log-ratios "
+                     f"{worst.get('seq_log_ratio', 0.0):.3g} over {worst.get('tokens')} tokens{text}")
+    return "\n".join(lines) + "\n"
+
+
+def report_run(run: Run, out_dir: Path, thresholds: Thresholds) -> tuple[list[Path], str]:
+    """Write the PNGs and summary.txt of one run into `out_dir`; returns (written files, summary text)."""
+    from slime_corr.monitoring import plots
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        rec, error = recommend(run.records, thresholds), None
+    except ValueError as e:
+        rec, error = None, str(e)
+    written = plots.plot_run(run, out_dir, thresholds)
+    text = summary_text(run, rec, error)
+    (out_dir / "summary.txt").write_text(text, encoding="utf-8")
+    return [*written, out_dir / "summary.txt"], text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = Thresholds()
+    parser = argparse.ArgumentParser(prog="slime-corr report", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="Run directories (with metrics.jsonl).")
+    parser.add_argument("--out", default=None,
+                        help="Output directory (default: RUN_DIR/report; required with several runs).")
+    parser.add_argument("--negligible-below", type=float, default=d.negligible_below,
+                        help=f"k3 quantile below which the mismatch is negligible (default {d.negligible_below:g}).")
+    parser.add_argument("--severe-from", type=float, default=d.severe_from,
+                        help=f"k3 quantile from which the mismatch is severe (default {d.severe_from:g}).")
+    parser.add_argument("--quantile", type=float, default=d.quantile,
+                        help=f"Quantile over steps compared with the thresholds (default {d.quantile:g}).")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        thresholds = Thresholds(args.negligible_below, args.severe_from, args.quantile)
+    except ValueError as e:
+        parser.error(str(e))
+    if len(args.run_dirs) > 1 and not args.out:
+        parser.error("several RUN_DIRs: pass --out DIR for the comparison plot and the per-run reports.")
+    try:
+        runs = [load_run(d) for d in args.run_dirs]
+    except (FileNotFoundError, ValueError) as e:
+        parser.error(str(e))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        parser.error("the report's plots need matplotlib: pip install 'slime_corr[plot]'.")
+    out = Path(args.out) if args.out else None
+    names = [run.name for run in runs]
+    for i, run in enumerate(runs):
+        sub = run.name if names.count(run.name) == 1 else f"{i}-{run.name}"  # e.g. a/run and b/run
+        target = (out / sub if len(runs) > 1 else out) if out else run.path / "report"
+        written, text = report_run(run, target, thresholds)
+        print(text, end="")
+        print(f"wrote {len(written)} files to {target}\n")
+    if len(runs) > 1:
+        from slime_corr.monitoring.plots import plot_comparison
+
+        assert out is not None
+        path = plot_comparison(runs, out / "comparison.png")
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
