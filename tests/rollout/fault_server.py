@@ -6,10 +6,10 @@ behaviour: ``input_ids = [fault_code, n_faulty_attempts, sample_id, ...]``; the 
 requests for ``sample_id`` get the fault, later ones a valid answer derived from ``sample_id``.
 ``served_ok[sample_id]`` counts the valid answers sent in full, so a test can prove no sample was generated twice.
 
-It also plays an OLD SGLang server / router for the control endpoints (only ``/get_model_info``,
-``/get_server_info``, ``/add_worker``, ``/list_workers``; ``/flush_cache`` answering the statuses queued in
-``flush_statuses`` first) and records every control call in ``calls`` - behaviour a current server cannot be
-made to show on demand.
+It also plays an OLD SGLang server for the control endpoints (only ``/get_model_info`` and ``/get_server_info``;
+``/flush_cache`` answering the statuses queued in ``flush_statuses`` first) - with ``old_router=True`` an old
+router (``/add_worker``, ``/list_workers``) - and records every control call in ``calls``: behaviour a current
+server cannot be made to show on demand.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def _payload(rid: str, ids: list[int], lps: list, finish: dict | None, total: in
 
 
 class FaultServer:
-    def __init__(self, timeout_sleep: float = 1.0) -> None:
+    def __init__(self, timeout_sleep: float = 1.0, old_router: bool = False) -> None:
         self.attempts: Counter[int] = Counter()
         self.served_ok: Counter[int] = Counter()
         self.active = 0  # /generate handlers running now (see wait_idle)
@@ -67,10 +67,11 @@ class FaultServer:
         self.app.router.add_post("/generate", self.generate)
         self.app.router.add_get("/health", self.health)
         self.app.router.add_post("/abort_request", self.abort)
+        router_paths = ("/add_worker", "/list_workers") if old_router else ()
         for path in ("/pause_generation", "/continue_generation", "/flush_cache", "/update_weights_from_disk",
-                     "/init_weights_update_group", "/update_weights_from_distributed", "/add_worker"):
+                     "/init_weights_update_group", "/update_weights_from_distributed", *router_paths[:1]):
             self.app.router.add_post(path, self.control)
-        for path in ("/get_model_info", "/get_server_info", "/list_workers"):
+        for path in ("/get_model_info", "/get_server_info", *router_paths[1:]):
             self.app.router.add_get(path, self.control)
 
     async def control(self, request: web.Request) -> web.Response:
@@ -186,9 +187,9 @@ class FaultServer:
 
 
 @contextlib.contextmanager
-def run_fault_server(timeout_sleep: float = 1.0) -> Iterator[tuple[str, FaultServer]]:
+def run_fault_server(timeout_sleep: float = 1.0, old_router: bool = False) -> Iterator[tuple[str, FaultServer]]:
     """Serve a :class:`FaultServer` on 127.0.0.1 in a background thread; yields (url, server)."""
-    server = FaultServer(timeout_sleep)
+    server = FaultServer(timeout_sleep, old_router)
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(server.app, handle_signals=False, access_log=None)
     ready = threading.Event()

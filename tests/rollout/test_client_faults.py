@@ -187,12 +187,12 @@ def test_rid_prefix_is_fixed_width_and_abort_needs_a_target():
         with pytest.raises(ValueError, match="rid_prefix"):
             SGLangClient("http://127.0.0.1:1", rid_prefix=bad)
     with pytest.raises(ValueError, match="rid"):  # an empty rid is a prefix of every rid on the server
-        asyncio.run(c.abort())
+        asyncio.run(c.abort(rid=""))
 
 
 def test_control_calls_old_server_names_and_flush_retry(fault_server):
-    """Payloads of the control / weight-sync calls as SGLang names them; the old info and router endpoint
-    names as fallbacks; flush_cache retried on 400 only (the fault server plays an old server here)."""
+    """Payloads of the control / weight-sync calls as SGLang names them; the old info endpoint names as
+    fallbacks; flush_cache retried on 400 only (the fault server plays an old server here)."""
     url, server = fault_server
     server.calls.clear()
     server.flush_statuses[:] = [400, 400]
@@ -204,16 +204,14 @@ def test_control_calls_old_server_names_and_flush_retry(fault_server):
             await c.init_weights_update_group("127.0.0.1", 29500, 1, 3, group_name="g")
             await c.update_weights_from_distributed(["w"], ["bfloat16"], [[2, 3]], group_name="g",
                                                     weight_version="step-4")
-            await c.add_worker("http://127.0.0.1:30001")
-            workers = await c.list_workers()
             server.flush_statuses[:] = [500]
             with pytest.raises(RuntimeError, match="flush_cache.*HTTP 500"):
                 await c.flush_cache()
-            return mi, si, workers
+            assert not c.is_router(url) and await c.workers() == [url]
+            return mi, si
 
-    mi, si, workers = asyncio.run(go())
+    mi, si = asyncio.run(go())
     assert mi["weight_version"] == "fault" and si["version"] == "old"
-    assert workers == {"urls": ["http://127.0.0.1:30001"]}
     assert server.calls == [
         ("/get_model_info", {}), ("/get_server_info", {}),
         ("/pause_generation", {"mode": "retract"}),
@@ -226,9 +224,21 @@ def test_control_calls_old_server_names_and_flush_retry(fault_server):
         ("/update_weights_from_distributed", {"names": ["w"], "dtypes": ["bfloat16"], "shapes": [[2, 3]],
                                               "group_name": "g", "flush_cache": False,
                                               "weight_version": "step-4"}),
-        ("/add_worker", {"url": "http://127.0.0.1:30001"}), ("/list_workers", {}),
         ("/flush_cache", {}),  # 500: not retried
     ]
+
+
+def test_old_router_endpoints():
+    """A router older than /workers: registration by /add_worker?url=, discovery by /list_workers."""
+    with run_fault_server(old_router=True) as (url, server), run_fault_server() as (worker, _):
+        async def go():
+            async with _client(url) as c:
+                await c.add_worker(worker)
+                return await c.list_workers(), await c.workers(), c.is_router(url)
+
+        listed, workers, is_router = asyncio.run(go())
+    assert server.calls == [("/add_worker", {"url": worker}), ("/list_workers", {}), ("/list_workers", {})]
+    assert listed == {"urls": [worker]} and workers == [worker] and is_router
 
 
 def test_a_failing_reward_fails_only_its_sample(fault_server):

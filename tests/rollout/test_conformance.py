@@ -34,7 +34,7 @@ def test_client_requests_conform(api_types):
             async with SGLangClient(url) as c:
                 await c.generate([CODE["ok"], 0, 1], FULL_PARAMS)
                 await c.generate([CODE["ok"], 0, 2], {"max_new_tokens": 4}, stream=True)
-                await c.abort(rid=c.rid_prefix)
+                await c.abort(rid=c.new_rid())
 
         asyncio.run(go())
     gen, abort = server.bodies[:2], server.bodies[2]
@@ -104,14 +104,14 @@ def test_engine_abort_and_errors_conform(api_types, tiny_ckpt):
                 while not any(r.output_ids for r in list(h.engine.active.values())):
                     await asyncio.sleep(0.005)
                 async with s.post(h.url + "/abort_request", json={"rid": "", "abort_all": True}) as r:
-                    abort_resp = await r.json()
+                    abort_resp = r.status, await r.read()
                 res = await task
                 async with s.post(h.url + "/generate", json={"input_ids": [1], "sampling_params": {"x": 1}}) as r:
                     err = (r.status, await r.json())
                 return abort_resp, res, err
 
         abort_resp, res, err = asyncio.run(go())
-    api_types.AbortResponse.from_json_value(abort_resp)
+    assert abort_resp == (200, b"")  # http_server.py answers an abort with an empty 200
     fr = api_types.decode_FinishReason(res.finish_reason)
     assert isinstance(fr, api_types.FinishAbort) and fr.status_code is None
     assert err[0] == 400 and "x" in err[1]["error"]

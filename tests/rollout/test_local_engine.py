@@ -13,9 +13,10 @@ import torch
 
 from slime_corr.rollout.client import GenerationError, SGLangClient
 from slime_corr.rollout.engine_model import load_tiny_lm, teacher_forced_logprobs
-from slime_corr.rollout.local_engine import sample_next_token, start_local_engine
+from slime_corr.rollout.local_engine import start_local_engine
 from slime_corr.rollout.rollout import generate_sample
 from slime_corr.rollout.sample import Sample, SampleStatus
+from slime_corr.rollout.sampling import sample_next_token
 
 PROMPT = [72, 101, 108, 108, 111, 32]
 

@@ -39,7 +39,7 @@ def test_abort_request_returns_partial_output(slow_fp32_engine, stream):
         async with SGLangClient(h.url) as c:
             task = asyncio.create_task(c.generate(PROMPT, PARAMS, stream=stream))
             await _wait_tokens(h.engine, 3)
-            await c.abort(rid=c.rid_prefix)  # prefix match: every request of this client
+            await c.abort()  # every request this client has in flight, by its exact rid
             return await task
 
     res = asyncio.run(go())
