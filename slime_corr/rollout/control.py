@@ -11,7 +11,7 @@ Every control call goes to each live worker concurrently and either succeeds on 
 does not answer and fails a health probe is *dead*: it leaves the client's worker set (and its router's, via
 ``DELETE /workers/{id}``), is listed in :attr:`ControlPlane.dead`, and later calls go on without it; a call with
 no live worker left fails. Calls that change the client's state restore it when they fail: a failed ``pause``
-continues the workers that did pause and releases the requests the client holds back.
+continues the workers and releases the requests the client holds back.
 """
 
 from __future__ import annotations
@@ -280,15 +280,15 @@ class ControlPlane:
 
         Until :meth:`continue_generation`, this client also holds back new /generate requests (resumed or
         retried samples wait in the client), so the workers become idle and ``flush_cache`` can succeed.
-        On failure, the workers that did pause are continued and the client releases its requests.
+        On failure, every worker is continued (continuing is harmless where the pause did not land) and the
+        client releases its requests.
         """
         self._hold()
         try:
             await self._fan_out("/pause_generation", {"mode": mode})
-        except BaseException as e:
-            done = e.succeeded if isinstance(e, ControlError) else None
-            with contextlib.suppress(Exception):
-                await self._fan_out("/continue_generation", {}, workers=done)
+        except BaseException:
+            with contextlib.suppress(Exception):  # also where it failed: it may have half happened there
+                await self._fan_out("/continue_generation", {})
             self._release()
             raise
 

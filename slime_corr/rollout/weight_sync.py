@@ -15,6 +15,7 @@ from a new group.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -85,8 +86,13 @@ class DistributedWeightSync:
 
         async def send_all() -> None:
             await self.client.begin_weight_update(self.workers)
-            for i, bucket in enumerate(buckets):
-                await self._send(bucket, weight_version if i == len(buckets) - 1 else None)
+            try:
+                for i, bucket in enumerate(buckets):
+                    await self._send(bucket, weight_version if i == len(buckets) - 1 else None)
+            except BaseException:
+                with contextlib.suppress(Exception):  # no session left open for the next sync
+                    await self.client.end_weight_update(self.workers)
+                raise
             await self.client.end_weight_update(self.workers)
             await self.client.flush_cache()
 

@@ -28,7 +28,7 @@ from aiohttp import web
 
 FAULTS = ["ok", "http500", "http503", "http429", "http400", "timeout", "kill_mid_stream", "no_done",
           "error_event", "error_event_fatal", "malformed_json", "misaligned", "nan", "missing_logprobs",
-          "token_mismatch", "abort_503", "close_before_headers"]
+          "token_mismatch", "abort_503", "close_before_headers", "duplicate_rid"]
 CODE = {name: i for i, name in enumerate(FAULTS)}
 
 
@@ -60,6 +60,7 @@ class FaultServer:
         self.active = 0  # /generate handlers running now (see wait_idle)
         self.calls: list[tuple[str, dict]] = []  # (path, JSON body or query) of every control call
         self.flush_statuses: list[int] = []  # statuses /flush_cache answers before it answers 200
+        self.control_status: dict[str, int] = {}  # a control path -> the error status it answers
         self.rids: list[str] = []
         self.bodies: list[dict] = []  # every /generate and /abort_request body received
         self.timeout_sleep = timeout_sleep
@@ -77,6 +78,8 @@ class FaultServer:
     async def control(self, request: web.Request) -> web.Response:
         body = await request.json() if request.can_read_body else dict(request.query)
         self.calls.append((request.path, body))
+        if request.path in self.control_status:
+            return web.json_response({"error": {"message": "injected"}}, status=self.control_status[request.path])
         if request.path == "/flush_cache" and self.flush_statuses:
             return web.json_response({"success": False}, status=self.flush_statuses.pop(0))
         if request.path == "/get_model_info":
@@ -122,6 +125,8 @@ class FaultServer:
         stop = {"type": "stop", "matched": ids[-1]}
         if fault in ("http500", "http503", "http429", "http400"):
             return web.json_response({"error": fault}, status=int(fault[4:]))
+        if fault == "duplicate_rid":  # what a worker answers when a router re-sends a rid it is still running
+            return web.json_response({"error": f"Duplicate request ID detected: {rid}"}, status=400)
         if fault == "timeout":
             await asyncio.sleep(self.timeout_sleep)
         if fault == "close_before_headers":
