@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -120,8 +121,7 @@ def start_engine_group(
         raise ValueError(f"num_engines: must be >= 1, got {num_engines}")
     with contextlib.ExitStack() as stack:
         t0 = time.monotonic()
-        engines = [stack.enter_context(make_engine(i)) for i in range(num_engines)]
-        group = EngineGroup(engines)
+        group = EngineGroup(_enter_all(stack, [make_engine(i) for i in range(num_engines)]))
         if use_router(router, num_engines):
             group.router = stack.enter_context(start_router(group.engine_urls, policy=router_policy,
                                                             extra_args=router_args))
@@ -129,3 +129,18 @@ def start_engine_group(
             group.notes.append("sglang-router is not installed: the client balances over the engines")
         group.notes.append(f"started in {time.monotonic() - t0:.1f}s")
         yield group
+
+
+def _enter_all(stack: contextlib.ExitStack, managers: list[AbstractContextManager[Any]]) -> list[Any]:
+    """Enter the context managers concurrently (engine processes start in parallel); each one entered is
+    exited by ``stack``; the first failure is raised once all have finished starting."""
+    with ThreadPoolExecutor(max_workers=len(managers)) as pool:
+        futures = [pool.submit(cm.__enter__) for cm in managers]
+        wait(futures)
+    for cm, f in zip(managers, futures, strict=True):
+        if f.exception() is None:
+            stack.push(cm.__exit__)
+    for f in futures:
+        if f.exception() is not None:
+            raise f.exception()  # type: ignore[misc]
+    return [f.result() for f in futures]

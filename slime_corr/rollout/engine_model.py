@@ -196,9 +196,10 @@ class TorchEngineModel:
     """Adapts an ``nn.Module`` built by ``factory(checkpoint_dir)`` to :class:`EngineModel`.
 
     The module's weights are cast to ``dtype`` (bf16 by default: the rollout's numeric path differs from an
-    fp32 training forward); logits are returned as float32. The factory must return a module mapping
-    [B, T] ids to [B, T, V] logits and exposing ``cfg.vocab_size`` / ``cfg.eos_token_id`` / ``cfg.max_seq_len``
-    or passing them explicitly.
+    fp32 training forward); logits are returned as float32. The factory must return a module mapping [B, T] ids
+    to [B, T, V] logits (a tensor, or an output with ``.logits`` as Hugging Face causal LMs return) with a config
+    as ``cfg`` or ``config`` giving ``vocab_size``, ``eos_token_id`` (int, list or None) and ``max_seq_len`` or
+    ``max_position_embeddings``. Weight names are the module's ``state_dict`` keys.
     """
 
     def __init__(
@@ -217,10 +218,11 @@ class TorchEngineModel:
     def load_checkpoint(self, checkpoint_dir: str) -> None:
         """Rebuild the module from ``checkpoint_dir`` (the engine's /update_weights_from_disk)."""
         module = self.factory(checkpoint_dir).to(self.dtype).eval()
-        cfg = getattr(module, "cfg", None)
+        cfg = getattr(module, "cfg", None) or getattr(module, "config", None)
         self.vocab_size = int(getattr(cfg, "vocab_size", 0))
         self.eos_token_id = getattr(cfg, "eos_token_id", None)
-        self.max_seq_len = int(getattr(cfg, "max_seq_len", 1 << 30))
+        self.max_seq_len = int(getattr(cfg, "max_seq_len", None) or getattr(cfg, "max_position_embeddings", None)
+                               or 1 << 30)
         self.module = module
         self.checkpoint_dir = checkpoint_dir
 
@@ -229,7 +231,8 @@ class TorchEngineModel:
         """[B, T] -> float32 [B, T, V], computed in ``self.dtype``."""
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
-        return self.module(input_ids).float()
+        out = self.module(input_ids)
+        return getattr(out, "logits", out).float()
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The module's ``state_dict`` tensors (views sharing the served storage)."""

@@ -14,6 +14,7 @@ import pytest
 
 from slime_corr.rollout.buffer import SampleBuffer
 from slime_corr.rollout.client import GenerationError, RetryPolicy, SGLangClient
+from slime_corr.rollout.control import ControlError
 from slime_corr.rollout.rollout import generate_group_samples
 from slime_corr.rollout.sample import SampleStatus
 
@@ -263,3 +264,36 @@ def test_a_failing_reward_fails_only_its_sample(fault_server):
                                            SampleStatus.COMPLETED]
     assert "bad reward" in samples[1].failure_reason and "reward: must be finite" in samples[2].failure_reason
     assert samples[1].reward is None and samples[2].reward is None and samples[3].reward == 1.0
+
+
+def test_no_stuck_client(fault_server):
+    """A pause that fails leaves nothing paused (the client continues the server, releases its requests) and
+    the next generate() succeeds; a pause nobody continues fails later requests after max_pause_wait, never
+    hangs them; continue_generation releases the client even when the server refuses it."""
+    url, server = fault_server
+    prompt = [CODE["ok"], 0, next(_sid)]
+
+    async def go():
+        async with _client(url, max_pause_wait=0.3) as c:
+            server.control_status["/pause_generation"] = 503
+            try:
+                with pytest.raises(ControlError, match="pause_generation.*HTTP 503"):
+                    await c.pause()
+            finally:
+                del server.control_status["/pause_generation"]
+            after_failed_pause = c.paused, server.calls[-1]
+            ok = await asyncio.wait_for(c.generate(prompt, {"max_new_tokens": 8}), 10)
+            await c.pause()
+            with pytest.raises(GenerationError, match="max_pause_wait=0.3s"):
+                await asyncio.wait_for(c.generate(prompt, {"max_new_tokens": 8}), 10)
+            server.control_status["/continue_generation"] = 500
+            try:
+                with pytest.raises(ControlError, match="continue_generation"):
+                    await c.continue_generation()
+            finally:
+                del server.control_status["/continue_generation"]
+            return after_failed_pause, ok, c.paused
+
+    (paused, last_call), ok, paused_at_end = asyncio.run(go())
+    assert not paused and last_call == ("/continue_generation", {}) and ok.output_ids == good_output(prompt[2])[0]
+    assert not paused_at_end

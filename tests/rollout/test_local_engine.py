@@ -6,13 +6,19 @@ import asyncio
 import signal
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
 import torch
 
 from slime_corr.rollout.client import GenerationError, SGLangClient
-from slime_corr.rollout.engine_model import load_tiny_lm, teacher_forced_logprobs
+from slime_corr.rollout.engine_model import (
+    EngineModel,
+    TorchEngineModel,
+    load_tiny_lm,
+    teacher_forced_logprobs,
+)
 from slime_corr.rollout.local_engine import start_local_engine
 from slime_corr.rollout.rollout import generate_sample
 from slime_corr.rollout.sample import Sample, SampleStatus
@@ -318,3 +324,28 @@ def test_text_in_and_out_with_a_tokenizer(tiny_ckpt, engine):
     if stop != "zz":
         assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
         assert stopped["text"] == body["text"][: body["text"].find(stop)]
+
+
+class HFStyleLM(torch.nn.Module):
+    """Shaped like a Hugging Face causal LM: ``config`` (EOS ids as a list, max_position_embeddings) and an
+    output object with ``.logits`` - what an HF model served by the engine looks like."""
+
+    def __init__(self, checkpoint_dir: str) -> None:
+        super().__init__()
+        self.inner = load_tiny_lm(checkpoint_dir)
+        self.config = SimpleNamespace(vocab_size=256, eos_token_id=[7, 9], max_position_embeddings=64)
+
+    def forward(self, input_ids: torch.Tensor) -> SimpleNamespace:
+        return SimpleNamespace(logits=self.inner(input_ids))
+
+
+def test_engine_serves_an_hf_shaped_model(tiny_ckpt):
+    model = TorchEngineModel(tiny_ckpt, factory=HFStyleLM, dtype=torch.float32)
+    assert isinstance(model, EngineModel) and model.max_seq_len == 64
+    assert {n for n, _ in model.named_weights()} == {f"inner.{k}" for k in load_tiny_lm(tiny_ckpt).state_dict()}
+    with start_local_engine(model=model) as h:
+        res = _gen(h.url, max_new_tokens=10, ignore_eos=True, sampling_seed=2)
+        eos = _gen(h.url, max_new_tokens=10, logit_bias={"9": 100.0})
+    ref = teacher_forced_logprobs(load_tiny_lm(tiny_ckpt), PROMPT, res.output_ids)
+    torch.testing.assert_close(torch.tensor(res.log_probs), ref, atol=1e-4, rtol=0)
+    assert eos.output_ids == [9] and eos.finish_reason == {"type": "stop", "matched": 9}  # 2nd of its EOS ids
