@@ -228,11 +228,8 @@ class SGLangClient(ControlPlane):
                     raise GenerationError(e.reason, False, attempt) from e
                 if e.maybe_running:  # must not run twice: abort it on the workers before the retry is sent
                     await self.abort_rid(server, rid)
-                if e.target_down:
-                    if not self.is_router(server) and not await self._alive(server):
-                        await self._mark_dead(server, f"/generate: {e.reason}")
-                    elif self.is_router(server):
-                        await self.check_target(server)
+                if e.target_down:  # dead engines leave the client (and the router) before the retry
+                    await self.check_target(server)
                     self.failovers += 1
             finally:
                 self._load[server] -= 1

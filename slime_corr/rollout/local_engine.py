@@ -2,8 +2,9 @@
 
 Used when no SGLang URL is given (laptops, CI). ``/generate`` (POST or PUT) takes token ids or ``text`` (encoded
 by the engine's tokenizer, byte-level by default), returns log-probs, streams SSE cumulative or incremental, and
-serves batches of prompts; the control endpoints (abort, pause / continue, flush, weight updates from disk or
-over a process group, load / metrics / readiness for sglang-router) live in :mod:`.engine_control`.
+serves batches of prompts (the wire format: :mod:`.engine_requests`); the control endpoints (abort, pause /
+continue, flush, weight updates from disk or over a process group, load / metrics / readiness for
+sglang-router) live in :mod:`.engine_control`.
 
 Scheduling: every active request advances one token per step; a step runs the model on the batch (right-padded,
 no KV cache: the tiny model recomputes the prefix) in a worker thread. A request with ``sampling_seed`` is
@@ -17,17 +18,14 @@ is trimmed. Requests arriving during a pause (or while memory is released) wait 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import json
 import logging
 import math
 import tempfile
 import threading
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from aiohttp import web
@@ -46,62 +44,8 @@ from slime_corr.rollout.engine_model import (
     create_tiny_checkpoint,
     eos_ids,
 )
-from slime_corr.rollout.protocol import SAMPLING_KEYS
-from slime_corr.rollout.sampling import position_generator, request_seed, sample_next_token
-
-# Accepted by the schema but not implemented by this engine: a request using them gets a 400, never a silent no-op.
-_UNSUPPORTED = ("stop_regex", "json_schema", "regex", "ebnf", "structural_tag", "beam_width", "watermark", "choice")
-
-
-@dataclass
-class _Request:
-    rid: str
-    prompt: list[int]
-    params: dict[str, Any]
-    return_logprob: bool
-    text_in_logprobs: bool
-    seed: int
-    seeded: bool  # the client gave sampling_seed: computed alone, batch-invariant
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[str] = field(default_factory=list)
-    finish: dict[str, Any] | None = None
-    admitted: bool = True  # False while held: it arrived during a pause and waits for continue_generation
-    trim: int | None = None  # text length after trimming a matched stop string
-    created: float = field(default_factory=time.perf_counter)
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def finish_with(self, reason: dict[str, Any]) -> None:
-        if self.finish is None:
-            self.finish = reason
-        self.changed.set()
-
-
-@dataclass
-class EngineStats:
-    """Counters behind ``/metrics`` and ``/v1/loads``, and the last finished requests (rid -> finish type)."""
-
-    requests: int = 0
-    aborted: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    finished: collections.OrderedDict[str, str] = field(default_factory=collections.OrderedDict)
-    _recent: collections.deque[tuple[float, int]] = field(default_factory=lambda: collections.deque(maxlen=256))
-
-    def record_step(self, tokens: int) -> None:
-        self.generation_tokens += tokens
-        self._recent.append((time.monotonic(), tokens))
-
-    def record_finish(self, req: _Request) -> None:
-        kind = (req.finish or {}).get("type", "abort")
-        self.aborted += kind == "abort"
-        self.finished[req.rid] = kind
-        while len(self.finished) > 10_000:
-            self.finished.popitem(last=False)
-
-    def throughput(self, window: float = 5.0) -> float:
-        now = time.monotonic()
-        return sum(n for t, n in self._recent if now - t <= window) / window
+from slime_corr.rollout.engine_requests import EngineRequest, EngineStats, parse_generate, response_payload
+from slime_corr.rollout.sampling import position_generator, sample_next_token
 
 
 class LocalEngine:
@@ -129,7 +73,7 @@ class LocalEngine:
         self.weight_version = weight_version
         self.group_timeout = group_timeout  # seconds a weight-update group waits for its peers
         self.host, self.port = "127.0.0.1", 0
-        self.active: dict[str, _Request] = {}
+        self.active: dict[str, EngineRequest] = {}
         self.holds: set[str] = set()  # reasons new requests are held (pause, released memory)
         self.released: set[str] = set()  # memory tags released by /release_memory_occupation
         self.stats = EngineStats()
@@ -224,7 +168,7 @@ class LocalEngine:
             await asyncio.sleep(self.step_delay)  # let handlers run between steps
 
     @torch.inference_mode()
-    def _step(self, batch: list[_Request]) -> list[tuple[int, float]]:
+    def _step(self, batch: list[EngineRequest]) -> list[tuple[int, float]]:
         """One token for each request: unseeded ones share a padded forward, seeded ones get one each."""
         rows: dict[int, torch.Tensor] = {}
         shared = [i for i, r in enumerate(batch) if not r.seeded]
@@ -250,16 +194,13 @@ class LocalEngine:
             out.append(sample_next_token(row, req.params, position_generator(req.seed, position)))
         return out
 
-    def _stop_ids(self, req: _Request) -> set[int]:
+    def _stop_ids(self, req: EngineRequest) -> set[int]:
         ids = {int(t) for t in req.params.get("stop_token_ids") or []}
         if not req.params.get("ignore_eos", False):
             ids |= eos_ids(self.model.eos_token_id, self.tokenizer.eos_token_id)
         return ids
 
-    def _text(self, req: _Request, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=bool(req.params.get("skip_special_tokens", True)))
-
-    def _check_finish(self, req: _Request, tok: int) -> None:
+    def _check_finish(self, req: EngineRequest, tok: int) -> None:
         p = req.params
         if tok in self._stop_ids(req):
             req.finish = {"type": "stop", "matched": tok}
@@ -268,7 +209,7 @@ class LocalEngine:
         if isinstance(stops, str):
             stops = [stops]
         if stops:
-            text = self._text(req, req.output_ids)
+            text = req.text(self.tokenizer, req.output_ids)
             for s in stops:
                 pos = text.find(s) if s else -1
                 if pos >= 0:
@@ -281,105 +222,12 @@ class LocalEngine:
         elif len(req.prompt) + len(req.output_ids) >= self.model.max_seq_len:
             req.finish = {"type": "length", "length": len(req.output_ids)}
 
-    # ---- request parsing ------------------------------------------------------------------------------
-    def _parse(self, body: Any) -> tuple[list[_Request], bool, bool]:
-        """Validate a /generate body; returns (requests, is_batch, stream)."""
-        if not isinstance(body, dict):
-            raise BadRequest("invalid type: expected struct GenerateRequest")
-        input_ids, text = body.get("input_ids"), body.get("text")
-        if input_ids is None and text is None:
-            raise BadRequest("Either text or input_ids should be provided.")
-        if input_ids is None:
-            texts = text if isinstance(text, list) else [text]
-            prompts, is_batch = [self.tokenizer.encode(str(t)) for t in texts], isinstance(text, list)
-        else:
-            is_batch = bool(input_ids) and isinstance(input_ids[0], list)
-            prompts = input_ids if is_batch else [input_ids]
-        n = len(prompts)
-        stream = bool(body.get("stream", False))
-        if stream and is_batch:
-            raise BadRequest("streaming a batch is not supported by the local engine")
-        sp = body.get("sampling_params") or {}
-        sps = sp if isinstance(sp, list) else [sp] * n
-        rids = body.get("rid")
-        rids = rids if isinstance(rids, list) else [rids] * n if rids is not None else [None] * n
-        if len(sps) != n or len(rids) != n:
-            raise BadRequest("rid / sampling_params list length must match the number of prompts")
-        ret_lp = body.get("return_logprob") or False
-        ret_lps = ret_lp if isinstance(ret_lp, list) else [ret_lp] * n
-        lp_start = body.get("logprob_start_len")
-        if lp_start not in (None, -1) or body.get("top_logprobs_num") or body.get("token_ids_logprob"):
-            raise BadRequest("only output log-probs are supported (logprob_start_len=-1, no top_logprobs)")
-        reqs = []
-        for prompt, params, rid, rlp in zip(prompts, sps, rids, ret_lps, strict=True):
-            self._check_params(params, prompt)
-            if rid is None:
-                rid = f"local-{self.port}-{time.monotonic_ns()}-{len(self.active)}-{len(reqs)}"
-            if rid in self.active or any(r.rid == rid for r in reqs):
-                raise BadRequest(f"Duplicate request ID detected: {rid}")
-            reqs.append(_Request(rid, list(prompt), dict(params), bool(rlp), bool(body.get("return_text_in_logprobs")),
-                                 request_seed(params), params.get("sampling_seed") is not None))
-        return reqs, is_batch, stream
-
-    def _check_params(self, params: Any, prompt: Any) -> None:
-        if not isinstance(params, dict):
-            raise BadRequest("invalid type: expected struct SamplingParams")
-        for k in params:
-            if k not in SAMPLING_KEYS:
-                raise BadRequest(f"unknown field `{k}` in sampling_params")
-            if k in _UNSUPPORTED and params[k] not in (None, [], {}):
-                raise BadRequest(f"sampling_params.{k} is not supported by the local engine")
-        if int(params.get("n", 1) or 1) != 1:
-            raise BadRequest("sampling_params.n > 1 is not supported: send one request per sample")
-        if not prompt or not all(isinstance(t, int) and 0 <= t < self.model.vocab_size for t in prompt):
-            raise BadRequest(f"input_ids must be non-empty ints in [0, {self.model.vocab_size})")
-        if len(prompt) >= self.model.max_seq_len:
-            raise BadRequest(f"prompt length {len(prompt)} >= max context length {self.model.max_seq_len}")
-        temperature = params.get("temperature", 1.0)
-        if temperature is None or float(temperature) < 0:
-            raise BadRequest("temperature must be >= 0")
-        seed = params.get("sampling_seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise BadRequest(f"sampling_params.sampling_seed must be an integer, got {seed!r}")
-
-    # ---- response building ----------------------------------------------------------------------------
-    def _payload(self, req: _Request, start: int = 0) -> dict[str, Any]:
-        """The response object for ``req``; ``start`` > 0 gives an incremental (delta) stream event."""
-        if start:
-            text = self._text(req, req.output_ids[start:])
-        else:
-            text = self._text(req, req.output_ids)
-            if req.trim is not None:
-                text = text[: req.trim]
-        meta: dict[str, Any] = {
-            "id": req.rid,
-            "finish_reason": req.finish,
-            "prompt_tokens": len(req.prompt),
-            "completion_tokens": len(req.output_ids),
-            "cached_tokens": 0,
-            "weight_version": req.versions[-1] if req.versions else self.weight_version,
-            "e2e_latency": time.perf_counter() - req.created,
-        }
-        if req.return_logprob:
-            meta["output_token_logprobs"] = [
-                [lp, tok, self._text(req, [tok]) if req.text_in_logprobs else None]
-                for lp, tok in zip(req.logprobs[start:], req.output_ids[start:], strict=True)
-            ]
-        spans: list[dict[str, Any]] = []
-        for i, v in enumerate(req.versions):
-            if spans and spans[-1]["version"] == v:
-                spans[-1]["end"] = i + 1
-            else:
-                spans.append({"version": v, "start": i, "end": i + 1})
-        if len(spans) > 1:
-            meta["weight_versions"] = spans
-        return {"text": text, "output_ids": req.output_ids[start:], "meta_info": meta}
-
     # ---- handlers -------------------------------------------------------------------------------------
     async def handle_generate(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await request.json()
-            reqs, is_batch, stream = self._parse(body)
+            reqs, is_batch, stream = parse_generate(body, self.model, self.tokenizer, self.active,
+                                                   f"local-{self.port}")
         except (BadRequest, ValueError, TypeError, KeyError, IndexError) as e:
             return web.json_response({"error": str(e)}, status=400)
         for req in reqs:  # like SGLang, a request that arrives during a pause waits for continue_generation
@@ -394,7 +242,7 @@ class LocalEngine:
                 return await self._stream(request, reqs[0])
             for req in reqs:
                 await self._wait_finished(request, req)
-            out = [self._payload(r) for r in reqs]
+            out = [response_payload(r, self.tokenizer, self.weight_version) for r in reqs]
             status = next((r.finish.get("status_code") for r in reqs if r.finish and r.finish.get("status_code")), 200)
             if status != 200:
                 return web.json_response({"error": {"message": reqs[0].finish.get("message", ""), "code": status}},
@@ -406,7 +254,7 @@ class LocalEngine:
                 self.stats.record_finish(req)
                 self.active.pop(req.rid, None)
 
-    async def _wait_finished(self, request: web.Request, req: _Request) -> None:
+    async def _wait_finished(self, request: web.Request, req: EngineRequest) -> None:
         while req.finish is None:
             req.changed.clear()
             try:
@@ -415,7 +263,7 @@ class LocalEngine:
                 if request.transport is None or request.transport.is_closing():
                     req.finish_with({"type": "abort", "message": "client disconnected"})
 
-    async def _stream(self, request: web.Request, req: _Request) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, req: EngineRequest) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         interval = int(req.params.get("stream_interval") or 1)
@@ -432,7 +280,8 @@ class LocalEngine:
                     await resp.write(b"data: " + json.dumps({"error": err}).encode() + b"\n\n")
                     break
                 if n - sent >= interval or done:
-                    payload = self._payload(req, start=sent if self.incremental else 0)
+                    start = sent if self.incremental else 0
+                    payload = response_payload(req, self.tokenizer, self.weight_version, start)
                     await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
                     sent = n
                 if done:

@@ -90,6 +90,15 @@ class FaultServer:
             return web.json_response({"urls": [b.get("url") for p, b in self.calls if p == "/add_worker"]})
         return web.json_response({"success": True, "message": "ok"})
 
+    @contextlib.contextmanager
+    def failing(self, path: str, status: int) -> Iterator[None]:
+        """Within the block, the control endpoint ``path`` answers ``status`` with an error body."""
+        self.control_status[path] = status
+        try:
+            yield
+        finally:
+            self.control_status.pop(path, None)
+
     async def health(self, request: web.Request) -> web.Response:
         return web.Response()
 

@@ -275,23 +275,16 @@ def test_no_stuck_client(fault_server):
 
     async def go():
         async with _client(url, max_pause_wait=0.3) as c:
-            server.control_status["/pause_generation"] = 503
-            try:
-                with pytest.raises(ControlError, match="pause_generation.*HTTP 503"):
-                    await c.pause()
-            finally:
-                del server.control_status["/pause_generation"]
+            with server.failing("/pause_generation", 503), \
+                    pytest.raises(ControlError, match="pause_generation.*HTTP 503"):
+                await c.pause()
             after_failed_pause = c.paused, server.calls[-1]
             ok = await asyncio.wait_for(c.generate(prompt, {"max_new_tokens": 8}), 10)
             await c.pause()
             with pytest.raises(GenerationError, match="max_pause_wait=0.3s"):
                 await asyncio.wait_for(c.generate(prompt, {"max_new_tokens": 8}), 10)
-            server.control_status["/continue_generation"] = 500
-            try:
-                with pytest.raises(ControlError, match="continue_generation"):
-                    await c.continue_generation()
-            finally:
-                del server.control_status["/continue_generation"]
+            with server.failing("/continue_generation", 500), pytest.raises(ControlError, match="continue_gen"):
+                await c.continue_generation()
             return after_failed_pause, ok, c.paused
 
     (paused, last_call), ok, paused_at_end = asyncio.run(go())

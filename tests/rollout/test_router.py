@@ -163,9 +163,7 @@ def test_flush_under_load_waits_for_each_engine(routed):
 def test_failed_control_calls_leave_the_client_usable(routed, tiny_ckpt):
     """A pause refused by every engine, a pause refused by one worker, a weight update that fails: each is an
     error the caller sees; then the client is not paused, no engine is paused, and generate() works."""
-    with run_fault_server() as (bad, fault):
-        fault.control_status["/pause_generation"] = 500
-
+    with run_fault_server() as (bad, fault), fault.failing("/pause_generation", 500):
         async def go():
             async with SGLangClient(routed.router.url, max_pause_wait=20) as c, \
                     SGLangClient([routed.router.url, bad], max_pause_wait=20) as mixed:
