@@ -232,7 +232,11 @@ class ControlPlane:
             await asyncio.sleep(interval)
 
     async def _info(self, url: str | None, new: str, old: str) -> dict[str, Any]:
-        url = url or (await self.workers())[0]
+        if url is None:
+            live = await self.workers()
+            if not live:
+                raise ControlError(new, {"(none)": f"no live worker (dead: {self.dead})"})
+            url = live[0]
         status, body = await self._get(url, new)
         if status == 404:  # older servers
             status, body = await self._get(url, old)

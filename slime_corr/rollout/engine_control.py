@@ -200,6 +200,9 @@ class EngineControl:
         async with e.step_lock:  # the running step finishes first
             if mode == "abort":
                 e.abort("", True, "Abort by pause_generation", admitted_only=True)
+            elif mode == "retract":  # back to the waiting queue: they hold no cache, a flush can succeed
+                for req in e.active.values():
+                    req.admitted = False
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
@@ -289,9 +292,8 @@ class EngineControl:
         old = self.groups.pop(name, None)
         if old is not None:
             old.close()
-        timeout = float(b.get("timeout", self.e.group_timeout))
         try:
-            self.groups[name] = await asyncio.to_thread(WeightUpdateGroup, *args, timeout=timeout)
+            self.groups[name] = await asyncio.to_thread(WeightUpdateGroup, *args, timeout=self.e.group_timeout)
         except Exception as ex:  # noqa: BLE001 - reported as SGLang does
             return weight_response(False, f"Failed to initialize custom process group: {ex}.")
         return weight_response(True, "Succeeded to initialize custom process group.")

@@ -78,7 +78,7 @@ class DistributedWeightSync:
                    pause_mode: str = "abort") -> SyncReport:
         """Pause, send every tensor bucket by bucket, flush, continue; the engines report ``weight_version``."""
         t0 = time.perf_counter()
-        if self.group is None or self.workers != await self.client.workers():
+        if self.group is None or set(self.workers) != set(await self.client.workers()):
             await self.connect()
         buckets = make_buckets([(n, t.detach()) for n, t in named_tensors], self.bucket_bytes)
         if not buckets:
