@@ -17,7 +17,6 @@ import selectors
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager
@@ -94,7 +93,8 @@ class EngineGroup:
 
     def describe(self) -> str:
         front = f"sglang-router at {self.router.url}" if self.router else "client-side balancing"
-        return f"{len(self.engines)} engine(s) ({', '.join(self.engine_urls)}) behind {front}"
+        notes = f" ({'; '.join(self.notes)})" if self.notes else ""
+        return f"{len(self.engines)} engine(s) ({', '.join(self.engine_urls)}) behind {front}{notes}"
 
 
 def use_router(choice: RouterChoice, num_engines: int) -> bool:
@@ -120,14 +120,12 @@ def start_engine_group(
     if num_engines < 1:
         raise ValueError(f"num_engines: must be >= 1, got {num_engines}")
     with contextlib.ExitStack() as stack:
-        t0 = time.monotonic()
         group = EngineGroup(_enter_all(stack, [make_engine(i) for i in range(num_engines)]))
         if use_router(router, num_engines):
             group.router = stack.enter_context(start_router(group.engine_urls, policy=router_policy,
                                                             extra_args=router_args))
         elif num_engines > 1 and router == "auto":
-            group.notes.append("sglang-router is not installed: the client balances over the engines")
-        group.notes.append(f"started in {time.monotonic() - t0:.1f}s")
+            group.notes.append("sglang-router is not installed")
         yield group
 
 
