@@ -110,15 +110,12 @@ class EngineControl:
     async def ready(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.e.serving else 503)
 
-    def model_info_body(self) -> dict[str, Any]:
-        e = self.e
-        return {"model_path": e.model_path, "served_model_name": e.served_model_name,
-                "tokenizer_path": e.model_path, "is_generation": True, "preferred_sampling_params": None,
-                "weight_version": e.weight_version, "load_format": "torch", "disaggregation_mode": "null",
-                "model_type": None, "architectures": None}
-
     async def model_info(self, request: web.Request) -> web.Response:
-        return web.json_response(self.model_info_body())
+        e = self.e
+        return web.json_response({
+            "model_path": e.model_path, "served_model_name": e.served_model_name, "tokenizer_path": e.model_path,
+            "is_generation": True, "preferred_sampling_params": None, "weight_version": e.weight_version,
+            "load_format": "torch", "disaggregation_mode": "null", "model_type": None, "architectures": None})
 
     async def server_info(self, request: web.Request) -> web.Response:
         e = self.e
