@@ -1,13 +1,18 @@
-"""Rollout client benchmark on loopback (not part of the test suite).
+"""Rollout benchmark on loopback (not part of the test suite).
 
-    python bench/rollout.py [--tokens 32] [--repeats 3] [--concurrency 1 16 64 256]
+    python bench/rollout.py [--sections streaming weight-sync] [--tokens 32] [--repeats 3]
+                            [--concurrency 1 16 64 256] [--sync-engines 2] [--sync-hidden 512] [--sync-layers 4]
 
-Starts the local engine (a tiny 1-layer model, bf16) in a subprocess on 127.0.0.1 and measures, in one run:
+``streaming``: starts the local engine (a tiny 1-layer model, bf16) in a subprocess on 127.0.0.1 and measures:
   * baseline: plain aiohttp, one non-streamed request at a time (no client layer);
   * SGLangClient streaming at 1, 16, 64 and 256 concurrent streams: end-to-end tokens/s and the client's own
     CPU time per streamed token (thread CPU time spent parsing/validating events, around the accumulator);
   * replay: client parsing cost per token of a recorded stream (cumulative and incremental), no network;
   * peak RSS of this (client) process and of the engine process.
+``weight-sync``: ``--sync-engines`` engine processes (bf16) serving a larger model; the trainer (this process)
+pushes new fp32 weights to all of them, interleaved: from disk (the baseline: ``torch.save`` of the checkpoint +
+``/update_weights_from_disk`` on every engine) and over a gloo process group (``/update_weights_from_distributed``,
+one flattened bucket per ``--sync-bucket-mb``), each time pause -> update -> flush -> continue.
 Prints medians over ``--repeats`` runs and ratios to the baseline.
 """
 
@@ -15,10 +20,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,23 +35,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import slime_corr.rollout.client as client_mod  # noqa: E402
 from slime_corr.rollout import protocol  # noqa: E402
 from slime_corr.rollout.client import SGLangClient  # noqa: E402
-from slime_corr.rollout.engine_model import create_tiny_checkpoint  # noqa: E402
+from slime_corr.rollout.engine_group import spawn_local_engine  # noqa: E402
+from slime_corr.rollout.engine_model import create_tiny_checkpoint, load_tiny_lm, save_checkpoint  # noqa: E402
+from slime_corr.rollout.weight_sync import DistributedWeightSync, sync_weights_from_disk  # noqa: E402
 
 PROMPT = list(b"The quick brown fox ")
-
-
-def start_engine(ckpt: str, incremental: bool = False) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "slime_corr.rollout.local_engine", "--checkpoint", ckpt, "--threads", "1"]
-    if incremental:
-        cmd.append("--incremental-streaming-output")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line.startswith("READY "):
-        proc.kill()
-        raise RuntimeError(f"engine did not start: {line!r}")
-    return proc, line.split()[1]
 
 
 class _Timed(protocol.StreamAccumulator):
@@ -111,18 +104,49 @@ def peak_rss_mb(who: int = resource.RUSAGE_SELF) -> float:
     return resource.getrusage(who).ru_maxrss / 1024
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=32, help="new tokens per request")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--baseline-requests", type=int, default=16)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
-    args = ap.parse_args()
+async def weight_sync_runs(urls: list[str], model, work_dir: str, repeats: int, bucket_bytes: int
+                           ) -> tuple[list[float], list[float]]:
+    """Interleaved (disk, distributed) timings of pushing ``model``'s weights to every engine."""
+    disk, group = [], []
+    async with SGLangClient(urls) as c:
+        sync = DistributedWeightSync(c, bucket_bytes=bucket_bytes)
+        try:
+            await sync.connect()  # once, as a trainer does; every sync then reuses the group
+            for i in range(repeats):
+                t0 = time.perf_counter()
+                ckpt = save_checkpoint(model, os.path.join(work_dir, f"step-{i}"))
+                await sync_weights_from_disk(c, ckpt, f"disk-{i}")
+                disk.append(time.perf_counter() - t0)
+                group.append((await sync.sync(model.state_dict().items(), f"dist-{i}")).seconds)
+        finally:
+            sync.close()
+    return disk, group
+
+
+def bench_weight_sync(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as d, contextlib.ExitStack() as stack:
+        ckpt = create_tiny_checkpoint(os.path.join(d, "init"), seed=0, hidden_size=args.sync_hidden,
+                                      num_layers=args.sync_layers, num_heads=8, ffn_size=4 * args.sync_hidden)
+        engines = [stack.enter_context(spawn_local_engine(ckpt, threads=1)) for _ in range(args.sync_engines)]
+        model = load_tiny_lm(ckpt)
+        nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        disk, group = asyncio.run(weight_sync_runs([e.url for e in engines], model, d, args.repeats,
+                                                   args.sync_bucket_mb * 1024**2))
+    md, mg = statistics.median(disk), statistics.median(group)
+    print(f"weight sync: {nbytes / 1e6:.1f} MB of fp32 weights ({args.sync_layers} layers, hidden "
+          f"{args.sync_hidden}) to {args.sync_engines} bf16 engine process(es); medians of {args.repeats} "
+          "interleaved runs (pause -> update -> flush -> continue)")
+    print(f"  disk (torch.save + /update_weights_from_disk): {md * 1e3:8.1f} ms   [baseline]")
+    print(f"  distributed (gloo broadcast, {args.sync_bucket_mb} MB buckets): {mg * 1e3:8.1f} ms   "
+          f"x{md / mg:.2f} faster than disk")
+
+
+def bench_streaming(args: argparse.Namespace) -> None:
     client_mod.StreamAccumulator = _Timed  # type: ignore[misc]  # count the client's parsing time
     with tempfile.TemporaryDirectory() as d:
         ckpt = create_tiny_checkpoint(d, seed=0, num_layers=1, hidden_size=32, num_heads=2, ffn_size=64)
-        proc, url = start_engine(ckpt)
-        try:
+        with spawn_local_engine(ckpt) as engine:
+            url = engine.url
             base = [asyncio.run(baseline(url, args.baseline_requests, args.tokens)) for _ in range(args.repeats)]
             b = statistics.median(base)
             print(f"engine: tiny 1-layer bf16 model in a subprocess at {url}; {args.tokens} tokens/request; "
@@ -135,21 +159,33 @@ def main() -> None:
                 us = statistics.median(r[1] for r in runs)
                 print(f"{conc:>8} {tps:>10.1f} {tps / b:>10.2f} {us:>14.1f} {peak_rss_mb():>12.1f}")
             cum_events = asyncio.run(record(url, args.tokens))
-        finally:
-            proc.terminate()
-            proc.wait(10)
-        proc, url = start_engine(ckpt, incremental=True)
-        try:
-            inc_events = asyncio.run(record(url, args.tokens))
-        finally:
-            proc.terminate()
-            proc.wait(10)
+        with spawn_local_engine(ckpt, extra_args=["--incremental-streaming-output"]) as engine:
+            inc_events = asyncio.run(record(engine.url, args.tokens))
     assert cum_events[-1] == "[DONE]" and inc_events[-1] == "[DONE]"
     cum = replay_us_per_token(cum_events, args.tokens)
     inc = replay_us_per_token(inc_events, args.tokens)
     print(f"replay (client parsing only, {args.tokens}-token stream): cumulative {cum:.1f} us/tok, "
           f"incremental {inc:.1f} us/tok, ratio {cum / inc:.2f}")
     print(f"peak RSS: client process {peak_rss_mb():.1f} MB, engine process {peak_rss_mb(resource.RUSAGE_CHILDREN):.1f} MB")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sections", nargs="+", choices=("streaming", "weight-sync"),
+                    default=["streaming", "weight-sync"])
+    ap.add_argument("--tokens", type=int, default=32, help="new tokens per request")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--baseline-requests", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--sync-engines", type=int, default=2, help="engine processes the weights go to")
+    ap.add_argument("--sync-hidden", type=int, default=512, help="hidden size of the synced model")
+    ap.add_argument("--sync-layers", type=int, default=4, help="layers of the synced model")
+    ap.add_argument("--sync-bucket-mb", type=int, default=512, help="bucket size of the distributed sync (MB)")
+    args = ap.parse_args()
+    if "streaming" in args.sections:
+        bench_streaming(args)
+    if "weight-sync" in args.sections:
+        bench_weight_sync(args)
 
 
 if __name__ == "__main__":

@@ -2,12 +2,14 @@
 
     python -m slime_corr.main --rollout-correction-preset decoupled_seq_is_rs --num-steps 3
 
-Each step: prompts -> rollout (an SGLang server given by `--sglang-url`, else the embedded local engine serving
-the same Megatron GPTModel in bf16 on 127.0.0.1) on a background event loop, each finished GRPO group streaming
-into a bounded buffer -> the trainer's data iterator takes micro-batches from it as they fill (GRPO advantages,
-padding) -> `get_forward_backward_func` with the rollout-correction loss (fp32 training forward) -> optimizer
-step -> checkpoint -> `/update_weights_from_disk` on the rollout engine. The mismatch metrics are real: the engine's bf16
-log-probs differ from the trainer's fp32 ones. `--self-check` only builds and prints the configuration.
+Each step: prompts -> rollout (an SGLang server or router given by `--sglang-url`, else `--rollout-num-engines`
+embedded engines serving the same Megatron GPTModel in bf16 on 127.0.0.1, behind sglang-router when there are
+several) on a background event loop, each finished GRPO group streaming into a bounded buffer -> the trainer's
+data iterator takes micro-batches from it as they fill (GRPO advantages, padding) -> `get_forward_backward_func`
+with the rollout-correction loss (fp32 training forward) -> optimizer step -> checkpoint -> weight sync to every
+engine (`--rollout-weight-sync`: `/update_weights_from_disk`, or a broadcast over a process group). The mismatch
+metrics are real: the engine's bf16 log-probs differ from the trainer's fp32 ones. `--self-check` only builds and
+prints the configuration.
 Each step's metrics go to the console, RUN_DIR/metrics.jsonl, TensorBoard and W&B (`slime_corr.monitoring`).
 """
 
@@ -51,6 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="SGLang server or router URL (repeatable). Default: the embedded local engine.")
     run.add_argument("--engine-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                      help="Numeric path of the embedded engine (bfloat16 gives a real mismatch).")
+    run.add_argument("--rollout-num-engines", type=int, default=1,
+                     help="Embedded engines to start (no --sglang-url); several sit behind sglang-router.")
+    run.add_argument("--rollout-router", choices=("auto", "on", "off"), default="auto",
+                     help="sglang-router in front of several engines: auto = when installed (else the client "
+                          "balances over the engines).")
+    run.add_argument("--rollout-weight-sync", choices=("disk", "distributed"), default="disk",
+                     help="How new weights reach the engines: a checkpoint on disk, or a broadcast over a "
+                          "process group (gloo on CPU).")
+    run.add_argument("--update-weight-buffer-size", type=int, default=512 * 1024**2,
+                     help="Bytes per bucket of the distributed weight sync.")
     run.add_argument("--work-dir", default=None, help="Where checkpoints go (default: a temporary folder).")
     add_tiny_model_args(parser)
     add_monitoring_args(parser)
@@ -66,6 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.micro_batch_size % args.n_samples_per_prompt:
         parser.error(f"--micro-batch-size {args.micro_batch_size} must be a multiple of --n-samples-per-prompt "
                      f"{args.n_samples_per_prompt}: GRPO groups are not split across micro-batches.")
+    if args.rollout_num_engines < 1:
+        parser.error(f"--rollout-num-engines must be >= 1, got {args.rollout_num_engines}.")
     if args.rollout_buffer_size is not None and args.rollout_buffer_size < args.micro_batch_size:
         parser.error(f"--rollout-buffer-size {args.rollout_buffer_size} must be >= --micro-batch-size "
                      f"{args.micro_batch_size}.")
@@ -148,6 +162,9 @@ class MegatronEngineModule:
         self.module.eval()
         return self
 
+    def state_dict(self) -> dict[str, Any]:
+        return self.module.state_dict()
+
     def __call__(self, input_ids: Any) -> Any:
         import torch
 
@@ -169,8 +186,11 @@ def run(args: argparse.Namespace, config: RolloutCorrectionConfig, work_dir: Pat
     from slime_corr.monitoring.rollout_stats import rollout_metrics
     from slime_corr.monitoring.step_diagnostics import ScheduleDiagnostics
     from slime_corr.rollout.data_iterator import background_event_loop
+    from slime_corr.rollout.engine_group import start_engine_group
     from slime_corr.rollout.engine_model import TorchEngineModel
     from slime_corr.rollout.local_engine import detokenize, start_local_engine
+    from slime_corr.rollout.rollout import rollout_report
+    from slime_corr.rollout.weight_sync import DistributedWeightSync, sync_weights_from_disk
 
     _init_distributed()
     ps.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=1)
@@ -193,17 +213,39 @@ def run(args: argparse.Namespace, config: RolloutCorrectionConfig, work_dir: Pat
             urls = args.sglang_url
         else:
             dtype = getattr(torch, args.engine_dtype)
-            engine_model = TorchEngineModel(ckpt, factory=lambda d: MegatronEngineModule(args, d), dtype=dtype)
-            urls = [stack.enter_context(start_local_engine(ckpt, model=engine_model, weight_version="step-0")).url]
-            print(f"embedded engine at {urls[0]} ({args.engine_dtype}); trainer in float32")
+
+            def make_engine(i: int) -> Any:
+                engine_model = TorchEngineModel(ckpt, factory=lambda d: MegatronEngineModule(args, d), dtype=dtype)
+                return start_local_engine(ckpt, model=engine_model, weight_version="step-0")
+
+            group = stack.enter_context(start_engine_group(args.rollout_num_engines, make_engine,
+                                                           router=args.rollout_router))
+            urls = group.urls
+            print(f"embedded engines ({args.engine_dtype}; trainer in float32): {group.describe()}")
         loop = stack.enter_context(background_event_loop())
+        client = asyncio.run_coroutine_threadsafe(_open_client(urls), loop).result()
+        stack.callback(lambda: asyncio.run_coroutine_threadsafe(client.close(), loop).result())
+        syncer = DistributedWeightSync(client, bucket_bytes=args.update_weight_buffer_size) \
+            if args.rollout_weight_sync == "distributed" else None
+        if syncer is not None:
+            stack.callback(syncer.close)
         for step in range(1, args.num_steps + 1):
             start = time.perf_counter()
-            metrics, samples, skipped = _step(model, optimizer, hook, urls, loop, args, step, diag)
+            before = client.failovers, len(client.events)
+            metrics, samples, skipped = _step(model, optimizer, hook, client, loop, args, step, diag)
             if skipped:
                 print(f"step {step}: {len(skipped)} sample(s) not trained ({skipped[0].failure_reason})", flush=True)
+            print(f"  rollout: {rollout_report(samples, client, *before).line()}", flush=True)
             ckpt = save_checkpoint(model.module, work_dir / f"step-{step}")
-            asyncio.run_coroutine_threadsafe(_sync_weights(urls, ckpt, f"step-{step}"), loop).result()
+            version = f"step-{step}"
+            if syncer is not None:
+                named = [(k, v) for k, v in model.module.state_dict().items() if isinstance(v, torch.Tensor)]
+                sync = syncer.sync(named, version)
+            else:
+                sync = sync_weights_from_disk(client, ckpt, version)
+            report = asyncio.run_coroutine_threadsafe(sync, loop).result()
+            print(f"  weight sync ({args.rollout_weight_sync}): {version} on {len(report.workers)} engine(s) "
+                  f"in {report.seconds:.3f}s", flush=True)
             if diag:
                 diag_metrics, top = diag.end_step()
                 metrics.update(diag_metrics)
@@ -214,7 +256,7 @@ def run(args: argparse.Namespace, config: RolloutCorrectionConfig, work_dir: Pat
     ps.destroy_model_parallel()
 
 
-def _step(model: Any, optimizer: Any, hook: Any, urls: list[str], loop: Any, args: argparse.Namespace,
+def _step(model: Any, optimizer: Any, hook: Any, client: Any, loop: Any, args: argparse.Namespace,
           step: int, diag: Any = None) -> tuple[dict[str, float], list[Any], list[Any]]:
     """One RL step: the rollout streams samples into a buffer while the data iterator builds micro-batches.
     Returns the step's `train/` and `rollout_corr/` metrics, its samples and the ones not trained."""
@@ -229,7 +271,7 @@ def _step(model: Any, optimizer: Any, hook: Any, urls: list[str], loop: Any, arg
     num_samples = args.prompts_per_step * args.n_samples_per_prompt
     progress = RolloutProgress(num_samples, step=step, mode=args.rollout_progress)
     buffer = ProgressSampleBuffer(args.rollout_buffer_size or 2 * args.micro_batch_size, progress)
-    rollout = asyncio.run_coroutine_threadsafe(_rollout(urls, args, step, buffer), loop)
+    rollout = asyncio.run_coroutine_threadsafe(_rollout(client, args, step, buffer), loop)
     data = BufferMicroBatchIterator(buffer, loop, num_samples, args.micro_batch_size,
                                     group_size=args.n_samples_per_prompt)
     if diag:  # the engine samples with "step-{k}" weights; the trainer is at step - 1 before this update
@@ -254,26 +296,25 @@ def _step(model: Any, optimizer: Any, hook: Any, urls: list[str], loop: Any, arg
     return {**loss_step_metrics(metrics), "train/grad_norm": float(grad_norm)}, data.samples, data.skipped
 
 
-async def _rollout(urls: list[str], args: argparse.Namespace, step: int, buffer: Any) -> None:
+async def _open_client(urls: list[str]) -> Any:
     from slime_corr.rollout.client import SGLangClient
+
+    client = SGLangClient(urls)
+    await client.wait_healthy()
+    return client
+
+
+async def _rollout(client: Any, args: argparse.Namespace, step: int, buffer: Any) -> None:
     from slime_corr.rollout.rollout import generate_group_samples
 
     params = {"max_new_tokens": args.max_new_tokens, "temperature": args.rollout_temperature}
     try:
-        async with SGLangClient(urls) as client:
-            await generate_group_samples(
-                client, make_prompts(step, args.prompts_per_step), args.n_samples_per_prompt, params, stream=True,
-                reward_fn=reward_lowercase, group_id_offset=step * args.prompts_per_step, buffer=buffer,
-            )
+        await generate_group_samples(
+            client, make_prompts(step, args.prompts_per_step), args.n_samples_per_prompt, params, stream=True,
+            reward_fn=reward_lowercase, group_id_offset=step * args.prompts_per_step, buffer=buffer,
+        )
     finally:
         await buffer.close()  # a trainer still waiting for samples then fails instead of hanging
-
-
-async def _sync_weights(urls: list[str], checkpoint_dir: str, version: str) -> None:
-    from slime_corr.rollout.client import SGLangClient
-
-    async with SGLangClient(urls) as client:
-        await client.sync_weights_from_disk(checkpoint_dir, weight_version=version)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
-"""The model served by the local engine: a tiny causal LM in plain torch, and the protocol the engine needs.
+"""The model served by the local engine: a tiny causal LM in plain torch, and the protocols the engine needs.
 
-The engine only needs an object with ``logits(input_ids) -> [B, T, V]`` and ``load_checkpoint(dir)``
-(:class:`EngineModel`). :class:`TorchEngineModel` adapts any ``nn.Module`` built by a factory from a
-checkpoint directory and runs it in a chosen dtype (bf16 by default, so its log-probs differ from an fp32
-training forward by a small, real amount). :class:`TinyCausalLM` is the default model: a GPT-style decoder
-with learned absolute positions over a byte vocabulary (256 ids, id 0 doubles as EOS).
+The engine needs a model (:class:`EngineModel`: ``logits(input_ids) -> [B, T, V]``, weights loaded from a
+checkpoint directory or from named tensors, and read back by name) and a tokenizer (:class:`Tokenizer`:
+``encode`` / ``decode``, the byte-level :class:`ByteTokenizer` by default; a Hugging Face tokenizer satisfies the
+protocol as it is). :class:`TorchEngineModel` adapts any ``nn.Module`` built by a factory from a checkpoint
+directory and runs it in a chosen dtype (bf16 by default, so its log-probs differ from an fp32 training forward
+by a small, real amount). :class:`TinyCausalLM` is the default model: a GPT-style decoder with learned absolute
+positions over a byte vocabulary (256 ids, id 0 doubles as EOS).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Protocol, runtime_checkable
 
@@ -26,10 +28,16 @@ WEIGHTS_FILE = "model.pt"
 
 @runtime_checkable
 class EngineModel(Protocol):
-    """What the local engine serves: logits for a right-padded batch, and a way to load new weights."""
+    """What the local engine serves: logits for a right-padded batch, and ways to replace its weights.
+
+    ``eos_token_id``: one id, several (Llama 3 style), or None. ``load_weights`` is the in-place update of
+    ``/update_weights_from_distributed``: it copies each tensor into the weight of that name, casting to the
+    served dtype (exactly what loading the same tensors from disk gives), and raises ``KeyError`` /
+    ``ValueError`` naming an unknown weight or a wrong shape before changing anything.
+    """
 
     vocab_size: int
-    eos_token_id: int | None
+    eos_token_id: int | list[int] | None
     max_seq_len: int
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -39,6 +47,54 @@ class EngineModel(Protocol):
     def load_checkpoint(self, checkpoint_dir: str) -> None:
         """Replace the weights with those saved in ``checkpoint_dir``."""
         ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy ``(name, tensor)`` pairs into the served weights (all checked first, then all copied)."""
+        ...
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The served weights by name (views, in the served dtype)."""
+        ...
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """Text <-> token ids for ``/generate``'s ``text`` input and the ``text`` it returns.
+
+    A Hugging Face ``PreTrainedTokenizer`` satisfies it as it is (``encode`` adds its special tokens, as SGLang's
+    tokenization of ``text`` does).
+    """
+
+    eos_token_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class ByteTokenizer:
+    """The default tokenizer: UTF-8 bytes are the ids (0..255; ids >= 256 decode to nothing).
+
+    It defines no EOS of its own: the model's config does (id 0 for :class:`TinyCausalLM`).
+    """
+
+    eos_token_id: int | None = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+def eos_ids(*sources: int | list[int] | tuple[int, ...] | None) -> set[int]:
+    """The union of EOS ids given as an int, a list of ints or None (model config, tokenizer...)."""
+    out: set[int] = set()
+    for s in sources:
+        if s is None:
+            continue
+        out.update(int(t) for t in (s if isinstance(s, list | tuple) else [s]))
+    return out
 
 
 @dataclass
@@ -140,9 +196,10 @@ class TorchEngineModel:
     """Adapts an ``nn.Module`` built by ``factory(checkpoint_dir)`` to :class:`EngineModel`.
 
     The module's weights are cast to ``dtype`` (bf16 by default: the rollout's numeric path differs from an
-    fp32 training forward); logits are returned as float32. The factory must return a module mapping
-    [B, T] ids to [B, T, V] logits and exposing ``cfg.vocab_size`` / ``cfg.eos_token_id`` / ``cfg.max_seq_len``
-    or passing them explicitly.
+    fp32 training forward); logits are returned as float32. The factory must return a module mapping [B, T] ids
+    to [B, T, V] logits (a tensor, or an output with ``.logits`` as Hugging Face causal LMs return) with a config
+    as ``cfg`` or ``config`` giving ``vocab_size``, ``eos_token_id`` (int, list or None) and ``max_seq_len`` or
+    ``max_position_embeddings``. Weight names are the module's ``state_dict`` keys.
     """
 
     def __init__(
@@ -161,10 +218,11 @@ class TorchEngineModel:
     def load_checkpoint(self, checkpoint_dir: str) -> None:
         """Rebuild the module from ``checkpoint_dir`` (the engine's /update_weights_from_disk)."""
         module = self.factory(checkpoint_dir).to(self.dtype).eval()
-        cfg = getattr(module, "cfg", None)
+        cfg = getattr(module, "cfg", None) or getattr(module, "config", None)
         self.vocab_size = int(getattr(cfg, "vocab_size", 0))
         self.eos_token_id = getattr(cfg, "eos_token_id", None)
-        self.max_seq_len = int(getattr(cfg, "max_seq_len", 1 << 30))
+        self.max_seq_len = int(getattr(cfg, "max_seq_len", None) or getattr(cfg, "max_position_embeddings", None)
+                               or 1 << 30)
         self.module = module
         self.checkpoint_dir = checkpoint_dir
 
@@ -173,7 +231,27 @@ class TorchEngineModel:
         """[B, T] -> float32 [B, T, V], computed in ``self.dtype``."""
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
-        return self.module(input_ids).float()
+        out = self.module(input_ids)
+        return getattr(out, "logits", out).float()
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The module's ``state_dict`` tensors (views sharing the served storage)."""
+        for name, t in self.module.state_dict().items():
+            if isinstance(t, torch.Tensor):
+                yield name, t
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy tensors into the weights of the same names, cast to ``self.dtype`` (the disk path's cast)."""
+        served = dict(self.named_weights())
+        pairs = list(named_tensors)
+        for name, t in pairs:
+            if name not in served:
+                raise KeyError(f"weight {name!r}: not a weight of the served model (e.g. {next(iter(served))!r})")
+            if tuple(t.shape) != tuple(served[name].shape):
+                raise ValueError(f"weight {name!r}: shape {tuple(t.shape)} != served {tuple(served[name].shape)}")
+        for name, t in pairs:
+            served[name].copy_(t)
 
 
 def teacher_forced_logprobs(

@@ -19,7 +19,9 @@ retries ends the sample ``FAILED`` with the reason, and so does a response that 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -130,3 +132,30 @@ async def generate_group_samples(
 
     groups = await asyncio.gather(*(one_group(g, list(p)) for g, p in enumerate(prompts)))
     return [s for grp in groups for s in grp]
+
+
+@dataclass
+class RolloutReport:
+    """What a rollout step went through: sample outcomes, retries, and engines found dead (with why)."""
+
+    statuses: dict[str, int]
+    retried_samples: int  # samples that needed more than one request (a fault, an engine lost, a resume)
+    failovers: int  # requests retried because their engine failed or died
+    dead_engines: dict[str, str] = field(default_factory=dict)
+    events: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        """One line for the step's log."""
+        parts = [" ".join(f"{k}={v}" for k, v in sorted(self.statuses.items()))]
+        if self.retried_samples or self.failovers:
+            parts.append(f"retried_samples={self.retried_samples} failovers={self.failovers}")
+        if self.dead_engines:
+            parts.append(f"dead_engines={sorted(self.dead_engines)}")
+        return " ".join(parts)
+
+
+def rollout_report(samples: Sequence[Sample], client: SGLangClient, failovers_before: int = 0,
+                   events_before: int = 0) -> RolloutReport:
+    """Summarize a step's samples and what ``client`` did since the counters ``*_before`` were read."""
+    return RolloutReport(dict(Counter(str(s.status) for s in samples)), sum(s.attempts > 1 for s in samples),
+                         client.failovers - failovers_before, dict(client.dead), client.events[events_before:])

@@ -14,6 +14,7 @@ import pytest
 
 from slime_corr.rollout.engine_model import create_tiny_checkpoint
 from slime_corr.rollout.local_engine import start_local_engine
+from slime_corr.rollout.router import router_available
 
 SGLANG_VERSION = "0.5.23"
 API_TYPES = "sglang/api/v1/api_types.py"
@@ -61,6 +62,12 @@ def _unavailable(msg: str) -> None:
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         pytest.fail(f"{msg} (CI must run the SGLang conformance tests)")
     pytest.skip(msg)
+
+
+def require_router() -> None:
+    """Skip without sglang-router on a developer machine; under CI (which installs the dev extra) fail."""
+    if not router_available():
+        _unavailable("sglang-router is not installed (pip install -e .[dev])")
 
 
 @pytest.fixture(scope="session")

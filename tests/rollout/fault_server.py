@@ -6,10 +6,10 @@ behaviour: ``input_ids = [fault_code, n_faulty_attempts, sample_id, ...]``; the 
 requests for ``sample_id`` get the fault, later ones a valid answer derived from ``sample_id``.
 ``served_ok[sample_id]`` counts the valid answers sent in full, so a test can prove no sample was generated twice.
 
-It also plays an OLD SGLang server / router for the control endpoints (only ``/get_model_info``,
-``/get_server_info``, ``/add_worker``, ``/list_workers``; ``/flush_cache`` answering the statuses queued in
-``flush_statuses`` first) and records every control call in ``calls`` - behaviour a current server cannot be
-made to show on demand.
+It also plays an OLD SGLang server for the control endpoints (only ``/get_model_info`` and ``/get_server_info``;
+``/flush_cache`` answering the statuses queued in ``flush_statuses`` first) - with ``old_router=True`` an old
+router (``/add_worker``, ``/list_workers``) - and records every control call in ``calls``: behaviour a current
+server cannot be made to show on demand.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from aiohttp import web
 
 FAULTS = ["ok", "http500", "http503", "http429", "http400", "timeout", "kill_mid_stream", "no_done",
           "error_event", "error_event_fatal", "malformed_json", "misaligned", "nan", "missing_logprobs",
-          "token_mismatch", "abort_503", "close_before_headers"]
+          "token_mismatch", "abort_503", "close_before_headers", "duplicate_rid"]
 CODE = {name: i for i, name in enumerate(FAULTS)}
 
 
@@ -54,12 +54,13 @@ def _payload(rid: str, ids: list[int], lps: list, finish: dict | None, total: in
 
 
 class FaultServer:
-    def __init__(self, timeout_sleep: float = 1.0) -> None:
+    def __init__(self, timeout_sleep: float = 1.0, old_router: bool = False) -> None:
         self.attempts: Counter[int] = Counter()
         self.served_ok: Counter[int] = Counter()
         self.active = 0  # /generate handlers running now (see wait_idle)
         self.calls: list[tuple[str, dict]] = []  # (path, JSON body or query) of every control call
         self.flush_statuses: list[int] = []  # statuses /flush_cache answers before it answers 200
+        self.control_status: dict[str, int] = {}  # a control path -> the error status it answers
         self.rids: list[str] = []
         self.bodies: list[dict] = []  # every /generate and /abort_request body received
         self.timeout_sleep = timeout_sleep
@@ -67,15 +68,18 @@ class FaultServer:
         self.app.router.add_post("/generate", self.generate)
         self.app.router.add_get("/health", self.health)
         self.app.router.add_post("/abort_request", self.abort)
+        router_paths = ("/add_worker", "/list_workers") if old_router else ()
         for path in ("/pause_generation", "/continue_generation", "/flush_cache", "/update_weights_from_disk",
-                     "/init_weights_update_group", "/update_weights_from_distributed", "/add_worker"):
+                     "/init_weights_update_group", "/update_weights_from_distributed", *router_paths[:1]):
             self.app.router.add_post(path, self.control)
-        for path in ("/get_model_info", "/get_server_info", "/list_workers"):
+        for path in ("/get_model_info", "/get_server_info", *router_paths[1:]):
             self.app.router.add_get(path, self.control)
 
     async def control(self, request: web.Request) -> web.Response:
         body = await request.json() if request.can_read_body else dict(request.query)
         self.calls.append((request.path, body))
+        if request.path in self.control_status:
+            return web.json_response({"error": {"message": "injected"}}, status=self.control_status[request.path])
         if request.path == "/flush_cache" and self.flush_statuses:
             return web.json_response({"success": False}, status=self.flush_statuses.pop(0))
         if request.path == "/get_model_info":
@@ -85,6 +89,15 @@ class FaultServer:
         if request.path == "/list_workers":
             return web.json_response({"urls": [b.get("url") for p, b in self.calls if p == "/add_worker"]})
         return web.json_response({"success": True, "message": "ok"})
+
+    @contextlib.contextmanager
+    def failing(self, path: str, status: int) -> Iterator[None]:
+        """Within the block, the control endpoint ``path`` answers ``status`` with an error body."""
+        self.control_status[path] = status
+        try:
+            yield
+        finally:
+            self.control_status.pop(path, None)
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response()
@@ -121,6 +134,8 @@ class FaultServer:
         stop = {"type": "stop", "matched": ids[-1]}
         if fault in ("http500", "http503", "http429", "http400"):
             return web.json_response({"error": fault}, status=int(fault[4:]))
+        if fault == "duplicate_rid":  # what a worker answers when a router re-sends a rid it is still running
+            return web.json_response({"error": f"Duplicate request ID detected: {rid}"}, status=400)
         if fault == "timeout":
             await asyncio.sleep(self.timeout_sleep)
         if fault == "close_before_headers":
@@ -186,9 +201,9 @@ class FaultServer:
 
 
 @contextlib.contextmanager
-def run_fault_server(timeout_sleep: float = 1.0) -> Iterator[tuple[str, FaultServer]]:
+def run_fault_server(timeout_sleep: float = 1.0, old_router: bool = False) -> Iterator[tuple[str, FaultServer]]:
     """Serve a :class:`FaultServer` on 127.0.0.1 in a background thread; yields (url, server)."""
-    server = FaultServer(timeout_sleep)
+    server = FaultServer(timeout_sleep, old_router)
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(server.app, handle_signals=False, access_log=None)
     ready = threading.Event()

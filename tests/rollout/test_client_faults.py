@@ -14,6 +14,7 @@ import pytest
 
 from slime_corr.rollout.buffer import SampleBuffer
 from slime_corr.rollout.client import GenerationError, RetryPolicy, SGLangClient
+from slime_corr.rollout.control import ControlError
 from slime_corr.rollout.rollout import generate_group_samples
 from slime_corr.rollout.sample import SampleStatus
 
@@ -27,6 +28,7 @@ RETRYABLE = {
     "malformed_json": "malformed JSON", "misaligned": "3 entries for 4 output tokens",
     "nan": "nan is not a finite number", "missing_logprobs": "output_token_logprobs: missing",
     "token_mismatch": r"token \d+ != output_ids", "abort_503": "aborted by server with status 503",
+    "duplicate_rid": "Duplicate request ID",
 }
 FATAL = {"http400": "HTTP 400", "error_event_fatal": r"stream error event \(code=400\)"}
 STREAM_ONLY = {"no_done", "error_event", "error_event_fatal"}  # a plain response has no events and no [DONE]
@@ -78,8 +80,11 @@ def test_retryable_fault_recovers_with_new_rid(fault_server, fault, stream):
     assert len(rids) == 2 and rids[0] != rids[1] and all(RID.fullmatch(r) for r in rids)
     assert server.served_ok[sid] == 1
     aborts = [b["rid"] for b in server.bodies[b0:] if "input_ids" not in b]
-    # a timed-out request may still run on the server: its rid is aborted; no other fault needs it
-    assert aborts == ([rids[0]] if fault == "timeout" else [])
+    # a timed-out request, or one whose rid a router re-sent, may still run: its rid is aborted (before the
+    # retry goes out); no other fault needs it
+    assert aborts == ([rids[0]] if fault in ("timeout", "duplicate_rid") else [])
+    if aborts:
+        assert server.bodies[b0:][1] == {"rid": rids[0]}
 
 
 @pytest.mark.parametrize(("fault", "stream"), _cases(RETRYABLE), ids=_ids(_cases(RETRYABLE)))
@@ -187,12 +192,12 @@ def test_rid_prefix_is_fixed_width_and_abort_needs_a_target():
         with pytest.raises(ValueError, match="rid_prefix"):
             SGLangClient("http://127.0.0.1:1", rid_prefix=bad)
     with pytest.raises(ValueError, match="rid"):  # an empty rid is a prefix of every rid on the server
-        asyncio.run(c.abort())
+        asyncio.run(c.abort(rid=""))
 
 
 def test_control_calls_old_server_names_and_flush_retry(fault_server):
-    """Payloads of the control / weight-sync calls as SGLang names them; the old info and router endpoint
-    names as fallbacks; flush_cache retried on 400 only (the fault server plays an old server here)."""
+    """Payloads of the control / weight-sync calls as SGLang names them; the old info endpoint names as
+    fallbacks; flush_cache retried on 400 only (the fault server plays an old server here)."""
     url, server = fault_server
     server.calls.clear()
     server.flush_statuses[:] = [400, 400]
@@ -204,16 +209,14 @@ def test_control_calls_old_server_names_and_flush_retry(fault_server):
             await c.init_weights_update_group("127.0.0.1", 29500, 1, 3, group_name="g")
             await c.update_weights_from_distributed(["w"], ["bfloat16"], [[2, 3]], group_name="g",
                                                     weight_version="step-4")
-            await c.add_worker("http://127.0.0.1:30001")
-            workers = await c.list_workers()
             server.flush_statuses[:] = [500]
             with pytest.raises(RuntimeError, match="flush_cache.*HTTP 500"):
                 await c.flush_cache()
-            return mi, si, workers
+            assert not c.is_router(url) and await c.workers() == [url]
+            return mi, si
 
-    mi, si, workers = asyncio.run(go())
+    mi, si = asyncio.run(go())
     assert mi["weight_version"] == "fault" and si["version"] == "old"
-    assert workers == {"urls": ["http://127.0.0.1:30001"]}
     assert server.calls == [
         ("/get_model_info", {}), ("/get_server_info", {}),
         ("/pause_generation", {"mode": "retract"}),
@@ -226,9 +229,21 @@ def test_control_calls_old_server_names_and_flush_retry(fault_server):
         ("/update_weights_from_distributed", {"names": ["w"], "dtypes": ["bfloat16"], "shapes": [[2, 3]],
                                               "group_name": "g", "flush_cache": False,
                                               "weight_version": "step-4"}),
-        ("/add_worker", {"url": "http://127.0.0.1:30001"}), ("/list_workers", {}),
         ("/flush_cache", {}),  # 500: not retried
     ]
+
+
+def test_old_router_endpoints():
+    """A router older than /workers: registration by /add_worker?url=, discovery by /list_workers."""
+    with run_fault_server(old_router=True) as (url, server), run_fault_server() as (worker, _):
+        async def go():
+            async with _client(url) as c:
+                await c.add_worker(worker)
+                return await c.list_workers(), await c.workers(), c.is_router(url)
+
+        listed, workers, is_router = asyncio.run(go())
+    assert server.calls == [("/add_worker", {"url": worker}), ("/list_workers", {}), ("/list_workers", {})]
+    assert listed == {"urls": [worker]} and workers == [worker] and is_router
 
 
 def test_a_failing_reward_fails_only_its_sample(fault_server):
@@ -249,3 +264,29 @@ def test_a_failing_reward_fails_only_its_sample(fault_server):
                                            SampleStatus.COMPLETED]
     assert "bad reward" in samples[1].failure_reason and "reward: must be finite" in samples[2].failure_reason
     assert samples[1].reward is None and samples[2].reward is None and samples[3].reward == 1.0
+
+
+def test_no_stuck_client(fault_server):
+    """A pause that fails leaves nothing paused (the client continues the server, releases its requests) and
+    the next generate() succeeds; a pause nobody continues fails later requests after max_pause_wait, never
+    hangs them; continue_generation releases the client even when the server refuses it."""
+    url, server = fault_server
+    prompt = [CODE["ok"], 0, next(_sid)]
+
+    async def go():
+        async with _client(url, max_pause_wait=0.3) as c:
+            with server.failing("/pause_generation", 503), \
+                    pytest.raises(ControlError, match="pause_generation.*HTTP 503"):
+                await c.pause()
+            after_failed_pause = c.paused, server.calls[-1]
+            ok = await asyncio.wait_for(c.generate(prompt, {"max_new_tokens": 8}), 10)
+            await c.pause()
+            with pytest.raises(GenerationError, match="max_pause_wait=0.3s"):
+                await asyncio.wait_for(c.generate(prompt, {"max_new_tokens": 8}), 10)
+            with server.failing("/continue_generation", 500), pytest.raises(ControlError, match="continue_gen"):
+                await c.continue_generation()
+            return after_failed_pause, ok, c.paused
+
+    (paused, last_call), ok, paused_at_end = asyncio.run(go())
+    assert not paused and last_call == ("/continue_generation", {}) and ok.output_ids == good_output(prompt[2])[0]
+    assert not paused_at_end

@@ -34,7 +34,7 @@ def test_client_requests_conform(api_types):
             async with SGLangClient(url) as c:
                 await c.generate([CODE["ok"], 0, 1], FULL_PARAMS)
                 await c.generate([CODE["ok"], 0, 2], {"max_new_tokens": 4}, stream=True)
-                await c.abort(rid=c.rid_prefix)
+                await c.abort(rid=c.new_rid())
 
         asyncio.run(go())
     gen, abort = server.bodies[:2], server.bodies[2]
@@ -104,14 +104,14 @@ def test_engine_abort_and_errors_conform(api_types, tiny_ckpt):
                 while not any(r.output_ids for r in list(h.engine.active.values())):
                     await asyncio.sleep(0.005)
                 async with s.post(h.url + "/abort_request", json={"rid": "", "abort_all": True}) as r:
-                    abort_resp = await r.json()
+                    abort_resp = r.status, await r.read()
                 res = await task
                 async with s.post(h.url + "/generate", json={"input_ids": [1], "sampling_params": {"x": 1}}) as r:
                     err = (r.status, await r.json())
                 return abort_resp, res, err
 
         abort_resp, res, err = asyncio.run(go())
-    api_types.AbortResponse.from_json_value(abort_resp)
+    assert abort_resp == (200, b"")  # http_server.py answers an abort with an empty 200
     fr = api_types.decode_FinishReason(res.finish_reason)
     assert isinstance(fr, api_types.FinishAbort) and fr.status_code is None
     assert err[0] == 400 and "x" in err[1]["error"]
@@ -128,3 +128,77 @@ def test_fault_server_faults_are_realistic(api_types):
     assert err.error is not None and err.error.code == 500
     fr = api_types.GenerateResponse.from_json_value(abort).meta_info.finish_reason
     assert isinstance(fr, api_types.FinishAbort) and fr.status_code == 503
+
+
+# LoadSnapshot's core keys in sglang 0.5.23 (sglang/srt/managers/load_snapshot.py): what /v1/loads reports per rank
+LOAD_KEYS = {"timestamp", "dp_rank", "num_running_reqs", "num_waiting_reqs", "num_waiting_uncached_tokens",
+             "num_used_tokens", "num_total_tokens", "num_active_tokens", "num_prealloc_ready_tokens",
+             "max_total_num_tokens", "max_running_requests", "token_usage", "gen_throughput", "cache_hit_rate",
+             "utilization", "total_prefill_uncached_tokens", "total_prefill_busy_us"}
+
+
+def _call(url: str, method: str, path: str, body: dict | None = None) -> tuple[int, str, object]:
+    async def go():
+        async with aiohttp.ClientSession() as s, s.request(method, url + path, json=body) as r:
+            raw = await r.read()
+        try:
+            parsed = json.loads(raw) if raw else None
+        except json.JSONDecodeError:
+            parsed = None
+        return r.status, raw.decode(), parsed
+
+    return asyncio.run(go())
+
+
+def test_engine_control_bodies_are_sglangs(api_types, tiny_ckpt):
+    """The bodies http_server.py of sglang 0.5.23 answers, and the endpoints sglang-router and trainers call."""
+    with start_local_engine(tiny_ckpt, step_delay=0.01) as h:
+        url = h.url
+        assert _call(url, "GET", "/ready")[0] == 200
+        models = _call(url, "GET", "/v1/models")[2]
+        card = api_types.ModelCard.from_json_value(models["data"][0])
+        assert models["object"] == "list" and card.id == "slime-corr-tiny" and card.max_model_len == 256
+        api_types.GetModelInfoResponse.from_json_value(_call(url, "GET", "/model_info")[2])
+        loads = _call(url, "GET", "/v1/loads")[2]
+        assert set(loads) >= {"timestamp", "version", "loads"} and set(loads["loads"][0]) == LOAD_KEYS
+        assert set(_call(url, "GET", "/get_load")[2][0]) == {"dp_rank", "num_reqs", "num_waiting_reqs",
+                                                             "num_tokens"}
+        put = _call(url, "PUT", "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2},
+                                               "return_logprob": True})
+        api_types.GenerateResponse.from_json_value(put[2])
+        assert _call(url, "POST", "/pause_generation", {"mode": "in_place"})[2] == {
+            "message": "Generation paused successfully.", "status": "ok"}
+        assert _call(url, "POST", "/continue_generation", {})[2] == {
+            "message": "Generation continued successfully.", "status": "ok"}
+        flush = _call(url, "POST", "/flush_cache")
+        assert flush[0] == 200 and flush[1].startswith("Cache flushed.")
+        assert _call(url, "POST", "/update_weight_version", {"new_version": "w7"})[2] == {
+            "success": True, "message": "Weight version updated to w7", "new_version": "w7"}
+        # memory: refused while a request runs; released, a new request waits; resumed, it runs
+        async def memory():
+            async with SGLangClient(url) as c, aiohttp.ClientSession() as s:
+                busy = asyncio.create_task(c.generate([3, 4], {"max_new_tokens": 30, "ignore_eos": True}))
+                while not h.engine.busy():
+                    await asyncio.sleep(0.005)
+                async with s.post(url + "/release_memory_occupation", json={}) as r:
+                    refused = r.status, await r.json()
+                await busy
+                async with s.post(url + "/release_memory_occupation", json={"tags": ["weights"]}) as r:
+                    released = r.status, await r.json()
+                held = asyncio.create_task(c.generate([3, 4], {"max_new_tokens": 3}))
+                await asyncio.sleep(0.2)
+                was_held = not held.done() and [r.admitted for r in h.engine.active.values()] == [False]
+                async with s.post(url + "/resume_memory_occupation", json={"tags": ["bogus"]}) as r:
+                    bad_tag = r.status
+                async with s.post(url + "/resume_memory_occupation", json={"tags": ["weights"]}) as r:
+                    resumed = r.status, await r.json()
+                return refused, released, was_held, bad_tag, resumed, await held
+
+        refused, released, was_held, bad_tag, resumed, out = asyncio.run(memory())
+        metrics = _call(url, "GET", "/metrics")[1]
+    assert refused[0] == 400 and "idle" in refused[1]["error"]["message"]
+    assert released == (200, None) and resumed == (200, None) and was_held and bad_tag == 400
+    assert len(out.output_ids) == 3 and out.weight_version == "w7"
+    samples = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if not line.startswith("#"))
+    assert float(samples['sglang:num_requests_total{model_name="slime-corr-tiny"}']) == 3
+    assert float(samples['sglang:generation_tokens_total{model_name="slime-corr-tiny"}']) == 2 + 30 + 3

@@ -6,16 +6,23 @@ import asyncio
 import signal
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
 import torch
 
 from slime_corr.rollout.client import GenerationError, SGLangClient
-from slime_corr.rollout.engine_model import load_tiny_lm, teacher_forced_logprobs
-from slime_corr.rollout.local_engine import sample_next_token, start_local_engine
+from slime_corr.rollout.engine_model import (
+    EngineModel,
+    TorchEngineModel,
+    load_tiny_lm,
+    teacher_forced_logprobs,
+)
+from slime_corr.rollout.local_engine import start_local_engine
 from slime_corr.rollout.rollout import generate_sample
 from slime_corr.rollout.sample import Sample, SampleStatus
+from slime_corr.rollout.sampling import sample_next_token
 
 PROMPT = [72, 101, 108, 108, 111, 32]
 
@@ -197,15 +204,6 @@ def test_client_disconnect_aborts_the_request(tiny_ckpt):
         asyncio.run(go())
 
 
-def test_distributed_weight_update_is_refused_clearly(engine):
-    async def go():
-        async with SGLangClient(engine.url) as c:
-            await c.init_weights_update_group("127.0.0.1", 29500, 1, 2)
-
-    with pytest.raises(RuntimeError, match="NCCL"):
-        asyncio.run(go())
-
-
 def test_real_server_killed_mid_stream_samples_move_to_the_other_server(tiny_ckpt):
     """A real engine process is SIGKILLed while streaming: its samples are regenerated on the other server
     with new rids; every sample ends exactly once, complete, with a single consistent set of log-probs."""
@@ -259,3 +257,95 @@ def test_sampling_filters_follow_sglang_and_logprobs_are_not_renormalized():
     # greedy: argmax, log-prob of the raw logits
     tok, lp = sample_next_token(logits, {"temperature": 0.0}, gen)
     assert tok == 0 and lp == pytest.approx(float(torch.log_softmax(logits, -1)[0]), abs=1e-6)
+
+
+def test_sampling_seed_is_batch_and_resume_invariant(tiny_ckpt):
+    """The same request with the same seed gives the same tokens alone, batched with other requests, on a
+    busy engine, and resumed from its partial output (draws are keyed by seed and position)."""
+    params = {"max_new_tokens": 20, "ignore_eos": True, "sampling_seed": 1234, "temperature": 1.0}
+    with start_local_engine(tiny_ckpt) as h:  # bf16: its batched logits differ from unbatched ones
+        async def go():
+            async with SGLangClient(h.url) as c:
+                alone = await c.generate(PROMPT, params)
+                noise = [c.generate(list(range(5, 5 + n)), {"max_new_tokens": 25}) for n in (3, 9, 30)]
+                batched, *_ = await asyncio.gather(c.generate(PROMPT, params, stream=True), *noise)
+                head = await c.generate(PROMPT, {**params, "max_new_tokens": 8})
+                tail = await c.generate(PROMPT + head.output_ids, {**params, "max_new_tokens": 12})
+                other = await c.generate(PROMPT, {**params, "sampling_seed": 1235})
+                return alone, batched, head, tail, other
+
+        alone, batched, head, tail, other = asyncio.run(go())
+    assert batched.output_ids == alone.output_ids and batched.log_probs == alone.log_probs
+    assert head.output_ids + tail.output_ids == alone.output_ids
+    assert head.log_probs + tail.log_probs == alone.log_probs
+    assert other.output_ids != alone.output_ids  # the seed does matter
+
+
+class WordTokenizer:
+    """A toy tokenizer that is not byte-level: ids 10.. are the lowercase letters, 1 is a space, 2 is EOS."""
+
+    eos_token_id = 2
+
+    def encode(self, text: str) -> list[int]:
+        return [1 if ch == " " else 10 + ord(ch) - ord("a") for ch in text.lower() if ch == " " or ch.isalpha()]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        out = {1: " ", 2: "" if skip_special_tokens else "</s>"}
+        return "".join(out.get(i, chr(ord("a") + i - 10) if 10 <= i < 36 else "?") for i in ids)
+
+
+def test_text_in_and_out_with_a_tokenizer(tiny_ckpt, engine):
+    tok = WordTokenizer()
+    _, plain = _raw(engine.url, "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 5,
+                                                                                "logit_bias": {"2": 100.0}}})
+    assert plain["output_ids"] == [2] * 5  # with the byte-level default, id 2 is no EOS
+    with start_local_engine(tiny_ckpt, tokenizer=tok) as h:
+        status, body = _raw(h.url, "/generate", {"text": "hello world", "return_logprob": True,
+                                                 "return_text_in_logprobs": True,
+                                                 "sampling_params": {"max_new_tokens": 12, "sampling_seed": 3}})
+        # the tokenizer's EOS ends generation (forced here by a logit bias)
+        _, forced = _raw(h.url, "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 5,
+                                                                            "logit_bias": {"2": 100.0}}})
+        # a stop string is matched in the tokenizer's text
+        stop = body["text"][2:4] if len(body["text"]) >= 4 else "zz"
+        _, stopped = _raw(h.url, "/generate", {"text": "hello world", "sampling_params": {
+            "max_new_tokens": 12, "sampling_seed": 3, "stop": [stop]}})
+    assert status == 200 and body["meta_info"]["prompt_tokens"] == len(tok.encode("hello world"))
+    assert body["text"] == tok.decode(body["output_ids"])
+    assert [e[2] for e in body["meta_info"]["output_token_logprobs"]] == [tok.decode([t]) for t in
+                                                                          body["output_ids"]]
+    fr, ids = body["meta_info"]["finish_reason"], body["output_ids"]
+    eos = {0, 2}  # the model config's EOS and the tokenizer's
+    if fr["type"] == "stop":
+        assert fr["matched"] in eos and ids[-1] == fr["matched"] and not eos & set(ids[:-1])
+    else:
+        assert fr == {"type": "length", "length": 12} and not eos & set(ids)
+    assert forced["output_ids"] == [2] and forced["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}
+    if stop != "zz":
+        assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        assert stopped["text"] == body["text"][: body["text"].find(stop)]
+
+
+class HFStyleLM(torch.nn.Module):
+    """Shaped like a Hugging Face causal LM: ``config`` (EOS ids as a list, max_position_embeddings) and an
+    output object with ``.logits`` - what an HF model served by the engine looks like."""
+
+    def __init__(self, checkpoint_dir: str) -> None:
+        super().__init__()
+        self.inner = load_tiny_lm(checkpoint_dir)
+        self.config = SimpleNamespace(vocab_size=256, eos_token_id=[7, 9], max_position_embeddings=64)
+
+    def forward(self, input_ids: torch.Tensor) -> SimpleNamespace:
+        return SimpleNamespace(logits=self.inner(input_ids))
+
+
+def test_engine_serves_an_hf_shaped_model(tiny_ckpt):
+    model = TorchEngineModel(tiny_ckpt, factory=HFStyleLM, dtype=torch.float32)
+    assert isinstance(model, EngineModel) and model.max_seq_len == 64
+    assert {n for n, _ in model.named_weights()} == {f"inner.{k}" for k in load_tiny_lm(tiny_ckpt).state_dict()}
+    with start_local_engine(model=model) as h:
+        res = _gen(h.url, max_new_tokens=10, ignore_eos=True, sampling_seed=2)
+        eos = _gen(h.url, max_new_tokens=10, logit_bias={"9": 100.0})
+    ref = teacher_forced_logprobs(load_tiny_lm(tiny_ckpt), PROMPT, res.output_ids)
+    torch.testing.assert_close(torch.tensor(res.log_probs), ref, atol=1e-4, rtol=0)
+    assert eos.output_ids == [9] and eos.finish_reason == {"type": "stop", "matched": 9}  # 2nd of its EOS ids

@@ -39,7 +39,7 @@ def test_abort_request_returns_partial_output(slow_fp32_engine, stream):
         async with SGLangClient(h.url) as c:
             task = asyncio.create_task(c.generate(PROMPT, PARAMS, stream=stream))
             await _wait_tokens(h.engine, 3)
-            await c.abort(rid=c.rid_prefix)  # prefix match: every request of this client
+            await c.abort()  # every request this client has in flight, by its exact rid
             return await task
 
     res = asyncio.run(go())
@@ -138,3 +138,25 @@ def test_concurrency_per_server_is_bounded(slow_fp32_engine):
 
     res = asyncio.run(go())
     assert len(res) == 9 and max(seen) == 3
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_flush_after_retract_or_in_place_pause(slow_fp32_engine, mode):
+    """As in SGLang: a retract pause sends running requests back to the waiting queue (the cache can be flushed),
+    an in_place one keeps them running (flush refused); either way they finish, unchanged, after continue."""
+    h = slow_fp32_engine
+    params = {**PARAMS, "sampling_seed": 9}
+
+    async def go():
+        async with SGLangClient(h.url) as c:
+            reference = await c.generate(PROMPT, params)
+            task = asyncio.create_task(c.generate(PROMPT, params, stream=True))
+            await _wait_tokens(h.engine, 5)
+            await c.pause(mode)
+            status, _ = await c._post(h.url, "/flush_cache")
+            await c.continue_generation()
+            return reference, await task, status
+
+    reference, res, flush_status = asyncio.run(go())
+    assert flush_status == (200 if mode == "retract" else 400)
+    assert res.attempts == 1 and res.output_ids == reference.output_ids and res.log_probs == reference.log_probs

@@ -1,0 +1,427 @@
+"""The client's control plane: worker discovery behind a router, per-worker fan-out, dead workers, weight sync.
+
+Targets and workers. The client sends ``/generate`` to its *targets* (SGLang servers, or an sglang-router). It
+sends every control call to the *workers*: a plain server is its own worker; a router's workers are discovered
+with ``GET /workers`` (sglang-router >= 0.2; older: ``/list_workers``) because a router does not forward abort,
+pause / continue or weight updates (404), answers ``/flush_cache`` with ``206 partial_success`` while a worker is
+busy, and reports its own ``/server_info``.
+
+Every control call goes to each live worker concurrently and either succeeds on all of them or raises
+:class:`ControlError` naming each failed worker and why (a ``206`` is a failure, never a success). A worker that
+does not answer and fails a health probe is *dead*: it leaves the client's worker set (and its router's, via
+``DELETE /workers/{id}``), is listed in :attr:`ControlPlane.dead`, and later calls go on without it; a call with
+no live worker left fails. Calls that change the client's state restore it when they fail: a failed ``pause``
+continues the workers and releases the requests the client holds back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import aiohttp
+
+PROBE_TIMEOUT = 3.0  # seconds a health probe or a discovery request may take
+
+
+class ControlError(RuntimeError):
+    """A control call that failed on some workers: ``failures`` maps worker URL -> reason; ``succeeded`` lists
+    the workers where it took effect (so a caller can undo it there)."""
+
+    def __init__(self, path: str, failures: dict[str, str], succeeded: Sequence[str] = ()) -> None:
+        self.path, self.failures, self.succeeded = path, dict(failures), list(succeeded)
+        detail = "; ".join(f"{w}: {r}" for w, r in failures.items())
+        super().__init__(f"{path} failed on {len(failures)} of {len(failures) + len(self.succeeded)} worker(s): "
+                         f"{detail}")
+
+
+def _is_success(status: int, body: Any) -> str | None:
+    """None when a control answer is a full success, else why not (206 partial_success is a failure)."""
+    if status == 206 or (isinstance(body, dict) and body.get("status") == "partial_success"):
+        failed = body.get("failed") if isinstance(body, dict) else None
+        return f"HTTP {status} partial_success (failed: {failed})"
+    if not 200 <= status < 300:
+        return f"HTTP {status}: {str(body)[:300]}"
+    if isinstance(body, dict) and body.get("success") is False:
+        return f"success=false: {body.get('message')}"
+    return None
+
+
+class ControlPlane:
+    """Mixin of :class:`~slime_corr.rollout.client.SGLangClient`: everything but ``/generate``."""
+
+    urls: list[str]
+    control_timeout: float
+    _get_session: Callable[[], aiohttp.ClientSession]
+    _hold: Callable[[], None]
+    _release: Callable[[], None]
+    _inflight: dict[str, str]
+
+    def _init_control(self) -> None:
+        self._workers_of: dict[str, list[str]] | None = None  # target -> its workers (discovered lazily)
+        self._router_ids: dict[str, tuple[str, str]] = {}  # worker -> (router url, worker id at the router)
+        self.dead: dict[str, str] = {}  # worker or target url -> why it is considered dead
+        self.events: list[str] = []  # what the control plane did on its own (dead workers...), for reports
+        self._sweeps: dict[str, asyncio.Lock] = {}
+        self._discovering = asyncio.Lock()
+        self._last_sweep: dict[str, float] = {}
+
+    # ---- HTTP ---------------------------------------------------------------------------------------
+    async def _request(self, method: str, url: str, path: str, payload: Any = None, *,
+                       timeout: float | None = None, params: dict[str, str] | None = None) -> tuple[int, Any]:
+        kw: dict[str, Any] = {"timeout": aiohttp.ClientTimeout(total=timeout or self.control_timeout)}
+        if payload is not None:
+            kw["json"] = payload
+        if params:
+            kw["params"] = params
+        async with self._get_session().request(method, f"{url}{path}", **kw) as resp:
+            return resp.status, await read_body(resp)
+
+    async def _post(self, server: str, path: str, payload: dict[str, Any] | None = None,
+                    timeout: float | None = None) -> tuple[int, Any]:
+        return await self._request("POST", server, path, payload if payload is not None else {}, timeout=timeout)
+
+    async def _get(self, server: str, path: str, timeout: float | None = None) -> tuple[int, Any]:
+        return await self._request("GET", server, path, timeout=timeout)
+
+    # ---- discovery -----------------------------------------------------------------------------------
+    async def discover(self, refresh: bool = False) -> dict[str, list[str]]:
+        """Map each target to its workers: a router's from ``/workers`` (or ``/list_workers``), a server itself."""
+        if self._workers_of is not None and not refresh:
+            return self._workers_of
+        async with self._discovering:
+            if self._workers_of is not None and not refresh:  # found while we waited
+                return self._workers_of
+            found = await asyncio.gather(*(self._discover_one(u) for u in self.urls))
+            self._workers_of = dict(zip(self.urls, found, strict=True))
+            for u, workers in self._workers_of.items():
+                for w in workers if workers != [u] else []:
+                    self.dead.pop(w, None)  # listed again by its router: alive (a router drops dead workers)
+            return self._workers_of
+
+    async def _discover_one(self, url: str) -> list[str]:
+        try:
+            status, body = await self._get(url, "/workers", timeout=PROBE_TIMEOUT)
+            if status == 200 and isinstance(body, dict) and isinstance(body.get("workers"), list):
+                out = []
+                for w in body["workers"]:
+                    if isinstance(w, dict) and w.get("url"):
+                        out.append(str(w["url"]).rstrip("/"))
+                        if w.get("id"):
+                            self._router_ids[out[-1]] = (url, str(w["id"]))
+                return out
+            status, body = await self._get(url, "/list_workers", timeout=PROBE_TIMEOUT)
+            if status == 200 and isinstance(body, dict) and isinstance(body.get("urls"), list):
+                return [str(u).rstrip("/") for u in body["urls"]]
+        except (aiohttp.ClientError, TimeoutError, ConnectionError):
+            pass  # unreachable: treated as a plain server, found dead when used
+        return [url]
+
+    def is_router(self, url: str) -> bool:
+        """``url`` (a target) was discovered to be a router."""
+        return self._workers_of is not None and self._workers_of.get(url) != [url]
+
+    async def workers(self, target: str | None = None) -> list[str]:
+        """Live workers (of ``target``, or of every target), discovering them on first use."""
+        topo = await self.discover()
+        if any(not ws for ws in topo.values()):  # a router that had not registered its workers yet
+            topo = await self.discover(refresh=True)
+        targets = [target] if target is not None else self.urls
+        return [w for t in targets for w in topo.get(t, [t]) if w not in self.dead]
+
+    # ---- dead workers --------------------------------------------------------------------------------
+    async def _alive(self, url: str) -> bool:
+        try:
+            status, _ = await self._get(url, "/health", timeout=PROBE_TIMEOUT)
+        except (aiohttp.ClientError, TimeoutError, ConnectionError):
+            return False
+        return status == 200
+
+    async def _mark_dead(self, worker: str, reason: str) -> None:
+        if worker in self.dead:
+            return
+        self.dead[worker] = reason
+        self.events.append(f"worker {worker} is dead ({reason}); continuing without it")
+        router = self._router_ids.pop(worker, None)
+        if router is not None:  # stop the router routing to it (best effort: the router also health-checks)
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, ConnectionError):
+                await self._request("DELETE", router[0], f"/workers/{router[1]}", timeout=PROBE_TIMEOUT)
+
+    async def check_target(self, target: str) -> list[str]:
+        """After a failed request to ``target``: health-probe its workers, mark the dead ones; returns them.
+
+        One sweep at a time per target, at most one every half second (a burst of failures shares it).
+        """
+        lock = self._sweeps.setdefault(target, asyncio.Lock())
+        async with lock:
+            if time.monotonic() - self._last_sweep.get(target, 0.0) < 0.5:
+                return []
+            workers = await self.workers(target)
+            alive = await asyncio.gather(*(self._alive(w) for w in workers))
+            dead = [w for w, ok in zip(workers, alive, strict=True) if not ok]
+            for w in dead:
+                await self._mark_dead(w, "no answer to /health after a failed request")
+            self._last_sweep[target] = time.monotonic()
+            return dead
+
+    def live_targets(self) -> list[str]:
+        """Targets not known dead (a router is dead only when it does not answer itself)."""
+        return [u for u in self.urls if u not in self.dead]
+
+    # ---- fan-out -------------------------------------------------------------------------------------
+    async def _fan_out(self, path: str, payload: dict[str, Any] | Callable[[str], dict[str, Any]] | None = None,
+                       *, workers: Sequence[str] | None = None, timeout: float | None = None,
+                       allow_404: bool = False) -> dict[str, Any]:
+        """POST ``path`` to each live worker (``payload`` may depend on the worker); {worker: body} or raise.
+
+        A worker that cannot be reached and fails a health probe is marked dead and left out. ``allow_404``:
+        a 404 (an older server without the endpoint) counts as success with body ``None``.
+        """
+        targets = list(workers) if workers is not None else await self.workers()
+        if not targets:
+            raise ControlError(path, {"(none)": f"no live worker (dead: {self.dead})"})
+
+        async def one(w: str) -> tuple[str, str | None, Any]:
+            body = payload(w) if callable(payload) else payload
+            try:
+                status, answer = await self._post(w, path, body, timeout=timeout)
+            except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
+                if not await self._alive(w):
+                    await self._mark_dead(w, f"{path}: {e!r}")
+                    return w, "dead", None
+                return w, f"request failed: {e!r}", None
+            if allow_404 and status == 404:
+                return w, None, None
+            return w, _is_success(status, answer), answer
+
+        results = await asyncio.gather(*(one(w) for w in targets))
+        failures = {w: why for w, why, _ in results if why not in (None, "dead")}
+        ok = {w: body for w, why, body in results if why is None}
+        if failures or not ok:
+            raise ControlError(path, failures or {"(all)": f"every worker is dead: {self.dead}"}, list(ok))
+        return ok
+
+    # ---- info and health -----------------------------------------------------------------------------
+    async def health(self, url: str | None = None, generate: bool = False) -> bool:
+        """True when ``/health`` (or ``/health_generate``) answers 200 on ``url`` (default: every target)."""
+        path = "/health_generate" if generate else "/health"
+        try:
+            codes = await asyncio.gather(*(self._get(u, path, timeout=PROBE_TIMEOUT)
+                                           for u in ([url] if url else self.urls)))
+        except (aiohttp.ClientError, TimeoutError, ConnectionError):
+            return False
+        return all(s == 200 for s, _ in codes)
+
+    async def wait_healthy(self, timeout: float = 60.0, interval: float = 0.2, min_workers: int = 0) -> None:
+        """Poll until every target answers ``/health`` and at least ``min_workers`` workers are known
+        (a router registers its workers in the background); raises TimeoutError otherwise."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            if await self.health():
+                topo = await self.discover(refresh=True)
+                if sum(len(ws) for ws in topo.values()) >= min_workers:
+                    return
+            if loop.time() > deadline:
+                raise TimeoutError(f"servers not healthy (or fewer than {min_workers} workers) after {timeout}s: "
+                                   f"{self.urls}")
+            await asyncio.sleep(interval)
+
+    async def _info(self, url: str | None, new: str, old: str) -> dict[str, Any]:
+        if url is None:
+            live = await self.workers()
+            if not live:
+                raise ControlError(new, {"(none)": f"no live worker (dead: {self.dead})"})
+            url = live[0]
+        status, body = await self._get(url, new)
+        if status == 404:  # older servers
+            status, body = await self._get(url, old)
+        if status != 200:
+            raise ControlError(new, {url: f"HTTP {status} {body}"})
+        return body
+
+    async def model_info(self, url: str | None = None) -> dict[str, Any]:
+        """``GET /model_info`` of ``url`` (default: the first live worker; falls back to ``/get_model_info``)."""
+        return await self._info(url, "/model_info", "/get_model_info")
+
+    async def server_info(self, url: str | None = None) -> dict[str, Any]:
+        """``GET /server_info`` of ``url`` (default: the first live worker - not a router's own info)."""
+        return await self._info(url, "/server_info", "/get_server_info")
+
+    async def weight_versions(self) -> dict[str, str | None]:
+        """The weight version each live worker reports (``/model_info``)."""
+        workers = await self.workers()
+        infos = await asyncio.gather(*(self.model_info(w) for w in workers))
+        return {w: i.get("weight_version") for w, i in zip(workers, infos, strict=True)}
+
+    # ---- request control -----------------------------------------------------------------------------
+    async def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
+        """``POST /abort_request`` on every live worker.
+
+        ``abort_all=True`` aborts everything on the workers; ``rid`` one request (an exact rid: SGLang 0.5.23
+        ignores a rid it does not know, so a prefix alone aborts nothing); neither aborts every request this
+        client has in flight, each on the workers behind the target it was sent to.
+        """
+        if abort_all or rid:
+            await self._fan_out("/abort_request", {"rid": rid or "", "abort_all": bool(abort_all)})
+            return
+        if rid == "":
+            raise ValueError("rid: empty; pass a rid, abort_all=True, or nothing (this client's requests)")
+        await asyncio.gather(*(self.abort_rid(t, r) for r, t in list(self._inflight.items())))
+
+    async def abort_rid(self, target: str, rid: str) -> None:
+        """Abort ``rid`` on every live worker behind ``target`` (best effort, bounded: never raises)."""
+        with contextlib.suppress(Exception):
+            await self._fan_out("/abort_request", {"rid": rid}, workers=await self.workers(target),
+                                timeout=PROBE_TIMEOUT)
+
+    async def pause(self, mode: str = "abort") -> None:
+        """``POST /pause_generation`` (mode abort | retract | in_place) on every live worker.
+
+        Until :meth:`continue_generation`, this client also holds back new /generate requests (resumed or
+        retried samples wait in the client), so the workers become idle and ``flush_cache`` can succeed.
+        On failure, every worker is continued (continuing is harmless where the pause did not land) and the
+        client releases its requests.
+        """
+        self._hold()
+        try:
+            await self._fan_out("/pause_generation", {"mode": mode})
+        except BaseException:
+            with contextlib.suppress(Exception):  # also where it failed: it may have half happened there
+                await self._fan_out("/continue_generation", {})
+            self._release()
+            raise
+
+    async def continue_generation(self) -> None:
+        """``POST /continue_generation`` on every live worker, then release held-back requests (always)."""
+        try:
+            await self._fan_out("/continue_generation", {})
+        finally:
+            self._release()
+
+    async def flush_cache(self, max_tries: int = 50, interval: float = 0.1) -> None:
+        """``POST /flush_cache`` on every live worker, retrying the 400 SGLang gives while requests are in flight.
+
+        Any other error status fails at once (flushing is safe to repeat, but only the 400 is transient).
+        """
+        async def one(w: str) -> None:
+            for i in range(max_tries):
+                try:
+                    await self._fan_out("/flush_cache", workers=[w])
+                    return
+                except ControlError as e:
+                    if not e.failures.get(w, "").startswith("HTTP 400") or i == max_tries - 1:
+                        raise
+                await asyncio.sleep(interval)
+
+        results = await asyncio.gather(*(one(w) for w in await self.workers()), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            failures = {w: why for e in errors if isinstance(e, ControlError) for w, why in e.failures.items()}
+            raise ControlError("/flush_cache", failures or {"?": repr(errors[0])}) from errors[0]
+
+    # ---- weights -------------------------------------------------------------------------------------
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None, flush_cache: bool = True,
+        load_format: str | None = None,
+    ) -> None:
+        """``POST /update_weights_from_disk`` on every live worker; raises unless all report success."""
+        payload: dict[str, Any] = {"model_path": model_path, "flush_cache": flush_cache}
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        if load_format is not None:
+            payload["load_format"] = load_format
+        await self._fan_out("/update_weights_from_disk", payload)
+
+    async def sync_weights_from_disk(self, model_path: str, weight_version: str, pause_mode: str = "abort") -> None:
+        """The usual sequence: pause -> update from disk -> flush_cache (retried) -> continue (always)."""
+        async def update() -> None:
+            await self.update_weights_from_disk(model_path, weight_version, flush_cache=False)
+            await self.flush_cache()
+
+        await self.while_paused(update, pause_mode)
+
+    async def while_paused(self, body: Callable[[], Any], pause_mode: str = "abort") -> Any:
+        """Pause, run ``await body()``, continue - also when it fails (its error is the one raised)."""
+        await self.pause(pause_mode)
+        try:
+            result = await body()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.continue_generation()
+            raise
+        await self.continue_generation()
+        return result
+
+    async def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int = 1, world_size: int | None = None,
+        group_name: str = "weight_update_group", backend: str = "nccl", workers: Sequence[str] | None = None,
+    ) -> dict[str, int]:
+        """``POST /init_weights_update_group`` to each worker with its own rank: ``rank_offset + i`` for the i-th
+        (rank 0 is the trainer); ``world_size`` defaults to ``rank_offset + number of workers``.
+
+        Blocks until every member joined: run the trainer's side of the group concurrently.
+        """
+        ws = list(workers) if workers is not None else await self.workers()
+        ranks = {w: rank_offset + i for i, w in enumerate(ws)}
+        await self._fan_out("/init_weights_update_group", lambda w: {
+            "master_address": master_address, "master_port": master_port, "rank_offset": ranks[w],
+            "world_size": world_size or rank_offset + len(ws), "group_name": group_name, "backend": backend},
+            workers=ws)
+        return ranks
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        await self._fan_out("/destroy_weights_update_group", {"group_name": group_name})
+
+    async def begin_weight_update(self, workers: Sequence[str] | None = None) -> None:
+        """``/begin_weight_update`` (SGLang 0.5.23 needs it around distributed updates; older servers: 404, ok)."""
+        await self._fan_out("/begin_weight_update", {}, workers=workers, allow_404=True)
+
+    async def end_weight_update(self, workers: Sequence[str] | None = None) -> None:
+        await self._fan_out("/end_weight_update", {}, workers=workers, allow_404=True)
+
+    async def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+        group_name: str = "weight_update_group", flush_cache: bool = False, weight_version: str | None = None,
+        load_format: str | None = None, workers: Sequence[str] | None = None,
+    ) -> dict[str, Any]:
+        """``POST /update_weights_from_distributed``: the workers receive the tensors by broadcast from rank 0."""
+        payload: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                                   "flush_cache": flush_cache}
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        if load_format is not None:
+            payload["load_format"] = load_format
+        return await self._fan_out("/update_weights_from_distributed", payload, workers=workers)
+
+    # ---- router --------------------------------------------------------------------------------------
+    async def add_worker(self, worker_url: str) -> Any:
+        """Register a worker with the router at ``self.urls[0]`` (``POST /workers``, older: /add_worker)."""
+        status, body = await self._post(self.urls[0], "/workers", {"url": worker_url})
+        if status == 404:
+            async with self._get_session().post(f"{self.urls[0]}/add_worker", params={"url": worker_url}) as r:
+                status, body = r.status, await read_body(r)
+        if status >= 300:
+            raise ControlError("/workers", {self.urls[0]: f"add {worker_url}: HTTP {status} {body}"})
+        self._workers_of = None  # rediscover
+        return body
+
+    async def list_workers(self) -> Any:
+        """Workers known to the router at ``self.urls[0]`` (``GET /workers``, older: ``/list_workers``)."""
+        status, body = await self._get(self.urls[0], "/workers")
+        if status == 404:
+            status, body = await self._get(self.urls[0], "/list_workers")
+        return body
+
+
+async def read_body(resp: aiohttp.ClientResponse) -> Any:
+    """The response's JSON, or its text when it is not JSON (SGLang's flush answers plain text)."""
+    raw = await resp.read()
+    try:
+        return json.loads(raw) if raw else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return raw.decode("utf-8", errors="replace")

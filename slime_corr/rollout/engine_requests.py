@@ -1,0 +1,174 @@
+"""The embedded engine's side of ``/generate``'s wire format: a body parsed into requests, a request into the
+response object (or stream event) SGLang 0.5.23 sends, and the counters behind ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from slime_corr.rollout.engine_control import BadRequest
+from slime_corr.rollout.engine_model import EngineModel, Tokenizer
+from slime_corr.rollout.protocol import SAMPLING_KEYS
+from slime_corr.rollout.sampling import request_seed
+
+# Accepted by the schema but not implemented by this engine: a request using them gets a 400, never a silent no-op.
+_UNSUPPORTED = ("stop_regex", "json_schema", "regex", "ebnf", "structural_tag", "beam_width", "watermark", "choice")
+
+
+@dataclass
+class EngineRequest:
+    """One sample being generated: prompt, params, output so far, and how it ended."""
+
+    rid: str
+    prompt: list[int]
+    params: dict[str, Any]
+    return_logprob: bool
+    text_in_logprobs: bool
+    seed: int
+    seeded: bool  # the client gave sampling_seed: computed alone, batch-invariant
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)
+    finish: dict[str, Any] | None = None
+    admitted: bool = True  # False while held: it arrived during a pause and waits for continue_generation
+    trim: int | None = None  # text length after trimming a matched stop string
+    created: float = field(default_factory=time.perf_counter)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def finish_with(self, reason: dict[str, Any]) -> None:
+        if self.finish is None:
+            self.finish = reason
+        self.changed.set()
+
+    def text(self, tokenizer: Tokenizer, ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=bool(self.params.get("skip_special_tokens", True)))
+
+
+@dataclass
+class EngineStats:
+    """Counters behind ``/metrics`` and ``/v1/loads``, and the last finished requests (rid -> finish type)."""
+
+    requests: int = 0
+    aborted: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: collections.OrderedDict[str, str] = field(default_factory=collections.OrderedDict)
+    _recent: collections.deque[tuple[float, int]] = field(default_factory=lambda: collections.deque(maxlen=256))
+
+    def record_step(self, tokens: int) -> None:
+        self.generation_tokens += tokens
+        self._recent.append((time.monotonic(), tokens))
+
+    def record_finish(self, req: EngineRequest) -> None:
+        kind = (req.finish or {}).get("type", "abort")
+        self.aborted += kind == "abort"
+        self.finished[req.rid] = kind
+        while len(self.finished) > 10_000:
+            self.finished.popitem(last=False)
+
+    def throughput(self, window: float = 5.0) -> float:
+        now = time.monotonic()
+        return sum(n for t, n in self._recent if now - t <= window) / window
+
+
+def parse_generate(body: Any, model: EngineModel, tokenizer: Tokenizer, active: Mapping[str, EngineRequest],
+                   rid_tag: str = "local") -> tuple[list[EngineRequest], bool, bool]:
+    """Validate a /generate body; returns (requests, is_batch, stream). Raises BadRequest naming the field."""
+    if not isinstance(body, dict):
+        raise BadRequest("invalid type: expected struct GenerateRequest")
+    input_ids, text = body.get("input_ids"), body.get("text")
+    if input_ids is None and text is None:
+        raise BadRequest("Either text or input_ids should be provided.")
+    if input_ids is None:
+        texts = text if isinstance(text, list) else [text]
+        prompts, is_batch = [tokenizer.encode(str(t)) for t in texts], isinstance(text, list)
+    else:
+        is_batch = bool(input_ids) and isinstance(input_ids[0], list)
+        prompts = input_ids if is_batch else [input_ids]
+    n = len(prompts)
+    stream = bool(body.get("stream", False))
+    if stream and is_batch:
+        raise BadRequest("streaming a batch is not supported by the local engine")
+    sp = body.get("sampling_params") or {}
+    sps = sp if isinstance(sp, list) else [sp] * n
+    rids = body.get("rid")
+    rids = rids if isinstance(rids, list) else [rids] * n if rids is not None else [None] * n
+    if len(sps) != n or len(rids) != n:
+        raise BadRequest("rid / sampling_params list length must match the number of prompts")
+    ret_lp = body.get("return_logprob") or False
+    ret_lps = ret_lp if isinstance(ret_lp, list) else [ret_lp] * n
+    lp_start = body.get("logprob_start_len")
+    if lp_start not in (None, -1) or body.get("top_logprobs_num") or body.get("token_ids_logprob"):
+        raise BadRequest("only output log-probs are supported (logprob_start_len=-1, no top_logprobs)")
+    reqs = []
+    for prompt, params, rid, rlp in zip(prompts, sps, rids, ret_lps, strict=True):
+        check_request(params, prompt, model)
+        if rid is None:
+            rid = f"{rid_tag}-{time.monotonic_ns()}-{len(active)}-{len(reqs)}"
+        if rid in active or any(r.rid == rid for r in reqs):
+            raise BadRequest(f"Duplicate request ID detected: {rid}")
+        reqs.append(EngineRequest(rid, list(prompt), dict(params), bool(rlp),
+                                  bool(body.get("return_text_in_logprobs")), request_seed(params),
+                                  params.get("sampling_seed") is not None))
+    return reqs, is_batch, stream
+
+
+def check_request(params: Any, prompt: Any, model: EngineModel) -> None:
+    """One prompt and its sampling params against the schema and the model (vocabulary, context)."""
+    if not isinstance(params, dict):
+        raise BadRequest("invalid type: expected struct SamplingParams")
+    for k in params:
+        if k not in SAMPLING_KEYS:
+            raise BadRequest(f"unknown field `{k}` in sampling_params")
+        if k in _UNSUPPORTED and params[k] not in (None, [], {}):
+            raise BadRequest(f"sampling_params.{k} is not supported by the local engine")
+    if int(params.get("n", 1) or 1) != 1:
+        raise BadRequest("sampling_params.n > 1 is not supported: send one request per sample")
+    if not prompt or not all(isinstance(t, int) and 0 <= t < model.vocab_size for t in prompt):
+        raise BadRequest(f"input_ids must be non-empty ints in [0, {model.vocab_size})")
+    if len(prompt) >= model.max_seq_len:
+        raise BadRequest(f"prompt length {len(prompt)} >= max context length {model.max_seq_len}")
+    temperature = params.get("temperature", 1.0)
+    if temperature is None or float(temperature) < 0:
+        raise BadRequest("temperature must be >= 0")
+    seed = params.get("sampling_seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise BadRequest(f"sampling_params.sampling_seed must be an integer, got {seed!r}")
+
+
+def response_payload(req: EngineRequest, tokenizer: Tokenizer, weight_version: str, start: int = 0) -> dict[str, Any]:
+    """The response object for ``req``; ``start`` > 0 gives an incremental (delta) stream event."""
+    if start:
+        text = req.text(tokenizer, req.output_ids[start:])
+    else:
+        text = req.text(tokenizer, req.output_ids)
+        if req.trim is not None:
+            text = text[: req.trim]
+    meta: dict[str, Any] = {
+        "id": req.rid,
+        "finish_reason": req.finish,
+        "prompt_tokens": len(req.prompt),
+        "completion_tokens": len(req.output_ids),
+        "cached_tokens": 0,
+        "weight_version": req.versions[-1] if req.versions else weight_version,
+        "e2e_latency": time.perf_counter() - req.created,
+    }
+    if req.return_logprob:
+        meta["output_token_logprobs"] = [
+            [lp, tok, req.text(tokenizer, [tok]) if req.text_in_logprobs else None]
+            for lp, tok in zip(req.logprobs[start:], req.output_ids[start:], strict=True)
+        ]
+    spans: list[dict[str, Any]] = []
+    for i, v in enumerate(req.versions):
+        if spans and spans[-1]["version"] == v:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": v, "start": i, "end": i + 1})
+    if len(spans) > 1:
+        meta["weight_versions"] = spans
+    return {"text": text, "output_ids": req.output_ids[start:], "meta_info": meta}

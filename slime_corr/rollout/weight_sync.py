@@ -1,0 +1,144 @@
+"""Trainer-side weight sync: to every engine from a checkpoint on disk, or over a process group (slime's path).
+
+Distributed sync (:class:`DistributedWeightSync`): the trainer (rank 0) and every live engine form a
+weight-update group (``/init_weights_update_group``; gloo on CPU, NCCL on GPUs); each sync then pauses the
+engines, opens a weight-update session (``/begin_weight_update``), sends the weights bucket by bucket - for each
+bucket one ``/update_weights_from_distributed`` request per engine with the names, dtypes and shapes, while the
+trainer broadcasts the tensors -, closes the session, flushes the cache and continues generation. The engines
+cast what they receive to their own dtype exactly as loading the same tensors from disk would.
+
+When the set of live engines changes (the client found one dead), the next sync builds a new group with the
+engines that are left. A failure is raised (never a hang: the group has a timeout) and the next sync starts
+from a new group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from slime_corr.rollout.client import SGLangClient
+from slime_corr.rollout.control import ControlError
+from slime_corr.rollout.router import free_port
+from slime_corr.rollout.weight_group import FLATTENED_BUCKET, Bucket, WeightUpdateGroup, make_buckets
+
+DEFAULT_BUCKET_BYTES = 512 * 1024**2  # slime's --update-weight-buffer-size default
+
+
+@dataclass
+class SyncReport:
+    """What one sync did: engines reached, buckets, bytes and seconds."""
+
+    workers: list[str]
+    buckets: int
+    bytes: int
+    seconds: float
+
+
+class DistributedWeightSync:
+    """Rank 0 of the weight-update group between the trainer and the engines behind ``client``."""
+
+    def __init__(
+        self,
+        client: SGLangClient,
+        *,
+        backend: str = "gloo",
+        master_address: str = "127.0.0.1",
+        group_name: str = "slime_corr_weight_sync",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        load_format: str | None = FLATTENED_BUCKET,
+        timeout: float = 600.0,
+    ) -> None:
+        self.client = client
+        self.backend, self.master_address, self.group_name = backend, master_address, group_name
+        self.bucket_bytes, self.load_format, self.timeout = bucket_bytes, load_format, timeout
+        self.group: WeightUpdateGroup | None = None
+        self.workers: list[str] = []
+
+    async def connect(self) -> None:
+        """(Re)build the group with the live engines: they join as ranks 1..N while the trainer joins as 0."""
+        self.close()
+        workers = await self.client.workers()
+        if not workers:
+            raise ControlError("/init_weights_update_group", {"(none)": "no live engine to sync"})
+        port, world = free_port(), 1 + len(workers)
+        mine = asyncio.ensure_future(asyncio.to_thread(
+            WeightUpdateGroup, self.master_address, port, 0, world, self.group_name, self.backend, self.timeout))
+        theirs = asyncio.ensure_future(self.client.init_weights_update_group(
+            self.master_address, port, 1, world, self.group_name, self.backend, workers=workers))
+        await _both(mine, theirs)  # an engine's refusal surfaces at once (our side then times out by itself)
+        self.group, self.workers = mine.result(), workers
+
+    async def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str,
+                   pause_mode: str = "abort") -> SyncReport:
+        """Pause, send every tensor bucket by bucket, flush, continue; the engines report ``weight_version``."""
+        t0 = time.perf_counter()
+        if self.group is None or set(self.workers) != set(await self.client.workers()):
+            await self.connect()
+        buckets = make_buckets([(n, t.detach()) for n, t in named_tensors], self.bucket_bytes)
+        if not buckets:
+            raise ValueError("named_tensors: nothing to sync")
+
+        async def send_all() -> None:
+            await self.client.begin_weight_update(self.workers)
+            try:
+                for i, bucket in enumerate(buckets):
+                    await self._send(bucket, weight_version if i == len(buckets) - 1 else None)
+            except BaseException:
+                with contextlib.suppress(Exception):  # no session left open for the next sync
+                    await self.client.end_weight_update(self.workers)
+                raise
+            await self.client.end_weight_update(self.workers)
+            await self.client.flush_cache()
+
+        try:
+            await self.client.while_paused(send_all, pause_mode)
+        except BaseException:
+            self.close()  # the group may be mid-broadcast: the next sync starts from a new one
+            raise
+        return SyncReport(list(self.workers), len(buckets), sum(b.nbytes for b in buckets),
+                          time.perf_counter() - t0)
+
+    async def _send(self, bucket: Bucket, weight_version: str | None) -> None:
+        assert self.group is not None
+        post = asyncio.ensure_future(self.client.update_weights_from_distributed(
+            bucket.names, bucket.dtypes, bucket.shapes, self.group_name, flush_cache=False,
+            weight_version=weight_version, load_format=self.load_format, workers=self.workers))
+        flattened = self.load_format == FLATTENED_BUCKET
+        send = asyncio.ensure_future(asyncio.to_thread(self.group.send_bucket, bucket.tensors, flattened))
+        await _both(send, post)
+
+    def close(self) -> None:
+        """Leave the group (the engines drop theirs when a new one of the same name is built)."""
+        if self.group is not None:
+            self.group.close()
+        self.group, self.workers = None, []
+
+
+async def _both(a: asyncio.Future, b: asyncio.Future) -> None:
+    """Await two futures; the first failure is raised at once (the other is left to finish or time out)."""
+    done, pending = await asyncio.wait({a, b}, return_when=asyncio.FIRST_EXCEPTION)
+    for f in done:
+        if f.exception() is not None:
+            for p in pending:
+                p.add_done_callback(_consume)
+            raise f.exception()  # type: ignore[misc]
+    await asyncio.gather(*pending)
+
+
+def _consume(f: asyncio.Future) -> None:
+    if not f.cancelled():
+        f.exception()  # retrieved: no "exception was never retrieved" warning
+
+
+async def sync_weights_from_disk(client: SGLangClient, checkpoint_dir: str, weight_version: str,
+                                 pause_mode: str = "abort") -> SyncReport:
+    """The disk path with the same report: every engine loads ``checkpoint_dir`` (written by the trainer)."""
+    t0 = time.perf_counter()
+    await client.sync_weights_from_disk(checkpoint_dir, weight_version, pause_mode)
+    return SyncReport(await client.workers(), 0, 0, time.perf_counter() - t0)
