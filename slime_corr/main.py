@@ -187,8 +187,8 @@ def run(args: argparse.Namespace, config: RolloutCorrectionConfig, work_dir: Pat
     from slime_corr.monitoring.step_diagnostics import ScheduleDiagnostics
     from slime_corr.rollout.data_iterator import background_event_loop
     from slime_corr.rollout.engine_group import start_engine_group
-    from slime_corr.rollout.engine_model import TorchEngineModel
-    from slime_corr.rollout.local_engine import detokenize, start_local_engine
+    from slime_corr.rollout.engine_model import ByteTokenizer, TorchEngineModel
+    from slime_corr.rollout.local_engine import start_local_engine
     from slime_corr.rollout.rollout import rollout_report
     from slime_corr.rollout.weight_sync import DistributedWeightSync, sync_weights_from_disk
 
@@ -199,7 +199,7 @@ def run(args: argparse.Namespace, config: RolloutCorrectionConfig, work_dir: Pat
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     diag = None
     if monitoring.log_mismatch_diagnostics and config.computes_metrics:
-        diag = ScheduleDiagnostics(top_k=monitoring.log_top_mismatch_samples, detokenize=detokenize)
+        diag = ScheduleDiagnostics(top_k=monitoring.log_top_mismatch_samples, detokenize=ByteTokenizer().decode)
     hook = RolloutCorrectionLoss(config, temperature=args.rollout_temperature,
                                  **({"model_forward": diag.model_forward} if diag else {}))
     if diag:
