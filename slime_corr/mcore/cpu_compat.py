@@ -164,8 +164,11 @@ def apply_cpu_compat() -> bool:
     torch.cuda.default_stream = lambda *a, **k: _NoOpStream()  # type: ignore[assignment]
 
     from megatron.core.fusions import fused_softmax
-    from megatron.core.pipeline_parallel import schedules
     from megatron.core.transformer import utils as transformer_utils
+
+    from slime_corr.mcore.compat import import_schedules
+
+    schedules = import_schedules()
 
     transformer_utils.get_default_causal_mask = _cpu_default_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_default_causal_mask

@@ -80,6 +80,8 @@ def reference(cfg: RolloutCorrectionConfig, opts: dict, data: list[dict], logits
     out.loss.backward()
     metrics = {k: v.item() for k, v in out.metrics.items()}
     metrics.update(loss=out.loss.item(), loss_denominator=out.denominator.item())
+    in_mask = out.correction.loss_mask if cfg.use_rollout_correction else step["loss_mask"]
+    metrics["pg_nonfinite_token_fraction"] = metrics["pg_nonfinite_token_count"] / max(1, (in_mask > 0).sum().item())
     if opts["compute_entropy"]:
         valid = step["loss_mask"] > 0
         metrics["entropy"] = (-(logp.exp() * logp).sum(-1))[valid].mean().item()

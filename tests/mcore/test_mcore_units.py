@@ -107,15 +107,21 @@ def test_bypass_loss_func_single_rank_matches_core():
     batch = dict(labels=labels, loss_mask=torch.tensor([[0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]]).float(),
                  rollout_log_probs=-torch.rand(2, 6, generator=g, dtype=torch.float64),
                  advantages=torch.randn(2, 6, generator=g, dtype=torch.float64))
-    loss_sum, count, reduced = RolloutCorrectionLoss(cfg, groups=ParallelGroups()).loss_func(batch, logits)
+    loss_sum, count, report = RolloutCorrectionLoss(cfg, groups=ParallelGroups()).loss_func(batch, logits)
     lp = torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1))[..., 0]
     ref = compute_policy_loss(lp, None, batch["rollout_log_probs"], batch["advantages"], batch["loss_mask"], cfg)
     torch.testing.assert_close(loss_sum, ref.loss_sum)
     assert count.dtype == torch.int32 and int(count) == int(ref.denominator) == 8
-    assert set(reduced) == {"stats", "function", "local"}
-    assert reduced["stats"].keys() == ref.correction.stats.keys()
-    for k, v in ref.correction.stats.items():
-        torch.testing.assert_close(reduced["stats"][k], v, rtol=1e-9, atol=1e-12, msg=k)
+    # Megatron's reporting format: every value a [numerator, denominator] pair (or 1 element), finite; the
+    # pairs of one micro-batch give the core's metrics of that micro-batch
+    assert all(v.numel() in (1, 2) and torch.isfinite(v).all() for v in report.values()), report
+    torch.testing.assert_close(report["pg_loss"], torch.stack([ref.loss_sum, ref.denominator]).double())
+    ratios = {k: (v[0] / v[1]).item() for k, v in report.items()}
+    for key in ("pg_loss", "ppo_kl", "pg_clipfrac", *ref.correction.metrics):
+        if key in ratios:
+            assert ratios[key] == pytest.approx(ref.metrics[key].item(), rel=1e-9, abs=1e-12), key
+    assert {"mismatch_kl", "mis_mean_is_weight_before_clip", "mis_ratio_mean_after_mis"} <= set(report)
+    assert ratios["pg_nonfinite_token_fraction"] == 0.0
 
 
 def test_cpu_compat_is_a_noop_when_cuda_is_available(monkeypatch):
