@@ -34,6 +34,7 @@ from mcore_helpers import (
 
 from slime_corr.config import PRESETS, RolloutCorrectionConfig
 from slime_corr.correction import compute_rollout_correction
+from slime_corr.mcore.compat import get_batch_on_this_cp_rank
 from slime_corr.mcore.context_parallel import ParallelGroups, slice_batch_for_cp, zigzag_slice
 from slime_corr.mcore.logprobs import vocab_parallel_log_probs
 from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
@@ -239,6 +240,11 @@ def _worker(rank: int, world: int) -> None:
             tp, cp, dp)
         vshard = slice(tp_rank * V // tp, (tp_rank + 1) * V // tp)
         batches = _local_batches(data, dp_rank, dp, groups)
+        # the zig-zag layout is Megatron's own (get_batch_on_this_cp_rank, whose signature differs by version)
+        rows = {k: local_rows(v, dp_rank, dp) for k, v in data[0].items()}
+        megatron_slice = get_batch_on_this_cp_rank(dict(rows))
+        for k, v in slice_batch_for_cp(rows, groups).items():
+            assert torch.equal(v, megatron_slice[k]), f"TP={tp} CP={cp} DP={dp}: {k} sliced differently"
 
         # vocab-parallel log-probs + entropy, chunked, forward and backward: equal to torch on the full vocab
         # and bitwise equal on every TP rank
