@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import math
 import sys
 from functools import partial
 
@@ -94,7 +95,7 @@ class SchedulerStub:
         pass
 
 
-def _parse(argv: list[str]):
+def _parse(argv: list[str], extra_args_provider=None):
     from slime_corr.arguments import add_rollout_correction_args
     from slime_corr.mcore.compat import import_megatron_training
 
@@ -104,7 +105,7 @@ def _parse(argv: list[str]):
 
     destroy_global_state()  # one process runs several launches
     sys.argv = ["pretrain_rollout_correction.py", *argv]
-    return parse_and_validate_args(extra_args_provider=add_rollout_correction_args)
+    return parse_and_validate_args(extra_args_provider=extra_args_provider or add_rollout_correction_args)
 
 
 def _init_parallel(args) -> None:
@@ -322,8 +323,71 @@ def _check_rl_flags():
     assert not config_from_args(_parse(argv + ["--rl-inference-logprobs-is-correction"])).computes_metrics
 
 
+def _load_example():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "megatron_lm" / "pretrain_rollout_correction.py"
+    spec = importlib.util.spec_from_file_location("pretrain_rollout_correction", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _check_example(tmp_dir: str) -> None:
+    """examples/megatron_lm: its flags through Megatron-LM's parser, its rollout side against a real engine on
+    loopback (the embedded local engine: its own tiny model, so the mismatch is real), its data iterator and
+    forward_step through Megatron-LM's train_step at DP=2: lp_old computed, loss, gradients and metrics finite."""
+    import torch.distributed as dist
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.rerun_state_machine import RerunDataIterator
+    from megatron.training import get_timers
+    from megatron.training.training import train_step
+
+    from slime_corr.arguments import config_from_args
+    from slime_corr.mcore.compat import get_forward_backward_func
+    from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
+    from slime_corr.rollout.engine_model import create_tiny_checkpoint
+    from slime_corr.rollout.local_engine import start_local_engine
+
+    example = _load_example()
+    prompts = f"{tmp_dir}/prompts.txt"
+    with contextlib.ExitStack() as stack:
+        url = [None]
+        if dist.get_rank() == 0:
+            with open(prompts, "w") as f:
+                f.write("1 2 3\n4 5\n6 7 8 9\n")
+            ckpt = create_tiny_checkpoint(f"{tmp_dir}/engine", seed=3, vocab_size=V, max_seq_len=S)
+            url = [stack.enter_context(start_local_engine(ckpt)).url]
+        dist.broadcast_object_list(url, src=0)
+        args = _parse(BASE_ARGV + ["--micro-batch-size", str(B_GLOBAL // 2), "--calculate-per-token-loss",
+                                   "--dataloader-type", "external", "--sglang-url", url[0], "--prompt-file", prompts,
+                                   "--n-samples-per-prompt", "4", "--rollout-max-response-len", "8",
+                                   "--rollout-correction-preset", "decoupled_token_is"], example.add_args)
+        _init_parallel(args)
+        example.HOOK = RolloutCorrectionLoss(config_from_args(args), temperature=args.rollout_temperature)
+        data, _, _ = example.train_valid_test_datasets_provider([0, 0, 0])
+        model, model_config = _build_model(args)
+        model_config.finalize_model_grads_func = finalize_model_grads
+        model_config.timers = get_timers()
+        optimizer = SGDStub(model)
+        for iteration in range(2):  # two rollouts
+            loss_dict, *_ = train_step(example.forward_step, RerunDataIterator(data), model, optimizer,
+                                       SchedulerStub(), model_config, get_forward_backward_func(),
+                                       iteration=iteration)
+            got = {k: v.item() for k, v in loss_dict.items()}
+            assert {"pg_loss", "mismatch_kl", "mis_rejected_seq_fraction"} <= set(got), got
+            assert all(math.isfinite(v) for v in got.values()), got
+            assert got["mismatch_k3_kl"] > 1e-3, got  # two different models: a real mismatch
+            assert sum(g.abs().sum() for g in optimizer.grads[-1].values()) > 0
+        assert data.rollouts_started == 2
+
+
 def _worker(rank: int, world: int) -> None:
     import os
+    import tempfile
+
+    import torch.distributed as dist
 
     from slime_corr.mcore.cpu_compat import apply_cpu_compat_megatron_training
 
@@ -338,6 +402,10 @@ def _worker(rank: int, world: int) -> None:
         for name, case_flags in CASES.items():
             _check_case(name, flags + case_flags, layout)
         _check_per_token_loss_required(flags)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_dir = [tmp]
+        dist.broadcast_object_list(tmp_dir, src=0)  # rank 0 writes the prompt file, every rank reads it
+        _check_example(tmp_dir[0])
 
 
 def test_megatron_lm_train_step_with_the_hook_at_dp2_and_cp2():
