@@ -190,7 +190,13 @@ class RolloutCorrectionLoss:
         normalization mean) and finalize the previous step's correction metrics."""
         batch = next(data_iterator)
         step = pop_step(batch)
-        if step is not None:
+        if step is None:
+            pass
+        elif step.prepared:  # Megatron's rerun machine replays the step, from copies taken as it was first read
+            self.step_stats.reset()  # the first attempt's statistics are void
+            for key, value in step.micro_batches[0].items():  # lp_old, computed after that copy was taken
+                batch.setdefault(key, value)
+        else:
             self._start_step(step, model)
         return batch
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
@@ -47,8 +47,7 @@ class RolloutStep:
 
     micro_batches: list[dict[str, Any]]
     rollout: Rollout
-    index: int  # the step's index within its rollout
-    prepared: bool = field(default=False)
+    prepared: bool = False
 
 
 def megatron_num_microbatches() -> int | None:
@@ -102,7 +101,7 @@ class RolloutStepIterator:
                              f"positive multiple of the {n} micro-batches of an optimizer step.")
         rollout = Rollout(micro_batches)
         for i in range(0, len(micro_batches), n):
-            step = RolloutStep(micro_batches[i:i + n], rollout, index=i // n)
+            step = RolloutStep(micro_batches[i:i + n], rollout)
             step.micro_batches[0][STEP_KEY] = step
             self._queue.extend(step.micro_batches)
         self.rollouts_started += 1

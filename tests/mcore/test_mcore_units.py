@@ -283,6 +283,34 @@ def test_rollout_steps_prepare_each_step_before_its_first_micro_batch(preset):
     assert hook.pop_step_metrics()["mis_valid_token_count"] == 16  # the last step: 2 micro-batches of 8 tokens
 
 
+def test_a_replayed_step_is_not_prepared_again_and_keeps_its_lp_old():
+    """Megatron's rerun state machine (fault tolerance) replays a step from shallow copies of the micro-batches
+    taken as they were first read: before the hook computed lp_old into them."""
+    import copy
+
+    from slime_corr.mcore.rollout_steps import RolloutStepIterator
+
+    hook = RolloutCorrectionLoss(RolloutCorrectionConfig.preset("decoupled_token_is"), groups=ParallelGroups(),
+                                 model_forward=_logits_forward)
+    data = RolloutStepIterator([_rollout(0, 1)], num_microbatches=1)
+    model = _CountingModel()
+    model.scale = 1.0
+    saved = []
+
+    class Rerun:  # what megatron.core.rerun_state_machine.RerunDataIterator does when rerun mode is on
+        def __next__(self):
+            n = next(data)
+            saved.append(copy.copy(n))
+            return n
+
+    batch = hook.next_micro_batch(Rerun(), model)
+    hook.loss_func(batch, batch["logits"])
+    assert model.forwards == 1 and hook.step_stats.micro_batches == 1
+    replayed = hook.next_micro_batch(iter(saved), model)
+    assert model.forwards == 1 and hook.step_stats.micro_batches == 0  # not prepared again; stats void
+    assert replayed["old_log_probs"] is batch["old_log_probs"]
+
+
 def test_rollout_step_iterator_rejects_partial_steps_and_bad_sizes():
     from slime_corr.mcore.rollout_steps import RolloutStepIterator
 
