@@ -35,7 +35,7 @@ class PerTokenLossError(ValueError):
 def check_per_token_loss(setting: Any, where: str) -> None:
     """Raise `PerTokenLossError` when `setting` (a config's calculate_per_token_loss) is not True."""
     if setting is not True:
-        raise PerTokenLossError(f"{where} has calculate_per_token_loss={setting!r}; {HOW_TO_SET}")
+        raise PerTokenLossError(f"calculate_per_token_loss={setting!r} in {where}; {HOW_TO_SET}")
 
 
 def check_model_config(model: Any) -> None:

@@ -307,6 +307,14 @@ def _check_per_token_loss_required(layout_flags):
     _init_parallel(args)
     with pytest.raises(PerTokenLossError, match="--calculate-per-token-loss"):
         _run(args, _rollout_data(args))
+    # a loss_func that is not given the model: Megatron-LM's parsed arguments are checked
+    from slime_corr.arguments import config_from_args
+    from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
+
+    hook = RolloutCorrectionLoss(config_from_args(args))
+    batch = {k: v[:1] for k, v in step_data()[0].items()}
+    with pytest.raises(PerTokenLossError, match="calculate_per_token_loss=False in Megatron-LM's arguments"):
+        hook.loss_func(batch, torch.zeros(1, S, V, dtype=torch.float64, requires_grad=True))
 
 
 def _check_rl_flags():
