@@ -248,7 +248,7 @@ def _run(args, rollouts):
     results, logs, total_loss_dict = [], [], {}
     get_timers()("interval-time", log_level=0).start(barrier=True)
     for iteration in range(sum(ROLLOUTS)):
-        loss_dict, skipped, *_ , grad_norm, _, _ = train_step(
+        loss_dict, skipped, _, _, _, grad_norm, _, _ = train_step(
             forward_step, data, model, optimizer, SchedulerStub(), model_config, get_forward_backward_func(),
             iteration=iteration)
         buf = io.StringIO()
