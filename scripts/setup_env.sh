@@ -14,6 +14,18 @@ fi
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   "$VENV/bin/python" -m pip install -q "torch==2.13.0" >&2
 fi
+# MEGATRON_CORE=X.Y.Z: that megatron-core release instead of the one pip resolves. 0.19.x declares Python >= 3.12
+# (its wheel runs on 3.11): it is installed with --ignore-requires-python and without dependencies (pip would try
+# to build the newest numpy), plus triton, which its pipeline schedules import.
+if [ -n "${MEGATRON_CORE:-}" ]; then
+  if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('megatron-core') != '$MEGATRON_CORE')" 2>/dev/null; then
+    "$VENV/bin/python" -m pip install -q numpy packaging >&2
+    "$VENV/bin/python" -m pip install -q --ignore-requires-python --no-deps "megatron-core==$MEGATRON_CORE" >&2
+  fi
+  if ! "$VENV/bin/python" -c "import triton" 2>/dev/null; then
+    "$VENV/bin/python" -m pip install -q triton >&2
+  fi
+fi
 if [ -n "${EXTRAS:-}" ]; then
   "$VENV/bin/python" -m pip install -q -e ".[${EXTRAS}]" >&2
 else

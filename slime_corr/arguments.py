@@ -115,7 +115,10 @@ def parse_rollout_correction_config(
 
 def config_from_args(args: argparse.Namespace) -> RolloutCorrectionConfig:
     """Build the config and load the custom weighting function now, so a bad path fails at start-up."""
+    from slime_corr.mcore.megatron_lm import check_megatron_lm_rl_flags
+
     config = RolloutCorrectionConfig.from_args(args)
+    check_megatron_lm_rl_flags(args, config)  # Megatron-LM's own IS flags, when its parser is used
     if config.custom_tis_function_path:
         import slime_corr.correction  # noqa: F401  (registers the built-in weighting functions)
         from slime_corr.registry import WEIGHT_FUNCTIONS

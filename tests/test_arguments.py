@@ -144,8 +144,8 @@ def test_argparse_rejects_bad_choices_and_numbers(argv, capsys):
     assert "argument" in capsys.readouterr().err
 
 
-# Flags of a Megatron-LM launch (megatron/training/arguments.py, which megatron-core 0.16.1 does not ship),
-# including its own RL flags: ours must coexist with all of them.
+# Flags of a Megatron-LM launch (megatron/training/arguments.py), including its own RL flags: ours must coexist
+# with all of them. Megatron-LM's real parser (megatron-core 0.19.x ships it) runs in tests/mcore/test_megatron_lm.py.
 MEGATRON_LAUNCH_FLAGS = [
     ("--tensor-model-parallel-size", int), ("--pipeline-model-parallel-size", int),
     ("--context-parallel-size", int), ("--sequence-parallel", None), ("--num-layers", int),
@@ -183,14 +183,6 @@ def test_flags_coexist_with_megatron_launch_flags():
     ])
     assert args.tensor_model_parallel_size == 2 and args.grpo_group_size == 8
     assert c.use_tis and c.tis_level == "sequence" and c.use_rs
-
-
-def test_megatron_core_has_no_training_arguments_here():
-    # If a future megatron-core ships megatron.training, the test above should use its real parser instead.
-    import importlib.util
-
-    pytest.importorskip("megatron.core")
-    assert importlib.util.find_spec("megatron.training") is None
 
 
 def test_config_from_args_without_parser_records():

@@ -9,7 +9,12 @@ shared/design/MEGATRON_ON_CPU.md):
 - `get_default_causal_mask` builds the mask on CPU (it hard-codes device="cuda");
 - the CUDA RNG tracker / `model_parallel_cuda_manual_seed` keep named CPU generator states instead;
 - `pipeline_parallel.schedules` tensor factories turn device="cuda" into CPU (its token counter);
-- `torch.cuda.current_stream()` returns a no-op stream (newer DDP versions call it in grad sync).
+- `torch.cuda.current_stream()` returns a no-op stream (newer DDP versions call it in grad sync);
+- `torch.cuda.synchronize()` does nothing (Megatron's timers call it).
+`apply_cpu_compat_megatron_training()` adds what Megatron-LM's loop (`megatron.training`, 0.19+) needs:
+- its training module's tensor factories given device="cuda" (train_step / training_log accumulators) build on CPU;
+- `validate_args` asks for the GPU architecture (with TP or CP > 1): 0 on CPU, i.e. pre-Blackwell, so it
+  requires CUDA_DEVICE_MAX_CONNECTIONS=1 as on such GPUs.
 Megatron's optimizer (hard-coded CUDA) is not adapted: use a plain `torch.optim` optimizer on CPU.
 """
 
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -162,10 +168,14 @@ def apply_cpu_compat() -> bool:
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     torch.cuda.current_stream = lambda *a, **k: _NoOpStream()  # type: ignore[assignment]
     torch.cuda.default_stream = lambda *a, **k: _NoOpStream()  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
 
     from megatron.core.fusions import fused_softmax
-    from megatron.core.pipeline_parallel import schedules
     from megatron.core.transformer import utils as transformer_utils
+
+    from slime_corr.mcore.compat import import_schedules
+
+    schedules = import_schedules()
 
     transformer_utils.get_default_causal_mask = _cpu_default_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
@@ -175,4 +185,25 @@ def apply_cpu_compat() -> bool:
     return True
 
 
-__all__ = ["apply_cpu_compat", "cpu_compat_needed", "is_cpu_compat_applied", "CPURNGStatesTracker"]
+def apply_cpu_compat_megatron_training() -> bool:
+    """`apply_cpu_compat()` plus Megatron-LM's training module (imports `megatron.training`). Returns True if
+    the adaptations are active, False on CUDA machines."""
+    if not apply_cpu_compat():
+        return False
+    from slime_corr.mcore.compat import import_megatron_training
+
+    import_megatron_training()
+    training = importlib.import_module("megatron.training.training")
+    if not isinstance(training.torch, _CPUTorchProxy):
+        training.torch = _CPUTorchProxy()
+    importlib.import_module("megatron.training.arguments").get_device_arch_version = lambda: 0
+    return True
+
+
+__all__ = [
+    "CPURNGStatesTracker",
+    "apply_cpu_compat",
+    "apply_cpu_compat_megatron_training",
+    "cpu_compat_needed",
+    "is_cpu_compat_applied",
+]

@@ -6,15 +6,17 @@
     metrics = hook.train_step(model, micro_batches)       # decoupled recompute (if needed) + fwd/bwd
     optimizer.step()
 
-or, inside an existing training loop, call `hook.prepare_step(model, micro_batches)` before the schedule (it
-recomputes lp_old in decoupled mode and the step's `--tis-batch-normalize` mean), pass `hook.forward_step` as
-`forward_step_func`, and `hook.reduce_step_metrics(...)` on what the schedule returns.
+or, inside an existing training loop — Megatron-LM's `pretrain()` included — pass `hook.forward_step` as
+`forward_step_func` (or write your own that returns `(logits, partial(hook.loss_func, batch, model=model))`) and
+feed it a `RolloutStepIterator` (slime_corr.mcore.rollout_steps), whose steps `next_micro_batch` prepares: lp_old
+in decoupled mode, the step's `--tis-batch-normalize` mean. Outside `pretrain()`, `hook.prepare_step(model,
+micro_batches)` before the schedule and `hook.reduce_step_metrics(...)` on what it returns do the same.
 
 Modes (from the config): decoupled (default; lp_old recomputed by a forward-only pass before the update and
 stored as `batch["old_log_probs"]`), bypass (`use_rollout_logprobs`: lp_old := lp_rollout, no extra forward),
 REINFORCE (`loss_type="reinforce"`, bypass only).
 
-Normalization. `loss_func` returns Megatron's per-token triple `(loss_sum, count, reduced)` where `count` is the
+Normalization. `loss_func` returns Megatron's per-token triple `(loss_sum, count, report)` where `count` is the
 core's local denominator (valid tokens for token-mean, valid sequences counted once across CP for seq-mean-*).
 With `calculate_per_token_loss=True` Megatron sums the counts over micro-batches, all-reduces them over DP×CP
 and divides the summed gradients by that total, so the gradient is
@@ -22,14 +24,20 @@ and divides the summed gradients by that total, so the gradient is
     ∇ Σ_{ranks, micro-batches} loss_sum / Σ_{ranks, micro-batches} count
 
 — the single-rank full-batch value for any (TP, CP, DP) factorization, even when CP ranks hold different
-numbers of valid tokens (a per-rank mean, `calculate_per_token_loss=False`, would not be).
+numbers of valid tokens. `calculate_per_token_loss=False` (a per-rank mean) is refused on every path
+(`slime_corr.mcore.per_token_loss`).
+
+Reporting. `report` is Megatron's `{key: tensor([numerator, denominator])}` (`slime_corr.mcore.step_metrics`):
+Megatron-LM's `train_step` turns it into the step's loss, loss-level metrics and every ratio-of-sums correction
+metric. The other correction metrics (min/max, std, quantiles, ESS, counts) need the step's merged statistics:
+`hook.pop_step_metrics()` gives every correction metric of the step's training micro-batches, exactly;
+`reduce_step_metrics` (the project's trainer) gives everything.
 
 Several micro-batches per step. Every batch quantity is over the whole step, across DP×CP: the loss and its
-gradient (above); the `--tis-batch-normalize` mean, from a pre-pass over the step's micro-batches in
-`prepare_step` (decoupled mode reuses the recomputed lp_old; bypass mode, which has no lp_old, pays one
-forward-only pass, and only when normalization is on with more than one micro-batch); and the correction metrics,
-finalized once from the micro-batches' summed statistics (`merge_stats`). Only the extra metrics of a custom
-weighting function are averaged over micro-batches with equal weight.
+gradient (above); the `--tis-batch-normalize` mean, from a pre-pass over the step's micro-batches (decoupled mode
+reuses lp_old; bypass mode, which has no lp_old, pays one forward-only pass, and only when normalization is on
+with more than one micro-batch); and the correction metrics. Only the extra metrics of a custom weighting
+function are averaged over micro-batches with equal weight.
 Micro-batches are padded [B, S] (one sequence per row); packed batches are rejected.
 """
 
@@ -43,17 +51,22 @@ import torch
 from torch import Tensor
 
 from slime_corr.config import RolloutCorrectionConfig
-from slime_corr.correction import (
-    compute_rollout_correction,
-    correction_metrics,
-    merge_stats,
-    metrics_to_host,
-    weight_mean,
-)
-from slime_corr.mcore.context_parallel import ParallelGroups, all_reduce_dp_cp, seq_length_for_norm
+from slime_corr.correction import compute_rollout_correction, merge_stats, metrics_to_host, weight_mean
+from slime_corr.mcore.compat import get_forward_backward_func, megatron_lm_args
+from slime_corr.mcore.context_parallel import ParallelGroups, seq_length_for_norm
 from slime_corr.mcore.logprobs import DEFAULT_CHUNK_SIZE, vocab_parallel_log_probs
+from slime_corr.mcore.per_token_loss import check_model_config, check_per_token_loss, guard_loss
+from slime_corr.mcore.rollout_steps import RolloutStep, pop_step
+from slime_corr.mcore.step_metrics import (
+    NONFINITE_COUNT,
+    NONFINITE_FRACTION,
+    StepStatistics,
+    build_report,
+    reduce_reports,
+)
 
 ModelForward = Callable[[torch.nn.Module, dict[str, Tensor]], Tensor]
+MicroBatches = Sequence[dict[str, Tensor]] | Iterator[dict[str, Tensor]]  # a stream must also have len()
 
 
 def default_model_forward(model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
@@ -63,15 +76,6 @@ def default_model_forward(model: torch.nn.Module, batch: dict[str, Tensor]) -> T
         position_ids=batch["position_ids"],
         attention_mask=batch.get("attention_mask"),
     )
-
-
-def _get_forward_backward_func() -> Callable[..., Any]:
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    return get_forward_backward_func()
-
-
-MicroBatches = Sequence[dict[str, Tensor]] | Iterator[dict[str, Tensor]]  # a stream must also have len()
 
 
 def _run_schedule(
@@ -99,16 +103,13 @@ def _run_schedule(
     )
 
 
-def check_model_config(model: torch.nn.Module) -> None:
-    """Fail early if the model config would normalize the loss per rank (wrong gradients under CP)."""
-    from megatron.core.utils import get_model_config
+def _check_no_pipeline_parallelism() -> None:
+    from megatron.core import parallel_state as ps
 
-    config = get_model_config(model)
-    if not getattr(config, "calculate_per_token_loss", False):
-        raise ValueError(
-            "RolloutCorrectionLoss needs the model's TransformerConfig.calculate_per_token_loss=True: the loss "
-            "is returned as (loss_sum, count) and Megatron must divide by the global DP×CP count "
-            "(a per-rank mean gives wrong gradients when CP ranks hold different token counts)."
+    if ps.model_parallel_is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1:
+        raise NotImplementedError(
+            "RolloutCorrectionLoss: the lp_old / normalization pre-pass runs the model on whole micro-batches; "
+            "pipeline parallelism (--pipeline-model-parallel-size > 1) is not supported."
         )
 
 
@@ -121,6 +122,8 @@ class RolloutCorrectionLoss:
     `chunk_size`: tokens per log-prob chunk (bounds the fp32 [chunk, V/TP] temporaries).
     `compute_entropy`: also log the token-mean entropy of π_θ.
     `keep_outputs`: keep each micro-batch's `PolicyLossOutput` in `self.outputs` (debugging, tests).
+    `on_step_metrics(metrics)`: called with a step's correction metrics (`pop_step_metrics`) when
+    `next_micro_batch` starts the next step; they are also kept in `self.last_step_metrics`.
     """
 
     def __init__(
@@ -133,6 +136,7 @@ class RolloutCorrectionLoss:
         model_forward: ModelForward = default_model_forward,
         compute_entropy: bool = False,
         keep_outputs: bool = False,
+        on_step_metrics: Callable[[dict[str, float]], None] | None = None,
     ) -> None:
         self.config = config
         self.temperature = temperature
@@ -141,8 +145,11 @@ class RolloutCorrectionLoss:
         self.model_forward = model_forward
         self.compute_entropy = compute_entropy
         self.keep_outputs = keep_outputs
+        self.on_step_metrics = on_step_metrics
         self.outputs: list[Any] = []
-        self.step_batch_norm_mean: Tensor | None = None  # set by `prepare_step`, cleared by `train_step`
+        self.step_batch_norm_mean: Tensor | None = None  # set by `prepare_step`
+        self.step_stats = StepStatistics()
+        self.last_step_metrics: dict[str, float] = {}
 
     # ------------------------------------------------------------------ properties
     @property
@@ -172,18 +179,54 @@ class RolloutCorrectionLoss:
     # ------------------------------------------------------------------ Megatron hooks
     def forward_step(self, data_iterator: Iterator[dict[str, Tensor]], model: torch.nn.Module):
         """Megatron `forward_step_func`: run the model on the next micro-batch, return (logits, loss_func)."""
-        batch = next(data_iterator)
+        check_model_config(model)
+        batch = self.next_micro_batch(data_iterator, model)
         logits = self.model_forward(model, batch)
         return logits, partial(self.loss_func, batch)
 
-    def loss_func(self, batch: dict[str, Tensor], logits: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:
-        """Megatron `loss_func`: (local loss_sum with grad, local count as int tensor, reduced data).
+    def next_micro_batch(self, data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module) -> dict[str, Any]:
+        """`next(data_iterator)` for a forward_step: at the first micro-batch of a `RolloutStepIterator` step,
+        prepare the step before the model runs on it (lp_old for a new rollout in decoupled mode, the step's
+        normalization mean) and finalize the previous step's correction metrics."""
+        batch = next(data_iterator)
+        step = pop_step(batch)
+        if step is None:
+            pass
+        elif step.prepared:  # Megatron's rerun machine replays the step, from copies taken as it was first read
+            self.step_stats.reset()  # the first attempt's statistics are void
+            for key, value in step.micro_batches[0].items():  # lp_old, computed after that copy was taken
+                batch.setdefault(key, value)
+        else:
+            self._start_step(step, model)
+        return batch
 
-        The reduced data holds the core's statistics (already reduced over DP×CP for this micro-batch), a custom
-        weighting function's metrics, and the local numerators that `reduce_step_metrics` reduces once per step.
+    def _start_step(self, step: RolloutStep, model: torch.nn.Module) -> None:
+        if self.step_stats.micro_batches:
+            self.last_step_metrics = self.pop_step_metrics()
+            if self.on_step_metrics is not None:
+                self.on_step_metrics(self.last_step_metrics)
+        rollout = step.rollout
+        if self.needs_old_log_probs and not rollout.old_log_probs_ready:
+            self.compute_old_log_probs(model, rollout.micro_batches)
+            rollout.old_log_probs_ready = True
+        self.prepare_step(model, step.micro_batches, recompute_old_log_probs=False)
+        step.prepared = True
+
+    def loss_func(
+        self, batch: dict[str, Tensor], logits: Tensor, model: Any = None
+    ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """Megatron `loss_func`: (local loss_sum with grad, local count as int tensor, report).
+
+        `model` (optional, as Megatron-LM's pretrain_gpt passes it) lets the per-token-loss setting be checked
+        from its config; else Megatron-LM's arguments are checked when set. The report is Megatron's
+        `{key: tensor([numerator, denominator])}` (see the module doc).
         """
         from slime_corr.losses import compute_policy_loss
 
+        if model is not None:
+            check_model_config(model)
+        elif (args := megatron_lm_args()) is not None:
+            check_per_token_loss(getattr(args, "calculate_per_token_loss", None), "Megatron-LM's arguments")
         if "cu_seqlens" in batch:
             raise ValueError(
                 "RolloutCorrectionLoss needs padded [B, S] micro-batches (one sequence per row): sequence-level "
@@ -197,8 +240,10 @@ class RolloutCorrectionLoss:
             old = batch.get("old_log_probs")
             if old is None:
                 raise KeyError(
-                    "decoupled mode needs batch['old_log_probs']: call RolloutCorrectionLoss.compute_old_log_probs"
-                    "(model, micro_batches) before the training pass, or set --use-rollout-logprobs (bypass)."
+                    "decoupled mode needs batch['old_log_probs']: read the micro-batches of a RolloutStepIterator "
+                    "with hook.next_micro_batch(data_iterator, model), or call RolloutCorrectionLoss."
+                    "compute_old_log_probs(model, micro_batches) before the training pass, or set "
+                    "--use-rollout-logprobs (bypass)."
                 )
         loss_mask = batch["loss_mask"]
         out = compute_policy_loss(
@@ -215,120 +260,55 @@ class RolloutCorrectionLoss:
         )
         if self.keep_outputs:
             self.outputs.append(out)
+        corr = out.correction
+        if corr is not None and corr.stats and torch.is_grad_enabled():  # training passes only, not evaluation
+            self.step_stats.add(corr.stats, corr.function_metrics)
         count = out.denominator.detach().round().to(torch.int)
-        corr = out.correction
-        reduced = {
-            "stats": dict(corr.stats) if corr is not None else {},  # already reduced over DP×CP
-            "function": {k: v.detach() for k, v in corr.function_metrics.items()} if corr is not None else {},
-            "local": self._local_numerators(out, loss_mask, log_probs, entropy),
-        }
-        return out.loss_sum, count, reduced
-
-    def _local_numerators(self, out: Any, loss_mask: Tensor, log_probs: Tensor, entropy: Tensor | None) -> dict:
-        """This rank's sums for the loss-level metrics the core leaves local (weighted by token counts)."""
-        corr = out.correction
-        if corr is not None and self.config.use_rollout_correction:
-            used = corr.loss_mask > 0
-        else:
-            used = loss_mask > 0
-        nonfinite = out.metrics.get("pg_nonfinite_token_count", torch.zeros((), dtype=torch.float64))
-        tokens = used.sum().to(torch.float64) - nonfinite.to(torch.float64)
-        sums: dict[str, Tensor] = {
-            "loss_sum": out.loss_sum.detach().to(torch.float64),
-            "denominator": out.denominator.detach().to(torch.float64),
-            "tokens": tokens,
-        }
-        skip = set(corr.metrics) if corr is not None else set()
-        skip.add("pg_loss")
-        for key, value in out.metrics.items():
-            if key in skip:
-                continue
-            v = value.detach().to(torch.float64)
-            sums[key] = v if key.endswith("_count") else v * tokens
-        if entropy is not None:
-            valid = loss_mask > 0
-            sums["entropy"] = torch.where(valid, entropy.detach(), 0).sum().to(torch.float64)
-            sums["entropy_tokens"] = valid.sum().to(torch.float64)
-        return sums
+        report = build_report(out, cfg, groups, loss_mask, entropy)
+        return guard_loss(out.loss_sum), count, report
 
     # ------------------------------------------------------------------ step-level
-    def reduce_step_metrics(self, losses_reduced: Sequence[dict[str, Any]]) -> dict[str, float]:
-        """Combine the schedule's per-micro-batch outputs into step metrics, on the host, in one transfer.
+    def pop_step_metrics(self) -> dict[str, float]:
+        """Every correction metric of the training micro-batches since the last call (the step), exact as if the
+        step were one batch — the ratios Megatron logs and the others (min/max, std, quantiles, ESS, counts) —
+        plus a custom weighting function's metrics (mean over micro-batches); one host transfer, no collective."""
+        return metrics_to_host(self.step_stats.pop(self.config))
 
-        - `loss` (= `pg_loss`): Σ loss_sum / Σ count over micro-batches and DP×CP (one all-reduce per step);
-        - loss-level metrics (`pg_clipfrac`, `ppo_kl`, ...): token-weighted means; `*_count`: sums;
-        - correction metrics: finalized from the micro-batches' merged statistics, i.e. over the whole step;
-        - a custom weighting function's metrics: equal-weight mean over micro-batches.
-        """
+    def reduce_step_metrics(self, losses_reduced: Sequence[dict[str, Tensor]]) -> dict[str, float]:
+        """Step metrics from the schedule's per-micro-batch reports (and the step's correction statistics), on the
+        host, in one transfer: the reports reduced as Megatron-LM's `train_step` does (ONE all-reduce over DP×CP),
+        `loss` (= `pg_loss`), `loss_denominator`, `pg_nonfinite_token_count`, and `pop_step_metrics()`."""
         if not losses_reduced:
             return {}
-        local_keys = sorted(set().union(*(r["local"] for r in losses_reduced)))
-        local = torch.stack(
-            [sum((r["local"].get(k, torch.zeros((), dtype=torch.float64)) for r in losses_reduced),
-                 torch.zeros((), dtype=torch.float64)) for k in local_keys]
-        )
-        all_reduce_dp_cp(local, self.groups)
-        tot = dict(zip(local_keys, local.unbind(0), strict=True))
-        out: dict[str, Tensor] = {}
-        out["loss"] = tot["loss_sum"] / tot["denominator"].clamp_min(1)
-        out["pg_loss"] = out["loss"]
-        out["loss_denominator"] = tot["denominator"]
-        for key in local_keys:
-            if key in ("loss_sum", "denominator", "tokens", "entropy_tokens"):
-                continue
-            if key == "entropy":
-                out[key] = tot[key] / tot["entropy_tokens"].clamp_min(1)
-            elif key.endswith("_count"):
-                out[key] = tot[key]
-            else:
-                out[key] = tot[key] / tot["tokens"].clamp_min(1)
-        stats = [r["stats"] for r in losses_reduced if r["stats"]]
-        if stats:
-            out.update(correction_metrics(merge_stats(stats), self.config))
-        for key in sorted(set().union(*(r["function"] for r in losses_reduced))):
-            values = [r["function"][key].to(torch.float64) for r in losses_reduced if key in r["function"]]
-            out[key] = torch.stack(values).mean()
+        totals = reduce_reports(losses_reduced, self.groups)
+        out = {k: v[0] / v[1] if v.numel() == 2 else v for k, v in totals.items()}
+        out["loss"] = out["pg_loss"]
+        out["loss_denominator"] = totals["pg_loss"][1].round()  # counts are integers; 0 was clamped to 1e-30
+        out[NONFINITE_COUNT] = totals[NONFINITE_FRACTION][0]
+        out.update(self.step_stats.pop(self.config))
         return metrics_to_host(out)
 
-    def compute_old_log_probs(
-        self,
-        model: torch.nn.Module,
-        micro_batches: Sequence[dict[str, Tensor]],
-        *,
-        forward_backward_func: Callable[..., Any] | None = None,
-    ) -> list[Tensor]:
+    def compute_old_log_probs(self, model: torch.nn.Module, micro_batches: Sequence[dict[str, Tensor]]) -> list[Tensor]:
         """Decoupled mode: log π_old for every micro-batch by a forward-only pass (no grad), stored in place
         as `batch["old_log_probs"]` ([B, S] local slice, fp32) and returned."""
-        outputs = self._forward_log_probs(model, micro_batches, forward_backward_func)
+        outputs = self._forward_log_probs(model, micro_batches)
         for batch, lp in zip(micro_batches, outputs, strict=True):
             batch["old_log_probs"] = lp
         return outputs
 
-    def _forward_log_probs(
-        self, model: torch.nn.Module, micro_batches: Sequence[dict[str, Tensor]], fb: Callable[..., Any] | None
-    ) -> list[Tensor]:
-        """log π(labels) of the current weights for every micro-batch: a forward-only pass through Megatron."""
-
-        def forward_step(data_iterator: Iterator[dict[str, Tensor]], model: torch.nn.Module):
-            batch = next(data_iterator)
-            logits = self.model_forward(model, batch)
-
-            def collect(output: Tensor, non_loss_data: bool = False) -> Tensor:
-                return self.log_probs(output, batch["labels"])[0].detach()
-
-            return logits, collect
-
+    def _forward_log_probs(self, model: Any, micro_batches: Sequence[dict[str, Tensor]]) -> list[Tensor]:
+        """log π(labels) of the current weights for every micro-batch: a forward-only pass, one micro-batch at a
+        time (what Megatron's schedule does without pipelining; it can also run inside a training step)."""
+        _check_no_pipeline_parallelism()
+        chunk = model[0] if isinstance(model, list | tuple) else model
         with torch.no_grad():
-            outputs = _run_schedule(fb or _get_forward_backward_func(), forward_step, model, micro_batches,
-                                    forward_only=True, collect_non_loss_data=True)
-        return list(outputs)
+            return [self.log_probs(self.model_forward(chunk, b), b["labels"])[0] for b in micro_batches]
 
     def prepare_step(
         self,
         model: torch.nn.Module,
         micro_batches: Sequence[dict[str, Tensor]],
         *,
-        forward_backward_func: Callable[..., Any] | None = None,
         recompute_old_log_probs: bool = True,
     ) -> None:
         """Before a step's training pass: lp_old by a forward-only pass (decoupled mode, unless
@@ -339,14 +319,14 @@ class RolloutCorrectionLoss:
         (lp_old; in bypass mode the log-probs of a forward-only pass, equal to what the training pass sees).
         """
         if self.needs_old_log_probs and recompute_old_log_probs:
-            self.compute_old_log_probs(model, micro_batches, forward_backward_func=forward_backward_func)
+            self.compute_old_log_probs(model, micro_batches)
         self.step_batch_norm_mean = None
         if not self._needs_step_mean(len(micro_batches)):
             return
         if self.needs_old_log_probs:
             train_log_probs = [b["old_log_probs"] for b in micro_batches]
         else:
-            train_log_probs = self._forward_log_probs(model, micro_batches, forward_backward_func)
+            train_log_probs = self._forward_log_probs(model, micro_batches)
         groups = self.groups
         stats = [
             compute_rollout_correction(lp, b["rollout_log_probs"].to(lp.dtype), b["loss_mask"], self.config,
@@ -386,11 +366,11 @@ class RolloutCorrectionLoss:
                 "list (e.g. list(stream))."
             )
         check_model_config(model)
-        fb = forward_backward_func or _get_forward_backward_func()
+        self.step_stats.reset()
         if not streamed:
-            self.prepare_step(model, micro_batches, forward_backward_func=fb,  # type: ignore[arg-type]
-                              recompute_old_log_probs=recompute_old_log_probs)
+            self.prepare_step(model, micro_batches, recompute_old_log_probs=recompute_old_log_probs)  # type: ignore[arg-type]
         try:
+            fb = forward_backward_func or get_forward_backward_func()
             losses = _run_schedule(fb, self.forward_step, model, micro_batches, forward_only=False)
         finally:
             self.step_batch_norm_mean = None

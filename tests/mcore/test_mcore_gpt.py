@@ -8,6 +8,9 @@ the logits before the loss; the loss, its CP reductions and Megatron's DP×CP gr
 
 from __future__ import annotations
 
+from functools import partial
+
+import pytest
 import torch
 import torch.distributed as dist
 from mcore_helpers import TEMPERATURE, S, V, init_layout, local_rows, spawn, step_data
@@ -114,7 +117,32 @@ def _worker(rank: int, world: int) -> None:
                 want = ref[_name(name)]
                 err = (got - want).norm() / want.norm().clamp_min(1e-30)
                 assert err <= 1e-6, f"{tag} {name}: relative gradient error {err:.2e}"
+        _check_per_token_loss_guard(batches, f"TP={tp} CP={cp} DP={dp}")
     ps.destroy_model_parallel()
+
+
+def _check_per_token_loss_guard(batches: list[dict], tag: str) -> None:
+    """calculate_per_token_loss=False in the model config, and a forward_step whose loss_func cannot see the model
+    (no Megatron-LM args either): Megatron's real schedule divides the loss in place, and the first backward fails
+    with the fix before any gradient reaches a parameter."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from slime_corr.mcore.per_token_loss import PerTokenLossError
+
+    model = build_tiny_gpt(ARGS)
+    model.config.calculate_per_token_loss = False
+    hook = RolloutCorrectionLoss(RolloutCorrectionConfig.preset("pg_is"), temperature=TEMPERATURE)
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        return emulated_cp_forward(model, batch), partial(hook.loss_func, batch)
+
+    model.zero_grad_buffer()
+    with pytest.raises(PerTokenLossError, match="divided the rollout-correction loss in place"):
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches), model=model,
+                                    num_microbatches=len(batches), seq_length=S, micro_batch_size=1,
+                                    forward_only=False)
+    assert all(p.main_grad.abs().sum() == 0 for p in model.parameters()), tag
 
 
 def test_tiny_gpt_gradients_match_single_rank_under_dp_cp_tp():

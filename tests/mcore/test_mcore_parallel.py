@@ -34,6 +34,7 @@ from mcore_helpers import (
 
 from slime_corr.config import PRESETS, RolloutCorrectionConfig
 from slime_corr.correction import compute_rollout_correction
+from slime_corr.mcore.compat import get_batch_on_this_cp_rank
 from slime_corr.mcore.context_parallel import ParallelGroups, slice_batch_for_cp, zigzag_slice
 from slime_corr.mcore.logprobs import vocab_parallel_log_probs
 from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
@@ -80,6 +81,8 @@ def reference(cfg: RolloutCorrectionConfig, opts: dict, data: list[dict], logits
     out.loss.backward()
     metrics = {k: v.item() for k, v in out.metrics.items()}
     metrics.update(loss=out.loss.item(), loss_denominator=out.denominator.item())
+    in_mask = out.correction.loss_mask if cfg.use_rollout_correction else step["loss_mask"]
+    metrics["pg_nonfinite_token_fraction"] = metrics["pg_nonfinite_token_count"] / max(1, (in_mask > 0).sum().item())
     if opts["compute_entropy"]:
         valid = step["loss_mask"] > 0
         metrics["entropy"] = (-(logp.exp() * logp).sum(-1))[valid].mean().item()
@@ -237,6 +240,11 @@ def _worker(rank: int, world: int) -> None:
             tp, cp, dp)
         vshard = slice(tp_rank * V // tp, (tp_rank + 1) * V // tp)
         batches = _local_batches(data, dp_rank, dp, groups)
+        # the zig-zag layout is Megatron's own (get_batch_on_this_cp_rank, whose signature differs by version)
+        rows = {k: local_rows(v, dp_rank, dp) for k, v in data[0].items()}
+        megatron_slice = get_batch_on_this_cp_rank(dict(rows))
+        for k, v in slice_batch_for_cp(rows, groups).items():
+            assert torch.equal(v, megatron_slice[k]), f"TP={tp} CP={cp} DP={dp}: {k} sliced differently"
 
         # vocab-parallel log-probs + entropy, chunked, forward and backward: equal to torch on the full vocab
         # and bitwise equal on every TP rank

@@ -107,15 +107,21 @@ def test_bypass_loss_func_single_rank_matches_core():
     batch = dict(labels=labels, loss_mask=torch.tensor([[0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]]).float(),
                  rollout_log_probs=-torch.rand(2, 6, generator=g, dtype=torch.float64),
                  advantages=torch.randn(2, 6, generator=g, dtype=torch.float64))
-    loss_sum, count, reduced = RolloutCorrectionLoss(cfg, groups=ParallelGroups()).loss_func(batch, logits)
+    loss_sum, count, report = RolloutCorrectionLoss(cfg, groups=ParallelGroups()).loss_func(batch, logits)
     lp = torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1))[..., 0]
     ref = compute_policy_loss(lp, None, batch["rollout_log_probs"], batch["advantages"], batch["loss_mask"], cfg)
     torch.testing.assert_close(loss_sum, ref.loss_sum)
     assert count.dtype == torch.int32 and int(count) == int(ref.denominator) == 8
-    assert set(reduced) == {"stats", "function", "local"}
-    assert reduced["stats"].keys() == ref.correction.stats.keys()
-    for k, v in ref.correction.stats.items():
-        torch.testing.assert_close(reduced["stats"][k], v, rtol=1e-9, atol=1e-12, msg=k)
+    # Megatron's reporting format: every value a [numerator, denominator] pair (or 1 element), finite; the
+    # pairs of one micro-batch give the core's metrics of that micro-batch
+    assert all(v.numel() in (1, 2) and torch.isfinite(v).all() for v in report.values()), report
+    torch.testing.assert_close(report["pg_loss"], torch.stack([ref.loss_sum, ref.denominator]).double())
+    ratios = {k: (v[0] / v[1]).item() for k, v in report.items()}
+    for key in ("pg_loss", "ppo_kl", "pg_clipfrac", *ref.correction.metrics):
+        if key in ratios:
+            assert ratios[key] == pytest.approx(ref.metrics[key].item(), rel=1e-9, abs=1e-12), key
+    assert {"mismatch_kl", "mis_mean_is_weight_before_clip", "mis_ratio_mean_after_mis"} <= set(report)
+    assert ratios["pg_nonfinite_token_fraction"] == 0.0
 
 
 def test_cpu_compat_is_a_noop_when_cuda_is_available(monkeypatch):
@@ -161,3 +167,200 @@ def test_a_stream_is_refused_where_a_first_pass_is_needed(cfg):
     with pytest.raises(ValueError, match="micro_batches: a stream is read once"):
         hook.train_step(None, Stream())
     assert RolloutCorrectionLoss(RolloutCorrectionConfig.preset("pg_is"), groups=ParallelGroups()).can_stream(2)
+
+
+# ---------------------------------------------------------------- the per-token-loss requirement
+def _bypass_batch(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(2, 6, 10, generator=g, dtype=torch.float64, requires_grad=True)
+    batch = dict(labels=torch.randint(0, 10, (2, 6), generator=g),
+                 loss_mask=torch.tensor([[0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]]).float(),
+                 rollout_log_probs=-torch.rand(2, 6, generator=g, dtype=torch.float64),
+                 advantages=torch.randn(2, 6, generator=g, dtype=torch.float64))
+    return logits, batch
+
+
+def test_a_loss_divided_in_place_fails_at_backward_before_any_gradient():
+    """What Megatron's schedule does with calculate_per_token_loss=False (forward_step_calc_loss): the loss is
+    divided in place by the count and the number of micro-batches. Without a config to check, the first backward
+    fails with the fix, and no gradient reaches the logits."""
+    from slime_corr.mcore.per_token_loss import PerTokenLossError
+
+    hook = RolloutCorrectionLoss(RolloutCorrectionConfig.preset("pg_is"), groups=ParallelGroups())
+    logits, batch = _bypass_batch()
+    loss, count, _ = hook.loss_func(batch, logits)
+    loss /= torch.clamp(count, min=1)
+    loss /= 2
+    with pytest.raises(PerTokenLossError, match="--calculate-per-token-loss"):
+        loss.backward()
+    assert logits.grad is None
+    loss, count, report = hook.loss_func(batch, logits)  # untouched (calculate_per_token_loss=True): fine
+    loss.backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
+    # the reported loss is a copy: dividing the returned loss does not change it
+    before = report["pg_loss"].clone()
+    with torch.no_grad():
+        loss /= 7
+    assert torch.equal(report["pg_loss"], before)
+
+
+def test_a_model_config_without_per_token_loss_is_refused_at_the_first_loss_func_call():
+    from megatron.core.transformer import TransformerConfig
+
+    from slime_corr.mcore.per_token_loss import PerTokenLossError
+
+    class Model(torch.nn.Module):
+        def __init__(self, per_token: bool):
+            super().__init__()
+            self.config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
+                                            calculate_per_token_loss=per_token)
+
+    hook = RolloutCorrectionLoss(RolloutCorrectionConfig.preset("pg_is"), groups=ParallelGroups())
+    logits, batch = _bypass_batch()
+    with pytest.raises(PerTokenLossError, match=r"calculate_per_token_loss=False.*--calculate-per-token-loss"):
+        hook.loss_func(batch, logits, model=Model(False))
+    with pytest.raises(PerTokenLossError, match="calculate_per_token_loss=False"):
+        hook.forward_step(iter([batch]), Model(False))
+    hook.loss_func(batch, logits, model=Model(True))
+
+
+# ---------------------------------------------------------------- RolloutStepIterator + next_micro_batch
+class _CountingModel:
+    """Stands in for a model: the logits of a micro-batch are stored in it; counts forward passes."""
+
+    def __init__(self):
+        self.forwards = 0
+
+
+def _logits_forward(model, batch):
+    model.forwards += 1
+    return batch["logits"] * model.scale
+
+
+def _rollout(seed: int, n: int):
+    out = []
+    for k in range(n):
+        logits, batch = _bypass_batch(seed * 10 + k)
+        batch["logits"] = logits.detach()
+        out.append(batch)
+    return out
+
+
+@pytest.mark.parametrize("preset", ["decoupled_token_is", "pg_is"])
+def test_rollout_steps_prepare_each_step_before_its_first_micro_batch(preset):
+    from slime_corr.mcore.rollout_steps import STEP_KEY, RolloutStepIterator
+
+    cfg = RolloutCorrectionConfig.preset(preset, tis_batch_normalize=True)
+    finalized: list[dict] = []
+    hook = RolloutCorrectionLoss(cfg, groups=ParallelGroups(), model_forward=_logits_forward,
+                                 on_step_metrics=finalized.append)
+    rollouts = [_rollout(0, 4), _rollout(1, 2)]  # 2 steps, then 1 step, of 2 micro-batches
+    data = RolloutStepIterator(rollouts, num_microbatches=2)
+    model = _CountingModel()
+    forwards, means = [], []
+    for step in range(3):
+        model.scale = 1.0 + step  # the weights change after every step
+        for k in range(2):
+            batch = hook.next_micro_batch(data, model)
+            assert STEP_KEY not in batch
+            forwards.append(model.forwards)
+            if k == 0:
+                means.append(hook.step_batch_norm_mean)
+            hook.loss_func(batch, batch["logits"] * model.scale)
+    with pytest.raises(StopIteration):
+        next(data)
+    if hook.needs_old_log_probs:  # lp_old once per rollout, with the weights of the rollout's first step
+        assert forwards == [4, 4, 4, 4, 6, 6]
+        for r, scale in ((0, 1.0), (1, 3.0)):
+            for b in rollouts[r]:
+                want = torch.log_softmax(b["logits"] * scale, -1).gather(-1, b["labels"].unsqueeze(-1))[..., 0]
+                torch.testing.assert_close(b["old_log_probs"], want)
+    else:  # bypass: one forward-only pass per step, for the step's normalization mean
+        assert forwards == [2, 2, 4, 4, 6, 6]
+    assert all(m is not None and torch.isfinite(m) for m in means)
+    assert len(finalized) == 2 and all("mis_ratio_mean_after_mis" in m for m in finalized)
+    assert hook.last_step_metrics is finalized[-1]
+    assert hook.pop_step_metrics()["mis_valid_token_count"] == 16  # the last step: 2 micro-batches of 8 tokens
+
+
+def test_a_replayed_step_is_not_prepared_again_and_keeps_its_lp_old():
+    """Megatron's rerun state machine (fault tolerance) replays a step from shallow copies of the micro-batches
+    taken as they were first read: before the hook computed lp_old into them."""
+    import copy
+
+    from slime_corr.mcore.rollout_steps import RolloutStepIterator
+
+    hook = RolloutCorrectionLoss(RolloutCorrectionConfig.preset("decoupled_token_is"), groups=ParallelGroups(),
+                                 model_forward=_logits_forward)
+    data = RolloutStepIterator([_rollout(0, 1)], num_microbatches=1)
+    model = _CountingModel()
+    model.scale = 1.0
+    saved = []
+
+    class Rerun:  # what megatron.core.rerun_state_machine.RerunDataIterator does when rerun mode is on
+        def __next__(self):
+            n = next(data)
+            saved.append(copy.copy(n))
+            return n
+
+    batch = hook.next_micro_batch(Rerun(), model)
+    hook.loss_func(batch, batch["logits"])
+    assert model.forwards == 1 and hook.step_stats.micro_batches == 1
+    replayed = hook.next_micro_batch(iter(saved), model)
+    assert model.forwards == 1 and hook.step_stats.micro_batches == 0  # not prepared again; stats void
+    assert replayed["old_log_probs"] is batch["old_log_probs"]
+
+
+def test_rollout_step_iterator_rejects_partial_steps_and_bad_sizes():
+    from slime_corr.mcore.rollout_steps import RolloutStepIterator
+
+    with pytest.raises(ValueError, match="num_microbatches=0"):
+        RolloutStepIterator([], num_microbatches=0)
+    with pytest.raises(ValueError, match=r"rollout 0: 3 micro-batches is not a positive multiple of the 2"):
+        next(RolloutStepIterator([_rollout(0, 3)], num_microbatches=2))
+    with pytest.raises(ValueError, match="pass num_microbatches"):
+        next(RolloutStepIterator([_rollout(0, 2)]))
+
+
+def test_decoupled_batches_read_with_plain_next_get_the_fix_in_the_error():
+    from slime_corr.mcore.rollout_steps import RolloutStepIterator
+
+    hook = RolloutCorrectionLoss(RolloutCorrectionConfig.preset("decoupled_token_is"), groups=ParallelGroups())
+    batch = next(RolloutStepIterator([_rollout(0, 1)], num_microbatches=1))
+    with pytest.raises(KeyError, match=r"hook.next_micro_batch\(data_iterator, model\)"):
+        hook.loss_func(batch, batch["logits"])
+
+
+# ---------------------------------------------------------------- Megatron-LM's RL flags, compat
+def test_megatron_lm_is_flags_with_ours_are_a_config_error_naming_both():
+    import argparse
+
+    from slime_corr.config import ConfigError
+    from slime_corr.mcore.megatron_lm import check_megatron_lm_rl_flags
+
+    def ns(**kw):  # Megatron-LM's defaults for its two flags
+        return argparse.Namespace(**{"rl_inference_logprobs_is_correction": False,
+                                     "rl_importance_sampling_truncation_coef": None, **kw})
+
+    rs = RolloutCorrectionConfig(use_rs=True, rs_upper_bound=2.0, rs_veto_threshold=1e-4)
+    with pytest.raises(ConfigError, match=r"--rl-inference-logprobs-is-correction .* with --use-rs / "
+                                          r"--rs-veto-threshold \(slime_corr\)"):
+        check_megatron_lm_rl_flags(ns(rl_inference_logprobs_is_correction=True), rs)
+    tis = RolloutCorrectionConfig(use_tis=True)
+    with pytest.raises(ConfigError, match=r"--rl-importance-sampling-truncation-coef 2.0 .* --use-tis"):
+        check_megatron_lm_rl_flags(ns(rl_importance_sampling_truncation_coef=2.0), tis)
+    check_megatron_lm_rl_flags(ns(), tis)  # Megatron-LM's defaults
+    check_megatron_lm_rl_flags(argparse.Namespace(), tis)  # not a Megatron-LM namespace
+    metrics_only = RolloutCorrectionConfig(get_mismatch_metrics=True)  # does not change the loss
+    check_megatron_lm_rl_flags(ns(rl_inference_logprobs_is_correction=True), metrics_only)
+
+
+def test_missing_triton_is_a_clear_import_error(monkeypatch):
+    from slime_corr.mcore import compat
+
+    def import_module(name):  # the fault megatron-core 0.19 raises without triton
+        raise ModuleNotFoundError("No module named 'triton'", name="triton")
+
+    monkeypatch.setattr(compat.importlib, "import_module", import_module)
+    with pytest.raises(ImportError, match="pip install triton"):
+        compat.import_schedules()

@@ -1,0 +1,132 @@
+"""A step's metrics in Megatron's reporting format, their reduction, and the step's correction statistics.
+
+`loss_func`'s report for one micro-batch holds only what Megatron-LM's `train_step` accepts (and logs through
+`training_log` unchanged):
+
+- `[numerator, denominator]` pairs (float64). Megatron sums them over the step's micro-batches, all-reduces the
+  sums over DP×CP and logs numerator / denominator, which is the step value:
+  `pg_loss` = [loss_sum, count] (the loss the gradients are of); the loss-level token means `ppo_kl`,
+  `pg_clipfrac`, `ois` = [mean · tokens, tokens]; `pg_nonfinite_token_fraction` = [dropped tokens, tokens in the
+  loss mask]; `entropy` = [Σ H, valid tokens]; and every ratio-of-sums correction metric
+  (`slime_corr.correction.reporting`), contributed by DP×CP rank 0 only (zeros elsewhere), since the core's
+  statistics of a micro-batch are already reduced over DP×CP.
+- 1-element tensors: a custom weighting function's own metrics (Megatron averages them over micro-batches).
+
+The correction metrics that are not ratios (min/max, std, quantiles, ESS, counts) cannot be averaged that way:
+`StepStatistics` merges the statistics of a step's micro-batches so they are computed exactly for the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from slime_corr.config import RolloutCorrectionConfig
+from slime_corr.correction import correction_metrics, merge_stats
+from slime_corr.correction.reporting import metric_pairs, ratio_pair
+from slime_corr.mcore.context_parallel import ParallelGroups, all_reduce_dp_cp
+
+NONFINITE_COUNT = "pg_nonfinite_token_count"
+NONFINITE_FRACTION = "pg_nonfinite_token_fraction"
+
+
+def _rank(group: dist.ProcessGroup | None) -> int:
+    if group is None or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group=group)
+
+
+def is_dp_cp_first(groups: ParallelGroups) -> bool:
+    """Whether this rank is rank 0 of its DP×CP group (each TP rank has its own)."""
+    if groups.dp_cp is not None:
+        return _rank(groups.dp_cp) == 0
+    return groups.cp_rank == 0 and _rank(groups.dp) == 0
+
+
+def build_report(
+    out: Any,
+    config: RolloutCorrectionConfig,
+    groups: ParallelGroups,
+    loss_mask: Tensor,
+    entropy: Tensor | None,
+) -> dict[str, Tensor]:
+    """Megatron's reporting dict of one micro-batch from the `PolicyLossOutput` `out` (see the module doc)."""
+    corr = out.correction
+    used = corr.loss_mask > 0 if corr is not None and config.use_rollout_correction else loss_mask > 0
+    in_mask = used.sum().to(torch.float64)
+    nonfinite = out.metrics.get(NONFINITE_COUNT, torch.zeros((), dtype=torch.float64)).to(torch.float64)
+    tokens = in_mask - nonfinite  # the tokens the loss-level means are over
+    report = {"pg_loss": ratio_pair(out.loss_sum.detach(), out.denominator.detach())}
+    skip = set(corr.metrics) if corr is not None else set()
+    for key, value in out.metrics.items():
+        if key in skip or key in ("pg_loss", NONFINITE_COUNT):
+            continue
+        report[key] = ratio_pair(value.detach().to(torch.float64) * tokens, tokens)
+    report[NONFINITE_FRACTION] = ratio_pair(nonfinite, in_mask)
+    if entropy is not None:
+        valid = loss_mask > 0
+        report["entropy"] = ratio_pair(torch.where(valid, entropy.detach(), 0).sum(), valid.sum())
+    if corr is not None and corr.stats:
+        first = is_dp_cp_first(groups)
+        divisor = corr.metrics.get("mis_batch_norm_factor")
+        for key, pair in metric_pairs(corr.stats, config, divisor).items():
+            report[key] = pair if first else torch.zeros_like(pair)
+        for key, value in corr.function_metrics.items():
+            report[key] = value.detach().to(torch.float64).reshape(1)
+    return report
+
+
+def reduce_reports(reports: Sequence[dict[str, Tensor]], groups: ParallelGroups) -> dict[str, Tensor]:
+    """What Megatron-LM's `train_step` does with the reports of a step: pairs summed over micro-batches and
+    DP×CP (ONE all-reduce), 1-element values averaged over micro-batches. Returns {key: [Σ num, Σ den]} for
+    pairs and {key: mean} for the others."""
+    keys = list(reports[0])
+    if any(list(r) != keys for r in reports[1:]):
+        raise ValueError(f"micro-batch reports have different keys: {[sorted(r) for r in reports]}")
+    pairs = [k for k in keys if reports[0][k].numel() == 2]
+    out: dict[str, Tensor] = {}
+    if pairs:
+        total = torch.stack([torch.stack([r[k].reshape(2) for k in pairs]) for r in reports]).sum(0)
+        all_reduce_dp_cp(total, groups)
+        out.update(zip(pairs, total.unbind(0), strict=True))
+    for k in keys:
+        if k not in out:
+            out[k] = torch.cat([r[k].reshape(1) for r in reports]).mean()
+    return out
+
+
+class StepStatistics:
+    """The correction statistics of a step's training micro-batches, merged as they arrive (O(1) memory), and
+    the step's custom-function metrics; `pop` finalizes every correction metric of the step and starts anew."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.stats: dict[str, Tensor] = {}
+        self.function_sums: dict[str, Tensor] = {}
+        self.micro_batches = 0
+
+    def add(self, stats: dict[str, Tensor], function_metrics: dict[str, Tensor]) -> None:
+        self.stats = merge_stats([self.stats, stats]) if self.stats else dict(stats)
+        for key, value in function_metrics.items():
+            v = value.detach().to(torch.float64)
+            self.function_sums[key] = self.function_sums[key] + v if key in self.function_sums else v
+        self.micro_batches += 1
+
+    def pop(self, config: RolloutCorrectionConfig) -> dict[str, Tensor]:
+        """Every correction metric of the step (exact, as one batch) and the custom-function metrics (mean over
+        micro-batches); {} when no micro-batch was added. No collective: the statistics are already global."""
+        out: dict[str, Tensor] = {}
+        if self.stats:
+            out.update(correction_metrics(self.stats, config))
+        out.update({k: v / self.micro_batches for k, v in self.function_sums.items()})
+        self.reset()
+        return out
+
+
+__all__ = ["StepStatistics", "build_report", "is_dp_cp_first", "reduce_reports"]
