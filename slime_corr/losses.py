@@ -263,8 +263,8 @@ def loss_term_tokens(inputs: LossInputs, terms: LossTermsConfig, ref_log_probs: 
                      entropy: Tensor | None) -> Tensor:
     """Per-token KL and entropy terms: kl_loss_coef · KL(lp, lp_ref) − entropy_coef · H, 0 outside the token mask.
 
-    Adds the token means `kl_loss` and `entropy_loss` (over the mask) to `inputs.metrics`. A non-finite reference
-    log-prob or entropy contributes 0 (the token's policy term is unaffected).
+    Adds the token mean `kl_loss` (over the mask) to `inputs.metrics` (the entropy is reported by the caller, which
+    computed it). A non-finite reference log-prob or entropy contributes 0 (the token's policy term is unaffected).
     """
     mask = inputs.token_mask
     n = (inputs.count if inputs.count is not None else mask.sum()).clamp_min(1)
@@ -283,7 +283,5 @@ def loss_term_tokens(inputs: LossInputs, terms: LossTermsConfig, ref_log_probs: 
         if entropy is None:
             raise ValueError("--entropy-coef needs the policy's per-token entropy")
         ok = torch.isfinite(entropy) & (mask > 0)
-        h = torch.where(ok, entropy.to(mask.dtype), 0.0)
-        inputs.metrics["entropy_loss"] = h.detach().sum() / n
-        out = out - terms.entropy_coef * h
+        out = out - terms.entropy_coef * torch.where(ok, entropy.to(mask.dtype), 0.0)
     return out
