@@ -18,7 +18,13 @@ from slime_corr.main import main
 from slime_corr.rollout.batching import group_advantages, grpo_advantages
 from slime_corr.rollout.sample import Sample, SampleStatus
 from slime_corr.trainer.config import TrainerConfig
-from slime_corr.trainer.data import build_micro_batches, plan_rollout, rollout_shards, token_lags, version_step
+from slime_corr.trainer.data import (
+    build_micro_batches,
+    plan_rollout,
+    rollout_shards,
+    token_lags,
+    version_step,
+)
 
 
 def _closed_port() -> int:
