@@ -58,7 +58,7 @@ def run_variant(flags: list[str], args: argparse.Namespace, work: Path) -> dict[
     for r in records:
         by_rollout.setdefault(int(r["rollout/index"]), []).append(r)
     rows = []
-    for index, steps in sorted(by_rollout.items())[1:-1]:  # the first: warm-up; the last: the pipeline drains
+    for _, steps in sorted(by_rollout.items())[1:-1]:  # the first: warm-up; the last: the pipeline drains
         first = steps[0]
         row = {"rollout": first["perf/rollout_time"], "lp_old/ref": first["perf/prepare_time"],
                "train": sum(s["perf/train_time"] for s in steps), "weight sync": first["perf/weight_sync_time"],

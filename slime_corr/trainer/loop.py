@@ -112,8 +112,8 @@ class _Job:
         from slime_corr.trainer.policy import build_policy
         from slime_corr.trainer.update import Updater
 
-        self.config, cfg, corr = config, config.trainer, config.correction
-        self.cfg = cfg
+        cfg, corr = config.trainer, config.correction
+        self.config, self.cfg = config, cfg
         self.is_driver = dist.get_rank() == 0
         dp_ranks: list[int | None] = [None] * dist.get_world_size()
         dist.all_gather_object(dp_ranks, ps.get_data_parallel_rank())
@@ -172,10 +172,10 @@ class _Job:
             start = time.perf_counter()
             samples: list[Sample] = []
             if self.driver is not None:
-                samples, ahead = self._next_rollout(rollout, ahead)
+                samples, ahead = self._next_rollout(rollout)
             record.rollout_wait = time.perf_counter() - start
             first_step = state.step
-            results, times = self._train(samples, first_step, record)
+            results = self._train(samples, first_step, record)
             state.step += len(results)
             if self.driver is not None and ahead is not None:  # the engines may change weights once it is done
                 waited = time.perf_counter()
@@ -196,8 +196,7 @@ class _Job:
         done = rollout + 1
         return bool(cfg.save) and (done % (cfg.save_interval or cfg.num_rollout) == 0 or done == cfg.num_rollout)
 
-    def _next_rollout(self, rollout: int, ahead: Future[list[Sample]] | None
-                      ) -> tuple[list[Sample], Future[list[Sample]] | None]:
+    def _next_rollout(self, rollout: int) -> tuple[list[Sample], Future[list[Sample]] | None]:
         """The driver's samples of `rollout` (already generated when pending), and in asynchronous mode the
         future of the next rollout, submitted now: also after the last rollout when a checkpoint follows it, which
         then holds that rollout so that a resumed run trains what the uninterrupted one would."""
@@ -206,12 +205,13 @@ class _Job:
         if state.pending is not None:
             samples, state.pending = state.pending, None
         else:
-            samples = (ahead or self.driver.submit(rollout)).result()
+            samples = self.driver.submit(rollout).result()
         if cfg.async_rollout and (rollout + 1 < cfg.num_rollout or self._saves_after(rollout)):
             return samples, self.driver.submit(rollout + 1)
         return samples, None
 
-    def _train(self, samples: list[Sample], first_step: int, record: RolloutRecord) -> tuple[list[Any], Any]:
+    def _train(self, samples: list[Sample], first_step: int, record: RolloutRecord) -> list[Any]:
+        """Deal the driver's rollout to the ranks and train it (collective); times go to `record`."""
         from megatron.core import parallel_state as ps
 
         from slime_corr.trainer.data import build_micro_batches, rollout_shards, scatter_shards
@@ -227,7 +227,7 @@ class _Job:
         record.data = time.perf_counter() - start
         results, times = self.updater.train_rollout(micro_batches)
         record.prepare, record.train, record.loss = times.prepare, times.steps, times.loss
-        return results, times
+        return results
 
     def _sync_weights(self, record: RolloutRecord) -> Any:
         start = time.perf_counter()

@@ -36,7 +36,11 @@ class EngineGPT:
 
         self.module = build_tiny_gpt(model_args, ddp=False, pg_collection=single_rank_groups())
         state = torch.load(Path(checkpoint_dir) / WEIGHTS_FILE, weights_only=True)
-        self.module.load_state_dict(state, strict=False)  # the file holds tensors only (no _extra_state)
+        result = self.module.load_state_dict(state, strict=False)  # the file holds tensors, not _extra_state
+        missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+        if missing or result.unexpected_keys:
+            raise ValueError(f"{checkpoint_dir}: weights do not fit the model (missing {missing[:3]}, unexpected "
+                             f"{result.unexpected_keys[:3]})")
         self.cfg = types.SimpleNamespace(vocab_size=model_args.vocab_size, eos_token_id=None,
                                          max_seq_len=model_args.max_position_embeddings)
 
