@@ -2,11 +2,12 @@
 
 Order of operations (SPEC.md):
 1. lr = lp_train - lp_rollout on valid tokens; a sequence with a non-finite lr at a valid position is rejected.
-2. Per-sequence sums (count, Σlr, Σlp_train, Σlp_rollout, veto and token-RS counts) in ONE CP all_reduce.
+2. Per-sequence sums (count, Σlr, Σlp_train, veto and token-RS counts) in ONE CP all_reduce.
 3. The weighting function ("default" = `weights.default_weights`, or `--custom-tis-function-path`) gives IS
    weights and the RS mask; the veto (`lr < log C` at any valid token) then rejects whole sequences.
 4. All batch statistics (metric numerators/denominators, normalization mean, counts) in ONE SUM and ONE MAX
    all_reduce per group (CP, DP); batch normalization divides the weights by the mean over contributing units.
+   With IS weights, the exact weight quantiles take two more small SUMs (`quantiles.py`).
 """
 
 from __future__ import annotations
@@ -19,15 +20,17 @@ from torch import Tensor
 
 from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.correction import metrics as M
+from slime_corr.correction import quantiles as Q
+from slime_corr.correction.checks import check_correction_inputs, check_weight_outputs
 from slime_corr.correction.reductions import (
     BatchStats,
     ProcessGroup,
+    active_groups,
     compute_dtype,
     count_greater_,
     cp_first,
-    float_mask,
     seq_sums,
-    valid_mask,
+    valid_float,
 )
 from slime_corr.correction.types import CorrectionResult, WeightInputs
 from slime_corr.correction.weights import (
@@ -39,7 +42,6 @@ from slime_corr.correction.weights import (
 from slime_corr.registry import WEIGHT_FUNCTIONS
 
 BATCH_NORM_MIN_MEAN = 1e-8
-MAX_ABS_LOG_RATIO = 1e30
 _WEIGHT_FN_CACHE: dict[str, Callable] = {}
 
 
@@ -57,6 +59,10 @@ def _count(x: Tensor, cp0: float) -> Tensor:
     """Σ over sequences (dim 0) of a [B] or [B, k] per-sequence (CP-reduced) quantity, counted once across CP
     ranks."""
     return x.to(torch.float64).sum(0) * cp0
+
+
+def _zero_where(cond: Tensor, x: Tensor) -> Tensor:
+    return torch.where(cond, torch.zeros_like(x), x)
 
 
 def compute_rollout_correction(
@@ -78,133 +84,112 @@ def compute_rollout_correction(
     batch mean. A step of several micro-batches passes the step's mean (`weight_mean(merge_stats(...))` of a
     pre-pass), so the normalization is over the whole step as SPEC.md asks.
     """
-    valid = valid_mask(loss_mask)
+    check_correction_inputs(log_probs, rollout_log_probs, loss_mask, config, batch_norm_mean, cp_group, dp_group)
     if not config.computes_metrics:
-        orig_mask = float_mask(valid, torch.float32)
+        orig_mask = valid_float(loss_mask, torch.float32)
         return CorrectionResult(weights=None, loss_mask=orig_mask, denominator_mask=orig_mask, metrics={})
     correct = config.use_rollout_correction
     dtype = compute_dtype(log_probs, rollout_log_probs)
-    lp_t = log_probs.detach().to(dtype)
-    lp_r = rollout_log_probs.detach().to(dtype)
-    zero = torch.zeros((), dtype=dtype, device=lp_t.device)
-    valid_f = float_mask(valid, dtype)  # float 0/1; in good sequences also the mask of finite tokens
-    # lr = lp_t - lp_r at valid tokens, 0 elsewhere. NaN/±inf become ±big, so that "non-finite or |lr| > 1e30"
-    # is one test (|lr| > 1e30): such a token rejects its sequence. Masks are float products, not `where`.
-    big = torch.finfo(dtype).max
-    lr = (lp_t - lp_r).nan_to_num_(big, big, -big).mul_(valid_f)
-    lpt0 = torch.nan_to_num(lp_t, 0.0, 0.0, 0.0).mul_(valid_f)  # finite everywhere, 0 outside the mask
-    lpr0 = torch.nan_to_num(lp_r, 0.0, 0.0, 0.0).mul_(valid_f)
-    columns = [valid_f, count_greater_(lr.abs(), MAX_ABS_LOG_RATIO), lr, lpt0, lpr0]
+    valid = valid_float(loss_mask, dtype)  # float 0/1; in good sequences also the mask of finite tokens
+    tok = M.token_pass(log_probs.detach().to(dtype), rollout_log_probs.detach().to(dtype), valid)
+    lr = tok.lr
+    columns = list(tok.seq.unbind(-1))  # valid tokens, non-finite tokens, Σlr, Σlp_train
     veto = correct and config.rs_veto_threshold is not None
-    if veto:  # lr < log C, as -lr > -log C
-        columns.append(count_greater_(-lr, -math.log(config.rs_veto_threshold)))
+    if veto:  # lr < log C, as -lr > -log C (lr is 0 outside the mask and log C < 0)
+        columns.append(count_greater_(lr.neg(), -math.log(config.rs_veto_threshold)))
     fn = weight_function(config) if correct else None
     is_default = fn is default_weights
     token_rs = is_default and config.use_rs and config.rs_level == "token"
+    keep_tok = None
     if token_rs:
-        columns.append(valid & in_log_bounds(lr, *config.rs_bounds))
+        keep_tok = in_log_bounds(lr, *config.rs_bounds).mul_(valid)
+        columns.append(keep_tok.sum(-1))
     seq = seq_sums(columns, cp_group)  # the one CP collective for sequence sums
-    tok_rows, tok_max_d = M.token_mismatch_rows(lr, lpt0, lpr0, valid_f)
-    del lpt0, lpr0
 
-    n_orig, n_bad, s_lr, s_lpt, s_lpr = seq[:, :5].unbind(-1)
+    n_orig, n_bad, s_lr, s_lpt = seq[:, :4].unbind(-1)
+    s_lpr = s_lpt - s_lr
     n_ok = n_orig - n_bad
     # a non-finite token, or whole-sequence sums that overflowed
-    seq_bad = (n_bad > 0) | ~(s_lr.isfinite() & s_lpt.isfinite() & s_lpr.isfinite())
+    seq_bad = (n_bad > 0) | ~(s_lr.isfinite() & s_lpt.isfinite())
     seq_ok = (n_orig > 0) & ~seq_bad
     good = (~seq_bad).to(dtype).unsqueeze(-1)  # [B, 1]
-    n_seq = torch.where(seq_bad, torch.zeros_like(n_ok), n_ok)
-    s_lr = torch.where(seq_bad, torch.zeros_like(s_lr), s_lr)
+    n_seq = _zero_where(seq_bad, n_ok)
+    s_lr = _zero_where(seq_bad, s_lr)
 
     cp0 = cp_first(cp_group)
     stats = BatchStats()
     counts = torch.stack([n_seq, seq_ok, n_orig, n_orig > 0, torch.where(seq_bad, n_bad, torch.zeros_like(n_bad)),
                           seq_bad], dim=-1)
     stats.add_sums(("n_tok", "n_seq", "n_valid_tok", "n_valid_seq", "n_bad_tok", "n_bad_seq"), _count(counts, cp0))
-    M.add_token_mismatch(stats, tok_rows, tok_max_d, ~seq_bad)
+    M.add_token_mismatch(stats, tok.rows, tok.d_max, ~seq_bad)
     M.add_seq_mismatch(stats, seq_ok, n_seq, s_lpt, s_lpr, s_lr, cp0)
 
     weights: Tensor | None = None
-    final_f = valid_f  # float 0/1 mask after rejection and veto: final_f = tok_f x row_f, built once below
+    final_f = valid  # float 0/1 mask after rejection and veto
     n_final = n_seq
     w_seq: Tensor | None = None  # built-in sequence/geometric IS: the bounded weight of each sequence [B]
+    sketch: tuple[Tensor, Tensor, Tensor] | None = None  # (weights, level-1 keys, units) for `Q.refine`
     fn_metrics: dict[str, Tensor] = {}
     step_counts: dict[str, Tensor] = {}  # [B] per-sequence counts, summed into batch statistics at once below
     if correct:
-        tok_f, row_f = valid_f, good  # [B, S] token keep, [B, 1] sequence keep (non-finite, RS, veto)
-        custom = not is_default
-        inputs = WeightInputs(  # a custom function sees bad sequences removed; the built-in one needs only [B]
-            log_ratio=lr * good if custom else lr,
-            loss_mask=(valid_f * good) > 0 if custom else valid_f,
-            seq_log_ratio_sum=s_lr,
-            seq_token_count=n_seq,
-            cp_group=cp_group,
-            dp_group=dp_group,
-        )
+        tok_f, row_f = valid, good  # [B, S] token keep, [B, 1] sequence keep (non-finite, RS, veto)
         lower, upper = config.tis_bounds
         if is_default:
-            # `default_weights` at the shapes of its level ([B, 1] for sequence/geometric): no [B, S] copies of
-            # per-sequence quantities; its whole-sequence RS counts follow from the sums already reduced
-            n_fn = torch.where(seq_bad, torch.zeros_like(n_seq), seq[:, -1]) if token_rs else n_seq
-            w_out, raw_out, keep = default_weight_parts(inputs, config)
-            if keep is not None:
-                if token_rs:
-                    tok_f = valid_f * keep.to(dtype)
-                else:
-                    row_f = row_f * keep.to(dtype)
-                    n_fn = torch.where(keep.squeeze(-1), n_fn, torch.zeros_like(n_fn))
+            # built-in weights at the shapes of their level ([B, 1] for sequence/geometric): no [B, S] copies of
+            # per-sequence quantities; the token-RS decision was made before the sequence sums, to count it there
+            inputs = WeightInputs(log_ratio=lr, loss_mask=valid, seq_log_ratio_sum=s_lr, seq_token_count=n_seq,
+                                  cp_group=cp_group, dp_group=dp_group)
+            w_out, raw_out, keep = default_weight_parts(inputs, config, rs=not token_rs)
+            n_fn = _zero_where(seq_bad, seq[:, -1]) if token_rs else n_seq
+            if token_rs:
+                tok_f = keep_tok
+            elif keep is not None:
+                row_f = row_f * keep
+                n_fn = n_fn * keep.squeeze(-1)
+            if w_out is not None and config.tis_level == "token":
+                weights = w_out
+                _add_token_raw_stats(stats, raw_out, valid, good, config)
+            elif w_out is not None:
+                w_seq = w_out.squeeze(-1)
+                M.add_raw_weight_stats(stats, raw_out.squeeze(-1), seq_ok.to(dtype) * cp0, lower, upper)
         else:  # a custom mask is arbitrary: one extra CP collective for its per-sequence counts
-            out = fn(inputs, config)
-            fn_metrics = dict(out.metrics)
-            fn_mask = valid_mask(out.loss_mask) & inputs.loss_mask
-            w_out = None if out.weights is None else out.weights.detach().to(dtype)
-            raw_out = None
-            if out.raw_weights is not None:  # an overflowed raw weight counts as the built-in ceiling exp(20)
-                raw_out = out.raw_weights.detach().to(dtype).nan_to_num(0.0, math.exp(LOG_RATIO_CLAMP), 0.0)
-            if w_out is not None:  # a NaN/inf weight rejects its token (counted), like a non-finite log-prob
-                finite_w = w_out.isfinite()
-                stats.add_sum("n_fn_bad_w", (fn_mask & ~finite_w).sum())
-                fn_mask = fn_mask & finite_w
-            n_fn = seq_sums([fn_mask], cp_group)[:, 0]
-            tok_f = fn_mask.to(dtype)
+            tok_f, weights, n_fn = _custom(fn, stats, fn_metrics, lr, valid, good, s_lr, n_seq, cp_group, dp_group,
+                                           config, dtype)
         n_final = n_fn
         if veto:
-            vetoed = seq[:, 5] > 0
+            vetoed = seq[:, 4] > 0
             row_f = row_f * (~vetoed).to(dtype).unsqueeze(-1)
-            n_final = torch.where(vetoed, torch.zeros_like(n_fn), n_fn)
-            step_counts.update(n_cat_tok=torch.where(seq_ok, seq[:, 5], torch.zeros_like(n_fn)), n_cat_seq=vetoed & seq_ok)
+            n_final = _zero_where(vetoed, n_fn)
+            step_counts.update(n_cat_tok=torch.where(seq_ok, seq[:, 4], torch.zeros_like(n_fn)),
+                               n_cat_seq=vetoed & seq_ok)
         final_f = tok_f * row_f
         step_counts.update(n_fn_tok=n_fn, n_fn_seq_rej=seq_ok & (n_fn == 0), n_final_tok=n_final,
                            n_final_seq_rej=(n_orig > 0) & (n_final == 0))
-
-        if w_out is not None and is_default and config.tis_level != "token":
-            # constant along each sequence: statistics on [B], each sequence counted once
-            w_seq = w_out.squeeze(-1)
-            M.add_weight_stats(stats, w_seq, (n_final > 0).to(dtype) * cp0, n_final > 0)
-            M.add_raw_weight_stats(stats, raw_out.squeeze(-1), seq_ok.to(dtype) * cp0, lower, upper)
-        elif w_out is not None:
-            if is_default:  # built-in weights are finite
-                weights, final_w = w_out * final_f, final_f
-            else:  # non-finite weights already left the mask; `where` keeps their NaN out of the product
-                weights, final_w = torch.where(final_f > 0, w_out, zero), final_f
-            unit = final_w
-            if config.tis_level != "token":
-                unit = unit / n_final.clamp_min(1).unsqueeze(-1)
-            M.add_weight_stats(stats, weights, unit, final_w > 0)
-            if raw_out is not None:
-                unit0 = valid_f * good
+        if w_seq is not None:  # constant along each sequence: statistics on [B], each sequence counted once
+            counted = (n_final > 0).to(dtype) * cp0
+            w_counted = w_seq * counted
+            sketch = (w_counted, M.add_weight_stats(stats, w_counted, counted), counted)
+        elif weights is not None:
+            if is_default:  # built-in token weights: 0 outside the final mask, 1 unit per token
+                weights = weights.mul_(final_f)
+                sketch = (weights, M.add_weight_stats(stats, weights, final_f), final_f)
+            else:
+                weights = torch.where(final_f > 0, weights, torch.zeros((), dtype=dtype))  # its NaN stays out
+                unit = final_f.double()
                 if config.tis_level != "token":
-                    unit0 = unit0 / n_seq.clamp_min(1).unsqueeze(-1)
-                M.add_raw_weight_stats(stats, raw_out, unit0, lower, upper)
+                    unit = unit / n_final.clamp_min(1).unsqueeze(-1).double()
+                sketch = (weights, M.add_weight_stats(stats, weights, final_f, unit), unit)
 
     keep_den = not correct or config.rs_keep_loss_denominator
-    final_mask = final_f.to(torch.float32) if correct else float_mask(valid, torch.float32)
-    den_mask = float_mask(valid, torch.float32) if correct and keep_den else final_mask
+    final_mask = final_f.to(torch.float32)
+    den_mask = valid.to(torch.float32) if keep_den else final_mask
     n_den = n_orig if keep_den else n_final
     step_counts.update(g_tok=n_den, g_seq=n_den > 0)
     stats.add_sums(tuple(step_counts), _count(torch.stack([c.to(dtype) for c in step_counts.values()], -1), cp0))
 
     r = stats.reduce(cp_group, dp_group)  # the one batch collective (SUM + MAX per group)
+    if sketch is not None:  # two more small SUMs: the exact quantiles
+        r.update(Q.refine(sketch[0], sketch[1], sketch[2], r[Q.LEVEL1_KEY], active_groups(cp_group, dp_group)))
 
     divisor = None
     if "w_u" in r and config.tis_batch_normalize:
@@ -212,7 +197,7 @@ def compute_rollout_correction(
     if w_seq is not None:  # one [B, S] pass: per-sequence weight (normalized) x final mask
         weights = (w_seq if divisor is None else w_seq / divisor.to(dtype)).unsqueeze(-1) * final_f
     elif divisor is not None:
-        weights = weights / divisor.to(dtype)
+        weights = weights.div_(divisor.to(dtype))
     metrics = correction_metrics(r, config, divisor)
     metrics.update(fn_metrics)
     return CorrectionResult(
@@ -226,6 +211,47 @@ def compute_rollout_correction(
         stats=r,
         function_metrics=fn_metrics,
     )
+
+
+def _add_token_raw_stats(stats: BatchStats, w_raw: Tensor, valid: Tensor, good: Tensor,
+                         config: RolloutCorrectionConfig) -> None:
+    """Raw-weight statistics of built-in token-level IS over the valid tokens of good sequences; `w_raw` is 0 outside
+    the mask (so never above U, and counted below L: those are subtracted). Destroys `w_raw`."""
+    lower, upper = config.tis_bounds
+    s_raw = w_raw.sum(-1)
+    if config.effective_tis_mode == "truncate":
+        low = torch.zeros_like(s_raw)
+    else:
+        low = count_greater_(torch.sub(lower, w_raw), 0.0) - (valid.shape[-1] - valid.sum(-1))
+    high = count_greater_(w_raw, upper)
+    sums = torch.stack([valid.sum(-1), s_raw, high, low], -1).to(torch.float64)
+    zero = torch.zeros((), dtype=torch.float64, device=sums.device)
+    M.add_raw_weight_sums(stats, *torch.where(good > 0, sums, zero).sum(0).unbind())
+
+
+def _custom(fn: Callable, stats: BatchStats, fn_metrics: dict[str, Tensor], lr: Tensor, valid: Tensor, good: Tensor,
+            s_lr: Tensor, n_seq: Tensor, cp_group: ProcessGroup, dp_group: ProcessGroup,
+            config: RolloutCorrectionConfig, dtype: torch.dtype) -> tuple[Tensor, Tensor | None, Tensor]:
+    """A custom weighting function on the good sequences: (token keep mask [B, S], weights or None, per-sequence
+    kept-token counts [B]). Its raw weights feed the raw-weight metrics (+inf counts as exp(20)); a NaN/inf weight
+    rejects its token (counted)."""
+    mask_in = valid * good
+    inputs = WeightInputs(log_ratio=lr * good, loss_mask=mask_in > 0, seq_log_ratio_sum=s_lr, seq_token_count=n_seq,
+                          cp_group=cp_group, dp_group=dp_group)
+    out = check_weight_outputs(fn(inputs, config), inputs, config)
+    fn_metrics.update(out.metrics)
+    fn_mask = valid_float(out.loss_mask, dtype) * mask_in
+    weights = None if out.weights is None else out.weights.detach().to(dtype)
+    if out.raw_weights is not None:  # an overflowed raw weight counts as the built-in ceiling exp(20)
+        raw = out.raw_weights.detach().to(dtype).nan_to_num(0.0, math.exp(LOG_RATIO_CLAMP), 0.0)
+        unit0 = mask_in if config.tis_level == "token" else mask_in / n_seq.clamp_min(1).unsqueeze(-1)
+        M.add_raw_weight_stats(stats, raw, unit0, *config.tis_bounds)
+    if weights is not None:  # a NaN/inf weight rejects its token (counted), like a non-finite log-prob
+        finite = weights.isfinite().to(dtype)
+        stats.add_sum("n_fn_bad_w", (fn_mask * (1.0 - finite)).sum())
+        fn_mask = fn_mask * finite
+    n_fn = seq_sums([fn_mask], cp_group)[:, 0]
+    return fn_mask, weights, n_fn
 
 
 def weight_mean(stats: dict[str, Tensor]) -> Tensor:

@@ -17,6 +17,22 @@ from torch import Tensor
 ProcessGroup = dist.ProcessGroup | None
 
 
+def valid_float(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """The valid positions (`mask > 0`; NaN is invalid) as 0/1 floats, for a bool or float mask, with no bool
+    tensor made for a float mask: sign(mask) clamped at 0 (on CPU, compares and bool -> float cost ~3x more)."""
+    if mask.dtype == torch.bool:
+        return float_mask(mask, dtype)
+    return mask.to(dtype).sign().clamp_(min=0.0).nan_to_num_(0.0)
+
+
+def row_products(x: Tensor) -> Tensor:
+    """[B, k, S] -> [B, k, k]: Σ_s x[b, i, s]·x[b, j, s], every row product of k stacked [B, S] quantities at once.
+    Eager: one batched matmul (one read of x instead of k² passes); under torch.compile: a fused reduction."""
+    if torch.compiler.is_compiling():
+        return (x.unsqueeze(2) * x.unsqueeze(1)).sum(-1)
+    return torch.bmm(x, x.transpose(1, 2))
+
+
 def valid_mask(mask: Tensor) -> Tensor:
     """Bool mask of valid positions: `mask > 0` (NaN counts as invalid); accepts bool or float masks."""
     return mask if mask.dtype == torch.bool else mask > 0
@@ -39,7 +55,12 @@ def count_greater_(x: Tensor, threshold: float) -> Tensor:
     Σ max(sign(x - threshold), 0): float passes only, about 2x faster on CPU than a bool compare and bool sum.
     The count is float32 or wider (bf16/fp16 cannot hold counts above 256 exactly).
     """
-    return x.sub_(threshold).sign_().clamp_(min=0.0).sum(-1, dtype=torch.promote_types(x.dtype, torch.float32))
+    return greater_indicator_(x.sub_(threshold)).sum(-1, dtype=torch.promote_types(x.dtype, torch.float32))
+
+
+def greater_indicator_(x: Tensor) -> Tensor:
+    """In place: 1.0 where x > 0, else 0.0 (x NaN-free): max(sign(x), 0), float passes only."""
+    return x.sign_().clamp_(min=0.0)
 
 
 def finite_indicator_(x: Tensor) -> Tensor:
@@ -61,7 +82,8 @@ def cp_first(cp_group: ProcessGroup) -> float:
     return 1.0 if dist.get_rank(group=cp_group) == 0 else 0.0
 
 
-def _active(*groups: ProcessGroup) -> list[dist.ProcessGroup]:
+def active_groups(*groups: ProcessGroup) -> list[dist.ProcessGroup]:
+    """The distinct groups of size > 1 among `groups`, in order."""
     out: list[dist.ProcessGroup] = []
     for g in groups:
         if g is not None and group_size(g) > 1 and all(g is not h for h in out):
@@ -85,7 +107,7 @@ def seq_sums(columns: list[Tensor], cp_group: ProcessGroup = None) -> Tensor:
 def global_sum(x: Tensor, cp_group: ProcessGroup = None, dp_group: ProcessGroup = None) -> Tensor:
     """Sum of `x` over DP x CP ranks (one all_reduce per group; returns a new tensor)."""
     x = x.clone()
-    for g in _active(cp_group, dp_group):
+    for g in active_groups(cp_group, dp_group):
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=g)
     return x
 
@@ -119,7 +141,7 @@ class BatchStats:
         self._maxes[name] = -value.detach().to(torch.float64).reshape(1)
 
     def reduce(self, cp_group: ProcessGroup = None, dp_group: ProcessGroup = None) -> dict[str, Tensor]:
-        groups = _active(cp_group, dp_group)
+        groups = active_groups(cp_group, dp_group)
         out: dict[str, Tensor] = {}
         for table, op in ((self._sums, dist.ReduceOp.SUM), (self._maxes, dist.ReduceOp.MAX)):
             if not table:

@@ -64,19 +64,22 @@ class CountingAllReduce:
 
 def _check_collective_count(cfg, agg, sl, y, old, ro, adv, mask, cp_group, dp_group, cp, dp, tag) -> None:
     """Per call: ONE all_reduce over CP for all sequence sums, plus one SUM and one MAX per group for the batch
-    statistics; the loss adds none (it uses the correction's global counts)."""
+    statistics, plus two small SUMs per group for the exact weight quantiles when there are IS weights; the loss
+    adds none (it uses the correction's global counts)."""
     counter = CountingAllReduce()
     dist.all_reduce = counter
+    quantile_rounds = 2 if cfg.use_tis else 0
     try:
         if cfg.computes_metrics:
             compute_rollout_correction(sl(old), sl(ro), sl(mask), cfg, cp_group=cp_group, dp_group=dp_group)
-            assert counter.count(cp_group) == (3 if cp > 1 else 0), tag
-            assert counter.count(dp_group) == (2 if dp > 1 else 0), tag
-            assert len(counter.calls) == (3 if cp > 1 else 0) + (2 if dp > 1 else 0), tag
+            assert counter.count(cp_group) == (3 + quantile_rounds if cp > 1 else 0), tag
+            assert counter.count(dp_group) == (2 + quantile_rounds if dp > 1 else 0), tag
+            assert len(counter.calls) == (3 + quantile_rounds if cp > 1 else 0) + (
+                2 + quantile_rounds if dp > 1 else 0), tag
             counter.calls.clear()
             compute_policy_loss(sl(y), sl(old), sl(ro), sl(adv), sl(mask), cfg, cp_group=cp_group, dp_group=dp_group)
-            assert counter.count(cp_group) == (3 if cp > 1 else 0), tag
-            assert counter.count(dp_group) == (2 if dp > 1 else 0), tag
+            assert counter.count(cp_group) == (3 + quantile_rounds if cp > 1 else 0), tag
+            assert counter.count(dp_group) == (2 + quantile_rounds if dp > 1 else 0), tag
         else:  # no correction: per-sequence counts (seq-mean-*) over CP, then the global denominator
             compute_policy_loss(sl(y), sl(old), sl(ro), sl(adv), sl(mask), cfg, cp_group=cp_group, dp_group=dp_group)
             seq_level = agg != "token-mean"
