@@ -240,7 +240,7 @@ def add_weight_stats(stats: BatchStats, w: Tensor, counted: Tensor, unit: Tensor
         sums = [_total(counted), _total(w), _total(torch.linalg.vecdot(w, w))]
     else:
         uw = unit * w
-        sums = [_total(unit), _total(uw), _total(torch.linalg.vecdot(uw, w))]
+        sums = [_total(unit), _total(uw), _total(uw * w)]
     stats.add_sums(("w_u", "w_uw", "w_uw2"), torch.stack(sums))
     if w.numel():
         # extremes over the counted weights: w -/+ (1 - counted)·2^120 (no bool tensor; w + 0 is exact); w >= 0

@@ -26,7 +26,7 @@ from torch import Tensor
 QUANTILES = {"p10": 0.10, "p50": 0.50, "p90": 0.90, "p99": 0.99}
 LEVEL1_KEY = "w_hist"
 REFINED = {"w_hist2": "w_hist2_ids", "w_hist3": "w_hist3_ids"}  # refined histograms [n, SUB] -> their bin ids [n]
-SLOTS = 8  # bins refined per round
+SLOTS = 64  # bins refined per round: with up to 64 distinct bins a micro-batch merges exactly
 SUB_BITS = 9  # bits of levels 2 and 3
 SUB = 1 << SUB_BITS
 TOP_SHIFT = 2 * SUB_BITS  # level 1 = bits >> 18: exponent (8 bits) + 5 mantissa bits
