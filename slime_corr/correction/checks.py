@@ -8,7 +8,6 @@ expects.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -106,11 +105,13 @@ def check_policy_loss_inputs(log_probs: Any, old_log_probs: Any, rollout_log_pro
                          "pass the rollout engine's log-probs.")
     if rollout_log_probs is not None:
         check_tensor(rollout_log_probs, "rollout_log_probs", where, shape=shape, like=log_probs)
-    if isinstance(advantages, Tensor) and advantages.dim() in (1, 2) and tuple(advantages.shape) in (
-            shape[:1], (shape[0], 1)):
-        check_tensor(advantages, "advantages", where, shape=tuple(advantages.shape), like=log_probs)
-    else:
-        _advantage_error(advantages, shape, where)
+    adv_shape = tuple(advantages.shape) if isinstance(advantages, Tensor) else None
+    if adv_shape not in (shape, shape[:1], (shape[0], 1)):
+        expected = f"{shape} per token, or ({shape[0]},) / ({shape[0]}, 1) per sequence"
+        error = ValueError if adv_shape is not None else TypeError
+        what = "have shape" if adv_shape is not None else "be a torch.Tensor of shape"
+        raise error(f"{where}: advantages must {what} {expected}, got {_describe(advantages)}.")
+    check_tensor(advantages, "advantages", where, shape=adv_shape, like=log_probs)
     check_tensor(loss_mask, "loss_mask", where, kind="mask", shape=shape, like=log_probs)
     if seq_length_for_norm is not None and (isinstance(seq_length_for_norm, bool)
                                             or not isinstance(seq_length_for_norm, int) or seq_length_for_norm <= 0):
@@ -122,20 +123,6 @@ def check_policy_loss_inputs(log_probs: Any, old_log_probs: Any, rollout_log_pro
                         f"{_describe(loss_fn)}.")
     check_group(cp_group, "cp_group", where)
     check_group(dp_group, "dp_group", where)
-
-
-def _advantage_error(advantages: Any, shape: tuple[int, ...], where: str) -> None:
-    if isinstance(advantages, Tensor) and tuple(advantages.shape) == shape:
-        return
-    expected = f"{shape} per token, or ({shape[0]},) / ({shape[0]}, 1) per sequence"
-    if not isinstance(advantages, Tensor):
-        raise TypeError(f"{where}: advantages must be a torch.Tensor of shape {expected}, got {_describe(advantages)}.")
-    raise ValueError(f"{where}: advantages must have shape {expected}, got {_describe(advantages)}.")
-
-
-def weight_function_label(fn: Callable[..., Any], config: RolloutCorrectionConfig) -> str:
-    return f"--custom-tis-function-path {config.custom_tis_function_path}" if config.custom_tis_function_path \
-        else getattr(fn, "__qualname__", repr(fn))
 
 
 def check_weight_outputs(out: Any, inputs: WeightInputs, config: RolloutCorrectionConfig) -> WeightOutputs:
