@@ -300,16 +300,17 @@ def peak_bytes(fn: Callable[[], object]) -> int:
     return max(itertools.accumulate(s[1] for s in steps), default=0)
 
 
-def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int, clock: Callable[[], float] = time.perf_counter
+                ) -> dict[str, float]:
     """Median seconds per function; the functions alternate within each round so machine noise hits all alike."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -321,6 +322,9 @@ def main() -> None:
     p.add_argument("--sizes", default=",".join(f"{b}x{s}" for b, s in SIZES))
     p.add_argument("--compile", action="store_true", help="also time --rollout-correction-compile (torch.compile)")
     p.add_argument("--verl-version", default=VERL_VERSION)
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall: perf_counter (the numbers to report); cpu: this thread's CPU time, which other "
+                        "processes on a shared machine disturb less (for A/B work; with --threads 1 only)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     verl = load_verl(args.verl_version)
@@ -329,7 +333,7 @@ def main() -> None:
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
     malloc = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")) or "glibc defaults"
     print(f"verl {verl.version} | torch {torch.__version__} | threads={torch.get_num_threads()} | "
-          f"repeats={args.repeats} (medians, interleaved) | malloc: {malloc}")
+          f"repeats={args.repeats} (medians, interleaved) | clock: {args.clock} | malloc: {malloc}")
     head = "| config | size | ours ms | verl ms | verl/ours | peak ours MiB | peak verl MiB |"
     if args.compile:
         head += " compiled ms | verl/compiled |"
@@ -352,7 +356,7 @@ def main() -> None:
                                                     "verl": partial(run_verl, verl, row, x)}
             if compiled_cfg is not None:
                 fns["compiled"] = partial(run_ours, row, x, compiled_cfg)
-            t = interleaved(fns, args.repeats)
+            t = interleaved(fns, args.repeats, time.perf_counter if args.clock == "wall" else time.thread_time)
             mem = {name: peak_bytes(fn) / 2**20 for name, fn in fns.items()}
             line = (f"| {row.name} | {b}x{s} | {t['ours'] * 1e3:.2f} | {t['verl'] * 1e3:.2f} | "
                     f"{t['verl'] / t['ours']:.2f}x | {mem['ours']:.1f} | {mem['verl']:.1f} |")

@@ -12,6 +12,7 @@ Order of operations (SPEC.md):
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -38,6 +39,7 @@ from slime_corr.correction.weights import (
     default_weight_parts,
     default_weights,
     in_log_bounds,
+    rs_keep,
 )
 from slime_corr.registry import WEIGHT_FUNCTIONS
 
@@ -65,6 +67,58 @@ def _zero_where(cond: Tensor, x: Tensor) -> Tensor:
     return torch.where(cond, torch.zeros_like(x), x)
 
 
+def maybe_compiled(fn: Callable, config: RolloutCorrectionConfig) -> Callable:
+    """`fn` itself, or its torch.compile'd form with `--rollout-correction-compile` (compiled once per function)."""
+    return _compiled(fn) if config.rollout_correction_compile else fn
+
+
+@functools.cache
+def _compiled(fn: Callable) -> Callable:
+    return torch.compile(fn, dynamic=None)
+
+
+def _token_stage(log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor, dtype: torch.dtype,
+                 veto_log: float | None, rs_bounds: tuple[float, float] | None) -> tuple[Tensor, ...]:
+    """The per-token work before the sequence sums: (valid mask, lr, per-sequence local sums [B, k], token
+    mismatch rows, per-sequence max |p_t - p_r|, token-RS keep mask or None). Columns of the sums: valid tokens,
+    non-finite tokens, Σlr, Σlp_train, then the veto count (lr < log C) and the token-RS kept count if asked."""
+    valid = valid_float(loss_mask, dtype)  # float 0/1; in good sequences also the mask of finite tokens
+    tok = M.token_pass(log_probs.detach().to(dtype), rollout_log_probs.detach().to(dtype), valid)
+    columns = [tok.seq]
+    if veto_log is not None:  # lr < log C, as -lr > -log C (lr is 0 outside the mask and log C < 0)
+        columns.append(count_greater_(tok.lr.neg(), -veto_log)[:, None])
+    keep_tok = None
+    if rs_bounds is not None:
+        keep_tok = in_log_bounds(tok.lr, *rs_bounds).mul_(valid)
+        columns.append(keep_tok.sum(-1, keepdim=True))
+    return valid, tok.lr, torch.cat(columns, -1), tok.rows, tok.d_max, keep_tok
+
+
+def _token_is_stage(inputs: WeightInputs, config: RolloutCorrectionConfig, tok_f: Tensor, row_f: Tensor
+                    ) -> tuple[Tensor, ...]:
+    """Built-in token-level IS after rejection: (final mask, weights (0 outside it), raw-weight row sums [B, 4],
+    then `weight_stat_tensors`). Raw weights are counted over the valid tokens (the caller keeps good sequences)."""
+    w, w_raw, _ = default_weight_parts(inputs, config, rs=False)
+    raw_rows = _token_raw_rows(w_raw, inputs.loss_mask, config)
+    final_f = tok_f * row_f
+    weights = w.mul_(final_f)
+    return (final_f, weights, raw_rows, *M.weight_stat_tensors(weights, final_f))
+
+
+def _token_raw_rows(w_raw: Tensor, valid: Tensor, config: RolloutCorrectionConfig) -> Tensor:
+    """Per-sequence [valid tokens, Σ w_raw, # w_raw > U, # w_raw < L] of built-in token-level IS; `w_raw` is 0
+    outside the mask (so never above U, and counted below L: those are subtracted). Destroys `w_raw`."""
+    lower, upper = config.tis_bounds
+    n = valid.sum(-1)
+    s_raw = w_raw.sum(-1)
+    if config.effective_tis_mode == "truncate":
+        low = torch.zeros_like(s_raw)
+    else:
+        low = count_greater_(torch.sub(lower, w_raw), 0.0) - (valid.shape[-1] - n)
+    high = count_greater_(w_raw, upper)
+    return torch.stack([n, s_raw, high, low], -1)
+
+
 def compute_rollout_correction(
     log_probs: Tensor,
     rollout_log_probs: Tensor,
@@ -83,6 +137,7 @@ def compute_rollout_correction(
     `batch_norm_mean`: with `--tis-batch-normalize`, the mean to divide the weights by; default this call's own
     batch mean. A step of several micro-batches passes the step's mean (`weight_mean(merge_stats(...))` of a
     pre-pass), so the normalization is over the whole step as SPEC.md asks.
+    With `--rollout-correction-compile` the per-token stages run torch.compile'd (same results).
     """
     check_correction_inputs(log_probs, rollout_log_probs, loss_mask, config, batch_norm_mean, cp_group, dp_group)
     if not config.computes_metrics:
@@ -90,21 +145,14 @@ def compute_rollout_correction(
         return CorrectionResult(weights=None, loss_mask=orig_mask, denominator_mask=orig_mask, metrics={})
     correct = config.use_rollout_correction
     dtype = compute_dtype(log_probs, rollout_log_probs)
-    valid = valid_float(loss_mask, dtype)  # float 0/1; in good sequences also the mask of finite tokens
-    tok = M.token_pass(log_probs.detach().to(dtype), rollout_log_probs.detach().to(dtype), valid)
-    lr = tok.lr
-    columns = list(tok.seq.unbind(-1))  # valid tokens, non-finite tokens, Σlr, Σlp_train
     veto = correct and config.rs_veto_threshold is not None
-    if veto:  # lr < log C, as -lr > -log C (lr is 0 outside the mask and log C < 0)
-        columns.append(count_greater_(lr.neg(), -math.log(config.rs_veto_threshold)))
     fn = weight_function(config) if correct else None
     is_default = fn is default_weights
     token_rs = is_default and config.use_rs and config.rs_level == "token"
-    keep_tok = None
-    if token_rs:
-        keep_tok = in_log_bounds(lr, *config.rs_bounds).mul_(valid)
-        columns.append(keep_tok.sum(-1))
-    seq = seq_sums(columns, cp_group)  # the one CP collective for sequence sums
+    valid, lr, local, tok_rows, tok_d_max, keep_tok = maybe_compiled(_token_stage, config)(
+        log_probs, rollout_log_probs, loss_mask, dtype, math.log(config.rs_veto_threshold) if veto else None,
+        config.rs_bounds if token_rs else None)
+    seq = seq_sums(list(local.unbind(-1)), cp_group)  # the one CP collective for sequence sums
 
     n_orig, n_bad, s_lr, s_lpt = seq[:, :4].unbind(-1)
     s_lpr = s_lpt - s_lr
@@ -121,7 +169,7 @@ def compute_rollout_correction(
     counts = torch.stack([n_seq, seq_ok, n_orig, n_orig > 0, torch.where(seq_bad, n_bad, torch.zeros_like(n_bad)),
                           seq_bad], dim=-1)
     stats.add_sums(("n_tok", "n_seq", "n_valid_tok", "n_valid_seq", "n_bad_tok", "n_bad_seq"), _count(counts, cp0))
-    M.add_token_mismatch(stats, tok.rows, tok.d_max, ~seq_bad)
+    M.add_token_mismatch(stats, tok_rows, tok_d_max, ~seq_bad)
     M.add_seq_mismatch(stats, seq_ok, n_seq, s_lpt, s_lpr, s_lr, cp0)
 
     weights: Tensor | None = None
@@ -134,24 +182,24 @@ def compute_rollout_correction(
     if correct:
         tok_f, row_f = valid, good  # [B, S] token keep, [B, 1] sequence keep (non-finite, RS, veto)
         lower, upper = config.tis_bounds
+        token_is = False
         if is_default:
             # built-in weights at the shapes of their level ([B, 1] for sequence/geometric): no [B, S] copies of
             # per-sequence quantities; the token-RS decision was made before the sequence sums, to count it there
             inputs = WeightInputs(log_ratio=lr, loss_mask=valid, seq_log_ratio_sum=s_lr, seq_token_count=n_seq,
                                   cp_group=cp_group, dp_group=dp_group)
-            w_out, raw_out, keep = default_weight_parts(inputs, config, rs=not token_rs)
+            token_is = config.use_tis and config.tis_level == "token"
+            if config.use_tis and not token_is:
+                w_out, raw_out, _ = default_weight_parts(inputs, config, rs=False)
+                w_seq = w_out.squeeze(-1)
+                M.add_raw_weight_stats(stats, raw_out.squeeze(-1), seq_ok.to(dtype) * cp0, lower, upper)
             n_fn = _zero_where(seq_bad, seq[:, -1]) if token_rs else n_seq
             if token_rs:
                 tok_f = keep_tok
-            elif keep is not None:
+            elif config.use_rs:
+                keep = rs_keep(inputs, config)
                 row_f = row_f * keep
                 n_fn = n_fn * keep.squeeze(-1)
-            if w_out is not None and config.tis_level == "token":
-                weights = w_out
-                _add_token_raw_stats(stats, raw_out, valid, good, config)
-            elif w_out is not None:
-                w_seq = w_out.squeeze(-1)
-                M.add_raw_weight_stats(stats, raw_out.squeeze(-1), seq_ok.to(dtype) * cp0, lower, upper)
         else:  # a custom mask is arbitrary: one extra CP collective for its per-sequence counts
             tok_f, weights, n_fn = _custom(fn, stats, fn_metrics, lr, valid, good, s_lr, n_seq, cp_group, dp_group,
                                            config, dtype)
@@ -162,23 +210,25 @@ def compute_rollout_correction(
             n_final = _zero_where(vetoed, n_fn)
             step_counts.update(n_cat_tok=torch.where(seq_ok, seq[:, 4], torch.zeros_like(n_fn)),
                                n_cat_seq=vetoed & seq_ok)
-        final_f = tok_f * row_f
         step_counts.update(n_fn_tok=n_fn, n_fn_seq_rej=seq_ok & (n_fn == 0), n_final_tok=n_final,
                            n_final_seq_rej=(n_orig > 0) & (n_final == 0))
+        if token_is:  # the per-token weights, their statistics and the sketch's first digit in one stage
+            final_f, weights, raw_rows, *parts = maybe_compiled(_token_is_stage, config)(inputs, config, tok_f, row_f)
+            zero = torch.zeros((), dtype=torch.float64, device=raw_rows.device)
+            M.add_raw_weight_sums(stats, *torch.where(good > 0, raw_rows.to(torch.float64), zero).sum(0).unbind())
+            sketch = (weights, M.add_weight_stats(stats, parts), final_f)
+        else:
+            final_f = tok_f * row_f
         if w_seq is not None:  # constant along each sequence: statistics on [B], each sequence counted once
             counted = (n_final > 0).to(dtype) * cp0
             w_counted = w_seq * counted
-            sketch = (w_counted, M.add_weight_stats(stats, w_counted, counted), counted)
-        elif weights is not None:
-            if is_default:  # built-in token weights: 0 outside the final mask, 1 unit per token
-                weights = weights.mul_(final_f)
-                sketch = (weights, M.add_weight_stats(stats, weights, final_f), final_f)
-            else:
-                weights = torch.where(final_f > 0, weights, torch.zeros((), dtype=dtype))  # its NaN stays out
-                unit = final_f.double()
-                if config.tis_level != "token":
-                    unit = unit / n_final.clamp_min(1).unsqueeze(-1).double()
-                sketch = (weights, M.add_weight_stats(stats, weights, final_f, unit), unit)
+            sketch = (w_counted, M.add_weight_stats(stats, M.weight_stat_tensors(w_counted, counted)), counted)
+        elif weights is not None and not is_default:
+            weights = torch.where(final_f > 0, weights, torch.zeros((), dtype=dtype))  # its NaN stays out
+            unit = final_f.double()
+            if config.tis_level != "token":
+                unit = unit / n_final.clamp_min(1).unsqueeze(-1).double()
+            sketch = (weights, M.add_weight_stats(stats, M.weight_stat_tensors(weights, final_f, unit)), unit)
 
     keep_den = not correct or config.rs_keep_loss_denominator
     final_mask = final_f.to(torch.float32)
@@ -211,22 +261,6 @@ def compute_rollout_correction(
         stats=r,
         function_metrics=fn_metrics,
     )
-
-
-def _add_token_raw_stats(stats: BatchStats, w_raw: Tensor, valid: Tensor, good: Tensor,
-                         config: RolloutCorrectionConfig) -> None:
-    """Raw-weight statistics of built-in token-level IS over the valid tokens of good sequences; `w_raw` is 0 outside
-    the mask (so never above U, and counted below L: those are subtracted). Destroys `w_raw`."""
-    lower, upper = config.tis_bounds
-    s_raw = w_raw.sum(-1)
-    if config.effective_tis_mode == "truncate":
-        low = torch.zeros_like(s_raw)
-    else:
-        low = count_greater_(torch.sub(lower, w_raw), 0.0) - (valid.shape[-1] - valid.sum(-1))
-    high = count_greater_(w_raw, upper)
-    sums = torch.stack([valid.sum(-1), s_raw, high, low], -1).to(torch.float64)
-    zero = torch.zeros((), dtype=torch.float64, device=sums.device)
-    M.add_raw_weight_sums(stats, *torch.where(good > 0, sums, zero).sum(0).unbind())
 
 
 def _custom(fn: Callable, stats: BatchStats, fn_metrics: dict[str, Tensor], lr: Tensor, valid: Tensor, good: Tensor,

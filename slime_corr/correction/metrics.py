@@ -108,10 +108,23 @@ class TokenPass(NamedTuple):
     """What one pass over the [B, S] tokens gives the core (`token_pass`)."""
 
     lr: Tensor  # lp_train - lp_rollout at valid tokens, 0 elsewhere; non-finite -> ±max (rejects the sequence)
-    x: Tensor  # clamp(lr, -20, 20) (a view)
     seq: Tensor  # [B, 4] per-sequence local sums: valid tokens, tokens with |lr| > 1e30, Σ lr, Σ lp_train
     rows: Tensor  # [B, len(TOKEN_SUMS)] float64 per-sequence sums of the token mismatch terms
     d_max: Tensor  # [B] max |p_train - p_rollout|
+
+
+class _Stack:
+    """k [B, S] columns stacked as [B, k, S]. Eager: the columns are written straight into the stack's slots
+    (`out=`), so stacking copies nothing; under torch.compile they are plain tensors that `stack` joins (the
+    compiler fuses that away)."""
+
+    def __init__(self, like: Tensor, k: int) -> None:
+        b, s = like.shape
+        self.data = None if torch.compiler.is_compiling() else like.new_empty(b, k, s)
+        self.slots = [None] * k if self.data is None else list(self.data.unbind(1))
+
+    def stack(self, *columns: Tensor) -> Tensor:
+        return torch.stack(columns, 1) if self.data is None else self.data
 
 
 def token_pass(lp_train: Tensor, lp_rollout: Tensor, valid: Tensor) -> TokenPass:
@@ -124,20 +137,26 @@ def token_pass(lp_train: Tensor, lp_rollout: Tensor, valid: Tensor) -> TokenPass
     """
     big = torch.finfo(lp_train.dtype).max
     lr = torch.sub(lp_train, lp_rollout).nan_to_num_(big, big, -big).mul_(valid)
-    b, s = lr.shape
-    xk = lr.new_empty(b, 2, s)
-    x = torch.clamp(lr, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP, out=xk[:, 0])
-    torch.expm1(x, out=xk[:, 1]).sub_(x)
-    p = lr.new_empty(b, 3, s)
-    p_t = torch.nan_to_num(lp_train, 0.0, 0.0, 0.0, out=p[:, 0]).mul_(valid)
+    if torch.compiler.is_compiling():
+        return _token_pass_fused(lp_train, lp_rollout, valid, lr)
+    xk = _Stack(lr, 2)
+    x = torch.clamp(lr, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP, out=xk.slots[0])
+    k3 = torch.expm1(x, out=xk.slots[1]).sub_(x)
+    p = _Stack(lr, 3)
+    # NaN/inf outside the mask become 0 (x·0 = NaN there, then nan_to_num_); inside, the sequence is rejected anyway
+    p_t = torch.mul(lp_train, valid, out=p.slots[0]).nan_to_num_(0.0, 0.0, 0.0)
     s_lpt = p_t.sum(-1)
-    p_t.clamp_(max=LOG_PROB_CLAMP).exp_().mul_(valid)  # the clamp only bounds invalid log-probs, squares stay finite
-    p_r = torch.nan_to_num(lp_rollout, 0.0, 0.0, 0.0, out=p[:, 1]).clamp_(max=LOG_PROB_CLAMP).exp_().mul_(valid)
-    d = torch.sub(p_t, p_r, out=p[:, 2]).abs_()
-    d_max = d.amax(-1) if s else d.new_zeros(b)
-    g_p, s_p = row_products(p).to(torch.float64), p.sum(-1).to(torch.float64)
-    del p, p_t, p_r, d
-    g_x, s_x = row_products(xk).to(torch.float64), xk.sum(-1).to(torch.float64)
+    p_t = p_t.clamp_(max=LOG_PROB_CLAMP).exp_().mul_(valid)  # the clamp only bounds invalid log-probs
+    p_r = torch.mul(lp_rollout, valid, out=p.slots[1]).nan_to_num_(0.0, 0.0, 0.0)
+    p_r = p_r.clamp_(max=LOG_PROB_CLAMP).exp_().mul_(valid)
+    d = torch.sub(p_t, p_r, out=p.slots[2]).abs_()
+    d_max = d.amax(-1) if d.shape[-1] else d.new_zeros(d.shape[0])
+    p_block = p.stack(p_t, p_r, d)
+    g_p, s_p = row_products(p_block).to(torch.float64), p_block.sum(-1).to(torch.float64)
+    del p, p_block, p_t, p_r, d
+    xk_block = xk.stack(x, k3)
+    g_x, s_x = row_products(xk_block).to(torch.float64), xk_block.sum(-1).to(torch.float64)
+    del xk, xk_block, x, k3
     abs_lr = lr.abs()
     s_abs = abs_lr.sum(-1)
     n_bad = count_greater_(abs_lr, MAX_ABS_LOG_RATIO)
@@ -146,7 +165,23 @@ def token_pass(lp_train: Tensor, lp_rollout: Tensor, valid: Tensor) -> TokenPass
     rows = torch.stack([-s_lr.to(torch.float64), s_x[:, 1], chi2, s_abs.to(torch.float64), s_p[:, 2], g_p[:, 2, 2],
                         s_p[:, 0], s_p[:, 1], g_p[:, 0, 0], g_p[:, 1, 1], g_p[:, 0, 1]], dim=-1)  # TOKEN_SUMS order
     seq = torch.stack([valid.sum(-1), n_bad.to(lr.dtype), s_lr, s_lpt], dim=-1)
-    return TokenPass(lr, x, seq, rows, d_max)
+    return TokenPass(lr, seq, rows, d_max)
+
+
+def _token_pass_fused(lp_train: Tensor, lp_rollout: Tensor, valid: Tensor, lr: Tensor) -> TokenPass:
+    """`token_pass` as torch.compile fuses it best: every term and its row sum written out, one loop."""
+    keep = valid > 0
+    x = lr.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    e = torch.expm1(x)
+    p_t = torch.where(keep, lp_train.clamp(max=LOG_PROB_CLAMP).exp(), 0.0)
+    p_r = torch.where(keep, lp_rollout.clamp(max=LOG_PROB_CLAMP).exp(), 0.0)
+    d = (p_t - p_r).abs()
+    abs_lr = lr.abs()
+    terms = (-lr, e - x, e * (e + 2.0), abs_lr, d, d * d, p_t, p_r, p_t * p_t, p_r * p_r, p_t * p_r)
+    rows = torch.stack([t.sum(-1) for t in terms], -1).to(torch.float64)  # TOKEN_SUMS order
+    n_bad = (abs_lr > MAX_ABS_LOG_RATIO).sum(-1, dtype=lr.dtype)
+    seq = torch.stack([valid.sum(-1), n_bad, lr.sum(-1), torch.where(keep, lp_train, 0.0).sum(-1)], -1)
+    return TokenPass(lr, seq, rows, d.amax(-1) if d.shape[-1] else d.new_zeros(d.shape[0]))
 
 
 def add_token_mismatch(stats: BatchStats, rows: Tensor, row_max_d: Tensor, use_row: Tensor) -> None:
@@ -231,27 +266,33 @@ def finalize_raw_weight(r: dict[str, Tensor], mode: str) -> dict[str, Tensor]:
     return out
 
 
-def add_weight_stats(stats: BatchStats, w: Tensor, counted: Tensor, unit: Tensor | None = None) -> Tensor:
-    """Final (pre-normalization) weights `w` >= 0, zero where the float 0/1 `counted` is 0: Σu, Σuw, Σuw², true min and
-    max, and the quantile sketch's level-1 histogram (`quantiles.py`). `unit`: the unit of each weight when it is
-    not `counted` (1/n_i per token of a sequence, float64). Returns the level-1 keys for `quantiles.refine`."""
+def weight_stat_tensors(w: Tensor, counted: Tensor, unit: Tensor | None = None) -> tuple[Tensor, ...]:
+    """Final (pre-normalization) weights `w` >= 0, zero where the float 0/1 `counted` is 0: (Σu, Σuw, Σuw² [3],
+    true max, true min, level-1 keys, level-1 histogram of the quantile sketch). `unit`: the unit of each weight
+    when it is not `counted` (1/n_i per token of a sequence, float64)."""
     if unit is None:  # w is 0 where not counted: Σ counted·w = Σ w
-        unit = counted
-        sums = [_total(counted), _total(w), _total(torch.linalg.vecdot(w, w))]
+        sums = torch.stack([_total(counted), _total(w), _total(torch.linalg.vecdot(w, w))])
     else:
         uw = unit * w
-        sums = [_total(unit), _total(uw), _total(uw * w)]
-    stats.add_sums(("w_u", "w_uw", "w_uw2"), torch.stack(sums))
+        sums = torch.stack([_total(unit), _total(uw), _total(uw * w)])
     if w.numel():
         # extremes over the counted weights: w -/+ (1 - counted)·2^120 (no bool tensor; w + 0 is exact); w >= 0
         # and 0 where not counted, so the maximum needs no shift unless units are given (a custom function's w)
         shift = torch.sub(counted, 1.0).mul_(_NOT_COUNTED)
-        stats.add_max("w_max", (w.amax() if unit is counted else (shift + w).amax()))
-        stats.add_min("w_min", shift.neg_().add_(w).amin())
+        w_max = w.amax() if unit is None else (shift + w).amax()
+        w_min = shift.neg_().add_(w).amin()
     else:
-        stats.add_max("w_max", w.new_full((), -math.inf))
-        stats.add_min("w_min", w.new_full((), math.inf))
-    key, hist = Q.level1(w, unit)
+        w_max, w_min = w.new_full((), -math.inf), w.new_full((), math.inf)
+    key, hist = Q.level1(w, counted if unit is None else unit)
+    return sums, w_max, w_min, key, hist
+
+
+def add_weight_stats(stats: BatchStats, parts: tuple[Tensor, ...]) -> Tensor:
+    """Adds `weight_stat_tensors` output to `stats`; returns the level-1 keys for `quantiles.refine`."""
+    sums, w_max, w_min, key, hist = parts
+    stats.add_sums(("w_u", "w_uw", "w_uw2"), sums)
+    stats.add_max("w_max", w_max)
+    stats.add_min("w_min", w_min)
     stats.add_sum(Q.LEVEL1_KEY, hist)
     return key
 
