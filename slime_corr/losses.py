@@ -30,6 +30,7 @@ from torch import Tensor
 from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.correction import CorrectionResult, compute_rollout_correction
 from slime_corr.correction.checks import check_policy_loss_inputs
+from slime_corr.correction.core import maybe_compiled
 from slime_corr.correction.reductions import (
     ProcessGroup,
     cp_first,
@@ -78,40 +79,49 @@ def _detached_log_probs(inputs: LossInputs) -> Tensor:
     return torch.nan_to_num(inputs.raw_log_probs.detach(), 0.0, 0.0, 0.0).mul_(inputs.token_mask)
 
 
-class _PPO(torch.autograd.Function):
-    """Per-token clipped PPO with its gradient in closed form: dl/dlp = -A·r·w where the unclipped surrogate is
+def ppo_terms(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, weights: Tensor | None, mask: Tensor,
+              clip: tuple[float, float], eps_clip_c: float | None) -> tuple[Tensor, ...]:
+    """Per-token clipped PPO and its gradient in closed form, for sanitized inputs (finite, 0 outside `mask`):
+    (loss, dl/dlp, Σ -log r, Σ (r - 1) in float64, # clipped). dl/dlp = -A·r·w where the unclipped surrogate is
     the one trained (r in [1-ε, 1+ε_high], or the clipped one is larger), the dual clip does not cap and
     |lp - lp_old| <= 20; 0 elsewhere (at an exact tie with the dual-clip cap the whole gradient is kept)."""
+    adv = advantages
+    diff = torch.nan_to_num(log_probs, 0.0, 0.0, 0.0).mul_(mask).sub_(old_log_probs)  # 0 outside: r = 1, l = 0
+    log_ratio = diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    kl_sum = -log_ratio.sum()
+    in_range = greater_indicator_(diff.abs_().sub_(LOG_RATIO_CLAMP)).neg_().add_(1.0)  # the clamp passes grad
+    ratio = log_ratio.exp_()
+    ois_sum = ratio.sum(dtype=torch.float64) - ratio.numel()
+    surr1 = adv * ratio
+    surr2 = ratio.clamp(*clip).mul_(adv)
+    clipped = greater_indicator_(surr1 - surr2)  # the clipped surrogate is the smaller one: it is trained
+    clip_sum = clipped.sum()
+    loss = torch.minimum(surr1, surr2).neg_()
+    grad = surr1.neg_().mul_(clipped.neg_().add_(1.0)).mul_(in_range)  # -A·r on trained tokens
+    if eps_clip_c is not None:  # A < 0: l = min(l, -A·c); capped tokens get no gradient
+        cap = adv * -eps_clip_c
+        capped = greater_indicator_(loss - cap).mul_(greater_indicator_(-adv))
+        loss = loss.mul_(1.0 - capped).add_(cap.mul_(capped))  # an exact select: x·1 + y·0
+        grad = grad.mul_(capped.neg_().add_(1.0))
+    if weights is not None:
+        loss = loss.mul_(weights)
+        grad = grad.mul_(weights)
+    return loss, grad, kl_sum, ois_sum, clip_sum
+
+
+class _PPO(torch.autograd.Function):
+    """Per-token clipped PPO (`ppo_terms`); the backward is one multiply by the saved gradient."""
 
     @staticmethod
     def forward(ctx: Any, log_probs: Tensor, inputs: LossInputs, config: RolloutCorrectionConfig) -> Tensor:
-        adv, n = inputs.advantages, inputs.count.clamp_min(1)
-        diff = _detached_log_probs(inputs).sub_(inputs.old_log_probs)  # 0 outside the mask: r = 1, surrogates 0
-        log_ratio = diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        inputs.metrics["ppo_kl"] = -log_ratio.sum() / n
-        in_range = greater_indicator_(diff.abs_().sub_(LOG_RATIO_CLAMP)).neg_().add_(1.0)  # the clamp passes grad
-        del diff
-        ratio = log_ratio.exp_()
+        loss, grad, kl_sum, ois_sum, clip_sum = maybe_compiled(ppo_terms, config)(
+            log_probs.detach(), inputs.old_log_probs, inputs.advantages, inputs.weights, inputs.token_mask,
+            config.clip_range, config.eps_clip_c)
+        n = inputs.count.clamp_min(1)
+        inputs.metrics["ppo_kl"] = kl_sum / n
         if not config.use_rollout_logprobs:  # decoupled: the on-policy ratio pi_theta / pi_old ("ois")
-            inputs.metrics["ois"] = (ratio.sum(dtype=torch.float64) - ratio.numel()).to(n.dtype) / n + 1.0
-        low, high = config.clip_range
-        surr1 = adv * ratio
-        surr2 = ratio.clamp(low, high).mul_(adv)
-        # the clipped surrogate is trained where it is the smaller one: no gradient there
-        clipped = greater_indicator_(surr1 - surr2)
-        inputs.metrics["pg_clipfrac"] = clipped.sum() / n
-        loss = torch.minimum(surr1, surr2).neg_()
-        del surr2
-        grad = surr1.neg_().mul_(clipped.neg_().add_(1.0)).mul_(in_range)  # -A·r on trained tokens
-        del clipped, in_range
-        if config.eps_clip_c is not None:  # A < 0: l = min(l, -A·c); capped tokens get no gradient
-            cap = adv * -config.eps_clip_c
-            capped = greater_indicator_(loss - cap).mul_(greater_indicator_(-adv))
-            loss = loss.mul_(1.0 - capped).add_(cap.mul_(capped))  # an exact select: x·1 + y·0
-            grad = grad.mul_(capped.neg_().add_(1.0))
-        if inputs.weights is not None:
-            loss = loss.mul_(inputs.weights)
-            grad = grad.mul_(inputs.weights)
+            inputs.metrics["ois"] = ois_sum.to(n.dtype) / n + 1.0
+        inputs.metrics["pg_clipfrac"] = clip_sum / n
         ctx.save_for_backward(grad)
         return loss
 
@@ -154,6 +164,18 @@ def reinforce_loss(inputs: LossInputs, config: RolloutCorrectionConfig) -> Tenso
 BUILTIN_LOSSES = (ppo_loss, reinforce_loss)  # per-token losses known to be 0 outside the token mask
 
 
+def sanitized_inputs(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor,
+                     weights: Tensor | None) -> tuple[Tensor, ...]:
+    """(token mask, lp_old, A, w, Σ mask): a NaN/inf in lp, lp_old or A (or an overflow of lp - lp_old + A) drops
+    the token, found in one pass for all three; the inputs are then made finite and 0 outside the mask BEFORE the
+    loss math (nan_to_num x mask), so neither the value nor the gradient sees a NaN/inf."""
+    okf = finite_indicator_((log_probs - old_log_probs).add_(advantages)).mul_(mask)
+    old = torch.nan_to_num(old_log_probs, 0.0, 0.0, 0.0).mul_(okf)
+    adv = torch.nan_to_num(advantages, 0.0, 0.0, 0.0).mul(okf)
+    w = None if weights is None else weights * okf
+    return okf, old, adv, w, okf.sum(dtype=torch.promote_types(okf.dtype, torch.float32))  # bf16 counts to 256
+
+
 @dataclass
 class PolicyLossOutput:
     loss: Tensor
@@ -176,6 +198,7 @@ def compute_policy_loss(
     seq_length_for_norm: int | None = None,
     batch_norm_mean: Tensor | None = None,
     loss_fn: str | Callable | None = None,
+    correction: CorrectionResult | None = None,
 ) -> PolicyLossOutput:
     """The policy loss of one micro-batch ([B, S] local slices) under `config`.
 
@@ -186,9 +209,11 @@ def compute_policy_loss(
     `advantages`: [B, S], or [B] / [B, 1] per sequence (broadcast along the sequence).
     `loss_fn` overrides `config.loss_type` with a registered name, an import path, or a callable.
     `batch_norm_mean`: the step's IS-weight mean for `--tis-batch-normalize` (see `compute_rollout_correction`).
+    `correction`: this micro-batch's correction computed beforehand from the same lp_train (e.g. a decoupled
+    pre-pass, finished by `normalize_weights`); it is used instead of computing it again.
     """
     check_policy_loss_inputs(log_probs, old_log_probs, rollout_log_probs, advantages, loss_mask, config,
-                             seq_length_for_norm, batch_norm_mean, loss_fn, cp_group, dp_group)
+                             seq_length_for_norm, batch_norm_mean, loss_fn, cp_group, dp_group, correction)
     if config.use_rollout_logprobs:
         old_log_probs = rollout_log_probs
         lp_train = log_probs.detach()
@@ -197,8 +222,10 @@ def compute_policy_loss(
     if advantages.dim() == 1 or advantages.shape[-1] != log_probs.shape[-1]:
         advantages = advantages.reshape(-1, 1)  # per sequence: broadcast along the tokens
 
-    correction: CorrectionResult | None = None
-    if config.computes_metrics:
+    if correction is not None and batch_norm_mean is not None:
+        raise ValueError("compute_policy_loss: pass either a precomputed correction (already normalized) or "
+                         "batch_norm_mean, not both.")
+    if correction is None and config.computes_metrics:
         correction = compute_rollout_correction(
             lp_train, rollout_log_probs, loss_mask, config, cp_group=cp_group, dp_group=dp_group,
             batch_norm_mean=batch_norm_mean,
@@ -213,21 +240,11 @@ def compute_policy_loss(
         mask_f = den_mask
         weights = None
 
-    old = old_log_probs.detach()
-    adv = advantages.detach()
-    # a NaN/inf in lp, lp_old or A (or an overflow of lp - lp_old + A) drops the token: one pass for all three
-    okf = finite_indicator_((log_probs.detach() - old).add_(adv)).mul_(mask_f)
-    # Sanitize BEFORE the loss math (nan_to_num x mask) so neither the value nor the gradient sees a NaN/inf;
-    # every input is then finite and 0 outside the mask, so the built-in per-token losses are 0 there too.
-    inputs = LossInputs(
-        raw_log_probs=log_probs,
-        old_log_probs=torch.nan_to_num(old, 0.0, 0.0, 0.0).mul_(okf),
-        rollout_log_probs=rollout_log_probs,
-        advantages=torch.nan_to_num(adv, 0.0, 0.0, 0.0).mul(okf),
-        token_mask=okf,
-        weights=None if weights is None else weights.detach().to(dtype) * okf,
-        count=okf.sum(dtype=torch.promote_types(dtype, torch.float32)),  # bf16 cannot count above 256
-    )
+    okf, old_s, adv_s, w_s, count = maybe_compiled(sanitized_inputs, config)(
+        log_probs.detach(), old_log_probs.detach(), advantages.detach(), mask_f,
+        None if weights is None else weights.detach().to(dtype))
+    inputs = LossInputs(raw_log_probs=log_probs, old_log_probs=old_s, rollout_log_probs=rollout_log_probs,
+                        advantages=adv_s, token_mask=okf, weights=w_s, count=count)
     fn = loss_fn if callable(loss_fn) else LOSS_FUNCTIONS.get(loss_fn or config.loss_type, flag="--loss-type")
     token_loss = fn(inputs, config)
     zero = torch.zeros((), dtype=dtype, device=log_probs.device)

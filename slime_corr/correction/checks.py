@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from slime_corr.config import RolloutCorrectionConfig
-from slime_corr.correction.types import WeightInputs, WeightOutputs
+from slime_corr.correction.types import CorrectionResult, WeightInputs, WeightOutputs
 
 
 def _describe(x: Any) -> str:
@@ -84,7 +84,7 @@ def check_correction_inputs(log_probs: Any, rollout_log_probs: Any, loss_mask: A
 
 def check_policy_loss_inputs(log_probs: Any, old_log_probs: Any, rollout_log_probs: Any, advantages: Any,
                              loss_mask: Any, config: Any, seq_length_for_norm: Any, batch_norm_mean: Any,
-                             loss_fn: Any, cp_group: Any = None, dp_group: Any = None) -> None:
+                             loss_fn: Any, cp_group: Any = None, dp_group: Any = None, correction: Any = None) -> None:
     """The checks of `compute_policy_loss`. Advantages may be per token [B, S] or per sequence [B] / [B, 1]
     (broadcast along the sequence)."""
     where = "compute_policy_loss"
@@ -123,6 +123,10 @@ def check_policy_loss_inputs(log_probs: Any, old_log_probs: Any, rollout_log_pro
                         f"{_describe(loss_fn)}.")
     check_group(cp_group, "cp_group", where)
     check_group(dp_group, "dp_group", where)
+    if correction is not None and not (isinstance(correction, CorrectionResult)
+                                       and tuple(correction.loss_mask.shape) == shape):
+        raise TypeError(f"{where}: correction must be the CorrectionResult of this micro-batch (loss_mask of shape "
+                        f"{shape}), got {_describe(correction)}.")
 
 
 def check_weight_outputs(out: Any, inputs: WeightInputs, config: RolloutCorrectionConfig) -> WeightOutputs:

@@ -12,6 +12,7 @@ Order of operations (SPEC.md):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -128,6 +129,8 @@ def compute_rollout_correction(
     cp_group: ProcessGroup = None,
     dp_group: ProcessGroup = None,
     batch_norm_mean: Tensor | None = None,
+    normalize: bool = True,
+    finalize_metrics: bool = True,
 ) -> CorrectionResult:
     """Weights, masks and metrics for [B, S] local slices.
 
@@ -137,6 +140,9 @@ def compute_rollout_correction(
     `batch_norm_mean`: with `--tis-batch-normalize`, the mean to divide the weights by; default this call's own
     batch mean. A step of several micro-batches passes the step's mean (`weight_mean(merge_stats(...))` of a
     pre-pass), so the normalization is over the whole step as SPEC.md asks.
+    `normalize=False` leaves the weights unnormalized (a pre-pass that `normalize_weights` finishes once the step's
+    mean is known, so the training pass need not redo the correction); `finalize_metrics=False` skips the metrics
+    (`.metrics` is empty; `.stats` is complete) for callers that finalize a step's merged statistics once.
     With `--rollout-correction-compile` the per-token stages run torch.compile'd (same results).
     """
     check_correction_inputs(log_probs, rollout_log_probs, loss_mask, config, batch_norm_mean, cp_group, dp_group)
@@ -242,13 +248,13 @@ def compute_rollout_correction(
         r.update(Q.refine(sketch[0], sketch[1], sketch[2], r[Q.LEVEL1_KEY], active_groups(cp_group, dp_group)))
 
     divisor = None
-    if "w_u" in r and config.tis_batch_normalize:
+    if "w_u" in r and config.tis_batch_normalize and normalize:
         divisor = normalization_divisor(weight_mean(r) if batch_norm_mean is None else batch_norm_mean)
     if w_seq is not None:  # one [B, S] pass: per-sequence weight (normalized) x final mask
         weights = (w_seq if divisor is None else w_seq / divisor.to(dtype)).unsqueeze(-1) * final_f
     elif divisor is not None:
         weights = weights.div_(divisor.to(dtype))
-    metrics = correction_metrics(r, config, divisor)
+    metrics = correction_metrics(r, config, divisor) if finalize_metrics else {}
     metrics.update(fn_metrics)
     return CorrectionResult(
         weights=weights,
@@ -286,6 +292,19 @@ def _custom(fn: Callable, stats: BatchStats, fn_metrics: dict[str, Tensor], lr: 
         fn_mask = fn_mask * finite
     n_fn = seq_sums([fn_mask], cp_group)[:, 0]
     return fn_mask, weights, n_fn
+
+
+def normalize_weights(result: CorrectionResult, config: RolloutCorrectionConfig, mean: Tensor,
+                      finalize_metrics: bool = True) -> CorrectionResult:
+    """A `compute_rollout_correction(..., normalize=False)` result divided by the `--tis-batch-normalize` divisor of
+    the step's `mean` (`weight_mean(merge_stats(...))`): the same weights and metrics as computing it with
+    `batch_norm_mean=mean`, without redoing the correction. Only the step divisor is applied."""
+    if not config.tis_batch_normalize or result.weights is None:
+        return result
+    divisor = normalization_divisor(mean)
+    metrics = correction_metrics(result.stats, config, divisor) if finalize_metrics else {}
+    metrics.update(result.function_metrics)
+    return dataclasses.replace(result, weights=result.weights / divisor.to(result.weights.dtype), metrics=metrics)
 
 
 def weight_mean(stats: dict[str, Tensor]) -> Tensor:

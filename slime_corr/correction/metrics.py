@@ -271,7 +271,7 @@ def weight_stat_tensors(w: Tensor, counted: Tensor, unit: Tensor | None = None) 
     true max, true min, level-1 keys, level-1 histogram of the quantile sketch). `unit`: the unit of each weight
     when it is not `counted` (1/n_i per token of a sequence, float64)."""
     if unit is None:  # w is 0 where not counted: Σ counted·w = Σ w
-        sums = torch.stack([_total(counted), _total(w), _total(torch.linalg.vecdot(w, w))])
+        sums = torch.stack([_total(counted), _total(w), _total(torch.linalg.vector_norm(w, dim=-1).square())])
     else:
         uw = unit * w
         sums = torch.stack([_total(unit), _total(uw), _total(uw * w)])

@@ -41,11 +41,12 @@ def _bits(w: Tensor) -> Tensor:
 
 def _bincount(index: Tensor, unit: Tensor, size: int) -> Tensor:
     """Σ unit per key over [0, size), float64. A float32 `unit` must hold counts (0/1: exact below 2^24 values);
-    anything else is accumulated in float64."""
+    anything else is accumulated in float64. index_add_, not bincount: bincount first scans for the min and max."""
     weights = unit.reshape(-1)
     if weights.dtype != torch.float32 or weights.numel() > 2**24:
         weights = weights.to(torch.float64)
-    return torch.bincount(index.reshape(-1), weights, size).to(torch.float64)
+    out = torch.zeros(size, dtype=weights.dtype, device=weights.device)
+    return out.index_add_(0, index.reshape(-1), weights).to(torch.float64)
 
 
 def level1(w: Tensor, unit: Tensor) -> tuple[Tensor, Tensor]:
