@@ -19,10 +19,12 @@ ProcessGroup = dist.ProcessGroup | None
 
 def valid_float(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """The valid positions (`mask > 0`; NaN is invalid) as 0/1 floats, for a bool or float mask, with no bool
-    tensor made for a float mask: sign(mask) clamped at 0 (on CPU, compares and bool -> float cost ~3x more)."""
+    tensor made for a float mask: fmax(sign(mask), 0), where fmax also maps NaN to 0 (on CPU, compares and bool ->
+    float cost ~3x more)."""
     if mask.dtype == torch.bool:
         return float_mask(mask, dtype)
-    return mask.to(dtype).sign().clamp_(min=0.0).nan_to_num_(0.0)
+    sign = mask.to(dtype).sign()
+    return torch.fmax(sign, torch.zeros((), dtype=dtype, device=sign.device), out=sign)
 
 
 def row_products(x: Tensor) -> Tensor:
@@ -115,44 +117,50 @@ def global_sum(x: Tensor, cp_group: ProcessGroup = None, dp_group: ProcessGroup 
 class BatchStats:
     """Collects 0-dim/1-dim batch statistics and reduces them all at once over DP x CP.
 
-    `add_sum(name, t)` for numerators/denominators/histograms, `add_max`/`add_min` for extremes; `reduce()`
-    performs one SUM and one MAX all_reduce per group (float64) and returns {name: reduced tensor}.
+    `add_sum(name, t)` / `add_sums(names, vector)` for numerators/denominators/histograms, `add_max`/`add_min` for
+    extremes; `reduce()` performs one SUM and one MAX all_reduce per group (float64) and returns {name: reduced
+    tensor} (scalars as 0-dim views). Vectors are kept whole until the reduction: few small ops per call.
     """
 
     def __init__(self) -> None:
-        self._sums: dict[str, Tensor] = {}
-        self._maxes: dict[str, Tensor] = {}
+        self._scalars: dict[str, list] = {"sum": [], "max": []}  # [(names, float64 vector)] per op
+        self._vectors: list[tuple[str, Tensor]] = []  # summed histograms
         self._mins: set[str] = set()
 
     def add_sum(self, name: str, value: Tensor) -> None:
-        self._sums[name] = value.detach().to(torch.float64).reshape(-1)
+        value = value.detach().to(torch.float64).reshape(-1)
+        if value.numel() == 1:
+            self._scalars["sum"].append(((name,), value))
+        else:
+            self._vectors.append((name, value))
 
     def add_sums(self, names: tuple[str, ...], values: Tensor) -> None:
         """Several scalar sums at once: `values[i]` is the sum called `names[i]`."""
-        values = values.detach().to(torch.float64)
-        for name, value in zip(names, values.reshape(-1, 1).unbind(), strict=True):
-            self._sums[name] = value
+        self._scalars["sum"].append((tuple(names), values.detach().to(torch.float64).reshape(-1)))
 
     def add_max(self, name: str, value: Tensor) -> None:
-        self._maxes[name] = value.detach().to(torch.float64).reshape(1)
+        self._scalars["max"].append(((name,), value.detach().to(torch.float64).reshape(1)))
 
     def add_min(self, name: str, value: Tensor) -> None:
         self._mins.add(name)
-        self._maxes[name] = -value.detach().to(torch.float64).reshape(1)
+        self.add_max(name, -value)
 
     def reduce(self, cp_group: ProcessGroup = None, dp_group: ProcessGroup = None) -> dict[str, Tensor]:
         groups = active_groups(cp_group, dp_group)
         out: dict[str, Tensor] = {}
-        for table, op in ((self._sums, dist.ReduceOp.SUM), (self._maxes, dist.ReduceOp.MAX)):
-            if not table:
+        for kind, op in (("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX)):
+            entries = self._scalars[kind]
+            vectors = self._vectors if kind == "sum" else []
+            if not entries and not vectors:
                 continue
-            # scalars first, so that one unbind() hands them out as 0-dim views
-            names = sorted(table, key=lambda name: table[name].numel() > 1)
-            flat = torch.cat([table[name] for name in names])
+            names = [name for entry_names, _ in entries for name in entry_names]
+            flat = torch.cat([v for _, v in entries] + [v for _, v in vectors])
             for g in groups:
                 dist.all_reduce(flat, op=op, group=g)
-            n_scalars = sum(table[name].numel() == 1 for name in names)
-            pieces = [*flat[:n_scalars].unbind(), *flat[n_scalars:].split([table[n].numel() for n in names[n_scalars:]])]
-            for name, piece in zip(names, pieces, strict=True):
-                out[name] = -piece if name in self._mins else piece
+            scalars, rest = flat[:len(names)], flat[len(names):]
+            if kind == "max" and self._mins:
+                scalars = torch.where(torch.tensor([n in self._mins for n in names], device=flat.device),
+                                      -scalars, scalars)
+            out.update(zip(names, scalars.unbind(), strict=True))
+            out.update(zip([n for n, _ in vectors], rest.split([v.numel() for _, v in vectors]), strict=True))
         return out
