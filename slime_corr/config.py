@@ -410,19 +410,32 @@ def _read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def _yaml_value(key: str, value: Any, path: str | Path) -> Any:
-    """A YAML value as its field's type. Numbers written as strings are read as numbers (YAML 1.1, which PyYAML
-    follows, reads `1e-4` as a string); a string is never a boolean (`use_tis: "no"` would otherwise be true)."""
-    kind = FIELD_KINDS.get(key, "").rstrip("?")
-    if kind == "float" and isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            raise ConfigError(f"--custom-config-path {path}: {key} must be a number, got the string {value!r}.") \
-                from None
-    if kind == "bool" and not isinstance(value, bool):
-        raise ConfigError(f"--custom-config-path {path}: {key} must be true or false (unquoted), got {value!r} "
-                          f"({type(value).__name__}).")
-    return value
+    """A YAML value as its field's type, or an error that names the file. Numbers written as strings are read as
+    numbers (YAML 1.1, which PyYAML follows, reads `1e-4` as a string); a string is never a boolean (`use_tis:
+    "no"` would otherwise be true)."""
+    kind = FIELD_KINDS.get(key)
+    if kind is None or (value is None and kind.endswith("?")):
+        return value  # an unknown key is reported with the others
+    kind = kind.rstrip("?")
+    got = f"{value!r} ({type(value).__name__})"
+    if kind == "float":
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+            return value
+        message = "must be a number"
+    elif kind == "bool":
+        if isinstance(value, bool):
+            return value
+        message = "must be true or false (unquoted)"
+    else:
+        if isinstance(value, str):
+            return value
+        message = "must be a string"
+    raise ConfigError(f"--custom-config-path {path}: {key} {message}, got {got}.")
 
 
 _FLOAT_FIELDS = ("tis_lower_bound", "tis_upper_bound", "tis_clip", "tis_clip_low", "rs_lower_bound", "rs_upper_bound",
