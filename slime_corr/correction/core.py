@@ -164,7 +164,7 @@ def compute_rollout_correction(
     s_lpr = s_lpt - s_lr
     n_ok = n_orig - n_bad
     # a non-finite token, or whole-sequence sums that overflowed
-    seq_bad = (n_bad > 0) | ~(s_lr.isfinite() & s_lpt.isfinite())
+    seq_bad = (n_bad > 0) | ~(s_lr.isfinite() & s_lpt.isfinite() & s_lpr.isfinite())
     seq_ok = (n_orig > 0) & ~seq_bad
     good = (~seq_bad).to(dtype).unsqueeze(-1)  # [B, 1]
     n_seq = _zero_where(seq_bad, n_ok)

@@ -38,6 +38,7 @@ With correction on (IS, RS or veto):
 | mis_all_rejected | 1.0 when no token is left in the loss mask of the whole batch |
 | mis_custom_nonfinite_weight_count | a custom weighting function's NaN/inf weights: tokens rejected for them |
 """
+
 from __future__ import annotations
 
 import math
@@ -48,10 +49,10 @@ from torch import Tensor
 
 from slime_corr.correction import quantiles as Q
 from slime_corr.correction.reductions import BatchStats, count_greater_, row_products
+from slime_corr.correction.weights import LOG_RATIO_CLAMP
 
 PPL_EXP_CLAMP = 80.0
 LOG_PROB_CLAMP = 20.0
-LOG_RATIO_CLAMP = 20.0
 MAX_ABS_LOG_RATIO = 1e30  # |lr| above this (or non-finite) rejects the sequence
 _NOT_COUNTED = 2.0**120  # what a weight that is not counted is raised by, for its minimum
 

@@ -24,6 +24,11 @@ from slime_corr.registry import WEIGHT_FUNCTIONS
 LOG_RATIO_CLAMP = 20.0
 
 
+def _as_float(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A bool mask as 0/1 floats; a float mask (0/1, as the core passes it) as it is."""
+    return float_mask(mask, dtype) if mask.dtype == torch.bool else mask
+
+
 def aggregate_log_ratio(inputs: WeightInputs, level: str) -> Tensor:
     """ℓ per token ([B, S]) or per sequence ([B, 1], broadcastable)."""
     if level == "token":
@@ -77,12 +82,12 @@ def default_weight_parts(
     if config.use_tis:
         w_raw = raw_is_weights(inputs, config)
         if config.tis_level == "token":
-            w_raw = w_raw.mul_(float_mask(mask, w_raw.dtype) if mask.dtype == torch.bool else mask)
+            w_raw = w_raw.mul_(_as_float(mask, w_raw.dtype))
         w = bound_weights(w_raw, config.effective_tis_mode, *config.tis_bounds)
     if config.use_rs and rs:
         keep = rs_keep(inputs, config)
         if config.rs_level == "token":
-            keep = keep.mul_(float_mask(mask, keep.dtype) if mask.dtype == torch.bool else mask)
+            keep = keep.mul_(_as_float(mask, keep.dtype))
     return w, w_raw, keep
 
 
@@ -90,8 +95,7 @@ def default_weight_parts(
 def default_weights(inputs: WeightInputs, config: RolloutCorrectionConfig) -> WeightOutputs:
     """The IS weights (`--use-tis`) and RS mask (`--use-rs`) of SPEC.md, as [B, S] tensors zero outside the mask."""
     w, w_raw, keep = default_weight_parts(inputs, config)
-    mask = inputs.loss_mask
-    mask_f = float_mask(mask, w_raw.dtype if w_raw is not None else torch.float32) if mask.dtype == torch.bool else mask
+    mask_f = _as_float(inputs.loss_mask, w_raw.dtype if w_raw is not None else inputs.log_ratio.dtype)
     weights = raw = None
     if w is not None:
         weights, raw = w * mask_f, w_raw * mask_f
