@@ -199,6 +199,7 @@ def compute_policy_loss(
     batch_norm_mean: Tensor | None = None,
     loss_fn: str | Callable | None = None,
     correction: CorrectionResult | None = None,
+    finalize_metrics: bool = True,
 ) -> PolicyLossOutput:
     """The policy loss of one micro-batch ([B, S] local slices) under `config`.
 
@@ -211,6 +212,8 @@ def compute_policy_loss(
     `batch_norm_mean`: the step's IS-weight mean for `--tis-batch-normalize` (see `compute_rollout_correction`).
     `correction`: this micro-batch's correction computed beforehand from the same lp_train (e.g. a decoupled
     pre-pass, finished by `normalize_weights`); it is used instead of computing it again.
+    `finalize_metrics=False`: the correction's metrics are not finalized (its `.stats` are complete), for callers
+    that finalize a step's merged statistics once; the loss metrics stay.
     """
     check_policy_loss_inputs(log_probs, old_log_probs, rollout_log_probs, advantages, loss_mask, config,
                              seq_length_for_norm, batch_norm_mean, loss_fn, cp_group, dp_group, correction)
@@ -228,7 +231,7 @@ def compute_policy_loss(
     if correction is None and config.computes_metrics:
         correction = compute_rollout_correction(
             lp_train, rollout_log_probs, loss_mask, config, cp_group=cp_group, dp_group=dp_group,
-            batch_norm_mean=batch_norm_mean,
+            batch_norm_mean=batch_norm_mean, finalize_metrics=finalize_metrics,
         )
     dtype = log_probs.dtype
     if correction is not None and config.use_rollout_correction:

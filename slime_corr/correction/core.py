@@ -222,19 +222,19 @@ def compute_rollout_correction(
             final_f, weights, raw_rows, *parts = maybe_compiled(_token_is_stage, config)(inputs, config, tok_f, row_f)
             zero = torch.zeros((), dtype=torch.float64, device=raw_rows.device)
             M.add_raw_weight_sums(stats, *torch.where(good > 0, raw_rows.to(torch.float64), zero).sum(0).unbind())
-            sketch = (weights, M.add_weight_stats(stats, parts), final_f)
+            sketch = (weights, M.add_weight_stats(stats, parts, final_f), final_f)
         else:
             final_f = tok_f * row_f
         if w_seq is not None:  # constant along each sequence: statistics on [B], each sequence counted once
             counted = (n_final > 0).to(dtype) * cp0
             w_counted = w_seq * counted
-            sketch = (w_counted, M.add_weight_stats(stats, M.weight_stat_tensors(w_counted, counted)), counted)
+            sketch = (w_counted, M.add_weight_stats(stats, M.weight_stat_tensors(w_counted, counted), counted), counted)
         elif weights is not None and not is_default:
             weights = torch.where(final_f > 0, weights, torch.zeros((), dtype=dtype))  # its NaN stays out
             unit = final_f.double()
             if config.tis_level != "token":
                 unit = unit / n_final.clamp_min(1).unsqueeze(-1).double()
-            sketch = (weights, M.add_weight_stats(stats, M.weight_stat_tensors(weights, final_f, unit)), unit)
+            sketch = (weights, M.add_weight_stats(stats, M.weight_stat_tensors(weights, final_f, unit), unit), unit)
 
     keep_den = not correct or config.rs_keep_loss_denominator
     final_mask = final_f.to(torch.float32)

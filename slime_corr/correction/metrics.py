@@ -269,8 +269,8 @@ def finalize_raw_weight(r: dict[str, Tensor], mode: str) -> dict[str, Tensor]:
 
 def weight_stat_tensors(w: Tensor, counted: Tensor, unit: Tensor | None = None) -> tuple[Tensor, ...]:
     """Final (pre-normalization) weights `w` >= 0, zero where the float 0/1 `counted` is 0: (Σu, Σuw, Σuw² [3],
-    true max, true min, level-1 keys, level-1 histogram of the quantile sketch). `unit`: the unit of each weight
-    when it is not `counted` (1/n_i per token of a sequence, float64)."""
+    true max, true min, the quantile sketch's level-1 keys). `unit`: the unit of each weight when it is not
+    `counted` (1/n_i per token of a sequence, float64)."""
     if unit is None:  # w is 0 where not counted: Σ counted·w = Σ w
         sums = torch.stack([_total(counted), _total(w), _total(torch.linalg.vector_norm(w, dim=-1).square())])
     else:
@@ -284,17 +284,17 @@ def weight_stat_tensors(w: Tensor, counted: Tensor, unit: Tensor | None = None) 
         w_min = shift.neg_().add_(w).amin()
     else:
         w_max, w_min = w.new_full((), -math.inf), w.new_full((), math.inf)
-    key, hist = Q.level1(w, counted if unit is None else unit)
-    return sums, w_max, w_min, key, hist
+    return sums, w_max, w_min, Q.level1_keys(w)
 
 
-def add_weight_stats(stats: BatchStats, parts: tuple[Tensor, ...]) -> Tensor:
-    """Adds `weight_stat_tensors` output to `stats`; returns the level-1 keys for `quantiles.refine`."""
-    sums, w_max, w_min, key, hist = parts
+def add_weight_stats(stats: BatchStats, parts: tuple[Tensor, ...], unit: Tensor) -> Tensor:
+    """Adds `weight_stat_tensors` output (and the level-1 histogram of its keys, weighted by `unit`) to `stats`;
+    returns the level-1 keys for `quantiles.refine`."""
+    sums, w_max, w_min, key = parts
     stats.add_sums(("w_u", "w_uw", "w_uw2"), sums)
     stats.add_max("w_max", w_max)
     stats.add_min("w_min", w_min)
-    stats.add_sum(Q.LEVEL1_KEY, hist)
+    stats.add_sum(Q.LEVEL1_KEY, Q.level1_histogram(key, unit))
     return key
 
 

@@ -49,11 +49,16 @@ def _bincount(index: Tensor, unit: Tensor, size: int) -> Tensor:
     return out.index_add_(0, index.reshape(-1), weights).to(torch.float64)
 
 
-def level1(w: Tensor, unit: Tensor) -> tuple[Tensor, Tensor]:
-    """(level-1 keys of `w`, level-1 histogram [LEVEL1_BINS] weighted by `unit`). Weights below 2^-64 (and
-    negative ones) fall in bin 0, whose value is 0; weights above 2^64 in the top bin."""
-    key = (_bits(w) >> TOP_SHIFT).sub_(EXP_OFFSET - 1).clamp_(0, LEVEL1_BINS - 1)
-    return key, _bincount(key, unit, LEVEL1_BINS)
+def level1_keys(w: Tensor) -> Tensor:
+    """Level-1 keys of `w`: weights below 2^-64 (and negative ones) fall in bin 0, whose value is 0; weights above
+    2^64 in the top bin."""
+    return (_bits(w) >> TOP_SHIFT).sub_(EXP_OFFSET - 1).clamp_(0, LEVEL1_BINS - 1)
+
+
+def level1_histogram(key: Tensor, unit: Tensor) -> Tensor:
+    """The level-1 histogram [LEVEL1_BINS] of `level1_keys`, weighted by `unit`. Kept out of compiled code: a
+    compiled scatter adds atomically from every thread into the few bins narrow weights share."""
+    return _bincount(key, unit, LEVEL1_BINS)
 
 
 def _locate(hist: Tensor, rank: Tensor) -> tuple[Tensor, Tensor]:

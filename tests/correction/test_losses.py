@@ -313,3 +313,5 @@ def test_prepass_finished_by_normalize_weights_equals_the_training_pass(preset):
     skipped = compute_rollout_correction(old, ro, mask, cfg, finalize_metrics=False)
     assert skipped.metrics == {} and metrics_to_host(correction_metrics(skipped.stats, cfg)) == metrics_to_host(
         compute_rollout_correction(old, ro, mask, cfg).metrics)
+    lean = compute_policy_loss(lp, old, ro, adv, mask, cfg, finalize_metrics=False)
+    assert "mismatch_kl" not in lean.metrics and "pg_clipfrac" in lean.metrics and lean.correction.stats

@@ -33,11 +33,10 @@ def rank_error(w: torch.Tensor, value: float, q: float) -> float:
 def sketch(w: torch.Tensor, counted: torch.Tensor) -> dict[str, torch.Tensor]:
     """The sketch's statistics for weights `w` (0 where not counted), on one rank."""
     stats = BatchStats()
-    parts = weight_stat_tensors(w, counted)
-    stats.add_sums(("w_u",), parts[0][:1])
-    stats.add_sum(Q.LEVEL1_KEY, parts[4])
+    key = weight_stat_tensors(w, counted)[3]
+    stats.add_sum(Q.LEVEL1_KEY, Q.level1_histogram(key, counted))
     r = stats.reduce()
-    r.update(Q.refine(w, parts[3], counted, r[Q.LEVEL1_KEY], []))
+    r.update(Q.refine(w, key, counted, r[Q.LEVEL1_KEY], []))
     return r
 
 
