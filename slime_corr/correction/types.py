@@ -18,7 +18,7 @@ class WeightInputs:
 
     - `log_ratio` [B, S]: lr = lp_train - lp_rollout, 0 outside `loss_mask`.
     - `loss_mask` [B, S] bool: the original mask restricted to finite data (sequences with a non-finite
-      log-prob at a valid position are already removed).
+      log-prob at a valid position are already removed). (The built-in function also takes it as 0/1 floats.)
     - `seq_log_ratio_sum` [B]: Σ_t m·lr over the whole sequence; `seq_token_count` [B]: Σ_t m.
     - `cp_group`, `dp_group`: for functions that need further reductions.
     """
