@@ -266,6 +266,7 @@ def compute_rollout_correction(
         global_seq_count=r["g_seq"],
         stats=r,
         function_metrics=fn_metrics,
+        divisor=divisor,
     )
 
 
@@ -304,7 +305,8 @@ def normalize_weights(result: CorrectionResult, config: RolloutCorrectionConfig,
     divisor = normalization_divisor(mean)
     metrics = correction_metrics(result.stats, config, divisor) if finalize_metrics else {}
     metrics.update(result.function_metrics)
-    return dataclasses.replace(result, weights=result.weights / divisor.to(result.weights.dtype), metrics=metrics)
+    return dataclasses.replace(result, weights=result.weights / divisor.to(result.weights.dtype), metrics=metrics,
+                               divisor=divisor)
 
 
 def weight_mean(stats: dict[str, Tensor]) -> Tensor:
