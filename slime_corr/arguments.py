@@ -93,6 +93,8 @@ def add_rollout_correction_args(parser: argparse.ArgumentParser) -> argparse.Arg
           type=float)
     value("--loss-agg-mode", "How token losses are averaged into the micro-batch loss.", choices=LOSS_AGG_MODES)
 
+    switch("--rollout-correction-compile",
+           "torch.compile the per-token work of correction + loss (fused kernels; the first step compiles).")
     value("--rollout-correction-preset", "Start from a named preset: " + ", ".join(PRESETS) + ".",
           choices=list(PRESETS))
     value("--custom-config-path", "YAML file of rollout-correction settings (overridden by explicit flags).")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -84,9 +85,13 @@ class RolloutCorrectionConfig:
     custom_config_path: str | None = None
     custom_tis_function_path: str | None = None
 
+    # --- how it runs ---
+    rollout_correction_compile: bool = False  # torch.compile the per-token work of correction + loss
+
     PRESETS: ClassVar[dict[str, dict[str, Any]]]
 
     def __post_init__(self) -> None:
+        self._check_types()
         self._validate()
         if self.requests_correction:
             object.__setattr__(self, "use_rollout_correction", True)
@@ -135,6 +140,30 @@ class RolloutCorrectionConfig:
         return self.get_mismatch_metrics or self.use_rollout_correction
 
     # ------------------------------------------------------------------ validation
+    def _check_types(self) -> None:
+        """Each field has its type: bools are bools (no string or number turns a flag on), numbers are real numbers
+        (ints and numpy scalars are stored as float), names and paths are strings."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            kind = FIELD_KINDS[f.name]
+            if value is None and kind.endswith("?"):
+                continue
+            kind = kind.rstrip("?")
+            got = f"{value!r} ({type(value).__name__})"
+            if kind == "bool":
+                if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+                    value = bool(value)
+                if not isinstance(value, bool):
+                    raise ConfigError(f"{flag(f.name)} ({f.name}) must be true or false, got {got}.")
+            elif kind == "float":
+                if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                    hint = "; write the number without quotes" if isinstance(value, str) else ""
+                    raise ConfigError(f"{flag(f.name)} ({f.name}) must be a number, got {got}{hint}.")
+                value = float(value)
+            elif not isinstance(value, str):
+                raise ConfigError(f"{flag(f.name)} ({f.name}) must be a string, got {got}.")
+            object.__setattr__(self, f.name, value)
+
     def _validate(self) -> None:
         def fail(msg: str) -> None:
             raise ConfigError(msg)
@@ -168,10 +197,17 @@ class RolloutCorrectionConfig:
                 f"--tis-clip/--tis-clip-low always clamp to [tis_clip_low, tis_clip]; drop --tis-mode "
                 f"{self.tis_mode} or use --tis-lower-bound/--tis-upper-bound instead."
             )
-        tis_lower, tis_upper = self.tis_bounds
-        if tis_lower > tis_upper:
-            names = "--tis-clip-low/--tis-clip" if uses_tis_clip else "--tis-lower-bound/--tis-upper-bound"
-            fail(f"{names}: lower bound {tis_lower} > upper bound {tis_upper}; swap them.")
+        if not self.use_tis:
+            given = [n for n in ("tis_lower_bound", "tis_upper_bound", "tis_clip", "tis_clip_low")
+                     if getattr(self, n) is not None]
+            if given:
+                fail(f"{', '.join(flag(n) for n in given)} set but --use-tis is not; add --use-tis or drop "
+                     f"{'it' if len(given) == 1 else 'them'}.")
+        if uses_tis_clip:
+            if self.tis_clip is not None and self.tis_clip_low is not None and self.tis_clip_low > self.tis_clip:
+                fail(f"--tis-clip-low {self.tis_clip_low} > --tis-clip {self.tis_clip}; swap them.")
+        elif self.effective_tis_mode != "truncate":  # truncate uses no lower bound
+            _check_bounds(fail, "tis", self.tis_lower_bound, self.tis_upper_bound, DEFAULT_TIS_UPPER_BOUND)
         if self.tis_lower_bound is not None and self.tis_mode == "truncate":
             fail("--tis-lower-bound has no effect with --tis-mode truncate; use --tis-mode clip or mask.")
         if self.tis_batch_normalize and not self.use_tis:
@@ -182,9 +218,7 @@ class RolloutCorrectionConfig:
         if not self.use_rs and (self.rs_upper_bound is not None or self.rs_lower_bound is not None):
             fail("--rs-upper-bound/--rs-lower-bound are set but --use-rs is not; add --use-rs or drop them.")
         if self.rs_upper_bound is not None:
-            rs_lower, rs_upper = self.rs_bounds
-            if rs_lower > rs_upper:
-                fail(f"--rs-lower-bound {rs_lower} > --rs-upper-bound {rs_upper}; swap them.")
+            _check_bounds(fail, "rs", self.rs_lower_bound, self.rs_upper_bound, None)
         if self.rs_veto_threshold is not None and not (0.0 < self.rs_veto_threshold < 1.0):
             fail(
                 f"--rs-veto-threshold={self.rs_veto_threshold} must be in (0, 1): it is the smallest allowed "
@@ -240,17 +274,23 @@ class RolloutCorrectionConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], *, source: str = "config") -> RolloutCorrectionConfig:
         """Build from a mapping; unknown keys are an error that lists the valid ones."""
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"{source}: expected a mapping of field names to values, got {type(values).__name__}.")
         _check_keys(values, source)
         return cls(**dict(values))
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> RolloutCorrectionConfig:
         """A named preset of the references (`decoupled_token_is`, ..., `disabled`), optionally overridden."""
+        if not isinstance(name, str):
+            raise ConfigError(f"preset name must be a string (one of {', '.join(PRESETS)}), got {name!r}.")
         return cls._layered(preset=name, yaml_path=None, overrides=overrides, source="preset")
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> RolloutCorrectionConfig:
         """Load a YAML mapping of field names (a `preset:` / `rollout_correction_preset:` key applies first)."""
+        if not isinstance(path, str | Path):
+            raise ConfigError(f"from_yaml: path must be a str or pathlib.Path, got {type(path).__name__}.")
         return cls._layered(preset=None, yaml_path=path, overrides=overrides, source=f"--custom-config-path {path}")
 
     @classmethod
@@ -263,6 +303,9 @@ class RolloutCorrectionConfig:
         > default. `explicit` is the set of field names given on the command line; by default it is taken from
         the namespace (the parser records it), else every non-default value counts as explicit.
         """
+        if isinstance(args, Mapping) or not hasattr(args, "__dict__"):
+            raise ConfigError(f"from_args expects an argparse.Namespace, got {type(args).__name__}; use "
+                              "RolloutCorrectionConfig.from_dict for a mapping.")
         given = {n: getattr(args, n) for n in cls.field_names() if hasattr(args, n)}
         if explicit is None:
             explicit = getattr(args, "_rollout_correction_explicit", None)
@@ -294,7 +337,13 @@ class RolloutCorrectionConfig:
             _check_keys(yaml_values, f"--custom-config-path {yaml_path}")
         if preset and preset not in PRESETS:
             raise ConfigError(f"{preset_source} {preset!r} is unknown; choose one of {', '.join(PRESETS)}.")
-        merged = {**PRESETS.get(preset or "", {}), **yaml_values, **overrides}
+        preset_values = dict(PRESETS.get(preset or "", {}))
+        merged = {**preset_values, **yaml_values, **overrides}
+        for switch, keys in _BOUNDS_OF.items():  # a preset's bounds go when its switch is turned off
+            if not merged.get(switch):
+                for key in keys:
+                    if key in preset_values and key not in yaml_values and key not in overrides:
+                        merged.pop(key)
         if preset:
             merged["rollout_correction_preset"] = preset
         if yaml_path:
@@ -315,6 +364,19 @@ class RolloutCorrectionConfig:
             if value != f.default or f.name in ("loss_type", "loss_agg_mode"):
                 lines.append(f"  {f.name} = {value!r}")
         return "\n".join(lines)
+
+
+def _check_bounds(fail: Callable[[str], None], prefix: str, lower: float | None, upper: float | None,
+                  default_upper: float | None) -> None:
+    """L <= U, with a message that names only the bounds the user gave (L defaults to 1/U)."""
+    lo, up = flag(f"{prefix}_lower_bound"), flag(f"{prefix}_upper_bound")
+    u = upper if upper is not None else default_upper
+    if lower is not None and lower > u:
+        given_u = f"{up} {u}" if upper is not None else f"the default upper bound {u} ({up})"
+        fail(f"{lo} {lower} > {given_u}; give {lo} <= {up}.")
+    if lower is None and u < 1.0:
+        fail(f"{up} {u} is below 1, so the default lower bound 1/U = {1.0 / u:g} is above it; give {lo} "
+             f"(<= {u}) explicitly, or an upper bound >= 1.")
 
 
 def _check_keys(values: Mapping[str, Any], source: str) -> None:
@@ -343,8 +405,50 @@ def _read_yaml(path: str | Path) -> dict[str, Any]:
             f"--custom-config-path {path}: expected a mapping of option names to values, got "
             f"{type(data).__name__}."
         )
-    return {str(k).replace("-", "_"): v for k, v in data.items()}
+    return {key: _yaml_value(key, value, path) for key, value in
+            ((str(k).replace("-", "_"), v) for k, v in data.items())}
 
+
+def _yaml_value(key: str, value: Any, path: str | Path) -> Any:
+    """A YAML value as its field's type, or an error that names the file. Numbers written as strings are read as
+    numbers (YAML 1.1, which PyYAML follows, reads `1e-4` as a string); a string is never a boolean (`use_tis:
+    "no"` would otherwise be true)."""
+    kind = FIELD_KINDS.get(key)
+    if kind is None or (value is None and kind.endswith("?")):
+        return value  # an unknown key is reported with the others
+    kind = kind.rstrip("?")
+    got = f"{value!r} ({type(value).__name__})"
+    if kind == "float":
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+            return value
+        message = "must be a number"
+    elif kind == "bool":
+        if isinstance(value, bool):
+            return value
+        message = "must be true or false (unquoted)"
+    else:
+        if isinstance(value, str):
+            return value
+        message = "must be a string"
+    raise ConfigError(f"--custom-config-path {path}: {key} {message}, got {got}.")
+
+
+_FLOAT_FIELDS = ("tis_lower_bound", "tis_upper_bound", "tis_clip", "tis_clip_low", "rs_lower_bound", "rs_upper_bound",
+                 "rs_veto_threshold", "eps_clip_high", "eps_clip_c")
+FIELD_KINDS: dict[str, str] = {  # the type of each field ("?": None allowed)
+    **{f.name: "bool" for f in fields(RolloutCorrectionConfig) if isinstance(f.default, bool)},
+    **{name: "str" for name in ("tis_mode", "tis_level", "rs_level", "loss_type", "loss_agg_mode")},
+    **{name: "str?" for name in ("rollout_correction_preset", "custom_config_path", "custom_tis_function_path")},
+    **{name: "float?" for name in _FLOAT_FIELDS},
+    "eps_clip": "float",
+}
+_BOUNDS_OF = {"use_tis": ("tis_lower_bound", "tis_upper_bound", "tis_clip", "tis_clip_low"),
+              "use_rs": ("rs_lower_bound", "rs_upper_bound")}
 
 # Presets of the references (000, "Preset Method" table). IS threshold 2.0; sequence RS [0.5, 2.0];
 # geometric RS [1/1.001, 1.001] (tight on purpose: the average per-token ratio) with veto 1e-4.

@@ -5,11 +5,16 @@ Per-token losses (registered in `slime_corr.registry.LOSS_FUNCTIONS`, signature 
 - "ppo": r = exp(clamp(lp - lp_old, -20, 20)); l = max(-A·r, -A·clip(r, 1-ε, 1+ε_high)); with dual clip
   (`eps_clip_c` = c) l = min(l, -A·c) where A < 0; times w when IS weights are present (decoupled).
 - "reinforce": l = -A·lp·w (pg_is) or -A·lp (pg_rs / no IS).
+The two built-in losses are autograd Functions whose forward also computes dl/dlp in closed form, so the backward is
+one multiply (on CPU, autograd's bool masks for clamp/minimum/where cost more than the loss itself).
 
 Global-denominator contract: `.loss_sum` is this rank's Σ of the aggregated numerator and `.denominator` its
 local count (tokens for token-mean, sequences for seq-mean-*; each sequence counted once across CP). `.loss`
 = loss_sum / max(global denominator, 1) with the denominator summed over DP x CP, so summing `.loss` (and its
 gradients) over ranks gives the single-rank full-batch value. Across micro-batches: Σ loss_sum / Σ denominator.
+
+Advantages may be per token [B, S] or per sequence [B] / [B, 1]; a per-sequence advantage applies to every token of
+its sequence.
 """
 
 from __future__ import annotations
@@ -17,22 +22,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.correction import CorrectionResult, compute_rollout_correction
+from slime_corr.correction.checks import check_policy_loss_inputs
+from slime_corr.correction.core import maybe_compiled
 from slime_corr.correction.reductions import (
     ProcessGroup,
-    count_greater_,
     cp_first,
     finite_indicator_,
-    float_mask,
     global_sum,
+    greater_indicator_,
     group_size,
     seq_sums,
-    valid_mask,
+    valid_float,
 )
 from slime_corr.loss_terms import LossTermsConfig
 from slime_corr.registry import LOSS_FUNCTIONS, Registry
@@ -42,14 +49,15 @@ LOG_RATIO_CLAMP = 20.0
 
 @dataclass
 class LossInputs:
-    """Inputs of a per-token loss function; all [B, S], finite, 0 outside the mask.
+    """Inputs of a per-token loss function; [B, S], finite and 0 outside `token_mask` (float 0/1, the tokens that
+    count: in the loss mask and with finite lp, lp_old and A).
 
-    `token_mask` is the mask as float 0/1 and `loss_mask` the same as bool (made on first use). `log_probs`
-    carries the gradient; `weights` (detached) is None when no IS weight applies. A function may add 0-dim local
-    metrics to `metrics`.
+    `log_probs` carries the gradient (made on first use from `raw_log_probs`, the caller's tensor, which may hold
+    NaN outside the mask); `weights` (detached) is None when no IS weight applies; `loss_mask` is `token_mask` as
+    bool. A function may add 0-dim local metrics to `metrics`.
     """
 
-    log_probs: Tensor
+    raw_log_probs: Tensor
     old_log_probs: Tensor
     rollout_log_probs: Tensor | None
     advantages: Tensor
@@ -59,8 +67,114 @@ class LossInputs:
     metrics: dict[str, Tensor] = field(default_factory=dict)
 
     @cached_property
+    def log_probs(self) -> Tensor:
+        return torch.nan_to_num(self.raw_log_probs, 0.0, 0.0, 0.0) * self.token_mask
+
+    @cached_property
     def loss_mask(self) -> Tensor:
         return self.token_mask > 0
+
+
+def _detached_log_probs(inputs: LossInputs) -> Tensor:
+    """lp, sanitized like `inputs.log_probs` but without autograd (the built-in losses give their own gradient)."""
+    return torch.nan_to_num(inputs.raw_log_probs.detach(), 0.0, 0.0, 0.0).mul_(inputs.token_mask)
+
+
+def ppo_terms(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, weights: Tensor | None, mask: Tensor,
+              clip: tuple[float, float], eps_clip_c: float | None) -> tuple[Tensor, ...]:
+    """Per-token clipped PPO and its gradient in closed form, for sanitized inputs (finite, 0 outside `mask`):
+    (loss, dl/dlp, Σ -log r, Σ (r - 1) in float64, # clipped). dl/dlp = -A·r·w where the unclipped surrogate is
+    the one trained (r in [1-ε, 1+ε_high], or the clipped one is larger), the dual clip does not cap and
+    |lp - lp_old| <= 20; 0 elsewhere (at an exact tie with the dual-clip cap the whole gradient is kept)."""
+    adv = advantages
+    diff = torch.nan_to_num(log_probs, 0.0, 0.0, 0.0).mul_(mask).sub_(old_log_probs)  # 0 outside: r = 1, l = 0
+    log_ratio = diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    kl_sum = -log_ratio.sum()
+    in_range = greater_indicator_(diff.abs_().sub_(LOG_RATIO_CLAMP)).neg_().add_(1.0)  # the clamp passes grad
+    ratio = log_ratio.exp_()
+    ois_sum = ratio.sum(dtype=torch.float64) - ratio.numel()
+    surr1 = adv * ratio
+    surr2 = ratio.clamp(*clip).mul_(adv)
+    clipped = greater_indicator_(surr1 - surr2)  # the clipped surrogate is the smaller one: it is trained
+    clip_sum = clipped.sum()
+    loss = torch.minimum(surr1, surr2).neg_()
+    grad = surr1.neg_().mul_(clipped.neg_().add_(1.0)).mul_(in_range)  # -A·r on trained tokens
+    if eps_clip_c is not None:  # A < 0: l = min(l, -A·c); capped tokens get no gradient
+        cap = adv * -eps_clip_c
+        capped = greater_indicator_(loss - cap).mul_(greater_indicator_(-adv))
+        loss = loss.mul_(1.0 - capped).add_(cap.mul_(capped))  # an exact select: x·1 + y·0
+        grad = grad.mul_(capped.neg_().add_(1.0))
+    if weights is not None:
+        loss = loss.mul_(weights)
+        grad = grad.mul_(weights)
+    return loss, grad, kl_sum, ois_sum, clip_sum
+
+
+class _PPO(torch.autograd.Function):
+    """Per-token clipped PPO (`ppo_terms`); the backward is one multiply by the saved gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, log_probs: Tensor, inputs: LossInputs, config: RolloutCorrectionConfig) -> Tensor:
+        loss, grad, kl_sum, ois_sum, clip_sum = maybe_compiled(ppo_terms, config)(
+            log_probs.detach(), inputs.old_log_probs, inputs.advantages, inputs.weights, inputs.token_mask,
+            config.clip_range, config.eps_clip_c)
+        n = inputs.count.clamp_min(1)
+        inputs.metrics["ppo_kl"] = kl_sum / n
+        if not config.use_rollout_logprobs:  # decoupled: the on-policy ratio pi_theta / pi_old ("ois")
+            inputs.metrics["ois"] = ois_sum.to(n.dtype) / n + 1.0
+        inputs.metrics["pg_clipfrac"] = clip_sum / n
+        ctx.save_for_backward(grad)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: Tensor) -> tuple[Tensor, None, None]:
+        (grad,) = ctx.saved_tensors
+        return grad_loss * grad, None, None
+
+
+class _Reinforce(torch.autograd.Function):
+    """Per-token REINFORCE -A·lp·w with its gradient -A·w."""
+
+    @staticmethod
+    def forward(ctx: Any, log_probs: Tensor, inputs: LossInputs) -> Tensor:
+        adv, w = inputs.advantages, inputs.weights
+        ctx.save_for_backward(-adv if w is None else adv * w.neg())
+        loss = _detached_log_probs(inputs).mul_(adv).neg_()  # (-A·lp)·w, in that order
+        return loss if w is None else loss.mul_(w)
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: Tensor) -> tuple[Tensor, None]:
+        (grad,) = ctx.saved_tensors
+        return grad_loss * grad, None
+
+
+@LOSS_FUNCTIONS.register("ppo")
+def ppo_loss(inputs: LossInputs, config: RolloutCorrectionConfig) -> Tensor:
+    """Clipped PPO (asymmetric ε, optional dual clip), times the IS weight when given: -min(A·r, A·clip(r))."""
+    if inputs.count is None:
+        inputs.count = inputs.token_mask.sum()
+    return _PPO.apply(inputs.raw_log_probs, inputs, config)
+
+
+@LOSS_FUNCTIONS.register("reinforce")
+def reinforce_loss(inputs: LossInputs, config: RolloutCorrectionConfig) -> Tensor:
+    """REINFORCE: -A·lp·w (pg_is) or -A·lp (pg_rs)."""
+    return _Reinforce.apply(inputs.raw_log_probs, inputs)
+
+
+BUILTIN_LOSSES = (ppo_loss, reinforce_loss)  # per-token losses known to be 0 outside the token mask
+
+
+def sanitized_inputs(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor,
+                     weights: Tensor | None) -> tuple[Tensor, ...]:
+    """(token mask, lp_old, A, w, Σ mask): a NaN/inf in lp, lp_old or A (or an overflow of lp - lp_old + A) drops
+    the token, found in one pass for all three; the inputs are then made finite and 0 outside the mask BEFORE the
+    loss math (nan_to_num x mask), so neither the value nor the gradient sees a NaN/inf."""
+    okf = finite_indicator_((log_probs - old_log_probs).add_(advantages)).mul_(mask)
+    old = torch.nan_to_num(old_log_probs, 0.0, 0.0, 0.0).mul_(okf)
+    adv = torch.nan_to_num(advantages, 0.0, 0.0, 0.0).mul(okf)
+    w = None if weights is None else weights * okf
+    return okf, old, adv, w, okf.sum(dtype=torch.promote_types(okf.dtype, torch.float32))  # bf16 counts to 256
 
 
 @dataclass
@@ -70,47 +184,6 @@ class PolicyLossOutput:
     denominator: Tensor
     metrics: dict[str, Tensor]
     correction: CorrectionResult | None
-
-
-@LOSS_FUNCTIONS.register("ppo")
-def ppo_loss(inputs: LossInputs, config: RolloutCorrectionConfig) -> Tensor:
-    """Clipped PPO (asymmetric ε, optional dual clip), times the IS weight when given.
-
-    max(-A·r, -A·clip(r)) is computed as -min(A·r, A·clip(r)). The in-place steps only touch results that autograd
-    does not keep (exp_ keeps its own result), so the peak memory stays a few [B, S] buffers.
-    """
-    adv = inputs.advantages
-    n = inputs.count if inputs.count is not None else inputs.token_mask.sum()
-    n = n.clamp_min(1)
-    # inputs are 0 outside the mask, so there log_ratio = 0, ratio = 1 and both surrogates are 0: plain sums suffice
-    log_ratio = (inputs.log_probs - inputs.old_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    inputs.metrics["ppo_kl"] = -log_ratio.detach().sum() / n
-    ratio = log_ratio.exp_()
-    del log_ratio
-    if not config.use_rollout_logprobs:  # decoupled: the on-policy ratio pi_theta / pi_old ("ois" of the references)
-        inputs.metrics["ois"] = (ratio.detach() - 1.0).sum() / n + 1.0
-    low, high = config.clip_range
-    surr1 = adv * ratio
-    surr2 = ratio.clamp(low, high).mul_(adv)
-    del ratio
-    # clipped fraction: tokens where the clipped surrogate is the smaller one (it is the one trained)
-    inputs.metrics["pg_clipfrac"] = count_greater_(surr1.detach() - surr2.detach(), 0.0).sum() / n
-    loss = torch.minimum(surr1, surr2).neg_()
-    del surr1, surr2
-    if config.eps_clip_c is not None:
-        neg_a = -adv
-        loss = torch.where(neg_a > 0, torch.minimum(loss, neg_a * config.eps_clip_c), loss)
-    return loss if inputs.weights is None else loss.mul_(inputs.weights)
-
-
-@LOSS_FUNCTIONS.register("reinforce")
-def reinforce_loss(inputs: LossInputs, config: RolloutCorrectionConfig) -> Tensor:
-    """REINFORCE: -A·lp·w (pg_is) or -A·lp (pg_rs)."""
-    loss = -inputs.advantages * inputs.log_probs
-    return loss if inputs.weights is None else loss * inputs.weights
-
-
-BUILTIN_LOSSES = (ppo_loss, reinforce_loss)  # per-token losses known to be 0 outside the (sanitized) mask
 
 
 def compute_policy_loss(
@@ -126,6 +199,8 @@ def compute_policy_loss(
     seq_length_for_norm: int | None = None,
     batch_norm_mean: Tensor | None = None,
     loss_fn: str | Callable | None = None,
+    correction: CorrectionResult | None = None,
+    finalize_metrics: bool = True,
     loss_terms: LossTermsConfig | None = None,
     ref_log_probs: Tensor | None = None,
     entropy: Tensor | None = None,
@@ -136,28 +211,33 @@ def compute_policy_loss(
     lp_train := lp_old. Aggregation (`config.loss_agg_mode`, m = loss mask, n_i / valid sequences from the
     denominator mask): token-mean Σ l·m / Σ m; seq-mean-token-sum mean_i Σ_t l·m; seq-mean-token-mean
     mean_i Σ_t l·m / n_i; seq-mean-token-sum-norm mean_i Σ_t l·m / T (T = seq_length_for_norm or S·cp_size).
+    `advantages`: [B, S], or [B] / [B, 1] per sequence (broadcast along the sequence).
     `loss_fn` overrides `config.loss_type` with a registered name, an import path, or a callable.
     `batch_norm_mean`: the step's IS-weight mean for `--tis-batch-normalize` (see `compute_rollout_correction`).
+    `correction`: this micro-batch's correction computed beforehand from the same lp_train (e.g. a decoupled
+    pre-pass, finished by `normalize_weights`); it is used instead of computing it again.
+    `finalize_metrics=False`: the correction's metrics are not finalized (its `.stats` are complete), for callers
+    that finalize a step's merged statistics once; the loss metrics stay.
     `loss_terms` with `ref_log_probs` / `entropy` ([B, S]): the KL and entropy terms (`loss_term_tokens`), added per
     token before the aggregation; `pg_loss` is then the whole loss.
     """
+    check_policy_loss_inputs(log_probs, old_log_probs, rollout_log_probs, advantages, loss_mask, config,
+                             seq_length_for_norm, batch_norm_mean, loss_fn, cp_group, dp_group, correction)
     if config.use_rollout_logprobs:
-        if rollout_log_probs is None:
-            raise ValueError("--use-rollout-logprobs needs rollout_log_probs")
         old_log_probs = rollout_log_probs
         lp_train = log_probs.detach()
     else:
-        if old_log_probs is None:
-            raise ValueError("old_log_probs is required unless --use-rollout-logprobs is set")
         lp_train = old_log_probs
+    if advantages.dim() == 1 or advantages.shape[-1] != log_probs.shape[-1]:
+        advantages = advantages.reshape(-1, 1)  # per sequence: broadcast along the tokens
 
-    correction: CorrectionResult | None = None
-    if config.computes_metrics:
-        if rollout_log_probs is None:
-            raise ValueError("rollout correction / mismatch metrics need rollout_log_probs")
+    if correction is not None and batch_norm_mean is not None:
+        raise ValueError("compute_policy_loss: pass either a precomputed correction (already normalized) or "
+                         "batch_norm_mean, not both.")
+    if correction is None and config.computes_metrics:
         correction = compute_rollout_correction(
             lp_train, rollout_log_probs, loss_mask, config, cp_group=cp_group, dp_group=dp_group,
-            batch_norm_mean=batch_norm_mean,
+            batch_norm_mean=batch_norm_mean, finalize_metrics=finalize_metrics,
         )
     dtype = log_probs.dtype
     if correction is not None and config.use_rollout_correction:
@@ -165,25 +245,15 @@ def compute_policy_loss(
         den_mask = correction.denominator_mask
         weights = correction.weights
     else:
-        den_mask = valid_mask(loss_mask)
-        mask_f = float_mask(den_mask, dtype)
+        den_mask = valid_float(loss_mask, dtype)
+        mask_f = den_mask
         weights = None
 
-    old = old_log_probs.detach()
-    adv = advantages.detach()
-    # a NaN/inf in lp, lp_old or A (or an overflow of lp - lp_old + A) drops the token: one pass for all three
-    okf = finite_indicator_((log_probs.detach() - old).add_(adv)).mul_(mask_f)
-    # Sanitize BEFORE the loss math (nan_to_num x mask) so neither the value nor the gradient sees a NaN/inf;
-    # every input is then finite and 0 outside the mask, so the built-in per-token losses are 0 there too.
-    inputs = LossInputs(
-        log_probs=torch.nan_to_num(log_probs, 0.0, 0.0, 0.0).mul_(okf),
-        old_log_probs=torch.nan_to_num(old, 0.0, 0.0, 0.0).mul_(okf),
-        rollout_log_probs=rollout_log_probs,
-        advantages=torch.nan_to_num(adv, 0.0, 0.0, 0.0).mul_(okf),
-        token_mask=okf,
-        weights=None if weights is None else weights.detach().to(dtype) * okf,
-        count=okf.sum(dtype=torch.promote_types(dtype, torch.float32)),  # bf16 cannot count above 256
-    )
+    okf, old_s, adv_s, w_s, count = maybe_compiled(sanitized_inputs, config)(
+        log_probs.detach(), old_log_probs.detach(), advantages.detach(), mask_f,
+        None if weights is None else weights.detach().to(dtype))
+    inputs = LossInputs(raw_log_probs=log_probs, old_log_probs=old_s, rollout_log_probs=rollout_log_probs,
+                        advantages=adv_s, token_mask=okf, weights=w_s, count=count)
     fn = loss_fn if callable(loss_fn) else LOSS_FUNCTIONS.get(loss_fn or config.loss_type, flag="--loss-type")
     token_loss = fn(inputs, config)
     zero = torch.zeros((), dtype=dtype, device=log_probs.device)
@@ -198,21 +268,17 @@ def compute_policy_loss(
         denominator = den_mask.sum().to(torch.float64)
         global_den = correction.global_token_count if correction is not None else None
     else:
+        if correction is not None:
+            n_i = correction.seq_token_count
+        else:
+            n_i = seq_sums([den_mask], cp_group)[:, 0]
         if mode == "seq-mean-token-mean":
-            if correction is not None:
-                n_i = correction.seq_token_count
-            else:
-                n_i = seq_sums([den_mask], cp_group)[:, 0]
             loss_sum = (masked.sum(-1) / n_i.clamp_min(1).to(dtype)).sum()
         elif mode == "seq-mean-token-sum-norm":
             norm = seq_length_for_norm or log_probs.shape[-1] * group_size(cp_group)
             loss_sum = masked.sum() / norm
         else:
             loss_sum = masked.sum()
-        if correction is not None:
-            n_i = correction.seq_token_count
-        elif mode != "seq-mean-token-mean":
-            n_i = seq_sums([den_mask], cp_group)[:, 0]
         denominator = (n_i > 0).to(torch.float64).sum() * cp_first(cp_group)
         global_den = correction.global_seq_count if correction is not None else None
     if global_den is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -21,16 +22,17 @@ from slime_corr.config import ConfigError
 class Registry:
     """A name -> function table with a decorator, e.g. `@WEIGHT_FUNCTIONS.register("default")`."""
 
-    def __init__(self, kind: str, required_params: tuple[str, ...]) -> None:
+    def __init__(self, kind: str, required_params: tuple[str, ...], returns: str | None = None) -> None:
         self.kind = kind
         self.required_params = required_params
+        self.returns = returns  # the class name a function must be annotated to return, when it is annotated
         self._table: dict[str, Callable[..., Any]] = {}
 
     def register(self, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
             if name in self._table and self._table[name] is not fn:
                 raise ValueError(f"{self.kind} {name!r} is already registered")
-            check_signature(fn, self.required_params, what=f"{self.kind} {name!r}")
+            check_signature(fn, self.required_params, what=f"{self.kind} {name!r}", returns=self.returns)
             self._table[name] = fn
             return fn
 
@@ -43,18 +45,24 @@ class Registry:
         """A registered name, or an import path (loaded and signature-checked)."""
         if name_or_path in self._table:
             return self._table[name_or_path]
-        if ":" not in name_or_path and "." not in name_or_path:
+        if ":" not in name_or_path and "." not in name_or_path and "/" not in name_or_path:
             raise ConfigError(
                 f"{flag} {name_or_path!r}: no {self.kind} of that name (registered: "
                 f"{', '.join(self.names()) or 'none'}); or give 'package.module:function' or 'file.py:function'."
             )
         fn = load_function(name_or_path, flag=flag)
-        check_signature(fn, self.required_params, what=f"{flag} {name_or_path}")
+        check_signature(fn, self.required_params, what=f"{flag} {name_or_path}", returns=self.returns)
         return fn
 
 
 def load_function(path: str, *, flag: str = "--custom-tis-function-path") -> Callable[..., Any]:
     """Import a function from `pkg.mod.fn`, `pkg.mod:fn` or `path/to/file.py:fn`."""
+    if not isinstance(path, str):
+        raise ConfigError(f"{flag}: expected a string 'package.module:function' or 'file.py:function', got "
+                          f"{type(path).__name__}.")
+    if ":" not in path and (path.endswith(".py") or "/" in path or "\\" in path):
+        file = path if path.endswith(".py") else f"{path}.py"
+        raise ConfigError(f"{flag} {path!r}: a file path needs the function after a colon: '{file}:function_name'.")
     if ":" in path:
         module_part, _, attr = path.rpartition(":")
     else:
@@ -92,8 +100,11 @@ def load_function(path: str, *, flag: str = "--custom-tis-function-path") -> Cal
     return fn
 
 
-def check_signature(fn: Callable[..., Any], required_params: tuple[str, ...], *, what: str) -> None:
-    """The function must accept the documented arguments positionally, in order."""
+def check_signature(fn: Callable[..., Any], required_params: tuple[str, ...], *, what: str,
+                    returns: str | None = None) -> None:
+    """The function must accept the documented arguments positionally, in order; if its return type is annotated,
+    the annotation must name `returns` (a Tensor-returning weighting function fails here, not at its first call;
+    an unannotated one is checked at its first call)."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError) as e:
@@ -104,10 +115,21 @@ def check_signature(fn: Callable[..., Any], required_params: tuple[str, ...], *,
         raise ConfigError(
             f"{what}: signature {sig} does not match the documented ({', '.join(required_params)}): {e}."
         ) from e
+    annotation = sig.return_annotation
+    if returns is None or annotation is inspect.Signature.empty:
+        return
+    if isinstance(annotation, type):
+        names, shown = [c.__name__ for c in annotation.__mro__], annotation.__name__
+    elif isinstance(annotation, str) and re.fullmatch(r"[\w.]+", annotation):  # `from __future__ import annotations`
+        names, shown = [annotation.rsplit(".", 1)[-1]], annotation
+    else:  # a union, a generic, ...: checked at the first call
+        return
+    if returns not in names:
+        raise ConfigError(f"{what}: it is annotated to return {shown}, but it must return {returns}.")
 
 
 # Weighting functions: fn(inputs: WeightInputs, config) -> WeightOutputs (see slime_corr.correction).
 # The built-in IS/RS of SPEC.md is registered as "default"; --custom-tis-function-path replaces it.
-WEIGHT_FUNCTIONS = Registry("weighting function", ("inputs", "config"))
+WEIGHT_FUNCTIONS = Registry("weighting function", ("inputs", "config"), returns="WeightOutputs")
 # Policy losses: fn(inputs: LossInputs, config) -> per-token loss tensor (see slime_corr.losses).
-LOSS_FUNCTIONS = Registry("policy loss", ("inputs", "config"))
+LOSS_FUNCTIONS = Registry("policy loss", ("inputs", "config"), returns="Tensor")

@@ -127,6 +127,16 @@ def test_from_args_on_a_plain_namespace_treats_non_defaults_as_explicit():
          "cannot import module 'no_such_module_xyz'"),
         (["--custom-tis-function-path", "examples/custom_tis.py:length_aware_geometric_is"],
          "--custom-tis-function-path is only called when correction is on; add --use-tis"),
+        # a TIS bound without --use-tis is a parse-time error, as RS bounds without --use-rs are
+        (["--tis-upper-bound", "3"], "--tis-upper-bound set but --use-tis is not; add --use-tis or drop it"),
+        (["--rs-upper-bound", "3"], "--rs-upper-bound/--rs-lower-bound are set but --use-rs is not"),
+        # the message names the bound given and the default it implies, not a bound the user never gave
+        (["--use-tis", "--tis-mode", "clip", "--tis-upper-bound", "0.5"],
+         "--tis-upper-bound 0.5 is below 1, so the default lower bound 1/U = 2 is above it"),
+        (["--use-tis", "--custom-tis-function-path", "examples/custom_tis.py"],
+         "a file path needs the function after a colon: 'examples/custom_tis.py:function_name'"),
+        (["--use-tis", "--custom-tis-function-path", "examples/custom_tis"],
+         "a file path needs the function after a colon: 'examples/custom_tis.py:function_name'"),
     ],
 )
 def test_bad_flags_exit_at_parse_time_with_the_message(argv, message, capsys):
@@ -183,6 +193,16 @@ def test_flags_coexist_with_megatron_launch_flags():
     ])
     assert args.tensor_model_parallel_size == 2 and args.grpo_group_size == 8
     assert c.use_tis and c.tis_level == "sequence" and c.use_rs
+
+
+def test_truncation_takes_an_upper_bound_below_one():
+    _, c = parse(["--use-tis", "--tis-upper-bound", "0.5"])  # truncate uses no lower bound
+    assert c.tis_bounds[1] == 0.5
+
+
+def test_compile_flag():
+    _, c = parse(["--use-tis", "--rollout-correction-compile"])
+    assert c.rollout_correction_compile and not parse([])[1].rollout_correction_compile
 
 
 def test_config_from_args_without_parser_records():

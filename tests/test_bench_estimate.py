@@ -1,8 +1,11 @@
-"""`bench/correction.py`'s fusion estimate must do the work it claims: the same loss and mismatch sums as ours."""
+"""The benches' own logic: `bench/correction.py`'s fusion estimate does the work it claims (the same loss and
+mismatch sums as ours); `bench/vs_verl.py`'s equality check catches differences (and, under -m slow, passes
+against verl's real code)."""
 
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -42,3 +45,44 @@ def test_fusion_estimate_matches_ours():
     assert (-est[2] / n_tok).item() == pytest.approx(out.metrics["mismatch_kl"].item(), rel=1e-12)
     assert (est[6] / n_tok).item() == pytest.approx(out.metrics["mismatch_k3_kl"].item(), rel=1e-12)
     assert est[16].item() == pytest.approx(out.metrics["rollout_probs_diff_max"].item(), rel=1e-12)
+
+
+VS_VERL = Path(__file__).resolve().parents[1] / "bench" / "vs_verl.py"
+
+
+def _vs_verl():
+    if "bench_vs_verl" not in sys.modules:  # dataclasses look their module up in sys.modules
+        spec = importlib.util.spec_from_file_location("bench_vs_verl", VS_VERL)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_vs_verl"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["bench_vs_verl"]
+
+
+def test_vs_verl_equality_check_catches_differences():
+    """The bench's check (weights and masks bit-equal, loss/grad to rounding, shared metrics within 1e-6) on our
+    own results: it passes for identical results and names each kind of difference."""
+    bench = _vs_verl()
+    row = bench.rows()[bench.ROW_KEYS["ppo"]]
+    x = bench.make_inputs(4, 64)
+    ours = bench.run_ours(row, x)
+    theirs = {**ours, "metrics": {verl: ours["metrics"][key] for key, verl in row.same_metrics}}
+    assert bench.compare(row, ours, theirs) == []
+    bad = {**theirs, "weights": theirs["weights"] * (1 + 1e-7), "mask": theirs["mask"][:, :-1],
+           "grad": theirs["grad"] * 1.01, "metrics": {**theirs["metrics"], "kl": theirs["metrics"]["kl"] + 1e-3}}
+    problems = bench.compare(row, ours, bad)
+    assert len(problems) == 4, problems
+    assert problems[0].startswith("weights:") and "must be bit-equal" in problems[0]
+    assert problems[1].startswith("mask: shape")
+    assert problems[2].startswith("grad:")
+    assert problems[3].startswith("metric mismatch_kl=")
+
+
+@pytest.mark.slow
+def test_vs_verl_rows_agree_with_verls_real_code():
+    """Downloads verl's wheel (pip download --no-deps) and checks every row of the bench at a small size."""
+    bench = _vs_verl()
+    verl = bench.load_verl()
+    x = bench.make_inputs(8, 256)
+    for row in bench.rows():
+        assert bench.compare(row, bench.run_ours(row, x), bench.run_verl(verl, row, x)) == [], row.name

@@ -92,6 +92,12 @@ def test_yaml_accepts_dashed_keys(tmp_path):
         ("- a\n- b\n", "expected a mapping of option names to values, got list"),
         ("use_tis: [unclosed\n", "not valid YAML"),
         ("preset: nope\n", "preset 'nope' is unknown"),
+        # values are type-checked: a string never turns a switch on, a non-number is not a number
+        ('use_tis: "no"\n', "use_tis must be true or false (unquoted), got 'no' (str)"),
+        ("use_tis: 1\n", "use_tis must be true or false (unquoted), got 1 (int)"),
+        ("use_tis: true\ntis_upper_bound: three\n", "tis_upper_bound must be a number, got 'three' (str)"),
+        ("use_tis: true\ntis_upper_bound: [3]\n", "tis_upper_bound must be a number, got [3] (list)"),
+        ("use_tis: true\ntis_mode: 3\n", "tis_mode must be a string, got 3 (int)"),
     ],
 )
 def test_bad_yaml_files(tmp_path, text, message):
@@ -119,8 +125,24 @@ def test_empty_yaml_file_gives_defaults(tmp_path):
         (dict(use_tis=True, use_rollout_logprobs=True), "--use-tis with --use-rollout-logprobs and --loss-type ppo corrects twice"),
         (dict(loss_type="reinforce"), "--loss-type reinforce is pure policy gradient on rollout data and needs --use-rollout-logprobs"),
         (dict(use_rs=True), "--use-rs needs --rs-upper-bound"),
-        (dict(use_rs=True, rs_upper_bound=2.0, rs_lower_bound=3.0), "--rs-lower-bound 3.0 > --rs-upper-bound 2.0; swap them"),
-        (dict(use_tis=True, tis_mode="clip", tis_lower_bound=3.0, tis_upper_bound=2.0), "--tis-lower-bound/--tis-upper-bound: lower bound 3.0 > upper bound 2.0"),
+        (dict(use_rs=True, rs_upper_bound=2.0, rs_lower_bound=3.0), "--rs-lower-bound 3.0 > --rs-upper-bound 2.0; give --rs-lower-bound <= --rs-upper-bound"),
+        (dict(use_tis=True, tis_mode="clip", tis_lower_bound=3.0, tis_upper_bound=2.0), "--tis-lower-bound 3.0 > --tis-upper-bound 2.0"),
+        (dict(use_tis=True, tis_mode="clip", tis_lower_bound=3.0), "--tis-lower-bound 3.0 > the default upper bound 2.0 (--tis-upper-bound)"),
+        # a bound below 1 without a lower bound: the message names the bound given and the default it implies
+        (dict(use_tis=True, tis_mode="clip", tis_upper_bound=0.5), "--tis-upper-bound 0.5 is below 1, so the default lower bound 1/U = 2 is above it; give --tis-lower-bound (<= 0.5)"),
+        (dict(use_rs=True, rs_upper_bound=0.5), "--rs-upper-bound 0.5 is below 1, so the default lower bound 1/U = 2 is above it; give --rs-lower-bound"),
+        # a bound without the flag that uses it (as for RS)
+        (dict(tis_upper_bound=3.0), "--tis-upper-bound set but --use-tis is not; add --use-tis or drop it"),
+        (dict(tis_clip=3.0, tis_clip_low=0.1), "--tis-clip, --tis-clip-low set but --use-tis is not; add --use-tis or drop them"),
+        (dict(rs_lower_bound=0.5), "--rs-upper-bound/--rs-lower-bound are set but --use-rs is not"),
+        # types: no string or number turns a flag on; a string is not a number
+        (dict(use_tis="no"), "--use-tis (use_tis) must be true or false, got 'no' (str)"),
+        (dict(use_rs=1), "--use-rs (use_rs) must be true or false, got 1 (int)"),
+        (dict(use_tis=True, tis_upper_bound="3.0"), "--tis-upper-bound (tis_upper_bound) must be a number, got '3.0' (str); write the number without quotes"),
+        (dict(use_tis=True, tis_upper_bound=True), "--tis-upper-bound (tis_upper_bound) must be a number, got True (bool)"),
+        (dict(eps_clip=None), "--eps-clip (eps_clip) must be a number, got None"),
+        (dict(tis_mode=3), "--tis-mode (tis_mode) must be a string, got 3 (int)"),
+        (dict(use_tis=True, custom_tis_function_path=["f.py:fn"]), "--custom-tis-function-path (custom_tis_function_path) must be a string"),
         (dict(use_tis=True, tis_upper_bound=0.0), "--tis-upper-bound=0.0 must be a finite number > 0"),
         (dict(use_tis=True, tis_upper_bound=-1.0), "--tis-upper-bound=-1.0 must be a finite number > 0"),
         (dict(use_tis=True, tis_upper_bound=float("inf")), "--tis-upper-bound=inf must be a finite number > 0"),
@@ -136,7 +158,7 @@ def test_empty_yaml_file_gives_defaults(tmp_path):
         (dict(use_tis=True, tis_lower_bound=0.5), "--tis-lower-bound has no effect with --tis-mode truncate"),
         (dict(use_tis=True, tis_clip=2.0, tis_upper_bound=3.0), "--tis-clip/--tis-clip-low (slime's flags) and --tis-upper-bound/--tis-lower-bound set the same bounds"),
         (dict(use_tis=True, tis_clip=2.0, tis_mode="mask"), "--tis-clip/--tis-clip-low always clamp"),
-        (dict(use_tis=True, tis_clip=2.0, tis_clip_low=3.0), "--tis-clip-low/--tis-clip: lower bound 3.0 > upper bound 2.0"),
+        (dict(use_tis=True, tis_clip=2.0, tis_clip_low=3.0), "--tis-clip-low 3.0 > --tis-clip 2.0; swap them"),
         (dict(use_tis=True, tis_clip_low=-0.1), "--tis-clip-low=-0.1 must be a finite number >= 0"),
         (dict(tis_mode="nope"), "--tis-mode='nope' is not one of truncate, clip, mask"),
         (dict(tis_level="word"), "--tis-level='word' is not one of token, sequence, geometric"),
@@ -165,6 +187,44 @@ def test_valid_combinations_construct():
     RolloutCorrectionConfig(use_rollout_logprobs=True, use_rs=True, rs_upper_bound=2.0)
     c = RolloutCorrectionConfig(rs_veto_threshold=1e-4)
     assert c.use_rollout_correction and not c.use_rs
+    # truncation uses no lower bound, so U < 1 is allowed there; an explicit L <= U < 1 is allowed everywhere
+    assert RolloutCorrectionConfig(use_tis=True, tis_upper_bound=0.5).tis_bounds[1] == 0.5
+    RolloutCorrectionConfig(use_rs=True, rs_lower_bound=0.2, rs_upper_bound=0.5)
+
+
+def test_numbers_are_stored_as_float_and_numpy_scalars_are_accepted():
+    import numpy as np
+
+    c = RolloutCorrectionConfig(use_tis=np.bool_(True), tis_upper_bound=3, eps_clip=np.float32(0.25))
+    assert c.use_tis is True and type(c.tis_upper_bound) is float and c.tis_upper_bound == 3.0
+    assert type(c.eps_clip) is float and c.eps_clip == pytest.approx(0.25)
+
+
+def test_turning_off_a_presets_switch_drops_its_bounds():
+    c = RolloutCorrectionConfig.preset("decoupled_seq_is_rs", use_tis=False)
+    assert not c.use_tis and c.tis_upper_bound is None and c.use_rs
+    with pytest.raises(ConfigError, match="--tis-upper-bound set but --use-tis is not"):
+        RolloutCorrectionConfig.preset("decoupled_seq_is_rs", use_tis=False, tis_upper_bound=3.0)
+
+
+def test_yaml_numbers_written_as_strings_are_numbers(tmp_path):
+    # YAML 1.1 (PyYAML) reads 1e-4 as a string; a quoted "3.0" is read as the number it spells
+    f = tmp_path / "c.yaml"
+    f.write_text('use_tis: true\ntis_upper_bound: "3.0"\nrs_veto_threshold: 1e-4\nuse_rs: yes\nrs_upper_bound: 2\n')
+    c = RolloutCorrectionConfig.from_yaml(f)
+    assert c.tis_upper_bound == 3.0 and c.rs_veto_threshold == 1e-4 and c.use_rs and c.rs_upper_bound == 2.0
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: RolloutCorrectionConfig.from_dict([("use_tis", True)]), "config: expected a mapping of field names"),
+    (lambda: RolloutCorrectionConfig.from_args({"use_tis": True}), "from_args expects an argparse.Namespace, got dict"),
+    (lambda: RolloutCorrectionConfig.preset(["pg_is"]), "preset name must be a string"),
+    (lambda: RolloutCorrectionConfig.from_yaml(3), "from_yaml: path must be a str or pathlib.Path, got int"),
+])
+def test_constructors_refuse_wrong_argument_types(call, message):
+    with pytest.raises(ConfigError) as e:
+        call()
+    assert message in str(e.value)
 
 
 def test_slime_tis_clip_flags_keep_their_meaning():

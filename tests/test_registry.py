@@ -29,6 +29,12 @@ def module_dir(tmp_path, monkeypatch):
         def too_many(inputs, config, cp_group):
             return None
 
+        def returns_tensor(inputs, config) -> "torch.Tensor":
+            return inputs.log_ratio
+
+        def returns_weights(inputs, config) -> "slime_corr.correction.WeightOutputs":
+            return None
+
         not_a_function = 3
     """))
     (tmp_path / "broken.py").write_text("raise RuntimeError('boom at import')\n")
@@ -60,10 +66,15 @@ def test_three_path_forms_load_the_same_function(module_dir):
         ("{dir}/broken.py:fn", "importing {dir}/broken.py failed: RuntimeError('boom at import')"),
         ("justaname", "no weighting function of that name"),
         (":fn", "expected 'package.module.function'"),
+        # a file without ':function' is not read as module 'weights' + attribute 'py'
+        ("{dir}/my_pkg/weights.py", "a file path needs the function after a colon: '{dir}/my_pkg/weights.py:function_name'"),
+        ("{dir}/my_pkg/weights", "a file path needs the function after a colon: '{dir}/my_pkg/weights.py:function_name'"),
+        # a function annotated to return something else fails at start-up, not at its first call
+        ("my_pkg.weights.returns_tensor", "it is annotated to return torch.Tensor, but it must return WeightOutputs"),
     ],
 )
 def test_bad_paths_fail_with_the_flag_and_reason(module_dir, path, message):
-    registry = Registry("weighting function", ("inputs", "config"))
+    registry = Registry("weighting function", ("inputs", "config"), returns="WeightOutputs")
     path = path.format(dir=module_dir)
     with pytest.raises(ConfigError) as e:
         registry.get(path, flag=FLAG)
@@ -85,6 +96,20 @@ def test_registered_names_and_duplicates():
         registry.register("mine")(lambda inputs, config: None)
     with pytest.raises(ConfigError, match="does not match the documented"):
         registry.register("bad")(lambda x: x)
+
+
+def test_annotated_return_type_is_accepted(module_dir):
+    registry = Registry("weighting function", ("inputs", "config"), returns="WeightOutputs")
+    assert registry.get("my_pkg.weights.returns_weights", flag=FLAG) is not None
+    from slime_corr.registry import WEIGHT_FUNCTIONS
+
+    with pytest.raises(ConfigError, match="it is annotated to return Tensor, but it must return WeightOutputs"):
+        import torch
+
+        def bad(inputs, config) -> torch.Tensor:
+            return inputs
+
+        WEIGHT_FUNCTIONS.register("bad_return")(bad)
 
 
 def test_load_function_plain():

@@ -7,6 +7,7 @@ definitions in `metrics.py`, and the masked-reduction helpers in `reductions.py`
 from slime_corr.correction.core import (
     compute_rollout_correction,
     correction_metrics,
+    normalize_weights,
     weight_function,
     weight_mean,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "merge_stats",
     "default_weights",
     "metrics_to_host",
+    "normalize_weights",
     "weight_function",
     "weight_mean",
 ]

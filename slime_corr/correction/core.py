@@ -2,15 +2,18 @@
 
 Order of operations (SPEC.md):
 1. lr = lp_train - lp_rollout on valid tokens; a sequence with a non-finite lr at a valid position is rejected.
-2. Per-sequence sums (count, Σlr, Σlp_train, Σlp_rollout, veto and token-RS counts) in ONE CP all_reduce.
+2. Per-sequence sums (count, Σlr, Σlp_train, veto and token-RS counts) in ONE CP all_reduce.
 3. The weighting function ("default" = `weights.default_weights`, or `--custom-tis-function-path`) gives IS
    weights and the RS mask; the veto (`lr < log C` at any valid token) then rejects whole sequences.
 4. All batch statistics (metric numerators/denominators, normalization mean, counts) in ONE SUM and ONE MAX
    all_reduce per group (CP, DP); batch normalization divides the weights by the mean over contributing units.
+   With IS weights, the exact weight quantiles take two more small SUMs (`quantiles.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -19,15 +22,17 @@ from torch import Tensor
 
 from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.correction import metrics as M
+from slime_corr.correction import quantiles as Q
+from slime_corr.correction.checks import check_correction_inputs, check_weight_outputs
 from slime_corr.correction.reductions import (
     BatchStats,
     ProcessGroup,
+    active_groups,
     compute_dtype,
     count_greater_,
     cp_first,
-    float_mask,
     seq_sums,
-    valid_mask,
+    valid_float,
 )
 from slime_corr.correction.types import CorrectionResult, WeightInputs
 from slime_corr.correction.weights import (
@@ -35,11 +40,11 @@ from slime_corr.correction.weights import (
     default_weight_parts,
     default_weights,
     in_log_bounds,
+    rs_keep,
 )
 from slime_corr.registry import WEIGHT_FUNCTIONS
 
 BATCH_NORM_MIN_MEAN = 1e-8
-MAX_ABS_LOG_RATIO = 1e30
 _WEIGHT_FN_CACHE: dict[str, Callable] = {}
 
 
@@ -59,6 +64,62 @@ def _count(x: Tensor, cp0: float) -> Tensor:
     return x.to(torch.float64).sum(0) * cp0
 
 
+def _zero_where(cond: Tensor, x: Tensor) -> Tensor:
+    return torch.where(cond, torch.zeros_like(x), x)
+
+
+def maybe_compiled(fn: Callable, config: RolloutCorrectionConfig) -> Callable:
+    """`fn` itself, or its torch.compile'd form with `--rollout-correction-compile` (compiled once per function)."""
+    return _compiled(fn) if config.rollout_correction_compile else fn
+
+
+@functools.cache
+def _compiled(fn: Callable) -> Callable:
+    return torch.compile(fn, dynamic=None)
+
+
+def _token_stage(log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor, dtype: torch.dtype,
+                 veto_log: float | None, rs_bounds: tuple[float, float] | None) -> tuple[Tensor, ...]:
+    """The per-token work before the sequence sums: (valid mask, lr, per-sequence local sums [B, k], token
+    mismatch rows, per-sequence max |p_t - p_r|, token-RS keep mask or None). Columns of the sums: valid tokens,
+    non-finite tokens, Σlr, Σlp_train, then the veto count (lr < log C) and the token-RS kept count if asked."""
+    valid = valid_float(loss_mask, dtype)  # float 0/1; in good sequences also the mask of finite tokens
+    tok = M.token_pass(log_probs.detach().to(dtype), rollout_log_probs.detach().to(dtype), valid)
+    columns = [tok.seq]
+    if veto_log is not None:  # lr < log C, as -lr > -log C (lr is 0 outside the mask and log C < 0)
+        columns.append(count_greater_(tok.lr.neg(), -veto_log)[:, None])
+    keep_tok = None
+    if rs_bounds is not None:
+        keep_tok = in_log_bounds(tok.lr, *rs_bounds).mul_(valid)
+        columns.append(keep_tok.sum(-1, keepdim=True))
+    return valid, tok.lr, torch.cat(columns, -1), tok.rows, tok.d_max, keep_tok
+
+
+def _token_is_stage(inputs: WeightInputs, config: RolloutCorrectionConfig, tok_f: Tensor, row_f: Tensor
+                    ) -> tuple[Tensor, ...]:
+    """Built-in token-level IS after rejection: (final mask, weights (0 outside it), raw-weight row sums [B, 4],
+    then `weight_stat_tensors`). Raw weights are counted over the valid tokens (the caller keeps good sequences)."""
+    w, w_raw, _ = default_weight_parts(inputs, config, rs=False)
+    raw_rows = _token_raw_rows(w_raw, inputs.loss_mask, config)
+    final_f = tok_f * row_f
+    weights = w.mul_(final_f)
+    return (final_f, weights, raw_rows, *M.weight_stat_tensors(weights, final_f))
+
+
+def _token_raw_rows(w_raw: Tensor, valid: Tensor, config: RolloutCorrectionConfig) -> Tensor:
+    """Per-sequence [valid tokens, Σ w_raw, # w_raw > U, # w_raw < L] of built-in token-level IS; `w_raw` is 0
+    outside the mask (so never above U, and counted below L: those are subtracted). Destroys `w_raw`."""
+    lower, upper = config.tis_bounds
+    n = valid.sum(-1)
+    s_raw = w_raw.sum(-1)
+    if config.effective_tis_mode == "truncate":
+        low = torch.zeros_like(s_raw)
+    else:
+        low = count_greater_(torch.sub(lower, w_raw), 0.0) - (valid.shape[-1] - n)
+    high = count_greater_(w_raw, upper)
+    return torch.stack([n, s_raw, high, low], -1)
+
+
 def compute_rollout_correction(
     log_probs: Tensor,
     rollout_log_probs: Tensor,
@@ -68,6 +129,8 @@ def compute_rollout_correction(
     cp_group: ProcessGroup = None,
     dp_group: ProcessGroup = None,
     batch_norm_mean: Tensor | None = None,
+    normalize: bool = True,
+    finalize_metrics: bool = True,
 ) -> CorrectionResult:
     """Weights, masks and metrics for [B, S] local slices.
 
@@ -77,143 +140,121 @@ def compute_rollout_correction(
     `batch_norm_mean`: with `--tis-batch-normalize`, the mean to divide the weights by; default this call's own
     batch mean. A step of several micro-batches passes the step's mean (`weight_mean(merge_stats(...))` of a
     pre-pass), so the normalization is over the whole step as SPEC.md asks.
+    `normalize=False` leaves the weights unnormalized (a pre-pass that `normalize_weights` finishes once the step's
+    mean is known, so the training pass need not redo the correction); `finalize_metrics=False` skips the metrics
+    (`.metrics` is empty; `.stats` is complete) for callers that finalize a step's merged statistics once.
+    With `--rollout-correction-compile` the per-token stages run torch.compile'd (same results).
     """
-    valid = valid_mask(loss_mask)
+    check_correction_inputs(log_probs, rollout_log_probs, loss_mask, config, batch_norm_mean, cp_group, dp_group)
     if not config.computes_metrics:
-        orig_mask = float_mask(valid, torch.float32)
+        orig_mask = valid_float(loss_mask, torch.float32)
         return CorrectionResult(weights=None, loss_mask=orig_mask, denominator_mask=orig_mask, metrics={})
     correct = config.use_rollout_correction
     dtype = compute_dtype(log_probs, rollout_log_probs)
-    lp_t = log_probs.detach().to(dtype)
-    lp_r = rollout_log_probs.detach().to(dtype)
-    zero = torch.zeros((), dtype=dtype, device=lp_t.device)
-    valid_f = float_mask(valid, dtype)  # float 0/1; in good sequences also the mask of finite tokens
-    # lr = lp_t - lp_r at valid tokens, 0 elsewhere. NaN/±inf become ±big, so that "non-finite or |lr| > 1e30"
-    # is one test (|lr| > 1e30): such a token rejects its sequence. Masks are float products, not `where`.
-    big = torch.finfo(dtype).max
-    lr = (lp_t - lp_r).nan_to_num_(big, big, -big).mul_(valid_f)
-    lpt0 = torch.nan_to_num(lp_t, 0.0, 0.0, 0.0).mul_(valid_f)  # finite everywhere, 0 outside the mask
-    lpr0 = torch.nan_to_num(lp_r, 0.0, 0.0, 0.0).mul_(valid_f)
-    columns = [valid_f, count_greater_(lr.abs(), MAX_ABS_LOG_RATIO), lr, lpt0, lpr0]
     veto = correct and config.rs_veto_threshold is not None
-    if veto:  # lr < log C, as -lr > -log C
-        columns.append(count_greater_(-lr, -math.log(config.rs_veto_threshold)))
     fn = weight_function(config) if correct else None
     is_default = fn is default_weights
     token_rs = is_default and config.use_rs and config.rs_level == "token"
-    if token_rs:
-        columns.append(valid & in_log_bounds(lr, *config.rs_bounds))
-    seq = seq_sums(columns, cp_group)  # the one CP collective for sequence sums
-    tok_rows, tok_max_d = M.token_mismatch_rows(lr, lpt0, lpr0, valid_f)
-    del lpt0, lpr0
+    valid, lr, local, tok_rows, tok_d_max, keep_tok = maybe_compiled(_token_stage, config)(
+        log_probs, rollout_log_probs, loss_mask, dtype, math.log(config.rs_veto_threshold) if veto else None,
+        config.rs_bounds if token_rs else None)
+    seq = seq_sums(list(local.unbind(-1)), cp_group)  # the one CP collective for sequence sums
 
-    n_orig, n_bad, s_lr, s_lpt, s_lpr = seq[:, :5].unbind(-1)
+    n_orig, n_bad, s_lr, s_lpt = seq[:, :4].unbind(-1)
+    s_lpr = s_lpt - s_lr
     n_ok = n_orig - n_bad
     # a non-finite token, or whole-sequence sums that overflowed
     seq_bad = (n_bad > 0) | ~(s_lr.isfinite() & s_lpt.isfinite() & s_lpr.isfinite())
     seq_ok = (n_orig > 0) & ~seq_bad
     good = (~seq_bad).to(dtype).unsqueeze(-1)  # [B, 1]
-    n_seq = torch.where(seq_bad, torch.zeros_like(n_ok), n_ok)
-    s_lr = torch.where(seq_bad, torch.zeros_like(s_lr), s_lr)
+    n_seq = _zero_where(seq_bad, n_ok)
+    s_lr = _zero_where(seq_bad, s_lr)
 
     cp0 = cp_first(cp_group)
     stats = BatchStats()
     counts = torch.stack([n_seq, seq_ok, n_orig, n_orig > 0, torch.where(seq_bad, n_bad, torch.zeros_like(n_bad)),
                           seq_bad], dim=-1)
     stats.add_sums(("n_tok", "n_seq", "n_valid_tok", "n_valid_seq", "n_bad_tok", "n_bad_seq"), _count(counts, cp0))
-    M.add_token_mismatch(stats, tok_rows, tok_max_d, ~seq_bad)
+    M.add_token_mismatch(stats, tok_rows, tok_d_max, ~seq_bad)
     M.add_seq_mismatch(stats, seq_ok, n_seq, s_lpt, s_lpr, s_lr, cp0)
 
     weights: Tensor | None = None
-    final_f = valid_f  # float 0/1 mask after rejection and veto: final_f = tok_f x row_f, built once below
+    final_f = valid  # float 0/1 mask after rejection and veto
     n_final = n_seq
     w_seq: Tensor | None = None  # built-in sequence/geometric IS: the bounded weight of each sequence [B]
+    sketch: tuple[Tensor, Tensor, Tensor] | None = None  # (weights, level-1 keys, units) for `Q.refine`
     fn_metrics: dict[str, Tensor] = {}
     step_counts: dict[str, Tensor] = {}  # [B] per-sequence counts, summed into batch statistics at once below
     if correct:
-        tok_f, row_f = valid_f, good  # [B, S] token keep, [B, 1] sequence keep (non-finite, RS, veto)
-        custom = not is_default
-        inputs = WeightInputs(  # a custom function sees bad sequences removed; the built-in one needs only [B]
-            log_ratio=lr * good if custom else lr,
-            loss_mask=(valid_f * good) > 0 if custom else valid_f,
-            seq_log_ratio_sum=s_lr,
-            seq_token_count=n_seq,
-            cp_group=cp_group,
-            dp_group=dp_group,
-        )
+        tok_f, row_f = valid, good  # [B, S] token keep, [B, 1] sequence keep (non-finite, RS, veto)
         lower, upper = config.tis_bounds
+        token_is = False
         if is_default:
-            # `default_weights` at the shapes of its level ([B, 1] for sequence/geometric): no [B, S] copies of
-            # per-sequence quantities; its whole-sequence RS counts follow from the sums already reduced
-            n_fn = torch.where(seq_bad, torch.zeros_like(n_seq), seq[:, -1]) if token_rs else n_seq
-            w_out, raw_out, keep = default_weight_parts(inputs, config)
-            if keep is not None:
-                if token_rs:
-                    tok_f = valid_f * keep.to(dtype)
-                else:
-                    row_f = row_f * keep.to(dtype)
-                    n_fn = torch.where(keep.squeeze(-1), n_fn, torch.zeros_like(n_fn))
+            # built-in weights at the shapes of their level ([B, 1] for sequence/geometric): no [B, S] copies of
+            # per-sequence quantities; the token-RS decision was made before the sequence sums, to count it there
+            inputs = WeightInputs(log_ratio=lr, loss_mask=valid, seq_log_ratio_sum=s_lr, seq_token_count=n_seq,
+                                  cp_group=cp_group, dp_group=dp_group)
+            token_is = config.use_tis and config.tis_level == "token"
+            if config.use_tis and not token_is:
+                w_out, raw_out, _ = default_weight_parts(inputs, config, rs=False)
+                w_seq = w_out.squeeze(-1)
+                M.add_raw_weight_stats(stats, raw_out.squeeze(-1), seq_ok.to(dtype) * cp0, lower, upper)
+            n_fn = _zero_where(seq_bad, seq[:, -1]) if token_rs else n_seq
+            if token_rs:
+                tok_f = keep_tok
+            elif config.use_rs:
+                keep = rs_keep(inputs, config)
+                row_f = row_f * keep
+                n_fn = n_fn * keep.squeeze(-1)
         else:  # a custom mask is arbitrary: one extra CP collective for its per-sequence counts
-            out = fn(inputs, config)
-            fn_metrics = dict(out.metrics)
-            fn_mask = valid_mask(out.loss_mask) & inputs.loss_mask
-            w_out = None if out.weights is None else out.weights.detach().to(dtype)
-            raw_out = None
-            if out.raw_weights is not None:  # an overflowed raw weight counts as the built-in ceiling exp(20)
-                raw_out = out.raw_weights.detach().to(dtype).nan_to_num(0.0, math.exp(LOG_RATIO_CLAMP), 0.0)
-            if w_out is not None:  # a NaN/inf weight rejects its token (counted), like a non-finite log-prob
-                finite_w = w_out.isfinite()
-                stats.add_sum("n_fn_bad_w", (fn_mask & ~finite_w).sum())
-                fn_mask = fn_mask & finite_w
-            n_fn = seq_sums([fn_mask], cp_group)[:, 0]
-            tok_f = fn_mask.to(dtype)
+            tok_f, weights, n_fn = _custom(fn, stats, fn_metrics, lr, valid, good, s_lr, n_seq, cp_group, dp_group,
+                                           config, dtype)
         n_final = n_fn
         if veto:
-            vetoed = seq[:, 5] > 0
+            vetoed = seq[:, 4] > 0
             row_f = row_f * (~vetoed).to(dtype).unsqueeze(-1)
-            n_final = torch.where(vetoed, torch.zeros_like(n_fn), n_fn)
-            step_counts.update(n_cat_tok=torch.where(seq_ok, seq[:, 5], torch.zeros_like(n_fn)), n_cat_seq=vetoed & seq_ok)
-        final_f = tok_f * row_f
+            n_final = _zero_where(vetoed, n_fn)
+            step_counts.update(n_cat_tok=torch.where(seq_ok, seq[:, 4], torch.zeros_like(n_fn)),
+                               n_cat_seq=vetoed & seq_ok)
         step_counts.update(n_fn_tok=n_fn, n_fn_seq_rej=seq_ok & (n_fn == 0), n_final_tok=n_final,
                            n_final_seq_rej=(n_orig > 0) & (n_final == 0))
-
-        if w_out is not None and is_default and config.tis_level != "token":
-            # constant along each sequence: statistics on [B], each sequence counted once
-            w_seq = w_out.squeeze(-1)
-            M.add_weight_stats(stats, w_seq, (n_final > 0).to(dtype) * cp0, n_final > 0)
-            M.add_raw_weight_stats(stats, raw_out.squeeze(-1), seq_ok.to(dtype) * cp0, lower, upper)
-        elif w_out is not None:
-            if is_default:  # built-in weights are finite
-                weights, final_w = w_out * final_f, final_f
-            else:  # non-finite weights already left the mask; `where` keeps their NaN out of the product
-                weights, final_w = torch.where(final_f > 0, w_out, zero), final_f
-            unit = final_w
+        if token_is:  # the per-token weights, their statistics and the sketch's first digit in one stage
+            final_f, weights, raw_rows, *parts = maybe_compiled(_token_is_stage, config)(inputs, config, tok_f, row_f)
+            zero = torch.zeros((), dtype=torch.float64, device=raw_rows.device)
+            M.add_raw_weight_sums(stats, *torch.where(good > 0, raw_rows.to(torch.float64), zero).sum(0).unbind())
+            sketch = (weights, M.add_weight_stats(stats, parts, final_f), final_f)
+        else:
+            final_f = tok_f * row_f
+        if w_seq is not None:  # constant along each sequence: statistics on [B], each sequence counted once
+            counted = (n_final > 0).to(dtype) * cp0
+            w_counted = w_seq * counted
+            sketch = (w_counted, M.add_weight_stats(stats, M.weight_stat_tensors(w_counted, counted), counted), counted)
+        elif weights is not None and not is_default:
+            weights = torch.where(final_f > 0, weights, torch.zeros((), dtype=dtype))  # its NaN stays out
+            unit = final_f.double()
             if config.tis_level != "token":
-                unit = unit / n_final.clamp_min(1).unsqueeze(-1)
-            M.add_weight_stats(stats, weights, unit, final_w > 0)
-            if raw_out is not None:
-                unit0 = valid_f * good
-                if config.tis_level != "token":
-                    unit0 = unit0 / n_seq.clamp_min(1).unsqueeze(-1)
-                M.add_raw_weight_stats(stats, raw_out, unit0, lower, upper)
+                unit = unit / n_final.clamp_min(1).unsqueeze(-1).double()
+            sketch = (weights, M.add_weight_stats(stats, M.weight_stat_tensors(weights, final_f, unit), unit), unit)
 
     keep_den = not correct or config.rs_keep_loss_denominator
-    final_mask = final_f.to(torch.float32) if correct else float_mask(valid, torch.float32)
-    den_mask = float_mask(valid, torch.float32) if correct and keep_den else final_mask
+    final_mask = final_f.to(torch.float32)
+    den_mask = valid.to(torch.float32) if keep_den else final_mask
     n_den = n_orig if keep_den else n_final
     step_counts.update(g_tok=n_den, g_seq=n_den > 0)
     stats.add_sums(tuple(step_counts), _count(torch.stack([c.to(dtype) for c in step_counts.values()], -1), cp0))
 
     r = stats.reduce(cp_group, dp_group)  # the one batch collective (SUM + MAX per group)
+    if sketch is not None:  # two more small SUMs: the exact quantiles
+        r.update(Q.refine(sketch[0], sketch[1], sketch[2], r[Q.LEVEL1_KEY], active_groups(cp_group, dp_group)))
 
     divisor = None
-    if "w_u" in r and config.tis_batch_normalize:
+    if "w_u" in r and config.tis_batch_normalize and normalize:
         divisor = normalization_divisor(weight_mean(r) if batch_norm_mean is None else batch_norm_mean)
     if w_seq is not None:  # one [B, S] pass: per-sequence weight (normalized) x final mask
         weights = (w_seq if divisor is None else w_seq / divisor.to(dtype)).unsqueeze(-1) * final_f
     elif divisor is not None:
-        weights = weights / divisor.to(dtype)
-    metrics = correction_metrics(r, config, divisor)
+        weights = weights.div_(divisor.to(dtype))
+    metrics = correction_metrics(r, config, divisor) if finalize_metrics else {}
     metrics.update(fn_metrics)
     return CorrectionResult(
         weights=weights,
@@ -225,7 +266,47 @@ def compute_rollout_correction(
         global_seq_count=r["g_seq"],
         stats=r,
         function_metrics=fn_metrics,
+        divisor=divisor,
     )
+
+
+def _custom(fn: Callable, stats: BatchStats, fn_metrics: dict[str, Tensor], lr: Tensor, valid: Tensor, good: Tensor,
+            s_lr: Tensor, n_seq: Tensor, cp_group: ProcessGroup, dp_group: ProcessGroup,
+            config: RolloutCorrectionConfig, dtype: torch.dtype) -> tuple[Tensor, Tensor | None, Tensor]:
+    """A custom weighting function on the good sequences: (token keep mask [B, S], weights or None, per-sequence
+    kept-token counts [B]). Its raw weights feed the raw-weight metrics (+inf counts as exp(20)); a NaN/inf weight
+    rejects its token (counted)."""
+    mask_in = valid * good
+    inputs = WeightInputs(log_ratio=lr * good, loss_mask=mask_in > 0, seq_log_ratio_sum=s_lr, seq_token_count=n_seq,
+                          cp_group=cp_group, dp_group=dp_group)
+    out = check_weight_outputs(fn(inputs, config), inputs, config)
+    fn_metrics.update(out.metrics)
+    fn_mask = valid_float(out.loss_mask, dtype) * mask_in
+    weights = None if out.weights is None else out.weights.detach().to(dtype)
+    if out.raw_weights is not None:  # an overflowed raw weight counts as the built-in ceiling exp(20)
+        raw = out.raw_weights.detach().to(dtype).nan_to_num(0.0, math.exp(LOG_RATIO_CLAMP), 0.0)
+        unit0 = mask_in if config.tis_level == "token" else mask_in / n_seq.clamp_min(1).unsqueeze(-1)
+        M.add_raw_weight_stats(stats, raw, unit0, *config.tis_bounds)
+    if weights is not None:  # a NaN/inf weight rejects its token (counted), like a non-finite log-prob
+        finite = weights.isfinite().to(dtype)
+        stats.add_sum("n_fn_bad_w", (fn_mask * (1.0 - finite)).sum())
+        fn_mask = fn_mask * finite
+    n_fn = seq_sums([fn_mask], cp_group)[:, 0]
+    return fn_mask, weights, n_fn
+
+
+def normalize_weights(result: CorrectionResult, config: RolloutCorrectionConfig, mean: Tensor,
+                      finalize_metrics: bool = True) -> CorrectionResult:
+    """A `compute_rollout_correction(..., normalize=False)` result divided by the `--tis-batch-normalize` divisor of
+    the step's `mean` (`weight_mean(merge_stats(...))`): the same weights and metrics as computing it with
+    `batch_norm_mean=mean`, without redoing the correction. Only the step divisor is applied."""
+    if not config.tis_batch_normalize or result.weights is None:
+        return result
+    divisor = normalization_divisor(mean)
+    metrics = correction_metrics(result.stats, config, divisor) if finalize_metrics else {}
+    metrics.update(result.function_metrics)
+    return dataclasses.replace(result, weights=result.weights / divisor.to(result.weights.dtype), metrics=metrics,
+                               divisor=divisor)
 
 
 def weight_mean(stats: dict[str, Tensor]) -> Tensor:

@@ -27,7 +27,7 @@ With IS (`--use-tis`); a "unit" is a token (token level) or a sequence (sequence
 | mis_mask_fraction_low / _high | mask mode: fraction with w_raw < L / w_raw > U (weight 0) |
 | mis_ratio_mean_after_mis | mean of the final weight (bounded, normalized) over contributing units |
 | mis_weight_std / mis_weight_min / mis_weight_max | std and true min/max of the final weight over contributing units |
-| mis_weight_p10 / _p50 / _p90 / _p99 | quantiles of the final weight (log-space histogram, ~0.5% resolution) |
+| mis_weight_p10 / _p50 / _p90 / _p99 | quantiles of the final weight: exact, by radix select (`quantiles.py`) |
 | mis_ess | normalized effective sample size (Σw)² / (N·Σw²) over contributing units |
 | mis_batch_norm_factor | the batch mean the weights were divided by (`--tis-batch-normalize`) |
 With correction on (IS, RS or veto):
@@ -42,29 +42,38 @@ With correction on (IS, RS or veto):
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from slime_corr.correction.reductions import BatchStats
+from slime_corr.correction import quantiles as Q
+from slime_corr.correction.reductions import BatchStats, count_greater_, row_products
+from slime_corr.correction.weights import LOG_RATIO_CLAMP
 
-HIST_BINS = 4096
-HIST_LOG_RANGE = 20.0
-QUANTILES = {"p10": 0.10, "p50": 0.50, "p90": 0.90, "p99": 0.99}
 PPL_EXP_CLAMP = 80.0
 LOG_PROB_CLAMP = 20.0
+MAX_ABS_LOG_RATIO = 1e30  # |lr| above this (or non-finite) rejects the sequence
+_NOT_COUNTED = 2.0**120  # what a weight that is not counted is raised by, for its minimum
 
 
 EXTREMA = {"tok_d_max": torch.maximum, "w_max": torch.maximum, "w_min": torch.minimum}
 
 
 def merge_stats(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
-    """The reduced statistics of a whole step from its micro-batches': sums add, extremes take the max/min."""
+    """The reduced statistics of a whole step from its micro-batches': sums add, extremes take the max/min, and the
+    quantile sketch's refined histograms are added by bin id."""
     merged: dict[str, Tensor] = {}
     for stats in parts:
         for key, value in stats.items():
+            if key in Q.REFINED or key in Q.REFINED.values():
+                continue
             combine = EXTREMA.get(key, torch.add)
             merged[key] = value if key not in merged else combine(merged[key], value)
+    for key, ids_key in Q.REFINED.items():
+        with_key = [p for p in parts if key in p]
+        if with_key:
+            merged[key], merged[ids_key] = Q.merge(with_key, key)
     return merged
 
 
@@ -78,8 +87,8 @@ def metrics_to_host(metrics: dict[str, Tensor]) -> dict[str, float]:
 
 
 def _total(x: Tensor) -> Tensor:
-    """Σ over [B, S]: row sums in the input precision, then float64 across rows."""
-    return x.sum(-1).to(torch.float64).sum()
+    """Σ over [B, S] (or [B]): row sums in the input precision, then float64 across rows."""
+    return (x.sum(-1) if x.dim() > 1 else x).to(torch.float64).sum()
 
 
 def _div(num: Tensor, den: Tensor) -> Tensor:
@@ -96,39 +105,91 @@ TOKEN_SUMS = ("tok_neg_lr", "tok_k3", "tok_chi2", "tok_abs_lr", "tok_d", "tok_d2
               "tok_pr2", "tok_ptr")
 
 
-def token_mismatch_rows(lr: Tensor, lp_train: Tensor, lp_rollout: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-sequence sums of the token-level mismatch terms ([B, len(TOKEN_SUMS)], in TOKEN_SUMS order) and the
-    per-sequence max of |p_train - p_rollout| ([B]).
+class TokenPass(NamedTuple):
+    """What one pass over the [B, S] tokens gives the core (`token_pass`)."""
 
-    `lr`, `lp_*` must be finite at the float 0/1 `mask` and 0 outside it. k3 = exp(x) - x - 1 and
-    chi2 = exp(2x) - 1 use expm1 (no cancellation for small x). Written as a stream of passes that each free
-    their temporaries: on CPU, touching fresh memory costs more than the arithmetic.
+    lr: Tensor  # lp_train - lp_rollout at valid tokens, 0 elsewhere; non-finite -> ±max (rejects the sequence)
+    seq: Tensor  # [B, 4] per-sequence local sums: valid tokens, tokens with |lr| > 1e30, Σ lr, Σ lp_train
+    rows: Tensor  # [B, len(TOKEN_SUMS)] float64 per-sequence sums of the token mismatch terms
+    d_max: Tensor  # [B] max |p_train - p_rollout|
+
+
+class _Stack:
+    """k [B, S] columns stacked as [B, k, S]. Eager: the columns are written straight into the stack's slots
+    (`out=`), so stacking copies nothing; under torch.compile they are plain tensors that `stack` joins (the
+    compiler fuses that away)."""
+
+    def __init__(self, like: Tensor, k: int) -> None:
+        b, s = like.shape
+        self.data = None if torch.compiler.is_compiling() else like.new_empty(b, k, s)
+        self.slots = [None] * k if self.data is None else list(self.data.unbind(1))
+
+    def stack(self, *columns: Tensor) -> Tensor:
+        return torch.stack(columns, 1) if self.data is None else self.data
+
+
+def token_pass(lp_train: Tensor, lp_rollout: Tensor, valid: Tensor) -> TokenPass:
+    """lr, the per-sequence sums the core needs and the token mismatch terms, for a float 0/1 `valid` mask.
+
+    Terms (x = clamp(lr, ±20), p = exp(min(lp, 20)), 0 outside the mask): k3 = expm1(x) - x; chi2 = e(e + 2) with
+    e = k3 + x (= exp(2x) - 1, no cancellation for small x); |lr|; d = |p_train - p_rollout|, d²; p, p², p_t·p_r.
+    Built as two stacked blocks [x, k3] and [p_t, p_r, d] whose row sums and row products (`row_products`: one
+    batched matmul) give every sum at once: on CPU, passes over fresh memory cost more than the arithmetic.
     """
-    x = lr.clamp(-20.0, 20.0)
-    e1 = x.expm1()
-    k3 = x.neg_().add_(e1).sum(-1)  # x is not needed after this
-    del x
-    chi2 = torch.linalg.vecdot(e1, e1) + 2.0 * e1.sum(-1)  # e1·(e1 + 2) = exp(2x) - 1
-    del e1
-    abs_lr = lr.abs().sum(-1)
-    # the clamp only touches invalid log-probs (> 20) so that squares stay finite; x mask: 0 outside it
-    p_t = lp_train.clamp(max=LOG_PROB_CLAMP).exp_().mul_(mask)
-    p_r = lp_rollout.clamp(max=LOG_PROB_CLAMP).exp_().mul_(mask)
-    products = [torch.linalg.vecdot(a, b) for a, b in ((p_t, p_t), (p_r, p_r), (p_t, p_r))]
-    sum_t, sum_r = p_t.sum(-1), p_r.sum(-1)
-    d = p_t.sub_(p_r)  # p_t is not needed after this
-    del p_r
-    d2 = torch.linalg.vecdot(d, d)
-    d = d.abs_()
-    rows = torch.stack([-lr.sum(-1), k3, chi2, abs_lr, d.sum(-1), d2, sum_t, sum_r, *products], dim=-1)
-    return rows, d.amax(-1) if d.numel() else torch.zeros(d.shape[:-1], dtype=d.dtype, device=d.device)
+    big = torch.finfo(lp_train.dtype).max
+    lr = torch.sub(lp_train, lp_rollout).nan_to_num_(big, big, -big).mul_(valid)
+    if torch.compiler.is_compiling():
+        return _token_pass_fused(lp_train, lp_rollout, valid, lr)
+    xk = _Stack(lr, 2)
+    x = torch.clamp(lr, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP, out=xk.slots[0])
+    k3 = torch.expm1(x, out=xk.slots[1]).sub_(x)
+    p = _Stack(lr, 3)
+    # NaN/inf outside the mask become 0 (x·0 = NaN there, then nan_to_num_); inside, the sequence is rejected anyway
+    p_t = torch.mul(lp_train, valid, out=p.slots[0]).nan_to_num_(0.0, 0.0, 0.0)
+    s_lpt = p_t.sum(-1)
+    p_t = p_t.clamp_(max=LOG_PROB_CLAMP).exp_().mul_(valid)  # the clamp only bounds invalid log-probs
+    p_r = torch.mul(lp_rollout, valid, out=p.slots[1]).nan_to_num_(0.0, 0.0, 0.0)
+    p_r = p_r.clamp_(max=LOG_PROB_CLAMP).exp_().mul_(valid)
+    d = torch.sub(p_t, p_r, out=p.slots[2]).abs_()
+    d_max = d.amax(-1) if d.shape[-1] else d.new_zeros(d.shape[0])
+    p_block = p.stack(p_t, p_r, d)
+    g_p, s_p = row_products(p_block).to(torch.float64), p_block.sum(-1).to(torch.float64)
+    del p, p_block, p_t, p_r, d
+    xk_block = xk.stack(x, k3)
+    g_x, s_x = row_products(xk_block).to(torch.float64), xk_block.sum(-1).to(torch.float64)
+    del xk, xk_block, x, k3
+    abs_lr = lr.abs()
+    s_abs = abs_lr.sum(-1)
+    n_bad = count_greater_(abs_lr, MAX_ABS_LOG_RATIO)
+    s_lr = lr.sum(-1)
+    chi2 = g_x[:, 1, 1] + 2 * g_x[:, 0, 1] + g_x[:, 0, 0] + 2 * (s_x[:, 1] + s_x[:, 0])  # Σ (e² + 2e), e = k3 + x
+    rows = torch.stack([-s_lr.to(torch.float64), s_x[:, 1], chi2, s_abs.to(torch.float64), s_p[:, 2], g_p[:, 2, 2],
+                        s_p[:, 0], s_p[:, 1], g_p[:, 0, 0], g_p[:, 1, 1], g_p[:, 0, 1]], dim=-1)  # TOKEN_SUMS order
+    seq = torch.stack([valid.sum(-1), n_bad.to(lr.dtype), s_lr, s_lpt], dim=-1)
+    return TokenPass(lr, seq, rows, d_max)
+
+
+def _token_pass_fused(lp_train: Tensor, lp_rollout: Tensor, valid: Tensor, lr: Tensor) -> TokenPass:
+    """`token_pass` as torch.compile fuses it best: every term and its row sum written out, one loop."""
+    keep = valid > 0
+    x = lr.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    e = torch.expm1(x)
+    p_t = torch.where(keep, lp_train.clamp(max=LOG_PROB_CLAMP).exp(), 0.0)
+    p_r = torch.where(keep, lp_rollout.clamp(max=LOG_PROB_CLAMP).exp(), 0.0)
+    d = (p_t - p_r).abs()
+    abs_lr = lr.abs()
+    terms = (-lr, e - x, e * (e + 2.0), abs_lr, d, d * d, p_t, p_r, p_t * p_t, p_r * p_r, p_t * p_r)
+    rows = torch.stack([t.sum(-1) for t in terms], -1).to(torch.float64)  # TOKEN_SUMS order
+    n_bad = (abs_lr > MAX_ABS_LOG_RATIO).sum(-1, dtype=lr.dtype)
+    seq = torch.stack([valid.sum(-1), n_bad, lr.sum(-1), torch.where(keep, lp_train, 0.0).sum(-1)], -1)
+    return TokenPass(lr, seq, rows, d.amax(-1) if d.shape[-1] else d.new_zeros(d.shape[0]))
 
 
 def add_token_mismatch(stats: BatchStats, rows: Tensor, row_max_d: Tensor, use_row: Tensor) -> None:
-    """Batch token sums of `token_mismatch_rows` over the sequences with `use_row` [B] (bool) true."""
+    """Batch token sums of `token_pass` over the sequences with `use_row` [B] (bool) true."""
     # a rejected sequence may hold inf/NaN: `where`, not a product, keeps it out
     zero = torch.zeros((), dtype=torch.float64, device=rows.device)
-    stats.add_sums(TOKEN_SUMS, torch.where(use_row[:, None], rows.to(torch.float64), zero).sum(0))
+    stats.add_sums(TOKEN_SUMS, torch.where(use_row[:, None], rows, zero).sum(0))
     stats.add_max("tok_d_max", torch.where(use_row, row_max_d.to(torch.float64), zero).amax() if use_row.numel() else zero)
 
 
@@ -183,10 +244,14 @@ def finalize_mismatch(r: dict[str, Tensor]) -> dict[str, Tensor]:
 
 def add_raw_weight_stats(stats: BatchStats, w_raw: Tensor, unit: Tensor, lower: float, upper: float) -> None:
     """w_raw over the finite valid units (`unit` = 1 per token, or 1/n_i per token of sequence i)."""
-    stats.add_sum("raw_u", _total(unit))
-    stats.add_sum("raw_uw", _total(torch.linalg.vecdot(unit, w_raw)))
-    stats.add_sum("raw_high", _total(torch.where(w_raw > upper, unit, torch.zeros_like(unit))))
-    stats.add_sum("raw_low", _total(torch.where(w_raw < lower, unit, torch.zeros_like(unit))))
+    zero = torch.zeros_like(unit)
+    add_raw_weight_sums(stats, _total(unit), _total(torch.linalg.vecdot(unit, w_raw)),
+                        _total(torch.where(w_raw > upper, unit, zero)), _total(torch.where(w_raw < lower, unit, zero)))
+
+
+def add_raw_weight_sums(stats: BatchStats, units: Tensor, weighted: Tensor, high: Tensor, low: Tensor) -> None:
+    """Σ unit, Σ unit·w_raw, Σ unit·[w_raw > U], Σ unit·[w_raw < L] over the finite valid units."""
+    stats.add_sums(("raw_u", "raw_uw", "raw_high", "raw_low"), torch.stack([units, weighted, high, low]))
 
 
 def finalize_raw_weight(r: dict[str, Tensor], mode: str) -> dict[str, Tensor]:
@@ -202,36 +267,35 @@ def finalize_raw_weight(r: dict[str, Tensor], mode: str) -> dict[str, Tensor]:
     return out
 
 
-def add_weight_stats(stats: BatchStats, w: Tensor, unit: Tensor, contributing: Tensor) -> None:
-    """Final (pre-normalization) weights over contributing units: Σu, Σuw, Σuw², min, max, histogram."""
-    stats.add_sum("w_u", _total(unit))
-    stats.add_sum("w_uw", _total(torch.linalg.vecdot(unit, w)))
-    stats.add_sum("w_uw2", _total(torch.linalg.vecdot(unit * w, w)))
-    inf = torch.tensor(math.inf, dtype=w.dtype, device=w.device)
-    if w.numel():
-        stats.add_max("w_max", torch.where(contributing, w, -inf).max())
-        stats.add_min("w_min", torch.where(contributing, w, inf).min())
+def weight_stat_tensors(w: Tensor, counted: Tensor, unit: Tensor | None = None) -> tuple[Tensor, ...]:
+    """Final (pre-normalization) weights `w` >= 0, zero where the float 0/1 `counted` is 0: (Σu, Σuw, Σuw² [3],
+    true max, true min, the quantile sketch's level-1 keys). `unit`: the unit of each weight when it is not
+    `counted` (1/n_i per token of a sequence, float64)."""
+    if unit is None:  # w is 0 where not counted: Σ counted·w = Σ w
+        sums = torch.stack([_total(counted), _total(w), _total(torch.linalg.vector_norm(w, dim=-1).square())])
     else:
-        stats.add_max("w_max", -inf)
-        stats.add_min("w_min", inf)
-    # Bin 0 holds w == 0; bins 1..HIST_BINS split log w in [-20, 20] evenly.
-    scale = HIST_BINS / (2 * HIST_LOG_RANGE)
-    idx = ((w.log() + HIST_LOG_RANGE) * scale).nan_to_num(0.0, 0.0, 0.0).clamp_(0, HIST_BINS - 1).long() + 1
-    idx = torch.where(w > 0, idx, torch.zeros_like(idx))
-    # scatter_add_ into a fixed size: faster than bincount on CPU, and traceable by torch.compile
-    hist = torch.zeros(HIST_BINS + 1, dtype=torch.float64, device=w.device)
-    hist.scatter_add_(0, idx.reshape(-1), unit.reshape(-1).to(torch.float64))
-    stats.add_sum("w_hist", hist)
+        uw = unit * w
+        sums = torch.stack([_total(unit), _total(uw), _total(uw * w)])
+    if w.numel():
+        # extremes over the counted weights: w -/+ (1 - counted)·2^120 (no bool tensor; w + 0 is exact); w >= 0
+        # and 0 where not counted, so the maximum needs no shift unless units are given (a custom function's w)
+        shift = torch.sub(counted, 1.0).mul_(_NOT_COUNTED)
+        w_max = w.amax() if unit is None else (shift + w).amax()
+        w_min = shift.neg_().add_(w).amin()
+    else:
+        w_max, w_min = w.new_full((), -math.inf), w.new_full((), math.inf)
+    return sums, w_max, w_min, Q.level1_keys(w)
 
 
-def histogram_quantiles(hist: Tensor, qs: tuple[float, ...]) -> Tensor:
-    """The weights at quantiles `qs` from the log-space histogram (bin centers; 0 for the zero bin)."""
-    cum = hist.cumsum(0)
-    target = (torch.tensor(qs, dtype=cum.dtype, device=cum.device) - 1e-9) * cum[-1]
-    i = torch.searchsorted(cum, target).clamp_max(hist.numel() - 1)
-    width = 2 * HIST_LOG_RANGE / HIST_BINS
-    center = (-HIST_LOG_RANGE + (i.to(torch.float64) - 0.5) * width).exp()
-    return torch.where(i > 0, center, torch.zeros_like(center))
+def add_weight_stats(stats: BatchStats, parts: tuple[Tensor, ...], unit: Tensor) -> Tensor:
+    """Adds `weight_stat_tensors` output (and the level-1 histogram of its keys, weighted by `unit`) to `stats`;
+    returns the level-1 keys for `quantiles.refine`."""
+    sums, w_max, w_min, key = parts
+    stats.add_sums(("w_u", "w_uw", "w_uw2"), sums)
+    stats.add_max("w_max", w_max)
+    stats.add_min("w_min", w_min)
+    stats.add_sum(Q.LEVEL1_KEY, Q.level1_histogram(key, unit))
+    return key
 
 
 def finalize_weight(r: dict[str, Tensor], factor: Tensor | None) -> dict[str, Tensor]:
@@ -248,8 +312,8 @@ def finalize_weight(r: dict[str, Tensor], factor: Tensor | None) -> dict[str, Te
         "mis_weight_min": wmin,
         "mis_weight_max": wmax,
     }
-    quantiles = torch.minimum(torch.maximum(histogram_quantiles(r["w_hist"], tuple(QUANTILES.values())), wmin), wmax)
-    out.update(zip((f"mis_weight_{name}" for name in QUANTILES), quantiles.unbind(), strict=True))
+    quantiles = torch.minimum(torch.maximum(Q.quantiles(r), wmin), wmax)
+    out.update(zip((f"mis_weight_{name}" for name in Q.QUANTILES), quantiles.unbind(), strict=True))
     if factor is not None:
         out = dict(zip(out, (torch.stack(list(out.values())) / factor).unbind(), strict=True))
         out["mis_batch_norm_factor"] = factor

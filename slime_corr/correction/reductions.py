@@ -17,6 +17,23 @@ from torch import Tensor
 ProcessGroup = dist.ProcessGroup | None
 
 
+def valid_float(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """The valid positions (`mask > 0`; NaN is invalid) as 0/1 floats, for a bool or float mask, with no bool
+    tensor made for a float mask: sign(mask) clamped at 0, NaN to 0 (on CPU, compares and bool -> float cost ~3x
+    more; so does fmax)."""
+    if mask.dtype == torch.bool:
+        return float_mask(mask, dtype)
+    return mask.to(dtype).sign().clamp_(min=0.0).nan_to_num_(0.0)
+
+
+def row_products(x: Tensor) -> Tensor:
+    """[B, k, S] -> [B, k, k]: Σ_s x[b, i, s]·x[b, j, s], every row product of k stacked [B, S] quantities at once.
+    Eager: one batched matmul (one read of x instead of k² passes); under torch.compile: a fused reduction."""
+    if torch.compiler.is_compiling():
+        return (x.unsqueeze(2) * x.unsqueeze(1)).sum(-1)
+    return torch.bmm(x, x.transpose(1, 2))
+
+
 def valid_mask(mask: Tensor) -> Tensor:
     """Bool mask of valid positions: `mask > 0` (NaN counts as invalid); accepts bool or float masks."""
     return mask if mask.dtype == torch.bool else mask > 0
@@ -39,7 +56,12 @@ def count_greater_(x: Tensor, threshold: float) -> Tensor:
     Σ max(sign(x - threshold), 0): float passes only, about 2x faster on CPU than a bool compare and bool sum.
     The count is float32 or wider (bf16/fp16 cannot hold counts above 256 exactly).
     """
-    return x.sub_(threshold).sign_().clamp_(min=0.0).sum(-1, dtype=torch.promote_types(x.dtype, torch.float32))
+    return greater_indicator_(x.sub_(threshold)).sum(-1, dtype=torch.promote_types(x.dtype, torch.float32))
+
+
+def greater_indicator_(x: Tensor) -> Tensor:
+    """In place: 1.0 where x > 0, else 0.0 (x NaN-free): max(sign(x), 0), float passes only."""
+    return x.sign_().clamp_(min=0.0)
 
 
 def finite_indicator_(x: Tensor) -> Tensor:
@@ -61,7 +83,8 @@ def cp_first(cp_group: ProcessGroup) -> float:
     return 1.0 if dist.get_rank(group=cp_group) == 0 else 0.0
 
 
-def _active(*groups: ProcessGroup) -> list[dist.ProcessGroup]:
+def active_groups(*groups: ProcessGroup) -> list[dist.ProcessGroup]:
+    """The distinct groups of size > 1 among `groups`, in order."""
     out: list[dist.ProcessGroup] = []
     for g in groups:
         if g is not None and group_size(g) > 1 and all(g is not h for h in out):
@@ -85,7 +108,7 @@ def seq_sums(columns: list[Tensor], cp_group: ProcessGroup = None) -> Tensor:
 def global_sum(x: Tensor, cp_group: ProcessGroup = None, dp_group: ProcessGroup = None) -> Tensor:
     """Sum of `x` over DP x CP ranks (one all_reduce per group; returns a new tensor)."""
     x = x.clone()
-    for g in _active(cp_group, dp_group):
+    for g in active_groups(cp_group, dp_group):
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=g)
     return x
 
@@ -93,44 +116,50 @@ def global_sum(x: Tensor, cp_group: ProcessGroup = None, dp_group: ProcessGroup 
 class BatchStats:
     """Collects 0-dim/1-dim batch statistics and reduces them all at once over DP x CP.
 
-    `add_sum(name, t)` for numerators/denominators/histograms, `add_max`/`add_min` for extremes; `reduce()`
-    performs one SUM and one MAX all_reduce per group (float64) and returns {name: reduced tensor}.
+    `add_sum(name, t)` / `add_sums(names, vector)` for numerators/denominators/histograms, `add_max`/`add_min` for
+    extremes; `reduce()` performs one SUM and one MAX all_reduce per group (float64) and returns {name: reduced
+    tensor} (scalars as 0-dim views). Vectors are kept whole until the reduction: few small ops per call.
     """
 
     def __init__(self) -> None:
-        self._sums: dict[str, Tensor] = {}
-        self._maxes: dict[str, Tensor] = {}
+        self._scalars: dict[str, list] = {"sum": [], "max": []}  # [(names, float64 vector)] per op
+        self._vectors: list[tuple[str, Tensor]] = []  # summed histograms
         self._mins: set[str] = set()
 
     def add_sum(self, name: str, value: Tensor) -> None:
-        self._sums[name] = value.detach().to(torch.float64).reshape(-1)
+        value = value.detach().to(torch.float64).reshape(-1)
+        if value.numel() == 1:
+            self._scalars["sum"].append(((name,), value))
+        else:
+            self._vectors.append((name, value))
 
     def add_sums(self, names: tuple[str, ...], values: Tensor) -> None:
         """Several scalar sums at once: `values[i]` is the sum called `names[i]`."""
-        values = values.detach().to(torch.float64)
-        for name, value in zip(names, values.reshape(-1, 1).unbind(), strict=True):
-            self._sums[name] = value
+        self._scalars["sum"].append((tuple(names), values.detach().to(torch.float64).reshape(-1)))
 
     def add_max(self, name: str, value: Tensor) -> None:
-        self._maxes[name] = value.detach().to(torch.float64).reshape(1)
+        self._scalars["max"].append(((name,), value.detach().to(torch.float64).reshape(1)))
 
     def add_min(self, name: str, value: Tensor) -> None:
         self._mins.add(name)
-        self._maxes[name] = -value.detach().to(torch.float64).reshape(1)
+        self.add_max(name, -value)
 
     def reduce(self, cp_group: ProcessGroup = None, dp_group: ProcessGroup = None) -> dict[str, Tensor]:
-        groups = _active(cp_group, dp_group)
+        groups = active_groups(cp_group, dp_group)
         out: dict[str, Tensor] = {}
-        for table, op in ((self._sums, dist.ReduceOp.SUM), (self._maxes, dist.ReduceOp.MAX)):
-            if not table:
+        for kind, op in (("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX)):
+            entries = self._scalars[kind]
+            vectors = self._vectors if kind == "sum" else []
+            if not entries and not vectors:
                 continue
-            # scalars first, so that one unbind() hands them out as 0-dim views
-            names = sorted(table, key=lambda name: table[name].numel() > 1)
-            flat = torch.cat([table[name] for name in names])
+            names = [name for entry_names, _ in entries for name in entry_names]
+            flat = torch.cat([v for _, v in entries] + [v for _, v in vectors])
             for g in groups:
                 dist.all_reduce(flat, op=op, group=g)
-            n_scalars = sum(table[name].numel() == 1 for name in names)
-            pieces = [*flat[:n_scalars].unbind(), *flat[n_scalars:].split([table[n].numel() for n in names[n_scalars:]])]
-            for name, piece in zip(names, pieces, strict=True):
-                out[name] = -piece if name in self._mins else piece
+            scalars, rest = flat[:len(names)], flat[len(names):]
+            if kind == "max" and self._mins:
+                scalars = torch.where(torch.tensor([n in self._mins for n in names], device=flat.device),
+                                      -scalars, scalars)
+            out.update(zip(names, scalars.unbind(), strict=True))
+            out.update(zip([n for n, _ in vectors], rest.split([v.numel() for _, v in vectors]), strict=True))
         return out

@@ -18,7 +18,7 @@ class WeightInputs:
 
     - `log_ratio` [B, S]: lr = lp_train - lp_rollout, 0 outside `loss_mask`.
     - `loss_mask` [B, S] bool: the original mask restricted to finite data (sequences with a non-finite
-      log-prob at a valid position are already removed).
+      log-prob at a valid position are already removed). (The built-in function also takes it as 0/1 floats.)
     - `seq_log_ratio_sum` [B]: Σ_t m·lr over the whole sequence; `seq_token_count` [B]: Σ_t m.
     - `cp_group`, `dp_group`: for functions that need further reductions.
     """
@@ -64,6 +64,7 @@ class CorrectionResult:
     - `stats`: the reduced batch statistics (sums over DP x CP, true extremes) `metrics` are computed from;
       `merge_stats` of a step's micro-batches then `correction_metrics` gives the exact metrics of the step.
     - `function_metrics`: the part of `metrics` a custom weighting function returned (not in `stats`).
+    - `divisor`: 0-dim float64, what `--tis-batch-normalize` divided the weights by (None when nothing was divided).
     """
 
     weights: Tensor | None
@@ -75,3 +76,4 @@ class CorrectionResult:
     global_seq_count: Tensor | None = None
     stats: dict[str, Tensor] = field(default_factory=dict, repr=False)
     function_metrics: dict[str, Tensor] = field(default_factory=dict)
+    divisor: Tensor | None = None

@@ -60,7 +60,13 @@ import torch
 from torch import Tensor
 
 from slime_corr.config import RolloutCorrectionConfig
-from slime_corr.correction import compute_rollout_correction, merge_stats, metrics_to_host, weight_mean
+from slime_corr.correction import (
+    compute_rollout_correction,
+    merge_stats,
+    metrics_to_host,
+    normalize_weights,
+    weight_mean,
+)
 from slime_corr.correction.diagnostics import DiagnosticsResult, MismatchDiagnostics, response_positions
 from slime_corr.loss_terms import LossTermsConfig
 from slime_corr.mcore.compat import get_forward_backward_func, megatron_lm_args
@@ -77,6 +83,9 @@ from slime_corr.mcore.step_metrics import (
 )
 
 ModelForward = Callable[[torch.nn.Module, dict[str, Tensor]], Tensor]
+# A micro-batch's correction computed by the decoupled normalization pre-pass (lp_train = lp_old, so the training
+# pass would compute the very same one): `prepare_step` stores it here, `loss_func` uses it instead of recomputing.
+PRECOMPUTED_CORRECTION = "_rollout_correction"
 MicroBatches = Sequence[dict[str, Tensor]] | Iterator[dict[str, Tensor]]  # a stream must also have len()
 
 
@@ -288,6 +297,7 @@ class RolloutCorrectionLoss:
                 "before the training pass."
             )
         loss_mask = batch["loss_mask"]
+        precomputed = batch.get(PRECOMPUTED_CORRECTION)
         out = compute_policy_loss(
             log_probs,
             old,
@@ -298,7 +308,9 @@ class RolloutCorrectionLoss:
             cp_group=groups.cp,
             dp_group=groups.dp,
             seq_length_for_norm=seq_length_for_norm(log_probs.shape[-1], groups.cp_size),
-            batch_norm_mean=self.step_batch_norm_mean,
+            batch_norm_mean=self.step_batch_norm_mean if precomputed is None else None,
+            correction=precomputed,
+            finalize_metrics=False,  # the step's metrics are finalized once, from the merged statistics
             loss_terms=self.loss_terms,
             ref_log_probs=ref,
             entropy=entropy,
@@ -417,25 +429,33 @@ class RolloutCorrectionLoss:
         `step_batch_norm_mean`.
 
         With `--tis-batch-normalize` and more than one micro-batch, the weights of every micro-batch are divided
-        by their mean over the WHOLE step: a pre-pass computes each micro-batch's weight statistics from lp_train
-        (lp_old; in bypass mode the log-probs of a forward-only pass, equal to what the training pass sees).
+        by their mean over the WHOLE step: a pre-pass computes each micro-batch's correction from lp_train. In
+        decoupled mode (lp_train = lp_old) the training pass reuses it and only applies the step divisor; in
+        bypass mode the pre-pass runs a forward-only pass for its log-probs and keeps just the step mean.
         """
         if recompute_old_log_probs and (self.needs_old_log_probs or self.needs_ref_log_probs):
             self.prepare_rollout(model, micro_batches)
         self.step_batch_norm_mean = None
+        for b in micro_batches:
+            b.pop(PRECOMPUTED_CORRECTION, None)
         if not self._needs_step_mean(len(micro_batches)):
             return
-        if self.needs_old_log_probs:
-            train_log_probs = [b["old_log_probs"] for b in micro_batches]
-        else:
-            train_log_probs = self._forward_log_probs(model, micro_batches)
-        groups = self.groups
-        stats = [
-            compute_rollout_correction(lp, b["rollout_log_probs"].to(lp.dtype), b["loss_mask"], self.config,
-                                       cp_group=groups.cp, dp_group=groups.dp).stats
+        cfg, groups = self.config, self.groups
+        decoupled = self.needs_old_log_probs
+        train_log_probs = ([b["old_log_probs"] for b in micro_batches] if decoupled
+                           else self._forward_log_probs(model, micro_batches))
+        results = [
+            compute_rollout_correction(lp, b["rollout_log_probs"].to(lp.dtype), b["loss_mask"], cfg,
+                                       cp_group=groups.cp, dp_group=groups.dp, normalize=False,
+                                       finalize_metrics=False)
             for lp, b in zip(train_log_probs, micro_batches, strict=True)
         ]
-        self.step_batch_norm_mean = weight_mean(merge_stats(stats))
+        self.step_batch_norm_mean = weight_mean(merge_stats([r.stats for r in results]))
+        if decoupled:  # the training pass only applies the step divisor to the pre-pass's corrections
+            for b, r in zip(micro_batches, results, strict=True):
+                b[PRECOMPUTED_CORRECTION] = normalize_weights(r, cfg, self.step_batch_norm_mean,
+                                                              finalize_metrics=False)
+        # bypass: lp_train is the training pass's own log-prob, so the correction is computed there, with this mean
 
     def _needs_step_mean(self, num_micro_batches: int) -> bool:
         return self.config.use_tis and self.config.tis_batch_normalize and num_micro_batches > 1

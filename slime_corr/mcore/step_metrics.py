@@ -72,8 +72,7 @@ def build_report(
         report["entropy"] = ratio_pair(torch.where(valid, entropy.detach(), 0).sum(), valid.sum())
     if corr is not None and corr.stats:
         first = is_dp_cp_first(groups)
-        divisor = corr.metrics.get("mis_batch_norm_factor")
-        for key, pair in metric_pairs(corr.stats, config, divisor).items():
+        for key, pair in metric_pairs(corr.stats, config, corr.divisor).items():
             report[key] = pair if first else torch.zeros_like(pair)
         for key, value in corr.function_metrics.items():
             report[key] = value.detach().to(torch.float64).reshape(1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 
@@ -41,8 +42,8 @@ def _data():
     return lp, old, ro, adv, mask
 
 
-def zigzag_index(cp_rank: int, cp: int) -> torch.Tensor:
-    c = S // (2 * cp)
+def zigzag_index(cp_rank: int, cp: int, s: int = S) -> torch.Tensor:
+    c = s // (2 * cp)
     chunks = (cp_rank, 2 * cp - 1 - cp_rank)
     return torch.cat([torch.arange(k * c, (k + 1) * c) for k in chunks])
 
@@ -64,19 +65,22 @@ class CountingAllReduce:
 
 def _check_collective_count(cfg, agg, sl, y, old, ro, adv, mask, cp_group, dp_group, cp, dp, tag) -> None:
     """Per call: ONE all_reduce over CP for all sequence sums, plus one SUM and one MAX per group for the batch
-    statistics; the loss adds none (it uses the correction's global counts)."""
+    statistics, plus two small SUMs per group for the exact weight quantiles when there are IS weights; the loss
+    adds none (it uses the correction's global counts)."""
     counter = CountingAllReduce()
     dist.all_reduce = counter
+    quantile_rounds = 2 if cfg.use_tis else 0
     try:
         if cfg.computes_metrics:
             compute_rollout_correction(sl(old), sl(ro), sl(mask), cfg, cp_group=cp_group, dp_group=dp_group)
-            assert counter.count(cp_group) == (3 if cp > 1 else 0), tag
-            assert counter.count(dp_group) == (2 if dp > 1 else 0), tag
-            assert len(counter.calls) == (3 if cp > 1 else 0) + (2 if dp > 1 else 0), tag
+            assert counter.count(cp_group) == (3 + quantile_rounds if cp > 1 else 0), tag
+            assert counter.count(dp_group) == (2 + quantile_rounds if dp > 1 else 0), tag
+            assert len(counter.calls) == (3 + quantile_rounds if cp > 1 else 0) + (
+                2 + quantile_rounds if dp > 1 else 0), tag
             counter.calls.clear()
             compute_policy_loss(sl(y), sl(old), sl(ro), sl(adv), sl(mask), cfg, cp_group=cp_group, dp_group=dp_group)
-            assert counter.count(cp_group) == (3 if cp > 1 else 0), tag
-            assert counter.count(dp_group) == (2 if dp > 1 else 0), tag
+            assert counter.count(cp_group) == (3 + quantile_rounds if cp > 1 else 0), tag
+            assert counter.count(dp_group) == (2 + quantile_rounds if dp > 1 else 0), tag
         else:  # no correction: per-sequence counts (seq-mean-*) over CP, then the global denominator
             compute_policy_loss(sl(y), sl(old), sl(ro), sl(adv), sl(mask), cfg, cp_group=cp_group, dp_group=dp_group)
             seq_level = agg != "token-mean"
@@ -129,7 +133,32 @@ def _worker(rank: int, store_path: str) -> None:
                 for k, v in want.items():
                     assert abs(got[k] - v) <= 1e-9 * max(1.0, abs(v)), f"{tag} {k}: {got[k]} != {v}"
             _check_collective_count(cfg, agg, sl, lp, old, ro, adv, mask, cp_groups[d], dp_groups[c], cp, dp, tag)
+        _check_quantiles(rows, c, cp, cp_groups[d], dp_groups[c], f"dp={dp} cp={cp}")
     dist.destroy_process_group()
+
+
+def _check_quantiles(rows: slice, cp_rank: int, cp: int, cp_group, dp_group, tag: str) -> None:
+    """Weight quantiles over DP x CP without a gather: exact (the sorted full-batch weights) at narrow and wide
+    spreads, at token and sequence level."""
+    s = 256
+    cols = zigzag_index(cp_rank, cp, s)
+    for spread in (1e-6, 1e-4, 1.0):
+        g = torch.Generator().manual_seed(5)
+        lp_r = -torch.rand(B, s, generator=g, dtype=torch.float64)  # float64: CP's partial sums round alike
+        lp_t = lp_r + spread * torch.randn(B, s, generator=g, dtype=torch.float64)
+        mask = torch.rand(B, s, generator=g) > 0.3
+        for level in ("token", "sequence"):
+            cfg = C(use_tis=True, tis_level=level, tis_upper_bound=1e6)
+            full = compute_rollout_correction(lp_t, lp_r, mask, cfg)
+            local = compute_rollout_correction(lp_t[rows][:, cols], lp_r[rows][:, cols], mask[rows][:, cols], cfg,
+                                               cp_group=cp_group, dp_group=dp_group)
+            got, want = metrics_to_host(local.metrics), metrics_to_host(full.metrics)
+            w = full.weights[mask] if level == "token" else full.weights.amax(-1)[mask.any(-1)]
+            v = w.float().sort().values
+            for name, q in (("p10", 0.1), ("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
+                exact = v[max(math.ceil(q * v.numel() - 1e-9), 1) - 1].item()
+                assert got[f"mis_weight_{name}"] == want[f"mis_weight_{name}"] == pytest.approx(exact, rel=1e-7), (
+                    tag, spread, level, name, got[f"mis_weight_{name}"], want[f"mis_weight_{name}"], exact)
 
 
 def test_dp_cp_sharding_matches_single_rank():

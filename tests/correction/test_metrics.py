@@ -10,7 +10,7 @@ from corr_reference import ref_mismatch_metrics
 
 from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.correction import compute_rollout_correction, metrics_to_host
-from slime_corr.correction.metrics import HIST_BINS, HIST_LOG_RANGE
+from slime_corr.correction.quantiles import QUANTILES
 
 MISMATCH_KEYS = {
     "mismatch_kl", "mismatch_k3_kl", "mismatch_training_log_ppl", "mismatch_rollout_log_ppl",
@@ -18,6 +18,14 @@ MISMATCH_KEYS = {
     "mismatch_ppl_ratio", "mismatch_chi2_token", "mismatch_chi2_seq", "train_rollout_logprob_abs_diff",
     "rollout_probs_diff_max", "rollout_probs_diff_mean", "rollout_probs_diff_std", "rollout_actor_probs_pearson_corr",
 }
+
+
+def nearest_rank(values: torch.Tensor, q: float) -> float:
+    """The exact q-quantile the sketch reports: the smallest value v with F(v) >= q, ranked and rounded as float32,
+    then clamped into the true [min, max]."""
+    v = values.reshape(-1).float().sort().values
+    x = v[max(math.ceil(q * v.numel() - 1e-9), 1) - 1].item()
+    return min(max(x, values.min().item()), values.max().item())
 
 
 def _batch(seed, B=7, S=20, dtype=torch.float64):
@@ -54,9 +62,8 @@ def test_is_metrics_token_level():
     assert m["mis_weight_min"] == pytest.approx(w.min().item()) and m["mis_weight_max"] == pytest.approx(w.max().item())
     assert m["mis_ess"] == pytest.approx((w.sum() ** 2 / (w.numel() * (w**2).sum())).item())
     assert m["mis_weight_std"] == pytest.approx(w.std(unbiased=False).item(), rel=1e-6)
-    for name, q in (("p10", 0.1), ("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
-        exact = torch.quantile(w, q, interpolation="higher").item()
-        assert m[f"mis_weight_{name}"] == pytest.approx(exact, rel=2 * HIST_LOG_RANGE / HIST_BINS), name
+    for name, q in QUANTILES.items():
+        assert m[f"mis_weight_{name}"] == nearest_rank(w, q), name
 
 
 def test_is_metrics_sequence_level_count_each_sequence_once():
@@ -80,9 +87,9 @@ def test_quantiles_at_32k_responses():
     lp_r = torch.full((B, S), -1.0)
     res = compute_rollout_correction(lp_r + lr, lp_r, torch.ones(B, S, dtype=torch.bool), C(use_tis=True, tis_level="geometric"))
     m = metrics_to_host(res.metrics)
-    per_seq = lr[:, 0].exp().clamp(max=2.0)
-    exact = per_seq.sort().values[int(0.9 * B) - 1].item()
-    assert m["mis_weight_p90"] == pytest.approx(exact, rel=0.011)
+    per_seq = (lp_r[:, 0] + lr[:, 0] - lp_r[:, 0]).exp().clamp(max=2.0)  # exp(lr) as the core computes it
+    for name, q in QUANTILES.items():
+        assert m[f"mis_weight_{name}"] == nearest_rank(per_seq, q), name
     assert m["mis_weight_max"] == pytest.approx(per_seq.max().item())
 
 
@@ -107,27 +114,22 @@ def test_all_padding_batch_metrics_are_finite_zero():
 
 
 def test_token_level_quantiles_beyond_torch_quantile_limit():
-    # 32k responses x 513 tokens = 16.8M weights > 2**24, where torch.quantile raises; the histogram does not.
-    from slime_corr.correction.metrics import add_weight_stats, finalize_weight
-    from slime_corr.correction.reductions import BatchStats
-
+    # 32k responses x 513 tokens = 16.8M weights > 2**24, where torch.quantile raises; the sketch does not.
     B, S = 32768, 513
     g = torch.Generator().manual_seed(1)
-    w = (0.3 * torch.randn(B, S, generator=g)).exp_()
+    lp_r = torch.full((B, S), -1.0)
+    lp_t = lp_r + 0.3 * torch.randn(B, S, generator=g)
     mask = torch.ones(B, S, dtype=torch.bool)
     mask[:, -13:] = False  # padding is not counted
-    w[~mask] = 0.0
     with pytest.raises(RuntimeError):
-        torch.quantile(w.reshape(-1), 0.5)
-    stats = BatchStats()
-    add_weight_stats(stats, w, mask.float(), mask)
-    m = metrics_to_host(finalize_weight(stats.reduce(), None))
-    # w = exp(0.3 z), z ~ N(0, 1): quantile q is exp(0.3 Φ⁻¹(q)); sampling error at 16M draws is ~1e-4
-    normal = torch.distributions.Normal(0.0, 1.0)
-    for name, q in (("p10", 0.1), ("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
-        exact = math.exp(0.3 * normal.icdf(torch.tensor(q)).item())
-        assert m[f"mis_weight_{name}"] == pytest.approx(exact, rel=2 * HIST_LOG_RANGE / HIST_BINS), name
-    assert m["mis_weight_max"] == w.max().item() and m["mis_weight_min"] == w[mask].min().item()
+        torch.quantile(lp_t.reshape(-1), 0.5)
+    res = compute_rollout_correction(lp_t, lp_r, mask, C(use_tis=True, tis_upper_bound=1e3))
+    m = metrics_to_host(res.metrics)
+    w = res.weights[mask]
+    for name, q in QUANTILES.items():
+        k = max(math.ceil(q * w.numel() - 1e-9), 1)
+        assert m[f"mis_weight_{name}"] == w.kthvalue(k).values.item(), name
+    assert m["mis_weight_max"] == w.max().item() and m["mis_weight_min"] == w.min().item()
 
 
 @pytest.mark.parametrize("level", ("sequence", "geometric"))
@@ -139,6 +141,6 @@ def test_sequence_level_quantiles_match_torch_quantile(level):
     rows = mask.any(-1)
     w = res.weights[rows].max(-1).values  # one weight per sequence (0 for masked-out ones)
     assert m["mis_weight_min"] == pytest.approx(w.min().item()) and m["mis_weight_max"] == pytest.approx(w.max().item())
-    for name, q in (("p10", 0.1), ("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
-        exact = torch.quantile(w, q, interpolation="higher").item()
-        assert m[f"mis_weight_{name}"] == pytest.approx(exact, rel=2 * HIST_LOG_RANGE / HIST_BINS, abs=1e-12), name
+    for name, q in QUANTILES.items():  # normalized weights: the exact quantile of the raw ones, divided alike
+        exact = nearest_rank(w * m["mis_batch_norm_factor"], q) / m["mis_batch_norm_factor"]
+        assert m[f"mis_weight_{name}"] == pytest.approx(exact, rel=1e-12), name

@@ -364,3 +364,37 @@ def test_missing_triton_is_a_clear_import_error(monkeypatch):
     monkeypatch.setattr(compat.importlib, "import_module", import_module)
     with pytest.raises(ImportError, match="pip install triton"):
         compat.import_schedules()
+
+
+@pytest.mark.parametrize("preset", ["decoupled_token_is", "decoupled_seq_is_rs"])
+def test_decoupled_normalization_prepass_is_reused_by_the_training_pass(preset, monkeypatch):
+    # lp_train = lp_old in decoupled mode: the training pass applies the step divisor to the pre-pass's
+    # corrections instead of computing them again, and gives the loss, weights and metrics of a recompute.
+    import slime_corr.losses as losses
+    import slime_corr.mcore.loss_hook as loss_hook
+
+    cfg = RolloutCorrectionConfig.preset(preset, tis_batch_normalize=True)
+    model = _CountingModel()
+    model.scale = 1.0
+    hook = RolloutCorrectionLoss(cfg, groups=ParallelGroups(), model_forward=_logits_forward, keep_outputs=True)
+    batches = _rollout(3, 3)
+    hook.compute_old_log_probs(model, batches)
+    for b in batches:  # lp_old differs from the training log-probs: the loss must use the pre-pass's lp_old
+        b["old_log_probs"] = b["old_log_probs"] + 0.05 * torch.randn_like(b["old_log_probs"]) * b["loss_mask"]
+    calls = []
+    real = losses.compute_rollout_correction
+    monkeypatch.setattr(losses, "compute_rollout_correction", lambda *a, **k: calls.append(1) or real(*a, **k))
+    hook.prepare_step(model, batches, recompute_old_log_probs=False)
+    assert all(loss_hook.PRECOMPUTED_CORRECTION in b for b in batches)
+    got = [hook.loss_func(b, b["logits"])[0] for b in batches]
+    assert calls == []  # the training pass computed no correction
+    mean = hook.step_batch_norm_mean
+    for b, loss, out in zip(batches, got, hook.outputs, strict=True):
+        want = losses.compute_policy_loss(hook.log_probs(b["logits"], b["labels"])[0], b["old_log_probs"],
+                                          b["rollout_log_probs"], b["advantages"], b["loss_mask"], cfg,
+                                          batch_norm_mean=mean)
+        torch.testing.assert_close(loss, want.loss_sum, rtol=0, atol=0)
+        torch.testing.assert_close(out.correction.weights, want.correction.weights, rtol=0, atol=0)
+        assert torch.equal(out.correction.loss_mask, want.correction.loss_mask)
+    hook.prepare_step(model, batches, recompute_old_log_probs=False)  # a new step replaces the stored results
+    assert len(calls) == len(batches)
