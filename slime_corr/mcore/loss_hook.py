@@ -400,7 +400,7 @@ class RolloutCorrectionLoss:
         lp = batch["old_log_probs"]
         groups = self.groups
         corr = compute_rollout_correction(lp, batch["rollout_log_probs"].to(lp.dtype), batch["loss_mask"],
-                                          self.config, cp_group=groups.cp)
+                                          self.config, cp_group=groups.cp, normalize=False, finalize_metrics=False)
         counts = (corr.loss_mask > 0).sum(-1).to(torch.float64)
         if groups.cp_size > 1:
             torch.distributed.all_reduce(counts, group=groups.cp)
