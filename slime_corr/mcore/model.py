@@ -97,18 +97,20 @@ def build_tiny_gpt(args: TinyGPTArgs | argparse.Namespace | None = None, *, ddp:
     return model
 
 
-_SINGLE_RANK_GROUPS: dict[int, Any] = {}
+_SINGLE_RANK_GROUPS: dict[Any, Any] = {}  # default process group -> this rank's collection
 
 
 def single_rank_groups() -> Any:
-    """A `ProcessGroupCollection` whose groups hold this rank only. The first call is COLLECTIVE (every rank of the
-    default group creates every rank's group, as `torch.distributed.new_group` requires); later calls reuse it."""
+    """A `ProcessGroupCollection` whose groups hold this rank only. The first call in a default process group is
+    COLLECTIVE (every rank creates every rank's group, as `torch.distributed.new_group` requires); later calls
+    reuse it."""
     import torch.distributed as dist
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    rank = dist.get_rank()
-    if rank not in _SINGLE_RANK_GROUPS:
-        mine = None
+    world = dist.group.WORLD
+    if world not in _SINGLE_RANK_GROUPS:
+        _SINGLE_RANK_GROUPS.clear()  # groups of an earlier (destroyed) default group
+        rank, mine = dist.get_rank(), None
         for r in range(dist.get_world_size()):
             group = dist.new_group([r])
             if r == rank:
@@ -117,8 +119,8 @@ def single_rank_groups() -> Any:
         for name in ("tp", "pp", "mp", "cp", "tp_cp", "embd", "pos_embd", "ep", "expt_tp", "tp_ep", "tp_ep_pp",
                      "dp", "dp_cp", "expt_dp"):
             setattr(pgs, name, mine)
-        _SINGLE_RANK_GROUPS[rank] = pgs
-    return _SINGLE_RANK_GROUPS[rank]
+        _SINGLE_RANK_GROUPS[world] = pgs
+    return _SINGLE_RANK_GROUPS[world]
 
 
 def emulated_cp_forward(model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
