@@ -13,7 +13,8 @@ pipeline has nothing left to generate there):
   train        forward + backward + optimizer of the rollout's steps (without that pass)
   weight sync  pushing the new weights to the engines
   other        the rest of the iteration (advantages, DP plan, scatter, micro-batches, logging)
-  loss share   of the training time: the loss functions' forward (log-probs from logits, correction, policy loss)
+  loss share   the loss functions' forward (log-probs from logits, correction, policy loss), as a share of the
+               training time and of the whole iteration
 
 and prints medians over runs (seconds per rollout), then ratios in the same run: bypass / decoupled and
 async / sync of the wall time per rollout, and decoupled / bypass of the training part (what the extra pass costs).
@@ -67,6 +68,7 @@ def run_variant(flags: list[str], args: argparse.Namespace, work: Path) -> dict[
         rows.append(row)
     out = {k: statistics.median(r[k] for r in rows) for k in (*PARTS, "loss")}
     out["loss share"] = statistics.median(r["loss"] / r["train"] for r in rows)
+    out["loss/wall"] = statistics.median(r["loss"] / r["wall"] for r in rows)
     return out
 
 
@@ -89,9 +91,10 @@ def main() -> None:
     med = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in results.items()}
     print(f"seconds per rollout (median of {args.repeats} runs × {args.num_rollout - 2} rollouts; "
           f"{args.nproc} process(es)); extra flags: {' '.join(args.extra) or 'none'}")
-    print(f"{'variant':<18}" + "".join(f"{p:>13}" for p in PARTS) + f"{'loss share':>12}")
+    print(f"{'variant':<18}" + "".join(f"{p:>13}" for p in PARTS) + f"{'loss/train':>12}{'loss/wall':>11}")
     for name, m in med.items():
-        print(f"{name:<18}" + "".join(f"{m[p]:>13.4f}" for p in PARTS) + f"{m['loss share']:>11.1%}")
+        print(f"{name:<18}" + "".join(f"{m[p]:>13.4f}" for p in PARTS)
+              + f"{m['loss share']:>11.1%}{m['loss/wall']:>11.1%}")
     print("ratios (same run):")
     for mode in ("sync", "async"):
         d, b = med[f"decoupled {mode}"], med[f"bypass {mode}"]
