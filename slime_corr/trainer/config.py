@@ -164,6 +164,12 @@ class TrainerConfig:
         if self.sglang_url and self.rollout_num_engines != 1:
             fail("--rollout-num-engines starts embedded engines; with --sglang-url the engines are yours: drop one.")
         m = self.model
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings"):
+            value = getattr(m, name)
+            if not isinstance(value, int) or value < 1:
+                fail(f"--{_flag(name)} {value} must be an integer >= 1.")
+        if m.hidden_size % m.num_attention_heads:
+            fail(f"--hidden-size {m.hidden_size} must be a multiple of --num-attention-heads {m.num_attention_heads}.")
         if m.vocab_size < 256:
             fail(f"--vocab-size {m.vocab_size} must be >= 256: prompts, responses and rewards are byte tokens.")
         if m.vocab_size % self.tensor_model_parallel_size or m.num_attention_heads % self.tensor_model_parallel_size:

@@ -56,6 +56,8 @@ BAD_FLAGS = [
     (["--rollout-num-engines", "0"], "--rollout-num-engines 0 must be an integer >= 1"),
     (["--clip-grad", "-1"], "--clip-grad -1.0 must be >= 0"),
     (["--vocab-size", "128"], "--vocab-size 128 must be >= 256"),
+    (["--hidden-size", "0"], "--hidden-size 0 must be an integer >= 1"),
+    (["--hidden-size", "30"], "--hidden-size 30 must be a multiple of --num-attention-heads 4"),
 ]
 
 
