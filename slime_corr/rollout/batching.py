@@ -17,7 +17,6 @@ Megatron's alignment: position ``t`` of labels / loss_mask / rollout_log_probs /
 from __future__ import annotations
 
 import heapq
-from collections import defaultdict
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -26,35 +25,47 @@ import torch.distributed as dist
 from slime_corr.rollout.sample import Sample
 
 BATCH_KEYS = ("tokens", "position_ids", "labels", "loss_mask", "rollout_log_probs", "advantages")
+# optional per-token entries, laid out (and CP-sliced) like the others: the weight lag of each trained token
+TOKEN_KEYS = (*BATCH_KEYS, "weight_lag")
+
+
+def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, keep: torch.Tensor | None = None,
+                     normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO advantages [N] (float64): (r − mean of the group) [/ (std of the group + eps)], over the samples of the
+    same group id that are KEPT (``keep`` [N] bool, default all); std is the unbiased std (0 with one kept sample).
+    A sample that is not kept gets 0 and does not enter its group's mean or std."""
+    r = rewards.to(torch.float64)
+    kept = torch.ones_like(r, dtype=torch.bool) if keep is None else keep.to(torch.bool)
+    _, g = torch.unique(group_ids, return_inverse=True)
+    k = kept.to(torch.float64)
+    n = torch.zeros(int(g.max()) + 1 if g.numel() else 0, dtype=torch.float64).index_add_(0, g, k)
+    mean = torch.zeros_like(n).index_add_(0, g, r * k) / n.clamp_min(1)
+    centered = (r - mean[g]) * k
+    adv = centered
+    if normalize_std:
+        var = torch.zeros_like(n).index_add_(0, g, centered.square()) / (n - 1).clamp_min(1)
+        adv = centered / (var.sqrt()[g] + eps)
+    return torch.where(kept, adv, torch.zeros_like(adv))
 
 
 def grpo_advantages(samples: Sequence[Sample], normalize_std: bool = True, eps: float = 1e-6) -> list[float]:
-    """GRPO group-normalised advantage per sample: (reward - group mean) [/ (group std + eps)].
-
-    Groups are by ``group_id``; std is the unbiased std (0 for singleton groups). Rewards must be set.
-    """
-    groups: dict[int, list[int]] = defaultdict(list)
-    for i, s in enumerate(samples):
+    """GRPO group-normalised advantage per sample (:func:`group_advantages` by ``group_id``). Rewards must be set."""
+    for s in samples:
         if s.reward is None:
             raise ValueError(f"reward: sample {s.index} (group {s.group_id}) has no reward")
-        groups[s.group_id].append(i)
-    adv = [0.0] * len(samples)
-    for idx in groups.values():
-        r = torch.tensor([float(samples[i].reward) for i in idx], dtype=torch.float64)  # type: ignore[arg-type]
-        a = r - r.mean()
-        if normalize_std:
-            std = r.std() if len(idx) > 1 else torch.tensor(0.0, dtype=torch.float64)
-            a = a / (std + eps)
-        for i, v in zip(idx, a.tolist(), strict=True):
-            adv[i] = v
-    return adv
+    if not samples:
+        return []
+    rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float64)  # type: ignore[arg-type]
+    group_ids = torch.tensor([s.group_id for s in samples])
+    return group_advantages(rewards, group_ids, normalize_std=normalize_std, eps=eps).tolist()
 
 
 def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
-def _sample_rows(s: Sample, adv: float | Sequence[float], pad_token_id: int) -> dict[str, torch.Tensor]:
+def _sample_rows(s: Sample, adv: float | Sequence[float], pad_token_id: int,
+                 weight_lag: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
     """One sample's 1-D rows (length prompt + response), already shifted to Megatron's alignment."""
     p, r = len(s.prompt_tokens), s.response_length
     n = p + r
@@ -72,8 +83,15 @@ def _sample_rows(s: Sample, adv: float | Sequence[float], pad_token_id: int) -> 
         if a.numel() != r:
             raise ValueError(f"advantages: {a.numel()} values for {r} response tokens of sample {s.index}")
         adv_row[p - 1 : n - 1] = a * m
-    return {"tokens": tokens, "position_ids": torch.arange(n), "labels": labels, "loss_mask": mask,
+    rows = {"tokens": tokens, "position_ids": torch.arange(n), "labels": labels, "loss_mask": mask,
             "rollout_log_probs": lp, "advantages": adv_row}
+    if weight_lag is not None:
+        if len(weight_lag) != r:
+            raise ValueError(f"weight_lag: {len(weight_lag)} values for {r} response tokens of sample {s.index}")
+        lag = torch.zeros(n, dtype=torch.long)
+        lag[p - 1 : n - 1] = torch.tensor(list(weight_lag), dtype=torch.long)
+        rows["weight_lag"] = lag
+    return rows
 
 
 def build_micro_batch(
@@ -83,25 +101,32 @@ def build_micro_batch(
     pad_to_multiple: int = 1,
     pad_token_id: int = 0,
     packed: bool = False,
+    weight_lag: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Build one micro-batch dict (see the module docstring) from ``samples``.
 
     ``advantages``: one scalar per sample (broadcast over its response tokens) or one list per sample (per
     token); None means zeros. ``pad_to_multiple``: pad S to a multiple of it (2 * CP size for zig-zag).
+    ``weight_lag``: per sample, the weight lag of each response token (trainer version − the version that
+    sampled it); adds ``weight_lag`` [B, S] int64 in the labels' alignment (0 elsewhere).
     """
     if not samples:
         raise ValueError("samples: empty micro-batch")
     advs = list(advantages) if advantages is not None else [0.0] * len(samples)
     if len(advs) != len(samples):
         raise ValueError(f"advantages: {len(advs)} entries for {len(samples)} samples")
-    rows = [_sample_rows(s, a, pad_token_id) for s, a in zip(samples, advs, strict=True)]
+    lags = list(weight_lag) if weight_lag is not None else [None] * len(samples)
+    if len(lags) != len(samples):
+        raise ValueError(f"weight_lag: {len(lags)} entries for {len(samples)} samples")
+    rows = [_sample_rows(s, a, pad_token_id, lag) for s, a, lag in zip(samples, advs, lags, strict=True)]
+    keys = [k for k in TOKEN_KEYS if k in rows[0]]
     if packed:
         lengths = [len(r["tokens"]) for r in rows]
         total = sum(lengths)
         s_len = _round_up(total, pad_to_multiple)
-        out = {k: torch.cat([r[k] for r in rows]) for k in BATCH_KEYS}
+        out = {k: torch.cat([r[k] for r in rows]) for k in keys}
         pad = s_len - total
-        for k in BATCH_KEYS:
+        for k in keys:
             fill = pad_token_id if k in ("tokens", "labels") else 0
             out[k] = torch.cat([out[k], torch.full((pad,), fill, dtype=out[k].dtype)]).unsqueeze(0)
         if pad:
@@ -110,7 +135,7 @@ def build_micro_batch(
         return out
     s_len = _round_up(max(len(r["tokens"]) for r in rows), pad_to_multiple)
     out = {}
-    for k in BATCH_KEYS:
+    for k in keys:
         fill = pad_token_id if k in ("tokens", "labels") else 0
         t = torch.full((len(rows), s_len), fill, dtype=rows[0][k].dtype)
         for i, r in enumerate(rows):
@@ -149,7 +174,7 @@ def slice_micro_batch_for_cp(batch: dict[str, torch.Tensor], cp_rank: int, cp_si
             f"cp_size={cp_size}: a packed micro-batch (cu_seqlens) cannot be zig-zag sliced as one row, its "
             "sequences would mix; use padded micro-batches (packed=False) with context parallelism."
         )
-    return {k: zigzag_slice(v, cp_rank, cp_size, dim=1) if k in BATCH_KEYS else v for k, v in batch.items()}
+    return {k: zigzag_slice(v, cp_rank, cp_size, dim=1) if k in TOKEN_KEYS else v for k, v in batch.items()}
 
 
 def balance_across_dp(lengths: Sequence[int], dp_size: int, equal_count: bool = True) -> list[list[int]]:
