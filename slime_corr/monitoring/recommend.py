@@ -107,26 +107,39 @@ def recommend(records: Sequence[Mapping[str, float | None]], thresholds: Thresho
     return rec
 
 
+def bucket_totals(records: Sequence[Mapping[str, float | None]], view: str
+                  ) -> tuple[list[str], list[float], list[float]]:
+    """Over all steps, per bucket of the diagnostics view `view` ("prob", "pos", "lag"): (labels, tokens, Σ k3),
+    from each step's `diag/<view>/<bucket>/k3` (a mean) and `token_frac` and `diag/tokens`."""
+    labels = VIEWS[view]
+    tokens = [0.0] * len(labels)
+    k3_sum = [0.0] * len(labels)
+    for r in records:
+        n = r.get("diag/tokens") or 0.0
+        for i, label in enumerate(labels):
+            frac = r.get(f"diag/{view}/{label}/token_frac") or 0.0
+            tokens[i] += frac * n
+            k3_sum[i] += (r.get(f"diag/{view}/{label}/k3") or 0.0) * frac * n
+    return labels, tokens, k3_sum
+
+
+def display_label(label: str) -> str:
+    """Bucket key label -> axis label: "lt_1e-06" -> "<1e-06", "1e-06_1e-05" -> "1e-06–1e-05", "ge_4" -> "≥4"."""
+    if label.startswith("lt_"):
+        return "<" + label[3:]
+    if label.startswith("ge_"):
+        return "≥" + label[3:]
+    return label.replace("_", "–")
+
+
 def _hints(records: Sequence[Mapping[str, float | None]]) -> list[str]:
     """Observations beyond the regime: low-probability concentration (-> veto), staleness, rejection, IS tails."""
     hints: list[str] = []
-    low_share, low_tokens, total_tokens = 0.0, 0.0, 0.0
-    k3_total = 0.0
-    for r in records:
-        n = r.get("diag/tokens") or 0.0
-        for key, value in r.items():
-            if not (key.startswith("diag/prob/") and key.endswith("/k3")) or value is None:
-                continue
-            label = key[len("diag/prob/"):-len("/k3")]
-            frac = r.get(f"diag/prob/{label}/token_frac") or 0.0
-            k3_sum = value * frac * n
-            k3_total += k3_sum
-            if UPPER_EDGE.get(label, 1.0) <= LOW_PROB_EDGE:
-                low_share += k3_sum
-                low_tokens += frac * n
-        total_tokens += n
-    if k3_total > 0 and total_tokens > 0:
-        share, tok = low_share / k3_total, low_tokens / total_tokens
+    labels, tokens, k3_sum = bucket_totals(records, "prob")
+    low = [i for i, label in enumerate(labels) if UPPER_EDGE[label] <= LOW_PROB_EDGE]
+    if sum(k3_sum) > 0 and sum(tokens) > 0:
+        share = sum(k3_sum[i] for i in low) / sum(k3_sum)
+        tok = sum(tokens[i] for i in low) / sum(tokens)
         if share >= 0.5 and share > 2 * tok:
             hints.append(f"{share:.0%} of the mismatch (k3) sits on tokens with p_rollout < {LOW_PROB_EDGE:g} "
                          f"({tok:.1%} of the tokens): a veto (--rs-veto-threshold 1e-4) drops the sequences "
@@ -146,4 +159,5 @@ def _hints(records: Sequence[Mapping[str, float | None]]) -> list[str]:
     return hints
 
 
-__all__ = ["METRIC", "PRESETS", "Recommendation", "Thresholds", "classify", "quantile", "recommend"]
+__all__ = ["METRIC", "PRESETS", "Recommendation", "Thresholds", "bucket_totals", "classify", "display_label",
+           "quantile", "recommend"]
