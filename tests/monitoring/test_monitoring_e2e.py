@@ -246,7 +246,10 @@ def test_report_on_the_synchronous_part_finds_the_bf16_mismatch_negligible(run, 
     lines = (run["dir"] / "run" / "metrics.jsonl").read_text().splitlines()[:STEPS_PER_ROLLOUT]
     (part / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     shutil.copy(run["dir"] / "run" / "run_config.json", part)
-    summary = _report(part)
+    from slime_corr.monitoring.report import main as report_main
+
+    assert report_main([str(part)]) == 0  # in process: the command line was tested above
+    summary = (part / "report" / "summary.txt").read_text()
     assert max(json.loads(x)["rollout_corr/mismatch_k3_kl"] for x in lines) < 1e-5  # bf16 alone, tiny model
     assert "regime: negligible -> recommended preset: ppo_is_bypass" in summary
     assert "this run used decoupled_seq_is_rs" in summary
