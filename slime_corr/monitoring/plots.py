@@ -9,7 +9,7 @@ from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, MaxNLocator, PercentFormatter
+from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, PercentFormatter
 
 from slime_corr.monitoring.recommend import METRIC, Thresholds, bucket_totals, display_label
 
@@ -65,10 +65,20 @@ def _compact_y(ax: Any) -> None:
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:.3g}"))
 
 
-def _log_if_positive(ax: Any, values: Sequence[float]) -> None:
+def _wide_range_scale(ax: Any, values: Sequence[float]) -> None:
+    """Values spanning more than a factor 20: a log axis, or with zeros among them (nothing measured, no update)
+    a symlog one, linear up to the smallest positive value; a linear axis otherwise."""
     finite = [v for v in values if math.isfinite(v)]
-    if finite and min(finite) > 0 and max(finite) / min(finite) > 20:
+    positive = [v for v in finite if v > 0]
+    if not positive or min(finite) < 0 or max(positive) / min(positive) <= 20:
+        return
+    if min(finite) > 0:
         ax.set_yscale("log")
+    else:
+        ax.set_yscale("symlog", linthresh=min(positive))
+        low, high = math.floor(math.log10(min(positive))), math.ceil(math.log10(max(positive)))
+        every = max(1, math.ceil((high - low) / 8))  # symlog labels every decade: at most ~8 labels
+        ax.yaxis.set_major_locator(FixedLocator([0.0, *(10.0**k for k in range(low + 1, high + 1, every))]))
 
 
 def _line(ax: Any, run: Any, key: str, label: str | None = None, **kw: Any) -> list[float]:
@@ -112,7 +122,7 @@ def plot_is_weights(run: Any, path: Path) -> Path:
         _, hi = run.series(C + "mis_weight_max")
         a.fill_between(steps, lo, hi, color="tab:blue", alpha=0.12, label="min … max", zorder=0)
         a.axhline(1.0, color="0.4", lw=0.8, ls=":")
-        _log_if_positive(a, values + lo + hi)
+        _wide_range_scale(a, values + lo + hi)
         a.legend(loc="best", fontsize=8, ncol=5)
     return _save(fig, path)
 
@@ -184,7 +194,7 @@ def plot_prob_buckets(run: Any, path: Path) -> Path:
         share.legend(loc="best", fontsize=8)
         means = [k / t if t > 0 else math.nan for k, t in zip(k3_sum, tokens, strict=True)]
         mean.bar(x, [m if math.isfinite(m) else 0.0 for m in means], 0.6, color="tab:red")
-        _log_if_positive(mean, [m for m in means if math.isfinite(m)])
+        _wide_range_scale(mean, [m for m in means if math.isfinite(m)])
         _compact_y(mean)
         for a in (share, mean):
             a.set_xticks(x, [display_label(s) for s in labels], rotation=30, ha="right", fontsize=8)
@@ -208,7 +218,7 @@ def plot_diagnostics(run: Any, path: Path) -> Path:
             x = list(range(len(labels)))
             means = [k / t for k, t in zip(k3_sum, tokens, strict=True)]
             a.bar(x, means, 0.6, color="tab:red")
-            _log_if_positive(a, means)  # e.g. a bf16-only lag-0 rollout beside stale ones
+            _wide_range_scale(a, means)  # e.g. a bf16-only lag-0 rollout beside stale ones
             _compact_y(a)
             total = sum(tokens)
             ticks = [f"{display_label(s)}\n{t / total:.0%}" for s, t in zip(labels, tokens, strict=True)]
@@ -221,13 +231,14 @@ def plot_diagnostics(run: Any, path: Path) -> Path:
         a.set_xlabel(VIEW_TITLES[view])
         a.set_ylabel("k3 per token")
     drift = ax[2][0]
-    _panel(drift, run, [
+    values = _panel(drift, run, [
         ("diag/drift/rollout_to_current_k3", "rollout → current (total)", {"ls": "--", "lw": 3, "alpha": 0.4,
                                                                          "color": "0.4"}),
         ("diag/drift/rollout_to_old_k3", "rollout → old (mismatch)", {"color": "tab:red"}),
         ("diag/drift/old_to_current_k3", "old → current (update size)", {"color": "tab:blue"}),
     ], "decoupled drift split (k3 per token)", "k3 per token",
         "drift split: decoupled mode only (bypass has no separate π_old)")
+    _wide_range_scale(drift, values)  # e.g. an exploding update beside bf16-only steps
     _compact_y(drift)
     return _save(fig, path)
 
@@ -280,7 +291,7 @@ def draw_groups(ax: Any, groups: Mapping[str, Sequence[Any]], key: str, title: s
     elif key.endswith("frac") or key.endswith("fraction"):
         _fraction_axis(ax, values)
     else:
-        _log_if_positive(ax, values)
+        _wide_range_scale(ax, values)
     ax.set_title(title)
     ax.set_ylabel(key.split("/")[-1])
     _steps_axis(ax)
