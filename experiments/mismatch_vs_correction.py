@@ -106,9 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.extra[:1] == ["--"]:
         args.extra = args.extra[1:]
+    for flag, value in (("--jobs", args.jobs), ("--num-rollout", args.num_rollout)):
+        if value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}.")
+    if any(lr <= 0 for lr in args.lrs):
+        parser.error(f"--lrs must be > 0, got {' '.join(map(str, args.lrs))}.")
     return args
 
 
@@ -141,22 +147,30 @@ def finished(run: Planned) -> bool:
     return done.is_file() and json.loads(done.read_text()).get("command") == list(run.command)
 
 
-def launch(run: Planned) -> subprocess.Popen:
+@dataclass
+class Running:
+    """A launched run: its process, console log and start time."""
+
+    run: Planned
+    proc: subprocess.Popen
+    log: Any
+    started: float
+
+
+def launch(run: Planned) -> Running:
     if run.run_dir.exists():
         shutil.rmtree(run.run_dir)
     run.run_dir.mkdir(parents=True)
     log = open(run.run_dir / "console.log", "w")  # noqa: SIM115 - closed by wait()
     proc = subprocess.Popen([sys.executable, *run.command], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    proc.log = log  # type: ignore[attr-defined]
-    proc.started = time.perf_counter()  # type: ignore[attr-defined]
-    return proc
+    return Running(run, proc, log, time.perf_counter())
 
 
-def wait(proc: subprocess.Popen, run: Planned) -> None:
+def wait(running: Running) -> None:
     """Wait for a run; record it as finished (with its wall time) or exit with its log's tail."""
-    code = proc.wait()
-    proc.log.close()  # type: ignore[attr-defined]
-    seconds = time.perf_counter() - proc.started  # type: ignore[attr-defined]
+    run, code = running.run, running.proc.wait()
+    running.log.close()
+    seconds = time.perf_counter() - running.started
     if code:
         tail = (run.run_dir / "console.log").read_text()[-3000:]
         raise SystemExit(f"run {run.run_dir.name} failed (exit {code}): python {' '.join(run.command)}\n{tail}")
@@ -168,15 +182,22 @@ def wait(proc: subprocess.Popen, run: Planned) -> None:
 def run_all(plan: list[Planned], jobs: int, force: bool) -> None:
     todo = [run for run in plan if force or not finished(run)]
     print(f"{len(plan) - len(todo)} run(s) reused, {len(todo)} to run, {jobs} at a time", flush=True)
-    running: list[tuple[subprocess.Popen, Planned]] = []
+    running: list[Running] = []
     start = time.perf_counter()
-    for i, run in enumerate(todo):
-        while len(running) >= jobs:
-            wait(*running.pop(0))
-        print(f"[{i + 1}/{len(todo)}] {run.run_dir.name} ({time.perf_counter() - start:.0f} s so far)", flush=True)
-        running.append((launch(run), run))
-    for proc, run in running:
-        wait(proc, run)
+    try:
+        for i, run in enumerate(todo):
+            while len(running) >= jobs:
+                wait(running.pop(0))
+            print(f"[{i + 1}/{len(todo)}] {run.run_dir.name} ({time.perf_counter() - start:.0f} s so far)",
+                  flush=True)
+            running.append(launch(run))
+        while running:
+            wait(running.pop(0))
+    finally:  # a failed run or Ctrl-C: stop the runs this script started
+        for r in running:
+            r.proc.terminate()
+            r.proc.wait()
+            r.log.close()
     print(f"ran {len(todo)} run(s) in {time.perf_counter() - start:.0f} s", flush=True)
 
 

@@ -17,6 +17,10 @@ printed with every recommendation and settable on the command line:
 (bf16 rollout vs fp32 training at the same weights stays well under 1e-3 per token; one-step-stale async weights
 reach 1e-3 – 1e-2; k3 ≥ 1e-2 per token makes sequence-level ratios of a few hundred tokens leave any usable
 range, the case the guide sends to sequence IS with rejection.)
+
+When the recommended preset rejects whole sequences, a hint estimates the share it would drop at the measured
+mismatch (`_sequence_rejection_hint`): in the README's experiment (12-token responses, k3 ≈ 0.1) that was about
+two thirds, and `decoupled_token_is` trained better there.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.correction.diagnostics import PROB_EDGES, VIEWS
 
 METRIC = "rollout_corr/mismatch_k3_kl"
@@ -121,8 +126,6 @@ def _sequence_rejection_hint(records: Sequence[Mapping[str, float | None]], pres
     E[x²] ≈ 2·k3 and E[x] = −mismatch_kl; with independent tokens Σx is about N(μ, σ²), μ = −L·mismatch_kl,
     σ² = L·(2·k3 − mismatch_kl²), and the share outside [log lower, log upper] follows; averaged over steps.
     Said when it is over 30 %. (On the experiment's runs it came within 4 points of the measured rejection.)"""
-    from slime_corr.config import RolloutCorrectionConfig
-
     config = RolloutCorrectionConfig.preset(preset)
     if not (config.use_rs and config.rs_level == "sequence"):
         return None
