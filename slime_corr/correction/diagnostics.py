@@ -6,7 +6,8 @@ With lr = lp_train − lp_rollout at valid finite tokens, x = clamp(lr, ±20) an
 - `prob`: the rollout probability p = exp(lp_rollout), cut at PROB_EDGES (log10 steps, finer near 1): does the
   mismatch concentrate on low-probability tokens?
 - `pos`: the position in the response (0 = first trained token), cut at powers of two;
-- `lag`: the weight lag of the token (trainer version − the version that sampled it), 0 … MAX_LAG−1, ≥ MAX_LAG.
+- `lag`: the weight lag of the token (trainer version − the version that sampled it), 0 … MAX_LAG−1, ≥ MAX_LAG
+  (an asynchronous rollout trained in K optimizer steps lags K … 2K−1 versions).
 
 Per bucket the sums are (tokens, Σ −lr, Σ k3, Σ |lr|, Σ lag). In decoupled mode, with lp_current = log π_θ at the
 training forward, the drift splits into a = lp_old − lp_rollout (rollout→old, the mismatch) and
@@ -48,7 +49,7 @@ from slime_corr.correction.reductions import BatchStats, ProcessGroup, group_siz
 
 PROB_EDGES = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 0.5, 0.9, 0.99)
 POSITION_EDGES = tuple(2**k for k in range(15))  # 1, 2, 4, ..., 16384
-MAX_LAG = 4
+MAX_LAG = 16
 BUCKET_SUMS = ("n", "neg_lr", "k3", "abs_lr", "lag")
 DRIFT_SUMS = ("n", "k3_mismatch", "k3_update", "k3_total", "sq_mismatch", "sq_update")
 ROW_SUMS = ("n", "lr", "k3")

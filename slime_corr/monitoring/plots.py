@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, MaxNLocator, PercentFormatter
+from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, PercentFormatter
 
-from slime_corr.correction.diagnostics import VIEWS
-from slime_corr.monitoring.recommend import METRIC, Thresholds
+from slime_corr.monitoring.recommend import METRIC, Thresholds, bucket_totals, display_label
 
 C = "rollout_corr/"
 QUANTILE_KEYS = ("p10", "p50", "p90", "p99")
@@ -33,7 +32,8 @@ COMPARE_KEYS = (
 VIEW_TITLES = {"prob": "rollout probability p", "pos": "position in the response", "lag": "weight lag (versions)"}
 
 
-def _figure(rows: int = 1, cols: int = 1, height: float = 3.6) -> tuple[Figure, Any]:
+def figure(rows: int = 1, cols: int = 1, height: float = 3.6) -> tuple[Figure, Any]:
+    """A constrained-layout figure on the Agg canvas and its [rows][cols] axes."""
     fig = Figure(figsize=(8.5, height * rows), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
     return fig, fig.subplots(rows, cols, squeeze=False)
@@ -65,10 +65,20 @@ def _compact_y(ax: Any) -> None:
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:.3g}"))
 
 
-def _log_if_positive(ax: Any, values: Sequence[float]) -> None:
+def _wide_range_scale(ax: Any, values: Sequence[float]) -> None:
+    """Values spanning more than a factor 20: a log axis, or with zeros among them (nothing measured, no update)
+    a symlog one, linear up to the smallest positive value; a linear axis otherwise."""
     finite = [v for v in values if math.isfinite(v)]
-    if finite and min(finite) > 0 and max(finite) / min(finite) > 20:
+    positive = [v for v in finite if v > 0]
+    if not positive or min(finite) < 0 or max(positive) / min(positive) <= 20:
+        return
+    if min(finite) > 0:
         ax.set_yscale("log")
+    else:
+        ax.set_yscale("symlog", linthresh=min(positive))
+        low, high = math.floor(math.log10(min(positive))), math.ceil(math.log10(max(positive)))
+        every = max(1, math.ceil((high - low) / 8))  # symlog labels every decade: at most ~8 labels
+        ax.yaxis.set_major_locator(FixedLocator([0.0, *(10.0**k for k in range(low + 1, high + 1, every))]))
 
 
 def _line(ax: Any, run: Any, key: str, label: str | None = None, **kw: Any) -> list[float]:
@@ -78,7 +88,7 @@ def _line(ax: Any, run: Any, key: str, label: str | None = None, **kw: Any) -> l
 
 
 def plot_mismatch(run: Any, path: Path, thresholds: Thresholds) -> Path:
-    fig, ax = _figure(2, 1)
+    fig, ax = figure(2, 1)
     top, bottom = ax[0][0], ax[1][0]
     if _panel(top, run, [(C + "mismatch_kl", None, {"color": "tab:blue"})],
               "mismatch KL: token mean of log π_rollout − log π_train", "mismatch_kl",
@@ -102,7 +112,7 @@ def plot_mismatch(run: Any, path: Path, thresholds: Thresholds) -> Path:
 
 
 def plot_is_weights(run: Any, path: Path) -> Path:
-    fig, ax = _figure(height=4.2)
+    fig, ax = figure(height=4.2)
     a = ax[0][0]
     values = _panel(a, run, [(C + f"mis_weight_{q}", q, {}) for q in QUANTILE_KEYS],
                     "IS weights (after bounding and normalization) over contributing units", "weight",
@@ -112,13 +122,13 @@ def plot_is_weights(run: Any, path: Path) -> Path:
         _, hi = run.series(C + "mis_weight_max")
         a.fill_between(steps, lo, hi, color="tab:blue", alpha=0.12, label="min … max", zorder=0)
         a.axhline(1.0, color="0.4", lw=0.8, ls=":")
-        _log_if_positive(a, values + lo + hi)
+        _wide_range_scale(a, values + lo + hi)
         a.legend(loc="best", fontsize=8, ncol=5)
     return _save(fig, path)
 
 
 def plot_rejection(run: Any, path: Path) -> Path:
-    fig, ax = _figure(height=4.2)
+    fig, ax = figure(height=4.2)
     _panel(ax[0][0], run, [(C + k, label, {}) for k, label in REJECTION_KEYS],
            "rejected fractions (of valid tokens / sequences)", "fraction",
            "no rejection in this run (no --use-rs / veto / correction)", fraction=True)
@@ -134,7 +144,7 @@ def _fraction_axis(ax: Any, values: Sequence[float]) -> None:
 
 def _single(run: Any, path: Path, panels: Sequence[tuple[str, str, str]]) -> Path:
     """One line per panel; a panel whose key ends in "frac" is a [0, 1] fraction."""
-    fig, ax = _figure(len(panels), 1, height=3.0)
+    fig, ax = figure(len(panels), 1, height=3.0)
     for a, (key, title, ylabel) in zip((r[0] for r in ax), panels, strict=True):
         _panel(a, run, [(key, None, {"color": "tab:blue"})], title, ylabel, f"{key} not logged",
                fraction=key.endswith("frac"))
@@ -160,29 +170,6 @@ def _panel(ax: Any, run: Any, lines: Sequence[tuple[str, str | None, dict[str, A
     return values
 
 
-def display_label(label: str) -> str:
-    """Bucket key label -> axis label: "lt_1e-06" -> "<1e-06", "1e-06_1e-05" -> "1e-06–1e-05", "ge_4" -> "≥4"."""
-    if label.startswith("lt_"):
-        return "<" + label[3:]
-    if label.startswith("ge_"):
-        return "≥" + label[3:]
-    return label.replace("_", "–")
-
-
-def bucket_totals(run: Any, view: str) -> tuple[list[str], list[float], list[float]]:
-    """Over all steps, per bucket of `view`: (labels, tokens, Σ k3), from the per-step means and fractions."""
-    labels = VIEWS[view]
-    tokens = [0.0] * len(labels)
-    k3_sum = [0.0] * len(labels)
-    for r in run.records:
-        n = r.get("diag/tokens") or 0.0
-        for i, label in enumerate(labels):
-            frac = r.get(f"diag/{view}/{label}/token_frac") or 0.0
-            tokens[i] += frac * n
-            k3_sum[i] += (r.get(f"diag/{view}/{label}/k3") or 0.0) * frac * n
-    return labels, tokens, k3_sum
-
-
 def _trimmed(labels: list[str], tokens: list[float], k3_sum: list[float]) -> tuple[list[str], list[float], list[float]]:
     """Drop empty buckets at both ends (positions past the longest response, lags never seen)."""
     used = [i for i, t in enumerate(tokens) if t > 0]
@@ -193,9 +180,9 @@ def _trimmed(labels: list[str], tokens: list[float], k3_sum: list[float]) -> tup
 
 
 def plot_prob_buckets(run: Any, path: Path) -> Path:
-    fig, ax = _figure(2, 1, height=3.4)
+    fig, ax = figure(2, 1, height=3.4)
     share, mean = ax[0][0], ax[1][0]
-    labels, tokens, k3_sum = bucket_totals(run, "prob")
+    labels, tokens, k3_sum = bucket_totals(run.records, "prob")
     if sum(tokens) > 0:
         x = list(range(len(labels)))
         total_tok, total_k3 = sum(tokens), sum(k3_sum)
@@ -207,7 +194,7 @@ def plot_prob_buckets(run: Any, path: Path) -> Path:
         share.legend(loc="best", fontsize=8)
         means = [k / t if t > 0 else math.nan for k, t in zip(k3_sum, tokens, strict=True)]
         mean.bar(x, [m if math.isfinite(m) else 0.0 for m in means], 0.6, color="tab:red")
-        _log_if_positive(mean, [m for m in means if math.isfinite(m)])
+        _wide_range_scale(mean, [m for m in means if math.isfinite(m)])
         _compact_y(mean)
         for a in (share, mean):
             a.set_xticks(x, [display_label(s) for s in labels], rotation=30, ha="right", fontsize=8)
@@ -224,12 +211,14 @@ def plot_prob_buckets(run: Any, path: Path) -> Path:
 
 
 def plot_diagnostics(run: Any, path: Path) -> Path:
-    fig, ax = _figure(3, 1, height=3.0)
+    fig, ax = figure(3, 1, height=3.0)
     for a, view in zip((ax[0][0], ax[1][0]), ("pos", "lag"), strict=True):
-        labels, tokens, k3_sum = _trimmed(*bucket_totals(run, view))
+        labels, tokens, k3_sum = _trimmed(*bucket_totals(run.records, view))
         if labels:
             x = list(range(len(labels)))
-            a.bar(x, [k / t for k, t in zip(k3_sum, tokens, strict=True)], 0.6, color="tab:red")
+            means = [k / t for k, t in zip(k3_sum, tokens, strict=True)]
+            a.bar(x, means, 0.6, color="tab:red")
+            _wide_range_scale(a, means)  # e.g. a bf16-only lag-0 rollout beside stale ones
             _compact_y(a)
             total = sum(tokens)
             ticks = [f"{display_label(s)}\n{t / total:.0%}" for s, t in zip(labels, tokens, strict=True)]
@@ -242,13 +231,14 @@ def plot_diagnostics(run: Any, path: Path) -> Path:
         a.set_xlabel(VIEW_TITLES[view])
         a.set_ylabel("k3 per token")
     drift = ax[2][0]
-    _panel(drift, run, [
+    values = _panel(drift, run, [
         ("diag/drift/rollout_to_current_k3", "rollout → current (total)", {"ls": "--", "lw": 3, "alpha": 0.4,
                                                                          "color": "0.4"}),
         ("diag/drift/rollout_to_old_k3", "rollout → old (mismatch)", {"color": "tab:red"}),
         ("diag/drift/old_to_current_k3", "old → current (update size)", {"color": "tab:blue"}),
     ], "decoupled drift split (k3 per token)", "k3 per token",
         "drift split: decoupled mode only (bypass has no separate π_old)")
+    _wide_range_scale(drift, values)  # e.g. an exploding update beside bf16-only steps
     _compact_y(drift)
     return _save(fig, path)
 
@@ -269,27 +259,55 @@ def plot_run(run: Any, out_dir: Path, thresholds: Thresholds) -> list[Path]:
     ]
 
 
-def plot_comparison(runs: Sequence[Any], path: Path, keys: Sequence[tuple[str, str]] = COMPARE_KEYS) -> Path:
-    """One panel per key, one line per run (e.g. naive PPO vs corrected presets)."""
+def seed_band(runs: Sequence[Any], key: str, *, by_rollout: bool = False
+              ) -> tuple[list[int], list[float], list[float], list[float]]:
+    """(x, mean, min, max) of `key` over `runs` (e.g. the seeds of one configuration) at each step (or rollout,
+    see `Run.series`), from the runs that have a finite value there; x where none has one are left out."""
+    at: dict[int, list[float]] = {}
+    for run in runs:
+        for x, v in zip(*run.series(key, by_rollout=by_rollout), strict=True):
+            if math.isfinite(v):
+                at.setdefault(x, []).append(v)
+    xs = sorted(at)
+    return xs, [sum(at[x]) / len(at[x]) for x in xs], [min(at[x]) for x in xs], [max(at[x]) for x in xs]
+
+
+def draw_groups(ax: Any, groups: Mapping[str, Sequence[Any]], key: str, title: str, *, by_rollout: bool = False,
+                colors: Mapping[str, str] | None = None) -> bool:
+    """One line per group (its runs' mean) with a min … max band when it has several runs; False (and a
+    message in the panel) when no run has `key`."""
+    values: list[float] = []
+    for i, (label, runs) in enumerate(groups.items()):
+        xs, mean, lo, hi = seed_band(runs, key, by_rollout=by_rollout)
+        if not xs:
+            continue
+        color = (colors or {}).get(label, f"C{i % 10}")
+        ax.plot(xs, mean, marker="o", markersize=3, label=label, color=color)
+        if len(runs) > 1:
+            ax.fill_between(xs, lo, hi, color=color, alpha=0.15, lw=0)
+        values += lo + hi
+    if not values:
+        _empty(ax, f"{key} not logged by any run")
+    elif key.endswith("frac") or key.endswith("fraction"):
+        _fraction_axis(ax, values)
+    else:
+        _wide_range_scale(ax, values)
+    ax.set_title(title)
+    ax.set_ylabel(key.split("/")[-1])
+    _steps_axis(ax)
+    return bool(values)
+
+
+def plot_comparison(groups: Mapping[str, Sequence[Any]], path: Path, keys: Sequence[tuple[str, str]] = COMPARE_KEYS,
+                    *, by_rollout: bool = False) -> Path:
+    """One panel per key, one line per group of runs (`{label: runs}`: one run each, or a configuration's
+    seeds, drawn as their mean and min … max band), e.g. naive PPO vs corrected presets."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = _figure(len(keys), 1, height=2.8)
+    fig, ax = figure(len(keys), 1, height=2.8)
     for a, (key, title) in zip((r[0] for r in ax), keys, strict=True):
-        values: list[float] = []
-        for run in runs:
-            if run.has(key):
-                values += _line(a, run, key, label=run.name)
-        if values:
-            if key.endswith("frac"):
-                _fraction_axis(a, values)
-            else:
-                _log_if_positive(a, values)
+        if draw_groups(a, groups, key, title, by_rollout=by_rollout):
             a.legend(loc="best", fontsize=8)
-        else:
-            _empty(a, f"{key} not logged by any run")
-        a.set_title(title)
-        a.set_ylabel(key.split("/")[-1])
-        _steps_axis(a)
     return _save(fig, path)
 
 
-__all__ = ["bucket_totals", "display_label", "plot_comparison", "plot_run"]
+__all__ = ["draw_groups", "figure", "plot_comparison", "plot_run", "seed_band"]

@@ -19,8 +19,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slime_corr.monitoring.keys import ROLLOUT
 from slime_corr.monitoring.logger import CONFIG_FILE, METRICS_FILE, SAMPLES_FILE
-from slime_corr.monitoring.recommend import METRIC, Recommendation, Thresholds, recommend
+from slime_corr.monitoring.recommend import (
+    METRIC,
+    Recommendation,
+    Thresholds,
+    bucket_totals,
+    display_label,
+    recommend,
+)
+
+ROLLOUT_INDEX = f"{ROLLOUT}/index"
 
 
 @dataclass
@@ -44,14 +54,27 @@ class Run:
     def has(self, key: str) -> bool:
         return any(_finite(r.get(key)) for r in self.records)
 
-    def series(self, key: str) -> tuple[list[int], list[float]]:
-        """(steps, values) of `key` with NaN where a step lacks it (a gap in a plot)."""
+    def series(self, key: str, *, by_rollout: bool = False) -> tuple[list[int], list[float]]:
+        """(steps, values) of `key` with NaN where a step lacks it (a gap in a plot). `by_rollout`: one point per
+        rollout (the steps sharing `rollout/index`), at its last step, the mean of its steps' finite values."""
         values = [float(v) if _finite(v := r.get(key)) else math.nan for r in self.records]
-        return self.steps, values
+        if not by_rollout:
+            return self.steps, values
+        groups: dict[Any, list[tuple[int, float]]] = {}
+        for r, step, value in zip(self.records, self.steps, values, strict=True):
+            groups.setdefault(r.get(ROLLOUT_INDEX, ("step", step)), []).append((step, value))
+        points = sorted((max(s for s, _ in part), _mean([v for _, v in part])) for part in groups.values())
+        return [s for s, _ in points], [v for _, v in points]
 
 
 def _finite(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _mean(values: Sequence[float]) -> float:
+    """Mean of the finite values; NaN when there is none."""
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else math.nan
 
 
 def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
@@ -116,12 +139,36 @@ def summary_text(run: Run, rec: Recommendation | None, error: str | None = None)
     if rec.hints:
         lines.append("observations:")
         lines += [f"  - {h}" for h in rec.hints]
+    lines += diagnostic_lines(run)
     if run.samples:
         worst = max(run.samples, key=lambda s: abs(s.get("seq_log_ratio", 0.0)))
         text = f", response {worst['response']!r}" if "response" in worst else ""
         lines.append(f"largest sequence mismatch: step {worst.get('step')}, sum of log-ratios "
                      f"{worst.get('seq_log_ratio', 0.0):.3g} over {worst.get('tokens')} tokens{text}")
     return "\n".join(lines) + "\n"
+
+
+def diagnostic_lines(run: Run) -> list[str]:
+    """The `diag/` metrics in a few lines: where the mismatch sits by rollout probability, k3 by weight lag,
+    and the decoupled drift split (means over steps)."""
+    lines = []
+    labels, tokens, k3 = bucket_totals(run.records, "prob")
+    if sum(tokens) > 0 and sum(k3) > 0:
+        top = max(range(len(labels)), key=lambda i: k3[i])
+        dense = max((i for i, t in enumerate(tokens) if t > 0), key=lambda i: k3[i] / tokens[i])
+        lines.append(f"  by rollout probability: {k3[top] / sum(k3):.0%} of the mismatch (sum of k3) on p in "
+                     f"{display_label(labels[top])} ({tokens[top] / sum(tokens):.0%} of the tokens); the most per "
+                     f"token on p in {display_label(labels[dense])} ({k3[dense] / tokens[dense]:.3g})")
+    labels, tokens, k3 = bucket_totals(run.records, "lag")
+    if used := [i for i, t in enumerate(tokens) if t > 0]:
+        lines.append("  k3 per token by weight lag (versions): "
+                     + ", ".join(f"{display_label(labels[i])}: {k3[i] / tokens[i]:.3g}" for i in used))
+    if run.has("diag/drift/rollout_to_old_k3"):
+        a, b, c = (_mean(run.series(f"diag/drift/{k}_k3")[1]) for k in ("rollout_to_old", "old_to_current",
+                                                                          "rollout_to_current"))
+        lines.append(f"  decoupled drift (k3 per token, mean over steps): rollout->old (the mismatch) {a:.3g}, "
+                     f"old->current (the update) {b:.3g}, rollout->current {c:.3g}")
+    return ["diagnostics (all steps):", *lines] if lines else []
 
 
 def report_run(run: Run, out_dir: Path, thresholds: Thresholds) -> tuple[list[Path], str]:
@@ -174,8 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("the report's plots need matplotlib: pip install 'slime_corr[plot]'.")
     out = Path(args.out) if args.out else None
     names = [run.name for run in runs]
-    for i, run in enumerate(runs):
-        sub = run.name if names.count(run.name) == 1 else f"{i}-{run.name}"  # e.g. a/run and b/run
+    labels = [name if names.count(name) == 1 else f"{i}-{name}" for i, name in enumerate(names)]  # a/run, b/run
+    for run, sub in zip(runs, labels, strict=True):
         target = (out / sub if len(runs) > 1 else out) if out else run.path / "report"
         written, text = report_run(run, target, thresholds)
         print(text, end="")
@@ -184,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from slime_corr.monitoring.plots import plot_comparison
 
         assert out is not None
-        path = plot_comparison(runs, out / "comparison.png")
+        path = plot_comparison({sub: [run] for sub, run in zip(labels, runs, strict=True)}, out / "comparison.png")
         print(f"wrote {path}")
     return 0
 

@@ -45,7 +45,7 @@ def _data(seed: int = 0, bad: bool = True):
         lp_r[1, 4] = float("nan")  # non-finite at a valid position: the token is left out
         lp_t[5, 8] = float("inf")
         lp_c[4, 2] = float("nan")  # only pi_theta is non-finite: left out too (the drift split needs it)
-    lag = torch.tensor([0, 1, 2, 3, 4, 7])
+    lag = torch.tensor([0, 1, 2, 3, 4, 17])  # 17 > MAX_LAG: the last bucket
     return lp_t, lp_r, lp_c, mask, lag
 
 

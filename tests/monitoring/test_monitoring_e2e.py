@@ -1,8 +1,9 @@
 """End to end: ONE short run of the main job (module fixture) with every sink on, then what it wrote.
 
 The run: decoupled PPO with sequence IS (truncate), sequence RS, the veto and batch normalization, so every
-SPEC.md metric of that mode is produced; TensorBoard and W&B (offline) on; run under strace when the machine has
-it, to check that nothing but loopback is contacted.
+SPEC.md metric of that mode is produced; asynchronous, two optimizer steps per rollout, so the samples are stale
+(weight lags 0, 1, then 2, 3) and π_θ leaves π_old within a rollout (the drift split); TensorBoard and W&B
+(offline) on; run under strace when the machine has it, to check that nothing but loopback is contacted.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 2
+ROLLOUTS, STEPS_PER_ROLLOUT = 2, 2
+STEPS = ROLLOUTS * STEPS_PER_ROLLOUT
 SPEC_METRICS = (
     "mismatch_kl", "mismatch_k3_kl", "mismatch_training_log_ppl", "mismatch_rollout_log_ppl",
     "mismatch_training_ppl", "mismatch_rollout_ppl", "mismatch_log_ppl_diff", "mismatch_log_ppl_abs_diff",
@@ -48,8 +51,9 @@ def _strace_works() -> bool:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     d = tmp_path_factory.mktemp("monitored")
-    cmd = [sys.executable, "-m", "slime_corr.cli", "--num-rollout", str(STEPS), "--num-steps-per-rollout", "1",
-           "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--micro-batch-size", "4",
+    cmd = [sys.executable, "-m", "slime_corr.cli", "--num-rollout", str(ROLLOUTS), "--num-steps-per-rollout",
+           str(STEPS_PER_ROLLOUT), "--async-rollout", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
+           "--micro-batch-size", "4",
            "--rollout-max-response-len", "8", "--rollout-correction-preset",
            "decoupled_seq_is_rs", "--rs-veto-threshold", "1e-4", "--tis-batch-normalize", "--work-dir", str(d / "run"),
            "--tensorboard-dir", str(d / "tb"), "--wandb-project", "slime-corr-test", "--wandb-mode", "offline"]
@@ -74,8 +78,10 @@ def test_jsonl_has_every_spec_metric_finite_each_step(run):
         assert not missing, missing
         bad = {k: v for k, v in r.items() if not (isinstance(v, int | float) and math.isfinite(v))}
         assert not bad, bad  # every value finite (a non-finite one would be null)
-        assert r["rollout/samples"] == 4 and r["rollout_corr/mis_valid_seq_count"] == 4
+        assert r["rollout/samples"] == 8 and r["rollout_corr/mis_valid_seq_count"] == 4  # a rollout in 2 steps
         assert r["rollout_corr/mismatch_k3_kl"] > 0  # the bf16 engine vs the fp32 trainer: a real mismatch
+    # rollout 1 was generated with the weights before rollout 0's two updates: far more mismatch than bf16 alone
+    assert records[2]["rollout_corr/mismatch_k3_kl"] > 10 * records[0]["rollout_corr/mismatch_k3_kl"]
 
 
 def test_diagnostics_agree_with_the_spec_metrics_of_the_same_step(run):
@@ -85,8 +91,15 @@ def test_diagnostics_agree_with_the_spec_metrics_of_the_same_step(run):
         k3 = sum(r[f"{b}/k3"] * r[f"{b}/token_frac"] for b in buckets)
         # the core sums fp32 log-probs in fp32 (k3 ~ x^2/2 loses ~1e-4 relative there), the diagnostics in fp64
         assert k3 == pytest.approx(r["rollout_corr/mismatch_k3_kl"], rel=1e-3)
-        assert r["diag/lag/0/token_frac"] == 1.0  # synchronous: the engine samples with the trainer's weights
         assert r["diag/drift/rollout_to_old_k3"] == pytest.approx(k3, rel=1e-9)
+        # staleness by weight version: every token of a step has the step's lag (versions behind the trainer)
+        lag = r["rollout/staleness_mean"]
+        assert r[f"diag/lag/{lag:.0f}/token_frac"] == 1.0 and r["diag/lag/mean"] == lag
+    assert [r["rollout/staleness_mean"] for r in run["records"]] == [0, 1, 2, 3]
+    # the drift split: pi_theta = pi_old at a rollout's first step, then the update moves it
+    first, second = run["records"][0::2], run["records"][1::2]
+    assert all(r["diag/drift/old_to_current_k3"] == 0 for r in first)
+    assert all(r["diag/drift/old_to_current_k3"] > 0 and r["train/ppo_kl"] != 0 for r in second)
     top = [json.loads(x) for x in (run["dir"] / "run" / "top_mismatch.jsonl").read_text().splitlines()]
     assert {t["step"] for t in top} == set(range(1, STEPS + 1))
     assert all(t["tokens"] > 0 and "response" in t and "prompt" in t for t in top)
@@ -94,11 +107,11 @@ def test_diagnostics_agree_with_the_spec_metrics_of_the_same_step(run):
 
 def test_console_line_and_rollout_progress(run):
     out, err = run["proc"].stdout, run["proc"].stderr
-    lines = re.findall(r"^step (\d+): samples=4 reward=\S+ loss=\S+ pg_clipfrac=\S+ ppo_kl=\S+ grad_norm=\S+ "
-                       r"staleness=0 step_time=\S+ mismatch_kl=\S+ mismatch_k3_kl=\S+", out, re.M)
+    lines = re.findall(r"^step (\d+): samples=8 reward=\S+ loss=\S+ pg_clipfrac=\S+ ppo_kl=\S+ grad_norm=\S+ "
+                       r"staleness=\d step_time=\S+ mismatch_kl=\S+ mismatch_k3_kl=\S+", out, re.M)
     assert lines == [str(s) for s in range(1, STEPS + 1)], out
     # not a terminal: plain progress lines, the last one at 100 %
-    assert re.search(r"^rollout 1: 4/4 samples \(100%\), \d+ tokens, [\d.]+ s$", err, re.M), err[-2000:]
+    assert re.search(r"^rollout 1: 8/8 samples \(100%\), \d+ tokens, [\d.]+ s$", err, re.M), err[-2000:]
 
 
 def test_tensorboard_event_files_hold_every_metric(run):
@@ -189,12 +202,19 @@ def test_nothing_but_loopback_is_contacted(run):
     assert names <= {"1.0.0.127.in-addr.arpa"}, names
 
 
+def _report(run_dir: Path) -> str:
+    proc = subprocess.run([sys.executable, "-m", "slime_corr.cli", "report", str(run_dir)],
+                          capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = (run_dir / "report" / "summary.txt").read_text()
+    assert summary in proc.stdout
+    return summary
+
+
 def test_report_command_makes_its_pngs_and_summary(run):
     from PIL import Image
 
-    proc = subprocess.run([sys.executable, "-m", "slime_corr.cli", "report", str(run["dir"] / "run")],
-                          capture_output=True, text=True, timeout=180, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = _report(run["dir"] / "run")
     report = run["dir"] / "run" / "report"
     pngs = sorted(p.name for p in report.glob("*.png"))
     assert pngs == ["clipfrac.png", "diagnostics.png", "is_weights.png", "mismatch.png", "prob_buckets.png",
@@ -202,12 +222,51 @@ def test_report_command_makes_its_pngs_and_summary(run):
     for name in pngs:
         with Image.open(report / name) as image:
             assert image.format == "PNG" and image.width >= 800 and image.height >= 300, name
-    summary = (report / "summary.txt").read_text()
-    assert summary in proc.stdout
     assert "thresholds: negligible: q < 0.001 <= moderate < 0.01 <= severe" in summary
-    # bf16 vs fp32 at the same weights on the tiny model: k3 around 1e-6, far below 1e-3
+    # the regime from the 90 % quantile of the logged k3 (numpy's, independent of the report's own quantile)
+    p90 = float(np.quantile([r["rollout_corr/mismatch_k3_kl"] for r in run["records"]], 0.9))
+    regime = "negligible" if p90 < 1e-3 else "moderate" if p90 < 1e-2 else "severe"
+    assert f"p90 {p90:.3g}," in summary
+    assert regime == "severe"  # the stale rollout (2 updates behind) dominates
+    assert "regime: severe -> recommended preset: decoupled_seq_is_rs" in summary
+    assert "samples are stale: mean weight lag up to 3.00 versions" in summary
+    # the diagnostics: k3 per weight lag as the JSONL has it (each step holds one lag), the drift split
+    by_lag = {int(r["rollout/staleness_mean"]): r for r in run["records"]}
+    lags = ", ".join(f"{lag}: {r[f'diag/lag/{lag}/k3']:.3g}" for lag, r in by_lag.items())
+    assert f"k3 per token by weight lag (versions): {lags}\n" in summary
+    drift = np.mean([r["diag/drift/old_to_current_k3"] for r in run["records"]])
+    assert f"old->current (the update) {drift:.3g}," in summary
+    assert re.search(r"largest sequence mismatch: step \d, sum of log-ratios \S+ over \d+ tokens, response '", summary)
+
+
+def test_report_on_the_synchronous_part_finds_the_bf16_mismatch_negligible(run, tmp_path):
+    # the first rollout was sampled with the weights it starts training from: only bf16 vs fp32 differ
+    part = tmp_path / "first_rollout"
+    part.mkdir()
+    lines = (run["dir"] / "run" / "metrics.jsonl").read_text().splitlines()[:STEPS_PER_ROLLOUT]
+    (part / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    shutil.copy(run["dir"] / "run" / "run_config.json", part)
+    from slime_corr.monitoring.report import main as report_main
+
+    assert report_main([str(part)]) == 0  # in process: the command line was tested above
+    summary = (part / "report" / "summary.txt").read_text()
+    assert max(json.loads(x)["rollout_corr/mismatch_k3_kl"] for x in lines) < 1e-5  # bf16 alone, tiny model
     assert "regime: negligible -> recommended preset: ppo_is_bypass" in summary
     assert "this run used decoupled_seq_is_rs" in summary
+
+
+def test_a_custom_functions_metrics_reach_the_jsonl_through_the_trainer(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "slime_corr.main", "--num-rollout", "1", "--num-steps-per-rollout", "1",
+         "--rollout-batch-size", "1", "--n-samples-per-prompt", "4", "--micro-batch-size", "4",
+         "--rollout-max-response-len", "4", "--use-tis", "--custom-tis-function-path",
+         "examples/custom_tis.py:length_aware_geometric_is", "--work-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (record,) = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # the function's own metric, under the correction prefix, beside the built-in ones
+    assert 0 <= record["rollout_corr/custom_rejected_seq_fraction"] <= 1
+    assert record["rollout_corr/mis_valid_seq_count"] == 4 and math.isfinite(record["train/loss"])
 
 
 def test_the_console_script_is_the_dispatcher():

@@ -7,6 +7,7 @@ import argparse
 import io
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -182,6 +183,31 @@ def test_low_probability_concentration_suggests_a_veto(tmp_path):
     assert any("--rs-veto-threshold" in h and "80%" in h for h in rec.hints)
     rec = recommend(load_run(_synthetic_run(tmp_path / "s", 3e-3, low_prob_share=0.02)).records)
     assert not any("veto" in h for h in rec.hints)
+
+
+@pytest.mark.parametrize("mean, std, lengths, hinted", [
+    (-0.02, 0.35, (8, 12, 20), True),  # severe, most sequences outside [0.5, 2]
+    (0.05, 0.5, (4, 12, 40), True),  # a mean drift too
+    (0.0, 0.15, (2, 3, 4), False),  # severe per token, but short sequences: few outside, no hint
+    (0.0, 0.08, (12, 12, 12), False),  # moderate: decoupled_token_is is recommended, it has no RS
+])
+def test_sequence_rejection_estimate_against_sampled_sequences(mean, std, lengths, hinted):
+    """The hint's estimate of how many sequences `decoupled_seq_is_rs` would drop, from the logged token-level
+    metrics only, against the fraction of sampled sequences whose Σ lr leaves [log 0.5, log 2]."""
+    gen = torch.Generator().manual_seed(0)
+    records, outside = [], []
+    for step, length in enumerate(lengths):
+        lr = mean + std * torch.randn(20_000, length, generator=gen, dtype=torch.float64)
+        seq = lr.sum(-1)
+        outside.append(((seq < math.log(0.5)) | (seq > math.log(2.0))).double().mean().item())
+        records.append({"step": step, "rollout_corr/mismatch_k3_kl": (lr.exp() - lr - 1).mean().item(),
+                        "rollout_corr/mismatch_kl": -lr.mean().item(), "rollout/response_length_mean": length})
+    hints = [h for h in recommend(records).hints if "rejection bounds [0.5, 2]" in h]
+    expected = sum(outside) / len(outside)
+    assert (expected > 0.3) == hinted and len(hints) == hinted
+    if hinted:
+        estimate = float(re.search(r"about (\d+)% of the sequences", hints[0]).group(1)) / 100
+        assert estimate == pytest.approx(expected, abs=0.05), (estimate, expected)
 
 
 def test_report_command_on_synthetic_runs(tmp_path, capsys):
