@@ -53,12 +53,39 @@ def _summary(step: int, r: dict) -> str:
             f"by rollout probability (token_frac, large_lr_frac, k3): {prob}")
 
 
+def run_mismatch(steps: dict) -> str:
+    """The whole run's mismatch (every step's trained tokens are other samples): token-weighted k3 and fraction of
+    |lr| > 0.1, the mean ppl ratio, and per rollout-probability bucket (tokens, their share of Σ k3, k3,
+    fraction with |lr| > 0.1)."""
+    total = sum(r["diag/tokens"] for r in steps.values())
+    k3 = sum(r["rollout_corr/mismatch_k3_kl"] * r["diag/tokens"] for r in steps.values()) / total
+    large = sum(r["diag/large_lr_frac"] * r["diag/tokens"] for r in steps.values()) / total
+    ppl = sum(r["rollout_corr/mismatch_ppl_ratio"] for r in steps.values()) / len(steps)
+    buckets: dict[str, list[float]] = {}  # label -> [tokens, Σ k3, tokens with |lr| > 0.1]
+    for r in steps.values():
+        for key in r:
+            if key.startswith("diag/prob/") and key.endswith("/token_frac"):
+                label, n = key.split("/")[2], r[key] * r["diag/tokens"]
+                acc = buckets.setdefault(label, [0.0, 0.0, 0.0])
+                acc[0] += n
+                acc[1] += n * r[f"diag/prob/{label}/k3"]
+                acc[2] += n * r[f"diag/prob/{label}/large_lr_frac"]
+    lines = [f"run: {total:.0f} tokens, k3 = {k3:.2e}, ppl ratio = {ppl:.4f}, |lr| > 0.1: {large:.3f}"]
+    k3_sum = sum(b[1] for b in buckets.values())
+    for label in sorted(buckets, key=lambda x: float(x.split("_")[-1])):
+        n, s_k3, n_large = buckets[label]
+        lines.append(f"  p_rollout {label:>13}: tokens {n / total:6.3f}, k3 share {s_k3 / k3_sum:6.3f}, "
+                     f"k3 {s_k3 / n:.2e}, |lr| > 0.1: {n_large / n:.3f}")
+    return "\n".join(lines)
+
+
 def test_smollm2_trains_data_parallel_through_the_entry_point(tmp_path):
     run = launch(tmp_path, [*SHORT, "--rollout-weight-sync", "distributed"], nproc=2)
     out = run["out"]
     print(out[out.index("parallel:"):])
     for step, r in run["steps"].items():
         print(_summary(step, r))
+    print(run_mismatch(run["steps"]))
     assert "parallel: TP=1 CP=1 DP=2 (2 process(es))" in out
     assert "embedded engines (bfloat16; trainer in float32): 1 engine(s)" in out
     assert out.count("step 1:") == 1 and "weight sync (distributed): step-2 on 1 engine(s)" in out
@@ -89,7 +116,7 @@ def test_smollm2_parallel_layouts_train_as_one_process(tmp_path):
     """TP=3 (SmolLM2's 9 heads / 3 KV groups), CP=2 (emulated) and DP=2 log what one process logs (fp32 engine;
     fp32 reductions in another order: 2e-3 relative)."""
     flags = [*SHORT, "--engine-dtype", "float32", "--num-rollout", "1", "--num-steps-per-rollout", "2",
-             "--micro-batch-size", "1"]
+             "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--micro-batch-size", "1"]
     one = launch(tmp_path / "one", flags)["steps"]
     print({s: (r["rollout/reward_mean"], r["train/loss"], r["train/grad_norm"]) for s, r in one.items()})
     for name, nproc, extra in (("dp2", 2, []), ("tp3", 3, ["--tensor-model-parallel-size", "3"]),
@@ -103,5 +130,6 @@ def test_smollm2_reward_rises_on_the_readme_run(tmp_path):
     steps = run["steps"]
     for step, r in steps.items():
         print(_summary(step, r), f"step_time={r['perf/step_time']:.1f}s")
+    print(run_mismatch(steps))
     rewards = [steps[s]["rollout/reward_mean"] for s in sorted(steps)]
     assert max(rewards[-4:]) >= rewards[0] + 0.25, rewards
