@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -38,10 +39,12 @@ def launch(run_dir: Path, flags: list[str], nproc: int = 0, timeout: int = 900) 
     head = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] \
         if nproc else [sys.executable]
     cmd = [*head, "-m", "slime_corr.main", *flags, "--work-dir", str(run_dir)]
+    started = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {"out": proc.stdout, "steps": {r["step"]: r for r in records}}
+    return {"out": proc.stdout, "steps": {r["step"]: r for r in records}, "started": started,
+            "seconds": time.time() - started}
 
 
 def _summary(step: int, r: dict) -> str:
@@ -104,11 +107,15 @@ def test_smollm2_trains_data_parallel_through_the_entry_point(tmp_path):
 
 
 def _close(got: dict, want: dict, tag: str) -> None:
+    worst = 0.0
     for step, w in want.items():
         g = got[step]
         assert g["rollout/reward_mean"] == w["rollout/reward_mean"], (tag, step)
         for key in ("train/loss", "train/grad_norm", "rollout_corr/mismatch_k3_kl", "train/ppo_kl"):
-            assert abs(g[key] - w[key]) <= 2e-3 * max(1.0, abs(w[key])), (tag, step, key, g[key], w[key])
+            deviation = abs(g[key] - w[key]) / max(1.0, abs(w[key]))
+            worst = max(worst, deviation)
+            assert deviation <= 2e-3, (tag, step, key, g[key], w[key])
+    print(f"{tag}: largest deviation from one process {worst:.1e} (loss, grad norm, k3, ppo_kl)")
 
 
 @pytest.mark.slow
@@ -129,7 +136,9 @@ def test_smollm2_reward_rises_on_the_readme_run(tmp_path):
     run = launch(tmp_path, README_RUN, timeout=3600)
     steps = run["steps"]
     for step, r in steps.items():
-        print(_summary(step, r), f"step_time={r['perf/step_time']:.1f}s")
+        print(_summary(step, r), f"step_time={r['perf/step_time']:.1f}s, {r['time'] - run['started']:.0f}s after the "
+              "launch")
     print(run_mismatch(steps))
+    print(f"the whole run: {run['seconds']:.0f}s")
     rewards = [steps[s]["rollout/reward_mean"] for s in sorted(steps)]
     assert max(rewards[-4:]) >= rewards[0] + 0.25, rewards
