@@ -105,13 +105,12 @@ def build_policy(config: TrainerConfig, *, with_reference: bool) -> Policy:
     """The policy of `config` on the current parallel_state (call `apply_cpu_compat()` first on CPU). Collective:
     every rank builds its shard (same seed: same full weights) and the engines' single-rank process groups."""
     from slime_corr.mcore.loss_hook import default_model_forward
-    from slime_corr.mcore.model import emulated_cp_forward, single_rank_groups
+    from slime_corr.mcore.model import build_tiny_gpt, emulated_cp_forward, single_rank_groups
+    from slime_corr.mcore.params import full_named_tensors
 
     forward = emulated_cp_forward if config.context_parallel_size > 1 else default_model_forward
     if config.model_source.is_pretrained:
         return _pretrained_policy(config, forward, with_reference)
-    from slime_corr.mcore.model import build_tiny_gpt
-    from slime_corr.mcore.params import full_named_tensors
 
     args = config.model
     model = build_tiny_gpt(args, ddp=True)
