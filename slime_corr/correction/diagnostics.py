@@ -8,9 +8,10 @@ With lr = lp_train − lp_rollout at valid finite tokens, x = clamp(lr, ±20) an
 - `pos`: the position in the response (0 = first trained token), cut at powers of two;
 - `lag`: the weight lag of the token (trainer version − the version that sampled it), 0 … MAX_LAG−1, ≥ MAX_LAG.
 
-Per bucket the sums are (tokens, Σ −lr, Σ k3, Σ |lr|, Σ lag, tokens with |lr| > LARGE_LOG_RATIO). In decoupled mode, with lp_current = log π_θ at the
-training forward, the drift splits into a = lp_old − lp_rollout (rollout→old, the mismatch) and
-b = lp_current − lp_old (old→current, the update size): Σ k3(a), Σ k3(b), Σ k3(a + b), Σ a², Σ b².
+Per bucket the sums are (tokens, Σ −lr, Σ k3, Σ |lr|, Σ lag, tokens with |lr| > LARGE_LOG_RATIO). In decoupled
+mode, with lp_current = log π_θ at the training forward, the drift splits into a = lp_old − lp_rollout
+(rollout→old, the mismatch) and b = lp_current − lp_old (old→current, the update size): Σ k3(a), Σ k3(b),
+Σ k3(a + b), Σ a², Σ b².
 Per sequence (row): (tokens, Σ lr, Σ k3) and max |lr| with its response position, for the top-k table.
 
 Cost model: `diagnostic_sums` is pure local tensor math on one micro-batch (scatter-adds into fixed-size buckets,
@@ -255,8 +256,9 @@ def finalize_diagnostics(host: dict[str, list[float]]) -> DiagnosticsResult:
     """Host sums -> metrics. Per non-empty bucket of each view: `<view>/<label>/token_frac`, `kl` (mean −lr),
     `k3`, `abs_log_ratio`, `large_lr_frac` (its tokens' fraction with |lr| > LARGE_LOG_RATIO), `k3_share` (its part
     of the view's Σ k3), and `lag` (mean weight lag) when some token is stale (e.g. by position: resumed samples
-    mix versions along the response); `tokens`; `lag/mean`; `large_lr_frac` over all tokens; and the drift split `drift/rollout_to_old_k3`, `drift/old_to_current_k3`,
-    `drift/rollout_to_current_k3`, `drift/mismatch_share` = Σa² / (Σa² + Σb²)."""
+    mix versions along the response); `tokens`; `lag/mean`; `large_lr_frac` over all tokens; and the drift split
+    `drift/rollout_to_old_k3`, `drift/old_to_current_k3`, `drift/rollout_to_current_k3`, `drift/mismatch_share` =
+    Σa² / (Σa² + Σb²)."""
     out: dict[str, float] = {}
     for view, labels in VIEWS.items():
         values = host.get(f"diag_{view}")

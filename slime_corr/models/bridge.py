@@ -167,7 +167,6 @@ def write_hf_checkpoint(weights: dict[str, torch.Tensor], source_dir: str | os.P
     renamed: a reader never sees half of it."""
     from safetensors.torch import save_file
 
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for f in Path(source_dir).iterdir():

@@ -114,9 +114,10 @@ class RolloutDriver:
         progress = RolloutProgress(cfg.samples_per_rollout, step=rollout, mode=self.progress_mode)
         buffer = ProgressSampleBuffer(cfg.samples_per_rollout, progress)  # only counts: never full, never read
         params = {"max_new_tokens": cfg.rollout_max_response_len, "temperature": cfg.rollout_temperature}
+        client = self.client
         prompts = self.task.prompts(cfg.seed, rollout, cfg.rollout_batch_size)
         offset = rollout * cfg.rollout_batch_size
-        self._counters[rollout] = self.client.failovers, len(self.client.events)
+        self._counters[rollout] = client.failovers, len(client.events)
 
         def reward(sample: Sample) -> float:  # on the decoded response, special tokens skipped
             text = self.tokenizer.decode(sample.response_tokens, skip_special_tokens=True)
@@ -125,8 +126,8 @@ class RolloutDriver:
         async def generate() -> list[Sample]:
             try:
                 return await generate_group_samples(
-                    self.client, [encode_prompt(self.tokenizer, p) for p in prompts], cfg.n_samples_per_prompt,
-                    params, stream=True, reward_fn=reward, buffer=buffer, group_id_offset=offset,  # type: ignore[arg-type]
+                    client, [encode_prompt(self.tokenizer, p) for p in prompts], cfg.n_samples_per_prompt, params,
+                    stream=True, reward_fn=reward, buffer=buffer, group_id_offset=offset,
                     sampling_seed=mix_seed(cfg.seed, rollout))
             finally:
                 progress.close()
