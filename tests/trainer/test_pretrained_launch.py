@@ -4,7 +4,8 @@ its tokenizer and chat template over SGLang's protocol, the arithmetic task's re
 metrics of a real pretrained model (bf16 engine vs fp32 trainer) in the output.
 
 CI: one torchrun launch, data parallel over 2 processes, 2 rollouts of 2 prompts × 4 samples of <= 8 tokens with the
-distributed weight sync (~60 s here). `-m slow`: the same model with TP=3, CP=2 and DP=2 against one process
+distributed weight sync (~60 s here); `--hf-checkpoint` with a tiny random Llama checkpoint under TP=2 against one
+process (~30 s). `-m slow`: the same model with TP=3, CP=2 and DP=2 against one process
 (fp32 engine), and the reward rising on the README's command.
 """
 
@@ -104,6 +105,37 @@ def test_smollm2_trains_data_parallel_through_the_entry_point(tmp_path):
         fracs = [v for k, v in r.items() if k.startswith("diag/prob/") and k.endswith("/token_frac")]
         assert len(fracs) >= 2 and sum(fracs) == pytest.approx(1.0)
         assert r["train/grad_norm"] > 0.0 and r["train/entropy"] > 0.0 and r["perf/rollout_time"] > 0.0
+
+
+def test_a_local_hf_checkpoint_trains_under_tp2_as_one_process(tmp_path):
+    """`--hf-checkpoint` with a tiny random Llama checkpoint (RoPE, GQA 4/2 heads, tied embeddings, a word-level
+    tokenizer without chat template): TP=2 logs the metrics of one process (float64 trainer, fp32 engine;
+    the entropy bonus makes every step update)."""
+    sys.path.insert(0, str(ROOT / "tests" / "models"))
+    from models_helpers import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "llama", "llama", tie_word_embeddings=True, max_position_embeddings=256)
+    flags = ["--hf-checkpoint", str(ckpt), "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+             "--num-steps-per-rollout", "2", "--micro-batch-size", "1", "--rollout-max-response-len", "6",
+             "--num-rollout", "2", "--params-dtype", "float64", "--engine-dtype", "float32", "--entropy-coef", "1e-2",
+             "--lr", "1e-3", "--rollout-progress", "none", "--seed", "3"]
+    one = launch(tmp_path / "one", flags)
+    tp2 = launch(tmp_path / "tp2", [*flags, "--tensor-model-parallel-size", "2"], nproc=2)
+    print(tp2["out"][tp2["out"].index("parallel:"):])
+    assert "parallel: TP=2 CP=1 DP=1" in tp2["out"] and sorted(one["steps"]) == [1, 2, 3, 4]
+    assert all(r["train/grad_norm"] > 0 for r in one["steps"].values())
+    worst = 0.0
+    for step, want in one["steps"].items():
+        got = tp2["steps"][step]
+        for key, value in want.items():
+            if key == "time" or key.startswith("perf/"):
+                continue
+            if key.startswith("rollout/") or value is None:
+                assert got[key] == value, (step, key)
+            else:
+                worst = max(worst, abs(got[key] - value) / max(1.0, abs(value)))
+                assert abs(got[key] - value) <= 1e-8 * max(1.0, abs(value)), (step, key, got[key], value)
+    print(f"TP=2 vs one process: largest relative deviation {worst:.1e} over every metric of 4 steps")
 
 
 def _close(got: dict, want: dict, tag: str) -> None:
