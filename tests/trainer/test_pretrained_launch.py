@@ -146,14 +146,14 @@ def _close(got: dict, want: dict, tag: str) -> None:
         for key in ("train/loss", "train/grad_norm", "rollout_corr/mismatch_k3_kl", "train/ppo_kl"):
             deviation = abs(g[key] - w[key]) / max(1.0, abs(w[key]))
             worst = max(worst, deviation)
-            assert deviation <= 2e-3, (tag, step, key, g[key], w[key])
+            assert deviation <= 2e-4, (tag, step, key, g[key], w[key])
     print(f"{tag}: largest deviation from one process {worst:.1e} (loss, grad norm, k3, ppo_kl)")
 
 
 @pytest.mark.slow
 def test_smollm2_parallel_layouts_train_as_one_process(tmp_path):
     """TP=3 (SmolLM2's 9 heads / 3 KV groups), CP=2 (emulated) and DP=2 log what one process logs (fp32 engine;
-    fp32 reductions in another order: 2e-3 relative)."""
+    fp32 reductions in another order: 2e-4 relative; measured 1.1e-6 DP=2, 1.4e-5 TP=3, 2.1e-6 CP=2)."""
     flags = [*SHORT, "--engine-dtype", "float32", "--num-rollout", "1", "--num-steps-per-rollout", "2",
              "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--micro-batch-size", "1"]
     one = launch(tmp_path / "one", flags)["steps"]
