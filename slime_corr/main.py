@@ -37,6 +37,7 @@ warnings.filterwarnings("ignore", message=r"full scope is deprecated")  # megatr
 
 def build_parser() -> argparse.ArgumentParser:
     from slime_corr.mcore.model import add_tiny_model_args
+    from slime_corr.models.selection import add_model_args
 
     parser = argparse.ArgumentParser(prog="slime_corr.main", description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_trainer_args(parser)
     add_loss_terms_args(parser)
     add_tiny_model_args(parser)
+    add_model_args(parser)
     add_monitoring_args(parser)
     parser.set_defaults(vocab_size=256)  # byte-level tokens, as the embedded engine uses
     return add_rollout_correction_args(parser)

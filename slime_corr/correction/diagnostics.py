@@ -9,9 +9,10 @@ With lr = lp_train − lp_rollout at valid finite tokens, x = clamp(lr, ±20) an
 - `lag`: the weight lag of the token (trainer version − the version that sampled it), 0 … MAX_LAG−1, ≥ MAX_LAG
   (an asynchronous rollout trained in K optimizer steps lags K … 2K−1 versions).
 
-Per bucket the sums are (tokens, Σ −lr, Σ k3, Σ |lr|, Σ lag). In decoupled mode, with lp_current = log π_θ at the
-training forward, the drift splits into a = lp_old − lp_rollout (rollout→old, the mismatch) and
-b = lp_current − lp_old (old→current, the update size): Σ k3(a), Σ k3(b), Σ k3(a + b), Σ a², Σ b².
+Per bucket the sums are (tokens, Σ −lr, Σ k3, Σ |lr|, Σ lag, tokens with |lr| > LARGE_LOG_RATIO). In decoupled
+mode, with lp_current = log π_θ at the training forward, the drift splits into a = lp_old − lp_rollout
+(rollout→old, the mismatch) and b = lp_current − lp_old (old→current, the update size): Σ k3(a), Σ k3(b),
+Σ k3(a + b), Σ a², Σ b².
 Per sequence (row): (tokens, Σ lr, Σ k3) and max |lr| with its response position, for the top-k table.
 
 Cost model: `diagnostic_sums` is pure local tensor math on one micro-batch (scatter-adds into fixed-size buckets,
@@ -50,7 +51,8 @@ from slime_corr.correction.reductions import BatchStats, ProcessGroup, group_siz
 PROB_EDGES = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 0.5, 0.9, 0.99)
 POSITION_EDGES = tuple(2**k for k in range(15))  # 1, 2, 4, ..., 16384
 MAX_LAG = 16
-BUCKET_SUMS = ("n", "neg_lr", "k3", "abs_lr", "lag")
+BUCKET_SUMS = ("n", "neg_lr", "k3", "abs_lr", "lag", "large")
+LARGE_LOG_RATIO = 0.1  # |lr| above it: the token's probability ratio is off by more than ~10 %
 DRIFT_SUMS = ("n", "k3_mismatch", "k3_update", "k3_total", "sq_mismatch", "sq_update")
 ROW_SUMS = ("n", "lr", "k3")
 LOG_RATIO_CLAMP = 20.0
@@ -151,7 +153,8 @@ def diagnostic_sums(
         lag = (weight_lag.unsqueeze(-1) if weight_lag.dim() == 1 else weight_lag).to(torch.float64)
         lag = lag.expand_as(lr).clamp_min(0) * okf
 
-    columns = torch.stack([okf, -lr, tok_k3, lr.abs(), lag]).reshape(len(BUCKET_SUMS), -1)
+    columns = torch.stack([okf, -lr, tok_k3, lr.abs(), lag, (lr.abs() > LARGE_LOG_RATIO) * okf])
+    columns = columns.reshape(len(BUCKET_SUMS), -1)
     p_index = torch.bucketize(torch.where(ok, lp_r, zero), lp_r.new_tensor([math.log(e) for e in PROB_EDGES]),
                               right=True)
     indices = {
@@ -252,10 +255,11 @@ def reduce_diagnostics(
 
 def finalize_diagnostics(host: dict[str, list[float]]) -> DiagnosticsResult:
     """Host sums -> metrics. Per non-empty bucket of each view: `<view>/<label>/token_frac`, `kl` (mean −lr),
-    `k3`, `abs_log_ratio`, `k3_share` (its part of the view's Σ k3), and `lag` (mean weight lag) when some
-    token is stale (e.g. by position: resumed samples mix versions along the response); `tokens`;
-    `lag/mean`; and the drift split `drift/rollout_to_old_k3`, `drift/old_to_current_k3`,
-    `drift/rollout_to_current_k3`, `drift/mismatch_share` = Σa² / (Σa² + Σb²)."""
+    `k3`, `abs_log_ratio`, `large_lr_frac` (its tokens' fraction with |lr| > LARGE_LOG_RATIO), `k3_share` (its part
+    of the view's Σ k3), and `lag` (mean weight lag) when some token is stale (e.g. by position: resumed samples
+    mix versions along the response); `tokens`; `lag/mean`; `large_lr_frac` over all tokens; and the drift split
+    `drift/rollout_to_old_k3`, `drift/old_to_current_k3`, `drift/rollout_to_current_k3`, `drift/mismatch_share` =
+    Σa² / (Σa² + Σb²)."""
     out: dict[str, float] = {}
     for view, labels in VIEWS.items():
         values = host.get(f"diag_{view}")
@@ -266,6 +270,7 @@ def finalize_diagnostics(host: dict[str, list[float]]) -> DiagnosticsResult:
         if view == "prob":
             out["tokens"] = total_n
             out["lag/mean"] = sum(table["lag"]) / total_n if total_n else 0.0
+            out["large_lr_frac"] = sum(table["large"]) / total_n if total_n else 0.0
         for b, label in enumerate(labels):
             n = table["n"][b]
             if n <= 0:
@@ -275,6 +280,7 @@ def finalize_diagnostics(host: dict[str, list[float]]) -> DiagnosticsResult:
             out[f"{key}/kl"] = table["neg_lr"][b] / n
             out[f"{key}/k3"] = table["k3"][b] / n
             out[f"{key}/abs_log_ratio"] = table["abs_lr"][b] / n
+            out[f"{key}/large_lr_frac"] = table["large"][b] / n
             out[f"{key}/k3_share"] = table["k3"][b] / total_k3 if total_k3 > 0 else 0.0
             if stale:
                 out[f"{key}/lag"] = table["lag"][b] / n

@@ -4,12 +4,13 @@
 - `gguf_checkpoint`: shipped GGUF models (SmolLM2-135M-Instruct) dequantized once into a cached HF checkpoint;
 - `hf_checkpoint`: what a checkpoint must be, its spec, the plain HF model (reference, engine module);
 - `tokenizer`: the checkpoint's tokenizer and chat template;
-- `bridge`: HF <-> Megatron `GPTModel` weights through mbridge, at any TP size.
+- `bridge`: HF <-> Megatron `GPTModel` weights through mbridge, at any TP size; HF checkpoints written from
+  exported weights (what the rollout engines load).
 
 Importing this package imports neither megatron nor transformers; the functions import them when called.
 """
 
-from slime_corr.models.bridge import MegatronHFBridge, build_gpt_from_hf
+from slime_corr.models.bridge import MegatronHFBridge, build_gpt_from_hf, write_hf_checkpoint
 from slime_corr.models.gguf_checkpoint import SHIPPED_MODELS, cached_hf_checkpoint
 from slime_corr.models.hf_checkpoint import (
     CheckpointError,
@@ -37,4 +38,5 @@ __all__ = [
     "load_hf_causal_lm",
     "parse_model_source",
     "read_hf_checkpoint",
+    "write_hf_checkpoint",
 ]

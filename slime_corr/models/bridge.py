@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from slime_corr.models.gguf_checkpoint import MARKER
 from slime_corr.models.hf_checkpoint import (
     MODEL_EXTRA_HINT,
     CheckpointError,
@@ -34,6 +35,7 @@ from slime_corr.models.hf_checkpoint import (
 )
 
 WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
 # Megatron local-spec norm -> HF norm, per decoder layer
 _LOCAL_SPEC_NORMS = {"input_layernorm.weight": "input_layernorm.weight",
                      "pre_mlp_layernorm.weight": "post_attention_layernorm.weight"}
@@ -86,11 +88,13 @@ class MegatronHFBridge:
     """One HF checkpoint's Megatron side on the current `parallel_state` (TP from it; one pipeline stage).
 
     `config_overrides` go to Megatron's `TransformerConfig` (e.g. `recompute_granularity`); the defaults are those
-    the rollout-correction loss needs: no dropout, `calculate_per_token_loss=True`.
+    the rollout-correction loss needs: no dropout, `calculate_per_token_loss=True`. `emulated_context_parallel`:
+    the models run whole sequences although parallel_state has CP > 1 (CP emulated on CPU,
+    `mcore.model.emulated_cp_forward`): CP size 1 in the config, and RoPE does not slice its table over CP.
     """
 
     def __init__(self, hf_dir: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32,
-                 config_overrides: dict[str, Any] | None = None) -> None:
+                 config_overrides: dict[str, Any] | None = None, emulated_context_parallel: bool = False) -> None:
         from megatron.core import parallel_state as ps
         from transformers import AutoConfig
 
@@ -100,6 +104,9 @@ class MegatronHFBridge:
             raise CheckpointError("--pipeline-model-parallel-size > 1 is not supported with HF checkpoints yet")
         check_tensor_parallel(self.spec, ps.get_tensor_model_parallel_world_size())
         self.dtype = dtype
+        self.emulated_context_parallel = emulated_context_parallel
+        if emulated_context_parallel:
+            config_overrides = {"context_parallel_size": 1, **(config_overrides or {})}
         self._mb = _local_spec_bridge(self.spec, AutoConfig.from_pretrained(hf_dir, local_files_only=True), dtype)
         self._mb.set_extra_args(
             use_cpu_initialization=not torch.cuda.is_available(),
@@ -119,6 +126,10 @@ class MegatronHFBridge:
         """A GPTModel (vocab-parallel logits) with the checkpoint's weights unless `load_weights=False`."""
         model = self._mb._model_provider([])(pre_process=True, post_process=True)
         model = model.to(self.dtype)  # the local spec's torch RMSNorm ignores params_dtype
+        if self.emulated_context_parallel:  # RoPE reads parallel_state's CP group, not the config's size
+            from slime_corr.mcore.model import single_rank_groups
+
+            model.rotary_pos_emb.cp_group = single_rank_groups().cp
         if load_weights:
             self.load_weights(model)
         return model
@@ -136,34 +147,48 @@ class MegatronHFBridge:
                 yield name, tensor.detach()
 
     def save_hf_checkpoint(self, model: nn.Module, out_dir: str | os.PathLike[str]) -> Path:
-        """Write `model` as an HF checkpoint (what the engine's `/update_weights_from_disk` reads): weights as one
-        safetensors file, every other file (config, tokenizer, chat template) copied from the source checkpoint.
-        Every rank calls it; rank 0 of the world writes, and all return once the checkpoint is complete."""
+        """Write `model` as an HF checkpoint (what the engine's `/update_weights_from_disk` reads), see
+        `write_hf_checkpoint`. Every rank calls it; rank 0 of the world writes, and all return once the checkpoint
+        is complete."""
         import torch.distributed as dist
-        from safetensors.torch import save_file
 
-        out = Path(out_dir)
-        weights = {name: t.contiguous() for name, t in self.export_weights(model)}
+        weights = dict(self.export_weights(model))
         if not dist.is_initialized() or dist.get_rank() == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            for f in self.hf_dir.iterdir():
-                if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
-                    shutil.copy2(f, out / f.name)
-            save_file(weights, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+            write_hf_checkpoint(weights, self.hf_dir, out_dir)
         if dist.is_initialized():
             dist.barrier()
-        return out
+        return Path(out_dir)
+
+
+def write_hf_checkpoint(weights: dict[str, torch.Tensor], source_dir: str | os.PathLike[str],
+                        out_dir: str | os.PathLike[str]) -> Path:
+    """`weights` (HF names) as one safetensors file in `out_dir`, beside every other file of the source checkpoint
+    (config, tokenizer, chat template; not its weights). The weights file is written under a temporary name and
+    renamed: a reader never sees half of it."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in Path(source_dir).iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name not in (WEIGHTS_INDEX, MARKER):
+            shutil.copy2(f, out / f.name)
+    tmp = out / (WEIGHTS_FILE + ".tmp")
+    save_file({name: t.contiguous() for name, t in weights.items()}, str(tmp), metadata={"format": "pt"})
+    tmp.replace(out / WEIGHTS_FILE)
+    return out
 
 
 def build_gpt_from_hf(hf_dir: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32, ddp: bool = False,
-                      config_overrides: dict[str, Any] | None = None) -> tuple[nn.Module, MegatronHFBridge]:
+                      config_overrides: dict[str, Any] | None = None, emulated_context_parallel: bool = False
+                      ) -> tuple[nn.Module, MegatronHFBridge]:
     """(GPTModel with the checkpoint's weights, its bridge) on the current parallel_state, like
     `mcore.model.build_tiny_gpt`: Megatron DDP around it when `ddp`, `finalize_model_grads` as the grad hook.
     On CPU call `slime_corr.mcore.cpu_compat.apply_cpu_compat()` first."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-    bridge = MegatronHFBridge(hf_dir, dtype=dtype, config_overrides=config_overrides)
+    bridge = MegatronHFBridge(hf_dir, dtype=dtype, config_overrides=config_overrides,
+                              emulated_context_parallel=emulated_context_parallel)
     model = bridge.build_model()
     config = bridge.transformer_config
     if ddp:
@@ -174,4 +199,4 @@ def build_gpt_from_hf(hf_dir: str | os.PathLike[str], *, dtype: torch.dtype = to
     return model, bridge
 
 
-__all__ = ["MegatronHFBridge", "build_gpt_from_hf", "unwrap", "WEIGHTS_FILE"]
+__all__ = ["MegatronHFBridge", "build_gpt_from_hf", "unwrap", "write_hf_checkpoint", "WEIGHTS_FILE"]

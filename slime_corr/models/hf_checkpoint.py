@@ -148,39 +148,24 @@ def load_hf_causal_lm(
     (non-TransformerEngine) attention: the converted fp32 model then gives bitwise-equal logits."""
     try:
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
     except ImportError as e:
         raise ImportError(f"loading a Hugging Face model needs transformers: {MODEL_EXTRA_HINT}") from e
+    hf_logging.disable_progress_bar()  # a "Loading weights" bar at every engine weight update
     return AutoModelForCausalLM.from_pretrained(
         str(path), dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
     ).eval()
 
 
-@dataclass(frozen=True)
-class EngineModelInfo:
-    vocab_size: int
-    eos_token_id: int | None
-    max_seq_len: int
-
-
-class HFCausalLMModule(nn.Module):
-    """[B, T] ids -> [B, T, V] logits of a HF causal LM, with the `cfg` fields the local engine reads
-    (`rollout.engine_model.TorchEngineModel(checkpoint_dir, factory=load_engine_module)`)."""
-
-    def __init__(self, hf_model: nn.Module) -> None:
-        super().__init__()
-        self.hf = hf_model
-        c = hf_model.config
-        eos = c.eos_token_id[0] if isinstance(c.eos_token_id, list) else c.eos_token_id
-        self.cfg = EngineModelInfo(int(c.vocab_size), eos, int(c.max_position_embeddings))
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=input_ids, use_cache=False).logits
-
-
 def load_engine_module(checkpoint_dir: str) -> nn.Module:
-    """Factory for the local engine: the checkpoint's HF model (fp32 here; the engine casts it to its dtype)."""
+    """Factory for the local engine (`rollout.engine_model.TorchEngineModel(checkpoint_dir,
+    factory=load_engine_module)`): the checkpoint's HF causal LM in fp32 (the engine casts it to its dtype), without
+    KV cache (the engine recomputes each sequence), its config giving `vocab_size`, `eos_token_id` and
+    `max_position_embeddings`; its weight names are the checkpoint's, as the trainer's export names them."""
     read_hf_checkpoint(checkpoint_dir, flag="checkpoint_dir")
-    return HFCausalLMModule(load_hf_causal_lm(checkpoint_dir))
+    model = load_hf_causal_lm(checkpoint_dir)
+    model.config.use_cache = False
+    return model
 
 
 __all__ = [
@@ -191,6 +176,5 @@ __all__ = [
     "read_hf_checkpoint",
     "check_tensor_parallel",
     "load_hf_causal_lm",
-    "HFCausalLMModule",
     "load_engine_module",
 ]

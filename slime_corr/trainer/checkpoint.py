@@ -49,8 +49,10 @@ def _set_rng_states(states: dict[str, Any]) -> None:
 
 def _identity(config: TrainerConfig) -> dict[str, Any]:
     """Settings a checkpoint must agree with to resume the same run."""
+    source = config.model_source
     return {"seed": config.seed, "samples_per_rollout": config.samples_per_rollout,
-            "num_steps_per_rollout": config.num_steps_per_rollout, "async_rollout": config.async_rollout}
+            "num_steps_per_rollout": config.num_steps_per_rollout, "async_rollout": config.async_rollout,
+            "model": source.model or source.hf_checkpoint, "task": config.task}
 
 
 def save_train_state(config: TrainerConfig, state: TrainState, module: torch.nn.Module,

@@ -30,12 +30,16 @@ import torch
 
 from slime_corr.config import ConfigError
 from slime_corr.mcore.model import TinyGPTArgs
-from slime_corr.trainer.task import PROMPT_TOKENS_MAX
+from slime_corr.models.hf_checkpoint import CheckpointError, check_tensor_parallel
+from slime_corr.models.selection import ModelSource
+from slime_corr.trainer.task import TASKS
 
 WEIGHT_SYNC_MODES = ("disk", "distributed")
 ROUTER_CHOICES = ("auto", "on", "off")
 ENGINE_DTYPES = ("bfloat16", "float32", "float64")
 PARAMS_DTYPES = ("float32", "float64")
+PRETRAINED_LR = 1e-5  # --lr's default with a pretrained model (the tiny model's, 1e-2, would wreck it at once)
+CHAT_TEMPLATE_ALLOWANCE = 128  # tokens a chat template may add around the user message (system prompt, headers)
 
 
 
@@ -77,8 +81,10 @@ class TrainerConfig:
     load: str | None = None
     ckpt_step: int | None = None
     work_dir: str | None = None
-    # the model
+    # the model: the tiny GPT of `model`, or a pretrained one (`--model` / `--hf-checkpoint`)
     model: TinyGPTArgs = field(default_factory=lambda: TinyGPTArgs(vocab_size=256))
+    model_source: ModelSource = field(default_factory=ModelSource)
+    task: str = "lowercase"
 
     def __post_init__(self) -> None:
         if self.global_batch_size is None and self.rollout_batch_size > 0 and self.num_steps_per_rollout > 0:
@@ -163,22 +169,12 @@ class TrainerConfig:
                 fail(f"--{_flag(name)} {getattr(self, name)!r} is not one of {', '.join(choices)}.")
         if self.sglang_url and self.rollout_num_engines != 1:
             fail("--rollout-num-engines starts embedded engines; with --sglang-url the engines are yours: drop one.")
-        m = self.model
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings"):
-            value = getattr(m, name)
-            if not isinstance(value, int) or value < 1:
-                fail(f"--{_flag(name)} {value} must be an integer >= 1.")
-        if m.hidden_size % m.num_attention_heads:
-            fail(f"--hidden-size {m.hidden_size} must be a multiple of --num-attention-heads {m.num_attention_heads}.")
-        if m.vocab_size < 256:
-            fail(f"--vocab-size {m.vocab_size} must be >= 256: prompts, responses and rewards are byte tokens.")
-        if m.vocab_size % self.tensor_model_parallel_size or m.num_attention_heads % self.tensor_model_parallel_size:
-            fail(f"--tensor-model-parallel-size {self.tensor_model_parallel_size} must divide --vocab-size "
-                 f"{m.vocab_size} and --num-attention-heads {m.num_attention_heads}.")
-        longest = PROMPT_TOKENS_MAX + self.rollout_max_response_len + 2 * self.context_parallel_size
-        if longest > m.max_position_embeddings:
-            fail(f"--rollout-max-response-len {self.rollout_max_response_len}: prompt + response (+ CP padding) "
-                 f"reach {longest} tokens, more than --max-position-embeddings {m.max_position_embeddings}.")
+        if self.task not in TASKS:
+            fail(f"--task {self.task!r} is not one of {', '.join(TASKS)}.")
+        if self.model_source.is_pretrained:
+            self._check_pretrained()
+        else:
+            self._check_tiny_model()
         if self.save_interval is not None:
             if self.save_interval < 1:
                 fail(f"--save-interval {self.save_interval} must be >= 1 (rollouts between checkpoints).")
@@ -188,6 +184,48 @@ class TrainerConfig:
             fail("--ckpt-step selects a checkpoint of --load DIR: add --load.")
         if self.load:
             self._check_load()
+
+    def _check_tiny_model(self) -> None:
+        m = self.model
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings"):
+            value = getattr(m, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"--{_flag(name)} {value} must be an integer >= 1.")
+        if m.hidden_size % m.num_attention_heads:
+            raise ConfigError(f"--hidden-size {m.hidden_size} must be a multiple of --num-attention-heads "
+                              f"{m.num_attention_heads}.")
+        if m.vocab_size < 256:
+            raise ConfigError(f"--vocab-size {m.vocab_size} must be >= 256: prompts, responses and rewards are byte "
+                              "tokens.")
+        if m.vocab_size % self.tensor_model_parallel_size or m.num_attention_heads % self.tensor_model_parallel_size:
+            raise ConfigError(f"--tensor-model-parallel-size {self.tensor_model_parallel_size} must divide "
+                              f"--vocab-size {m.vocab_size} and --num-attention-heads {m.num_attention_heads}.")
+        longest = TASKS[self.task].max_prompt_chars + self.rollout_max_response_len + 2 * self.context_parallel_size
+        if longest > m.max_position_embeddings:
+            raise ConfigError(f"--rollout-max-response-len {self.rollout_max_response_len}: prompt + response (+ CP "
+                              f"padding) reach {longest} tokens, more than --max-position-embeddings "
+                              f"{m.max_position_embeddings}.")
+
+    def _check_pretrained(self) -> None:
+        """The checkpoint's heads, KV groups, FFN and vocabulary divide over TP; prompts (with a chat template's
+        allowance) and responses fit its positions; the task reads text. Resolves the model (a shipped one is
+        dequantized into the cache on first use)."""
+        task = TASKS[self.task]
+        if task.byte_tokens_only:
+            raise ConfigError(f"--task {self.task} scores byte tokens (the tiny model's task); a pretrained model "
+                              f"has its own tokenizer: choose one of "
+                              f"{', '.join(n for n, t in TASKS.items() if not t.byte_tokens_only)}.")
+        spec = self.model_source.spec()
+        assert spec is not None
+        try:
+            check_tensor_parallel(spec, self.tensor_model_parallel_size)
+        except CheckpointError as e:
+            raise ConfigError(str(e)) from None
+        longest = CHAT_TEMPLATE_ALLOWANCE + task.max_prompt_chars + self.rollout_max_response_len
+        if longest > spec.max_position_embeddings:
+            raise ConfigError(f"--rollout-max-response-len {self.rollout_max_response_len}: prompt (with up to "
+                              f"{CHAT_TEMPLATE_ALLOWANCE} tokens of chat template) + response reach {longest} tokens, "
+                              f"more than the model's max_position_embeddings {spec.max_position_embeddings}.")
 
     def _check_load(self) -> None:
         from slime_corr.mcore.checkpoint import TRACKER_FILE, iteration_dir, latest_iteration
@@ -206,15 +244,25 @@ class TrainerConfig:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_args(cls, args: argparse.Namespace, *, world_size: int | None = None) -> TrainerConfig:
-        """From parsed flags (`add_trainer_args` + `add_tiny_model_args`); `world_size` defaults to WORLD_SIZE."""
-        names = [f for f in cls.__dataclass_fields__ if f not in ("world_size", "model", "sglang_url")]
+        """From parsed flags (`add_trainer_args`, `add_tiny_model_args`, `models.add_model_args`); `world_size`
+        defaults to WORLD_SIZE. `--task` and `--lr` default to the model's: lowercase and 1e-2 for the tiny one,
+        arithmetic and PRETRAINED_LR for a pretrained one."""
+        names = [f for f in cls.__dataclass_fields__ if f not in ("world_size", "model", "sglang_url", "model_source",
+                                                                  "task", "lr")]
         values = {n: getattr(args, n) for n in names}
         model = TinyGPTArgs(num_layers=args.num_layers, hidden_size=args.hidden_size,
                             num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size,
                             max_position_embeddings=args.max_position_embeddings, seed=args.seed,
                             params_dtype=getattr(torch, args.params_dtype))
         world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
-        return cls(**values, world_size=world, sglang_url=tuple(args.sglang_url or ()), model=model)
+        try:
+            source = ModelSource.from_args(args)
+        except CheckpointError as e:
+            raise ConfigError(str(e)) from None
+        task = args.task or ("arithmetic" if source.is_pretrained else "lowercase")
+        lr = args.lr if args.lr is not None else PRETRAINED_LR if source.is_pretrained else cls.lr
+        return cls(**values, world_size=world, sglang_url=tuple(args.sglang_url or ()), model=model,
+                   model_source=source, task=task, lr=lr)
 
 
 def _flag(name: str) -> str:
@@ -233,7 +281,9 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size, help="Samples per micro-batch.")
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="Samples per optimizer step (default: the rollout's samples / --num-steps-per-rollout).")
-    g.add_argument("--lr", type=float, default=d.lr, help="Adam learning rate.")
+    g.add_argument("--lr", type=float, default=None,
+                   help=f"Adam learning rate (default: {d.lr:g} for the tiny model, {PRETRAINED_LR:g} with --model / "
+                        "--hf-checkpoint).")
     g.add_argument("--clip-grad", type=float, default=d.clip_grad, help="Gradient clipping by global L2 norm (0: off).")
     g.add_argument("--params-dtype", choices=PARAMS_DTYPES, default=d.params_dtype,
                    help="Dtype of the trained model (float64 makes runs comparable across parallel layouts).")
@@ -259,6 +309,9 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "train_async.py); the weights reach the engines between rollouts.")
     r.add_argument("--disable-grpo-std-normalization", dest="grpo_std_normalization", action="store_false",
                    help="GRPO advantage = reward − group mean, without dividing by the group's std (Dr. GRPO).")
+    r.add_argument("--task", choices=sorted(TASKS), default=None,
+                   help="Prompts and reward: " + "; ".join(f"{t.name}: {t.description}" for t in TASKS.values())
+                        + ". Default: lowercase with the tiny model, arithmetic with --model / --hf-checkpoint.")
     r.add_argument("--sglang-url", action="append", default=None,
                    help="SGLang server or router URL (repeatable), checked at start-up. Default: embedded engines.")
 

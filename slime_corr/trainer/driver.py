@@ -1,8 +1,9 @@
 """The rollout driver: the one process (global rank 0) that talks to the rollout engines.
 
 It starts the embedded engine group once (or checks and uses `--sglang-url`), runs one `SGLangClient` on a
-background event loop, generates rollouts (GRPO groups of the toy task, one seeded request per sample), and pushes
-new weights to every engine (`--rollout-weight-sync`: a checkpoint on disk, or a broadcast over a process group).
+background event loop, generates rollouts (GRPO groups of the `--task`'s prompts, one seeded request per sample,
+scored by the task's reward on the decoded response), and pushes new weights to every engine
+(`--rollout-weight-sync`: a checkpoint on disk, or a broadcast over a process group).
 `submit(k)` starts rollout k and returns a future: the loop waits on it at once (synchronous) or lets it run while
 the previous rollout trains (asynchronous). The engines never change weights during a rollout: the trainer syncs
 only once the in-flight rollout has finished, so every sample carries exactly one weight version.
@@ -25,7 +26,7 @@ from slime_corr.monitoring.progress import ProgressSampleBuffer, RolloutProgress
 from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.data_iterator import background_event_loop
 from slime_corr.rollout.engine_group import start_engine_group
-from slime_corr.rollout.engine_model import TorchEngineModel
+from slime_corr.rollout.engine_model import ByteTokenizer, Tokenizer, TorchEngineModel
 from slime_corr.rollout.local_engine import start_local_engine
 from slime_corr.rollout.rollout import RolloutReport, generate_group_samples, rollout_report
 from slime_corr.rollout.sample import Sample
@@ -33,16 +34,25 @@ from slime_corr.rollout.sampling import mix_seed
 from slime_corr.rollout.weight_sync import DistributedWeightSync, SyncReport, sync_weights_from_disk
 from slime_corr.trainer.config import TrainerConfig
 from slime_corr.trainer.data import VERSION_PREFIX, weight_version
-from slime_corr.trainer.task import make_prompts, reward_lowercase
+from slime_corr.trainer.task import TASKS, Response, encode_prompt
 
 
 class RolloutDriver:
-    """Rank 0's rollout side (see the module doc). Use as a context manager; `start` before the first rollout."""
+    """Rank 0's rollout side (see the module doc). Use as a context manager; `start` before the first rollout.
+
+    `tokenizer` encodes the task's prompts (with its chat template when it has one) and decodes responses for the
+    reward (default: byte-level); the embedded engines tokenize `text` with `engine_tokenizer` and serve the model
+    as `served_model_name`."""
 
     def __init__(self, config: TrainerConfig, engine_module: Callable[[str], Any], weights_dir: Path,
-                 progress_mode: str = "auto") -> None:
+                 progress_mode: str = "auto", *, tokenizer: Any = None, engine_tokenizer: Tokenizer | None = None,
+                 served_model_name: str = "slime-corr-tiny") -> None:
         self.config = config
         self.engine_module = engine_module
+        self.task = TASKS[config.task]
+        self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+        self.engine_tokenizer = engine_tokenizer
+        self.served_model_name = served_model_name
         self.weights_dir = weights_dir
         self.progress_mode = progress_mode
         self._stack = contextlib.ExitStack()
@@ -74,7 +84,8 @@ class RolloutDriver:
 
             def make_engine(i: int) -> Any:
                 model = TorchEngineModel(ckpt, factory=self.engine_module, dtype=dtype)
-                return start_local_engine(ckpt, model=model, weight_version=version)
+                return start_local_engine(ckpt, model=model, weight_version=version, tokenizer=self.engine_tokenizer,
+                                          served_model_name=self.served_model_name)
 
             group = self._stack.enter_context(start_engine_group(cfg.rollout_num_engines, make_engine,
                                                                  router=cfg.rollout_router))
@@ -103,14 +114,20 @@ class RolloutDriver:
         progress = RolloutProgress(cfg.samples_per_rollout, step=rollout, mode=self.progress_mode)
         buffer = ProgressSampleBuffer(cfg.samples_per_rollout, progress)  # only counts: never full, never read
         params = {"max_new_tokens": cfg.rollout_max_response_len, "temperature": cfg.rollout_temperature}
-        prompts = make_prompts(cfg.seed, rollout, cfg.rollout_batch_size)
-        self._counters[rollout] = self.client.failovers, len(self.client.events)
+        client = self.client
+        prompts = self.task.prompts(cfg.seed, rollout, cfg.rollout_batch_size)
+        offset = rollout * cfg.rollout_batch_size
+        self._counters[rollout] = client.failovers, len(client.events)
+
+        def reward(sample: Sample) -> float:  # on the decoded response, special tokens skipped
+            text = self.tokenizer.decode(sample.response_tokens, skip_special_tokens=True)
+            return self.task.reward(Response(text, sample.response_tokens, prompts[sample.group_id - offset].label))
 
         async def generate() -> list[Sample]:
             try:
                 return await generate_group_samples(
-                    self.client, prompts, cfg.n_samples_per_prompt, params, stream=True,  # type: ignore[arg-type]
-                    reward_fn=reward_lowercase, buffer=buffer, group_id_offset=rollout * cfg.rollout_batch_size,
+                    client, [encode_prompt(self.tokenizer, p) for p in prompts], cfg.n_samples_per_prompt, params,
+                    stream=True, reward_fn=reward, buffer=buffer, group_id_offset=offset,
                     sampling_seed=mix_seed(cfg.seed, rollout))
             finally:
                 progress.close()

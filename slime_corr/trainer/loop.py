@@ -136,8 +136,10 @@ class _Job:
         if self.is_driver:
             weights_dir = Path(cfg.work_dir) / "weights" if cfg.work_dir else \
                 Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="slime_corr_weights_")))
-            self.driver = stack.enter_context(RolloutDriver(cfg, self.policy.engine_module, weights_dir,
-                                                            monitoring.rollout_progress))
+            self.driver = stack.enter_context(RolloutDriver(
+                cfg, self.policy.engine_module, weights_dir, monitoring.rollout_progress,
+                tokenizer=self.policy.tokenizer, engine_tokenizer=self.policy.engine_tokenizer,
+                served_model_name=self.policy.name))
         self.say(f"metrics: {self.logger.run_dir / 'metrics.jsonl'}" if self.logger.run_dir else "")
         self.say(f"parallel: TP={cfg.tensor_model_parallel_size} CP={cfg.context_parallel_size} "
                  f"DP={cfg.data_parallel_size} ({cfg.world_size} process(es)); rollout: {cfg.rollout_batch_size} "
@@ -256,7 +258,6 @@ class _Job:
         from slime_corr.monitoring.keys import loss_step_metrics
         from slime_corr.monitoring.rollout_stats import rollout_metrics
         from slime_corr.monitoring.step_diagnostics import diagnostic_metrics, top_mismatch_records
-        from slime_corr.rollout.engine_model import ByteTokenizer
         from slime_corr.trainer.data import staleness
 
         assert self.driver is not None
@@ -281,7 +282,7 @@ class _Job:
             self.logger.log(step, metrics)
             if result.diagnostics.top:
                 self.logger.log_samples(step, top_mismatch_records(result.diagnostics, samples,
-                                                                   ByteTokenizer().decode))
+                                                                   self.policy.tokenizer.decode))
 
 
 __all__ = ["RolloutRecord", "RunConfig", "init_distributed", "run"]

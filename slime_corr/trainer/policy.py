@@ -1,26 +1,32 @@
 """The policy the trainer trains, built by ONE function (`build_policy`) from the config: the model on this rank,
-the frozen reference policy (KL term), how to run it on a micro-batch, and how the rollout engines serve it.
+the frozen reference policy (KL term), how to run it on a micro-batch, its tokenizer, and how the rollout engines
+serve it (the module, the weights they receive and the files they load them from).
 
-Today the policy is the tiny Megatron GPTModel (`slime_corr.mcore.model`) with byte tokens. A pretrained model
-(`--model smollm2-135m`, `slime_corr.models`) plugs in here: its bridge builds the model and exports HF-named
-weights, and the engine serves the HF model (`slime_corr.models.hf_checkpoint.load_engine_module`).
+- The tiny Megatron GPTModel (`slime_corr.mcore.model`), byte tokens: the engines serve the same architecture
+  (`EngineGPT`), weights under the trainer's names in one `model.pt`.
+- A pretrained model (`--model smollm2-135m`, `--hf-checkpoint PATH`; `slime_corr.models`): mbridge builds the
+  Megatron GPTModel from the HF checkpoint and exports its weights under HF names (TP shards gathered); the engines
+  serve the HF model itself (`models.load_engine_module`) with the checkpoint's tokenizer and chat template, and
+  load HF checkpoints (`models.write_hf_checkpoint`: safetensors + the source's config and tokenizer files).
 
 The engines run the model unsharded beside the TP-sharded trainer, in the driver's process: the engine's GPTModel
-gets process groups of its own (`single_rank_groups`), so its layers never enter the trainer's collectives.
+gets process groups of its own (`single_rank_groups`), so its layers never enter the trainer's collectives (the HF
+model uses none).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import types
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from slime_corr.rollout.engine_model import ByteTokenizer, Tokenizer
 from slime_corr.trainer.config import TrainerConfig
 
 WEIGHTS_FILE = "model.pt"
@@ -68,7 +74,12 @@ class Policy:
     reference: nn.Module | None  # the frozen initial policy (KL term), or None
     forward: ModelForward  # logits [B, S_local, V/TP] of this rank's (CP-sliced) micro-batch
     engine_module: Callable[[str], Any]  # checkpoint dir -> the module an embedded engine serves
+    export_weights: Callable[[], Iterable[tuple[str, Tensor]]]  # (engine name, full tensor): COLLECTIVE over TP
+    save_engine_checkpoint: Callable[[dict[str, Tensor], Path], str]  # weights -> a dir an engine loads; returns it
+    tokenizer: Any = field(default_factory=ByteTokenizer)  # prompts, rewards and logs (`encode`/`decode`)
+    engine_tokenizer: Tokenizer | None = None  # what the engines tokenize `text` with (None: byte-level)
     pad_token_id: int = 0
+    name: str = "slime-corr-tiny"  # the engines' served model name
 
     @property
     def module(self) -> nn.Module:
@@ -76,19 +87,18 @@ class Policy:
         return self.model.module
 
     def full_weights(self) -> dict[str, Tensor]:
-        """Every weight as its full tensor (TP shards gathered): COLLECTIVE over the TP group."""
-        from slime_corr.mcore.params import full_named_tensors
+        """Every weight as its full tensor under the engines' names, copied (an optimizer step does not change
+        them): COLLECTIVE over the TP group."""
+        return {name: t.clone() for name, t in self.export_weights()}
 
-        return {name: t.clone() for name, t in full_named_tensors(self.module)}
 
-    @staticmethod
-    def save_engine_checkpoint(weights: dict[str, Tensor], directory: Path) -> str:
-        """Write `weights` where an engine loads them from (`/update_weights_from_disk`); returns the directory."""
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / (WEIGHTS_FILE + ".tmp")
-        torch.save(weights, tmp)
-        tmp.replace(directory / WEIGHTS_FILE)  # atomic: an engine never reads half a file
-        return str(directory)
+def save_engine_gpt_checkpoint(weights: dict[str, Tensor], directory: Path) -> str:
+    """Write `weights` where an `EngineGPT` loads them from (`/update_weights_from_disk`); returns the directory."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / (WEIGHTS_FILE + ".tmp")
+    torch.save(weights, tmp)
+    tmp.replace(directory / WEIGHTS_FILE)  # atomic: an engine never reads half a file
+    return str(directory)
 
 
 def build_policy(config: TrainerConfig, *, with_reference: bool) -> Policy:
@@ -96,6 +106,11 @@ def build_policy(config: TrainerConfig, *, with_reference: bool) -> Policy:
     every rank builds its shard (same seed: same full weights) and the engines' single-rank process groups."""
     from slime_corr.mcore.loss_hook import default_model_forward
     from slime_corr.mcore.model import build_tiny_gpt, emulated_cp_forward, single_rank_groups
+    from slime_corr.mcore.params import full_named_tensors
+
+    forward = emulated_cp_forward if config.context_parallel_size > 1 else default_model_forward
+    if config.model_source.is_pretrained:
+        return _pretrained_policy(config, forward, with_reference)
 
     args = config.model
     model = build_tiny_gpt(args, ddp=True)
@@ -104,10 +119,37 @@ def build_policy(config: TrainerConfig, *, with_reference: bool) -> Policy:
         reference = build_tiny_gpt(args, ddp=False).eval()
         reference.requires_grad_(False)
     single_rank_groups()
-    forward = emulated_cp_forward if config.context_parallel_size > 1 else default_model_forward
     engine_args = dataclasses.replace(args, params_dtype=torch.float32)  # the engine casts to --engine-dtype
     return Policy(model=model, reference=reference, forward=forward,
-                  engine_module=lambda directory: EngineGPT(engine_args, directory))
+                  engine_module=lambda directory: EngineGPT(engine_args, directory),
+                  export_weights=lambda: full_named_tensors(model.module),
+                  save_engine_checkpoint=save_engine_gpt_checkpoint)
 
 
-__all__ = ["EngineGPT", "Policy", "WEIGHTS_FILE", "build_policy"]
+def _pretrained_policy(config: TrainerConfig, forward: ModelForward, with_reference: bool) -> Policy:
+    """The `--model` / `--hf-checkpoint` policy: Megatron GPTModel from the HF checkpoint in `--params-dtype`
+    (every rank loads its TP shard), the reference a second copy of the checkpoint's weights."""
+    from megatron.core import tensor_parallel
+
+    from slime_corr.models import ChatTokenizer, build_gpt_from_hf, load_engine_module, write_hf_checkpoint
+
+    hf_dir = config.model_source.resolve()
+    assert hf_dir is not None
+    torch.manual_seed(config.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
+    model, bridge = build_gpt_from_hf(hf_dir, dtype=config.torch_params_dtype, ddp=True,
+                                      emulated_context_parallel=config.context_parallel_size > 1)
+    reference = None
+    if with_reference:
+        reference = bridge.build_model().eval()
+        reference.requires_grad_(False)
+    tokenizer = ChatTokenizer.from_pretrained(hf_dir)
+    return Policy(model=model, reference=reference, forward=forward, engine_module=load_engine_module,
+                  export_weights=lambda: bridge.export_weights(model),
+                  save_engine_checkpoint=lambda weights, directory: str(write_hf_checkpoint(weights, hf_dir,
+                                                                                            directory)),
+                  tokenizer=tokenizer, engine_tokenizer=tokenizer.hf, pad_token_id=tokenizer.pad_token_id,
+                  name=config.model_source.model or Path(hf_dir).name)
+
+
+__all__ = ["EngineGPT", "Policy", "WEIGHTS_FILE", "build_policy", "save_engine_gpt_checkpoint"]

@@ -59,8 +59,8 @@ def _bucket(value: float, edges) -> int:
 
 
 def _reference(lp_t, lp_r, lp_c, mask, lag):
-    """Per-token Python loop: {view: {bucket: [n, Σ-lr, Σk3, Σ|lr|, Σlag]}}, drift sums, rows."""
-    tables = {view: [[0.0] * 5 for _ in labels] for view, labels in VIEWS.items()}
+    """Per-token Python loop: {view: {bucket: [n, Σ-lr, Σk3, Σ|lr|, Σlag, #|lr|>0.1]}}, drift sums, rows."""
+    tables = {view: [[0.0] * 6 for _ in labels] for view, labels in VIEWS.items()}
     drift = [0.0] * 6
     rows = []
     for b in range(B):
@@ -77,7 +77,7 @@ def _reference(lp_t, lp_r, lp_c, mask, lag):
                    "lag": min(int(lag[b]), MAX_LAG)}
             for view, i in idx.items():
                 cell = tables[view][i]
-                for j, v in enumerate((1.0, -lr, _k3(lr), abs(lr), float(lag[b]))):
+                for j, v in enumerate((1.0, -lr, _k3(lr), abs(lr), float(lag[b]), float(abs(lr) > 0.1))):
                     cell[j] += v
             upd = c - a
             for j, v in enumerate((1.0, _k3(lr), _k3(upd), _k3(lr + upd), lr * lr, upd * upd)):
@@ -95,7 +95,7 @@ def _check_against_reference(result, tables, drift, rows, top_k):
     assert m["tokens"] == pytest.approx(total)
     for view, labels in VIEWS.items():
         view_k3 = sum(cell[2] for cell in tables[view])
-        for label, (n, neg_lr, k3, abs_lr, lag) in zip(labels, tables[view], strict=True):
+        for label, (n, neg_lr, k3, abs_lr, lag, large) in zip(labels, tables[view], strict=True):
             key = f"{view}/{label}"
             if n == 0:
                 assert f"{key}/token_frac" not in m, key
@@ -104,9 +104,11 @@ def _check_against_reference(result, tables, drift, rows, top_k):
             assert m[f"{key}/kl"] == pytest.approx(neg_lr / n, rel=1e-9, abs=1e-12), key
             assert m[f"{key}/k3"] == pytest.approx(k3 / n, rel=1e-9), key
             assert m[f"{key}/abs_log_ratio"] == pytest.approx(abs_lr / n, rel=1e-9), key
+            assert m[f"{key}/large_lr_frac"] == pytest.approx(large / n, rel=1e-12), key
             assert m[f"{key}/k3_share"] == pytest.approx(k3 / view_k3, rel=1e-9), key
             assert m[f"{key}/lag"] == pytest.approx(lag / n, rel=1e-12), key
     assert m["lag/mean"] == pytest.approx(sum(c[4] for c in tables["lag"]) / total, rel=1e-12)
+    assert m["large_lr_frac"] == pytest.approx(sum(c[5] for c in tables["prob"]) / total, rel=1e-12)
     n = drift[0]
     assert m["drift/rollout_to_old_k3"] == pytest.approx(drift[1] / n, rel=1e-9)
     assert m["drift/old_to_current_k3"] == pytest.approx(drift[2] / n, rel=1e-9)
@@ -172,7 +174,7 @@ def test_all_masked_and_empty_inputs_give_no_buckets_and_no_rows():
     m.add(lp, lp, torch.zeros(3, 5, dtype=torch.bool))
     m.add(torch.zeros(2, 0), torch.zeros(2, 0), torch.zeros(2, 0))
     result = m.reduce()
-    assert result.metrics == {"tokens": 0.0, "lag/mean": 0.0} and result.top == []
+    assert result.metrics == {"tokens": 0.0, "lag/mean": 0.0, "large_lr_frac": 0.0} and result.top == []
     m.add(torch.full((1, 3), -1.0), torch.full((1, 3), -1.2), torch.ones(1, 3), weight_lag=torch.zeros(1))
     assert not any(k.endswith("/lag") for k in m.reduce().metrics)  # nothing stale: no per-bucket lag
     assert MismatchDiagnostics().reduce().metrics == {}
@@ -186,8 +188,8 @@ def test_per_micro_batch_work_has_no_data_dependent_step():
                           lp_current=torch.empty(4, 9, **meta), weight_lag=torch.empty(4, 9, dtype=torch.long, **meta),
                           positions=torch.empty(4, 9, dtype=torch.long, **meta), sample_ids=torch.empty(4, **meta))
     assert {k: tuple(v.shape) for k, v in out.items()} == {
-        "diag_prob": (5 * len(VIEWS["prob"]),), "diag_pos": (5 * len(VIEWS["pos"]),),
-        "diag_lag": (5 * len(VIEWS["lag"]),), "diag_drift": (6,), "diag_rows": (4, 6)}
+        "diag_prob": (6 * len(VIEWS["prob"]),), "diag_pos": (6 * len(VIEWS["pos"]),),
+        "diag_lag": (6 * len(VIEWS["lag"]),), "diag_drift": (6,), "diag_rows": (4, 6)}
 
 
 def test_response_positions_start_at_the_first_valid_token():

@@ -48,10 +48,11 @@ def test_weights_written_by_the_trainer_reach_a_fresh_model(single_rank, tiny_di
     assert not torch.equal(megatron_logits(fresh, IDS), megatron_logits(model, IDS))
     bridge.load_weights(fresh, out)
     assert torch.equal(megatron_logits(fresh, IDS), megatron_logits(model, IDS))
-    engine = load_engine_module(str(out))
-    assert engine.cfg.vocab_size == V and engine.cfg.eos_token_id == V - 1
+    engine = load_engine_module(str(out))  # the HF model under the exported (HF) names, no KV cache
+    assert engine.config.vocab_size == V and engine.config.eos_token_id == V - 1 and not engine.config.use_cache
+    assert set(engine.state_dict()) >= {name for name, _ in bridge.export_weights(model)}
     with torch.no_grad():
-        assert (engine(IDS) - megatron_logits(model, IDS)).abs().max().item() <= 1e-5
+        assert (engine(IDS).logits - megatron_logits(model, IDS)).abs().max().item() <= 1e-5
 
 
 def test_smollm2_converts_exactly_and_rescoring_matches_sampling(single_rank, smollm2_dir):
