@@ -38,7 +38,17 @@ gradient (above); the `--tis-batch-normalize` mean, from a pre-pass over the ste
 reuses lp_old; bypass mode, which has no lp_old, pays one forward-only pass, and only when normalization is on
 with more than one micro-batch); and the correction metrics. Only the extra metrics of a custom weighting
 function are averaged over micro-batches with equal weight.
-Micro-batches are padded [B, S] (one sequence per row); packed batches are rejected.
+
+Layouts. Micro-batches are padded [B, S] (one sequence per row) or packed (THD: one row [1, T] with `cu_seqlens`
+and `cu_seqlens_padded`, `slime_corr.rollout.batching`); every sequence-level quantity is per packed sequence, the
+same as padded. `seq-mean-token-sum-norm` divides by `seq_length_for_norm` (the run's maximum response length; a
+padded batch defaults to its length S·CP, a packed one must be given it).
+
+Pipeline parallelism (PP). The log-probs, the loss and the correction metrics live on the last stage (where
+Megatron-LM logs; `train_step` returns {} on the other stages). The forward-only passes before a step (lp_old, the
+bypass normalization pre-pass) run through Megatron's pipelined schedule (`slime_corr.mcore.pipeline`), so
+`train_step` / `prepare_step` work at any PP size. Inside `pretrain()` (`RolloutStepIterator`) a step that needs
+such a pass cannot start it from within the running schedule under PP: it fails with the fix.
 """
 
 from __future__ import annotations
@@ -59,9 +69,16 @@ from slime_corr.correction import (
     weight_mean,
 )
 from slime_corr.mcore.compat import get_forward_backward_func, megatron_lm_args
-from slime_corr.mcore.context_parallel import ParallelGroups, seq_length_for_norm
+from slime_corr.mcore.context_parallel import (
+    ParallelGroups,
+    batch_segments,
+    is_packed,
+    packed_seq_params,
+    seq_length_for_norm,
+)
 from slime_corr.mcore.logprobs import DEFAULT_CHUNK_SIZE, vocab_parallel_log_probs
 from slime_corr.mcore.per_token_loss import check_model_config, check_per_token_loss, guard_loss
+from slime_corr.mcore.pipeline import MicroBatches, forward_only, run_schedule
 from slime_corr.mcore.rollout_steps import RolloutStep, pop_step
 from slime_corr.mcore.step_metrics import (
     NONFINITE_COUNT,
@@ -75,51 +92,18 @@ ModelForward = Callable[[torch.nn.Module, dict[str, Tensor]], Tensor]
 # A micro-batch's correction computed by the decoupled normalization pre-pass (lp_train = lp_old, so the training
 # pass would compute the very same one): `prepare_step` stores it here, `loss_func` uses it instead of recomputing.
 PRECOMPUTED_CORRECTION = "_rollout_correction"
-MicroBatches = Sequence[dict[str, Tensor]] | Iterator[dict[str, Tensor]]  # a stream must also have len()
 
 
 def default_model_forward(model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
-    """Logits [B, S, V/TP] of a Megatron GPTModel for this rank's (CP-sliced) micro-batch."""
+    """Logits [B, S, V/TP] of a Megatron GPTModel for this rank's (CP-sliced) micro-batch; a packed micro-batch
+    passes its `PackedSeqParams` (THD attention needs TransformerEngine)."""
+    packed = {"packed_seq_params": packed_seq_params(batch)} if is_packed(batch) else {}
     return model(
         input_ids=batch["tokens"],
         position_ids=batch["position_ids"],
         attention_mask=batch.get("attention_mask"),
+        **packed,
     )
-
-
-def _run_schedule(
-    fb: Callable[..., Any],
-    forward_step: Callable[..., Any],
-    model: torch.nn.Module,
-    micro_batches: MicroBatches,
-    **kwargs: Any,
-) -> Any:
-    """Run Megatron's schedule `fb` over `micro_batches`: a list, or a stream with `len()` (e.g. a
-    `BufferMicroBatchIterator`) that the schedule reads one micro-batch per forward step."""
-    if isinstance(micro_batches, Sequence):
-        b, s = micro_batches[0]["labels"].shape
-        data = iter(micro_batches)
-    else:  # shapes are not known ahead of a stream; the schedule without pipelining does not use them
-        (b, s), data = (0, 0), micro_batches
-    return fb(
-        forward_step_func=forward_step,
-        data_iterator=data,
-        model=model,
-        num_microbatches=len(micro_batches),  # type: ignore[arg-type]
-        seq_length=s,
-        micro_batch_size=b,
-        **kwargs,
-    )
-
-
-def _check_no_pipeline_parallelism() -> None:
-    from megatron.core import parallel_state as ps
-
-    if ps.model_parallel_is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1:
-        raise NotImplementedError(
-            "RolloutCorrectionLoss: the lp_old / normalization pre-pass runs the model on whole micro-batches; "
-            "pipeline parallelism (--pipeline-model-parallel-size > 1) is not supported."
-        )
 
 
 class RolloutCorrectionLoss:
@@ -130,6 +114,8 @@ class RolloutCorrectionLoss:
     `temperature`: the rollout sampling temperature (log π = log_softmax(logits / T), as SGLang reports).
     `chunk_size`: tokens per log-prob chunk (bounds the fp32 [chunk, V/TP] temporaries).
     `compute_entropy`: also log the token-mean entropy of π_θ.
+    `seq_length_for_norm`: the constant L of `seq-mean-token-sum-norm` (the run's maximum response length);
+    required with packed micro-batches, else a padded micro-batch's full length S·CP.
     `keep_outputs`: keep each micro-batch's `PolicyLossOutput` in `self.outputs` (debugging, tests).
     `on_step_metrics(metrics)`: called with a step's correction metrics (`pop_step_metrics`) when
     `next_micro_batch` starts the next step; they are also kept in `self.last_step_metrics`.
@@ -146,6 +132,7 @@ class RolloutCorrectionLoss:
         compute_entropy: bool = False,
         keep_outputs: bool = False,
         on_step_metrics: Callable[[dict[str, float]], None] | None = None,
+        seq_length_for_norm: int | None = None,
     ) -> None:
         self.config = config
         self.temperature = temperature
@@ -155,6 +142,7 @@ class RolloutCorrectionLoss:
         self.compute_entropy = compute_entropy
         self.keep_outputs = keep_outputs
         self.on_step_metrics = on_step_metrics
+        self.seq_length_for_norm = seq_length_for_norm
         self.outputs: list[Any] = []
         self.step_batch_norm_mean: Tensor | None = None  # set by `prepare_step`
         self.step_stats = StepStatistics()
@@ -210,6 +198,17 @@ class RolloutCorrectionLoss:
         return batch
 
     def _start_step(self, step: RolloutStep, model: torch.nn.Module) -> None:
+        needs_prepass = (self.needs_old_log_probs and not step.rollout.old_log_probs_ready) or self._needs_step_mean(
+            len(step.micro_batches))
+        if needs_prepass and self.groups.pp_size > 1:
+            raise NotImplementedError(
+                "RolloutStepIterator under pipeline parallelism: this step needs a forward-only pass over its "
+                "micro-batches first (lp_old in decoupled mode, or the --tis-batch-normalize mean), and under PP "
+                "that pass is a pipelined schedule of its own, which cannot start from inside the running one. "
+                "Drive the step with hook.train_step(model, micro_batches) (or hook.prepare_step before Megatron's "
+                "forward_backward_func); inside pretrain() use bypass mode (--use-rollout-logprobs) without "
+                "--tis-batch-normalize, or one micro-batch per step."
+            )
         if self.step_stats.micro_batches:
             self.last_step_metrics = self.pop_step_metrics()
             if self.on_step_metrics is not None:
@@ -236,11 +235,6 @@ class RolloutCorrectionLoss:
             check_model_config(model)
         elif (args := megatron_lm_args()) is not None:
             check_per_token_loss(getattr(args, "calculate_per_token_loss", None), "Megatron-LM's arguments")
-        if "cu_seqlens" in batch:
-            raise ValueError(
-                "RolloutCorrectionLoss needs padded [B, S] micro-batches (one sequence per row): sequence-level "
-                "sums are taken per row, so packed batches (cu_seqlens) would mix sequences."
-            )
         cfg = self.config
         groups = self.groups
         log_probs, entropy = self.log_probs(logits, batch["labels"])
@@ -265,10 +259,11 @@ class RolloutCorrectionLoss:
             cfg,
             cp_group=groups.cp,
             dp_group=groups.dp,
-            seq_length_for_norm=seq_length_for_norm(log_probs.shape[-1], groups.cp_size),
+            seq_length_for_norm=self._seq_length_for_norm(batch, groups),
             batch_norm_mean=self.step_batch_norm_mean if precomputed is None else None,
             correction=precomputed,
             finalize_metrics=False,  # the step's metrics are finalized once, from the merged statistics
+            segments=batch_segments(batch, groups),
         )
         if self.keep_outputs:
             self.outputs.append(out)
@@ -278,6 +273,11 @@ class RolloutCorrectionLoss:
         count = out.denominator.detach().round().to(torch.int)
         report = build_report(out, cfg, groups, loss_mask, entropy)
         return guard_loss(out.loss_sum), count, report
+
+    def _seq_length_for_norm(self, batch: dict[str, Tensor], groups: ParallelGroups) -> int | None:
+        if self.seq_length_for_norm is not None or is_packed(batch):
+            return self.seq_length_for_norm  # a packed row has no padded length: the core asks for it if needed
+        return seq_length_for_norm(batch["labels"].shape[-1], groups.cp_size)
 
     # ------------------------------------------------------------------ step-level
     def pop_step_metrics(self) -> dict[str, float]:
@@ -302,19 +302,18 @@ class RolloutCorrectionLoss:
 
     def compute_old_log_probs(self, model: torch.nn.Module, micro_batches: Sequence[dict[str, Tensor]]) -> list[Tensor]:
         """Decoupled mode: log π_old for every micro-batch by a forward-only pass (no grad), stored in place
-        as `batch["old_log_probs"]` ([B, S] local slice, fp32) and returned."""
+        as `batch["old_log_probs"]` (local slice, fp32) and returned. Under PP on the last stage only (the loss's
+        stage; the others return [])."""
         outputs = self._forward_log_probs(model, micro_batches)
-        for batch, lp in zip(micro_batches, outputs, strict=True):
+        for batch, lp in zip(micro_batches, outputs, strict=False):
             batch["old_log_probs"] = lp
         return outputs
 
     def _forward_log_probs(self, model: Any, micro_batches: Sequence[dict[str, Tensor]]) -> list[Tensor]:
-        """log π(labels) of the current weights for every micro-batch: a forward-only pass, one micro-batch at a
-        time (what Megatron's schedule does without pipelining; it can also run inside a training step)."""
-        _check_no_pipeline_parallelism()
-        chunk = model[0] if isinstance(model, list | tuple) else model
-        with torch.no_grad():
-            return [self.log_probs(self.model_forward(chunk, b), b["labels"])[0] for b in micro_batches]
+        """log π(labels) of the current weights for every micro-batch: a forward-only pass (`pipeline.forward_only`:
+        one micro-batch at a time without PP, Megatron's pipelined schedule with it; [] off the last stage)."""
+        return forward_only(model, micro_batches, self.model_forward,
+                            lambda b, logits: self.log_probs(logits, b["labels"])[0], self.groups)
 
     def prepare_step(
         self,
@@ -340,12 +339,15 @@ class RolloutCorrectionLoss:
             return
         cfg, groups = self.config, self.groups
         decoupled = self.needs_old_log_probs
-        train_log_probs = ([b["old_log_probs"] for b in micro_batches] if decoupled
-                           else self._forward_log_probs(model, micro_batches))
+        train_log_probs = None if decoupled else self._forward_log_probs(model, micro_batches)  # all PP stages
+        if not groups.pp_last:  # the mean is used by the loss, on the last stage
+            return
+        if train_log_probs is None:
+            train_log_probs = [b["old_log_probs"] for b in micro_batches]
         results = [
             compute_rollout_correction(lp, b["rollout_log_probs"].to(lp.dtype), b["loss_mask"], cfg,
                                        cp_group=groups.cp, dp_group=groups.dp, normalize=False,
-                                       finalize_metrics=False)
+                                       finalize_metrics=False, segments=batch_segments(b, groups))
             for lp, b in zip(train_log_probs, micro_batches, strict=True)
         ]
         self.step_batch_norm_mean = weight_mean(merge_stats([r.stats for r in results]))
@@ -391,7 +393,7 @@ class RolloutCorrectionLoss:
             self.prepare_step(model, micro_batches, recompute_old_log_probs=recompute_old_log_probs)  # type: ignore[arg-type]
         try:
             fb = forward_backward_func or get_forward_backward_func()
-            losses = _run_schedule(fb, self.forward_step, model, micro_batches, forward_only=False)
+            losses = run_schedule(fb, self.forward_step, model, micro_batches, self.groups, forward_only=False)
         finally:
             self.step_batch_norm_mean = None
         return self.reduce_step_metrics(losses)

@@ -28,6 +28,7 @@ from slime_corr.rollout.batching import (
     build_micro_batch,
     cp_pad_multiple,
     grpo_advantages,
+    packed_starts,
     slice_micro_batch_for_cp,
 )
 from slime_corr.rollout.buffer import SampleBuffer
@@ -129,8 +130,8 @@ class BufferMicroBatchIterator:
 
 
 def _sample_positions(batch: dict[str, torch.Tensor], i: int) -> tuple[int, slice]:
-    """Index of sample `i`'s positions in a padded ([i, :]) or packed ([0, cu_seqlens[i]:cu_seqlens[i+1]]) batch."""
+    """Index of sample `i`'s positions in a padded ([i, :]) or packed ([0, its span in the row]) batch."""
     if "cu_seqlens" in batch:
-        start, end = batch["cu_seqlens"][i].item(), batch["cu_seqlens"][i + 1].item()
-        return 0, slice(start, end)
+        starts = packed_starts(batch)
+        return 0, slice(int(starts[i]), int(starts[i + 1]))
     return i, slice(None)

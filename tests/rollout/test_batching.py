@@ -16,9 +16,13 @@ from slime_corr.rollout.batching import (
     balance_across_dp,
     broadcast_micro_batch,
     build_micro_batch,
+    cp_pad_multiple,
+    empty_micro_batch,
     grpo_advantages,
     micro_batch_iterator,
+    slice_micro_batch_for_cp,
     split_for_dp,
+    thd_local_offsets,
     zigzag_slice,
 )
 from slime_corr.rollout.sample import Sample
@@ -58,13 +62,54 @@ def test_micro_batch_alignment_and_padding():
 def test_packed_batch():
     a, b = _s([1, 2], [3]), _s([4], [5, 6])
     mb = build_micro_batch([a, b], packed=True, pad_to_multiple=4)
-    assert mb["tokens"].tolist() == [[1, 2, 3, 4, 5, 6, 0, 0]]
-    assert mb["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 0, 1]]
-    assert mb["labels"].tolist() == [[2, 3, 0, 5, 6, 0, 0, 0]]  # never across a sample boundary
-    assert mb["loss_mask"].tolist() == [[0, 1, 0, 1, 1, 0, 0, 0]]
-    assert mb["cu_seqlens"].tolist() == [0, 3, 6]
-    with pytest.raises(ValueError, match="cp_size=2: a packed micro-batch .cu_seqlens. cannot be zig-zag sliced"):
-        next(micro_batch_iterator([a, b], 2, packed=True, cp_rank=0, cp_size=2))
+    assert mb["tokens"].tolist() == [[1, 2, 3, 0, 4, 5, 6, 0]]  # each sample padded to a multiple of 4
+    assert mb["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3]]
+    assert mb["labels"].tolist() == [[2, 3, 0, 0, 5, 6, 0, 0]]  # never across a sample boundary
+    assert mb["loss_mask"].tolist() == [[0, 1, 0, 0, 1, 1, 0, 0]]
+    assert mb["cu_seqlens"].tolist() == [0, 3, 6] and mb["cu_seqlens"].dtype == torch.int32
+    assert mb["cu_seqlens_padded"].tolist() == [0, 4, 8] and mb["cu_seqlens_padded"].dtype == torch.int32
+    plain = build_micro_batch([a, b], packed=True)
+    assert plain["tokens"].tolist() == [[1, 2, 3, 4, 5, 6]] and plain["cu_seqlens_padded"].tolist() == [0, 3, 6]
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 9), min_size=1, max_size=6), cp=st.integers(2, 4))
+def test_thd_partition_follows_megatron_per_sample_chunks(lengths, cp):
+    """Each CP rank holds, sample after sample, chunks r and 2·CP−1−r of the sample's padded span (Transformer
+    Engine's thd_get_partitioned_indices); the ranks together hold every position once; sample i starts at
+    cu_seqlens_padded[i] / CP locally. The per-sample comparison with Megatron's own zig-zag slicing is in
+    tests/mcore/test_mcore_units.py."""
+    samples = [_s([7] * n, [8], index=i) for i, n in enumerate(lengths)]
+    mb = build_micro_batch(samples, [1.0] * len(samples), packed=True, pad_to_multiple=cp_pad_multiple(cp))
+    cu = mb["cu_seqlens_padded"].tolist()
+    assert all((b - a) % (2 * cp) == 0 and b - a >= n + 1
+               for a, b, n in zip(cu, cu[1:], lengths, strict=False))
+    positions = torch.arange(cu[-1]).unsqueeze(0)
+    held = []
+    for r in range(cp):
+        local = slice_micro_batch_for_cp({**mb, "positions": positions}, r, cp, keys=("positions",))
+        idx = local["positions"][0].tolist()
+        want = []
+        for a, b in zip(cu, cu[1:], strict=False):
+            c = (b - a) // (2 * cp)
+            want += list(range(a + r * c, a + (r + 1) * c)) + list(range(a + (2 * cp - 1 - r) * c, a + (2 * cp - r) * c))
+        assert idx == want
+        assert thd_local_offsets(mb["cu_seqlens_padded"], cp).tolist() == [x // cp for x in cu]
+        assert local["cu_seqlens"] is mb["cu_seqlens"]  # the metadata describe the full row
+        held += idx
+    assert sorted(held) == list(range(cu[-1]))
+
+
+def test_thd_partition_rejects_unpadded_samples():
+    mb = build_micro_batch([_s([1, 2], [3]), _s([4], [5, 6])], packed=True)
+    with pytest.raises(ValueError, match=r"padded length must be a multiple of 2\*cp_size=4.*pad_to_multiple"):
+        slice_micro_batch_for_cp(mb, 0, 2)
+
+
+def test_empty_micro_batch_trains_nothing():
+    mb = empty_micro_batch(cp_size=2, pad_token_id=5)
+    assert mb["tokens"].shape == (1, 4) and mb["loss_mask"].sum() == 0 and mb["cu_seqlens_padded"].tolist() == [0, 4]
+    assert slice_micro_batch_for_cp(mb, 1, 2)["tokens"].shape == (1, 2)
 
 
 def test_grpo_advantages_against_numpy_reference():

@@ -1,0 +1,113 @@
+"""Running the hook's passes through Megatron's schedules, pipeline parallelism (PP) included.
+
+`run_schedule` calls Megatron's `forward_backward_func` over a step's micro-batches (a list, or a stream with
+`len()`). `forward_only` is the forward-only pass the hook needs before a step (lp_old in decoupled mode, the
+log-probs of a bypass normalization pre-pass): with PP it goes through Megatron's pipelined schedule
+(`forward_only=True, collect_non_loss_data=True`), every stage running its layers on every micro-batch and the
+LAST stage collecting the log-probs; the other stages get none, and need none: the loss runs on the last stage.
+
+Under PP the stages exchange activations of shape [S, B, hidden]. Megatron takes that shape from the schedule's
+`seq_length` / `micro_batch_size` unless the model's config has `variable_seq_lengths=True` (Megatron-LM:
+`--variable-seq-lengths`), in which case every exchange sends its shape first. Packed micro-batches, padded ones of
+different lengths and streams (whose shapes are not known ahead) need it: `run_schedule` says so before the
+schedule starts instead of letting a stage wait for a tensor of the wrong size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from slime_corr.mcore.compat import get_forward_backward_func
+from slime_corr.mcore.context_parallel import ParallelGroups
+
+MicroBatches = Sequence[dict[str, Tensor]] | Iterator[dict[str, Tensor]]  # a stream must also have len()
+
+
+def run_schedule(
+    fb: Callable[..., Any],
+    forward_step: Callable[..., Any],
+    model: Any,
+    micro_batches: MicroBatches,
+    groups: ParallelGroups,
+    **kwargs: Any,
+) -> Any:
+    """Run Megatron's schedule `fb` over `micro_batches`: a list, or a stream with `len()` (e.g. a
+    `BufferMicroBatchIterator`) that the schedule reads one micro-batch per forward step. `seq_length` is the full
+    (un-CP-sliced) length, as Megatron's pipelined schedules expect."""
+    if isinstance(micro_batches, Sequence):
+        b, s = micro_batches[0]["labels"].shape
+        data = iter(micro_batches)
+    else:  # shapes are not known ahead of a stream (`check_pipeline_shapes` requires variable shapes then)
+        (b, s), data = (0, 0), micro_batches
+    if groups.pp_size > 1:
+        check_pipeline_shapes(model, micro_batches)
+    return fb(
+        forward_step_func=forward_step,
+        data_iterator=data,
+        model=model,
+        num_microbatches=len(micro_batches),  # type: ignore[arg-type]
+        seq_length=s * groups.cp_size,
+        micro_batch_size=b,
+        **kwargs,
+    )
+
+
+def check_pipeline_shapes(model: Any, micro_batches: MicroBatches) -> None:
+    """Under PP: micro-batches whose shapes differ (or a stream) need `variable_seq_lengths=True` (module doc)."""
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model[0] if isinstance(model, list | tuple) else model)
+    if getattr(config, "variable_seq_lengths", False):
+        return
+    if not isinstance(micro_batches, Sequence):
+        what = "a stream of micro-batches (their shapes are not known ahead)"
+    else:
+        shapes = sorted({tuple(b["labels"].shape) for b in micro_batches})
+        if len(shapes) == 1:
+            return
+        what = f"micro-batches of shapes {shapes}"
+    raise ValueError(
+        f"pipeline parallelism with {what}: the stages exchange activations whose shape Megatron takes from "
+        "seq_length/micro_batch_size; set variable_seq_lengths=True in the model's TransformerConfig (Megatron-LM: "
+        "--variable-seq-lengths) so that each exchange sends its shape, or give every micro-batch one shape "
+        "(padded, same length)."
+    )
+
+
+def forward_only(
+    model: Any,
+    micro_batches: Sequence[dict[str, Tensor]],
+    model_forward: Callable[[Any, dict[str, Tensor]], Tensor],
+    collect: Callable[[dict[str, Tensor], Tensor], Tensor],
+    groups: ParallelGroups,
+) -> list[Tensor]:
+    """`collect(batch, logits)` for every micro-batch from a no-grad forward pass of the current weights.
+
+    Without PP: one `model_forward` per micro-batch (it can also run from inside a training schedule). With PP:
+    Megatron's pipelined schedule, forward-only; the results exist on the last stage ([] on the others)."""
+    if groups.pp_size == 1:
+        chunk = model[0] if isinstance(model, list | tuple) else model
+        with torch.no_grad():
+            return [collect(b, model_forward(chunk, b)) for b in micro_batches]
+
+    def forward_step(data_iterator: Iterator[dict[str, Tensor]], model: Any) -> tuple[Tensor, Callable]:
+        batch = next(data_iterator)
+        return model_forward(model, batch), partial(_collected, collect, batch)
+
+    with torch.no_grad():
+        return run_schedule(get_forward_backward_func(), forward_step, model, micro_batches, groups,
+                            forward_only=True, collect_non_loss_data=True)
+
+
+def _collected(collect: Callable[[dict[str, Tensor], Tensor], Tensor], batch: dict[str, Tensor], output: Tensor,
+               non_loss_data: bool = False) -> Tensor:
+    """The schedule's loss_func in collect_non_loss_data mode: what it returns is stored per micro-batch."""
+    return collect(batch, output)
+
+
+__all__ = ["check_pipeline_shapes", "forward_only", "run_schedule"]
