@@ -40,7 +40,9 @@ def add_tiny_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 def build_tiny_gpt(args: TinyGPTArgs | argparse.Namespace | None = None, *, ddp: bool = True) -> torch.nn.Module:
     """A tiny GPTModel (fp32 unless `params_dtype`) on the current parallel_state (TP from it; CP attention is
     not used: build with context_parallel_size=1 and zig-zag-slice the logits to emulate CP on CPU). Same weights on every
-    DP/CP rank for a given seed; TP shards come from `use_cpu_initialization` of the full weights."""
+    DP/CP rank for a given seed; TP shards come from `use_cpu_initialization` of the full weights. Under pipeline
+    parallelism this rank's stage: its share of the layers, the embedding on the first stage, the output layer on
+    the last (the stages exchange activations in `params_dtype`)."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -63,6 +65,8 @@ def build_tiny_gpt(args: TinyGPTArgs | argparse.Namespace | None = None, *, ddp:
         attention_dropout=0.0,
         calculate_per_token_loss=True,
         params_dtype=dtype,
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        pipeline_dtype=dtype,
     )
     model: torch.nn.Module = GPTModel(
         config=config,
@@ -71,6 +75,8 @@ def build_tiny_gpt(args: TinyGPTArgs | argparse.Namespace | None = None, *, ddp:
         max_sequence_length=a.max_position_embeddings,
         position_embedding_type="learned_absolute",
         parallel_output=True,
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=True),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=True),
     ).to(dtype)  # the local spec's torch LayerNorm ignores params_dtype
     if ddp:
         model = DistributedDataParallel(

@@ -65,11 +65,12 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any) -> None:
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
-def init_layout(tp: int, cp: int) -> None:
+def init_layout(tp: int, cp: int, pp: int = 1) -> None:
     from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                 pipeline_model_parallel_size=pp)
 
 
 # per (micro-batch, row) noise scale of lp_old and lp_rollout around the model's log-probs: 1e-4 rows pass the

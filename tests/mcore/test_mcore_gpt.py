@@ -1,6 +1,10 @@
 """A tiny real GPTModel (local spec, CPU) trained one step through `RolloutCorrectionLoss.train_step` (real
 `get_forward_backward_func`, forward-only recompute of lp_old, Megatron DDP, `finalize_model_grads`) under
-DP, emulated CP and TP: parameter gradients equal a single-rank full-batch reference.
+DP, emulated CP, TP and pipeline parallelism (PP=2 alone, with DP=2 and with TP=2): loss and parameter gradients
+equal a single-rank full-batch reference at 1e-6 (fp64), for decoupled and bypass presets, with the step's
+--tis-batch-normalize pre-pass in both modes. Under PP the schedule is Megatron's 1F1B pipeline over gloo p2p, and
+the forward-only passes (lp_old, the bypass normalization log-probs) go through its forward-only pipelined
+schedule; every stage holds the reference's weights for its layers, and the step metrics exist on the last stage.
 
 Emulated CP (CP attention needs TransformerEngine): every CP rank runs the full sequence and zig-zag-slices
 the logits before the loss; the loss, its CP reductions and Megatron's DP×CP gradient reduction are the real ones.
@@ -8,6 +12,7 @@ the logits before the loss; the loss, its CP reductions and Megatron's DP×CP gr
 
 from __future__ import annotations
 
+import re
 from functools import partial
 
 import pytest
@@ -24,10 +29,17 @@ ARGS = TinyGPTArgs(vocab_size=V, max_position_embeddings=S, hidden_size=32, num_
                    params_dtype=torch.float64)
 CASES = (
     RolloutCorrectionConfig.preset("decoupled_seq_is_rs", loss_agg_mode="seq-mean-token-mean"),
+    RolloutCorrectionConfig.preset("decoupled_token_is", tis_batch_normalize=True),
     RolloutCorrectionConfig.preset("pg_is"),
+    RolloutCorrectionConfig.preset("pg_is", tis_batch_normalize=True, loss_agg_mode="seq-mean-token-mean"),
     RolloutCorrectionConfig.preset("ppo_is_bypass", loss_agg_mode="seq-mean-token-sum"),
 )
-LAYOUTS = ((1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 2, 1))  # (TP, CP, DP)
+# (TP, CP, DP, PP) per world size
+LAYOUTS = {2: ((1, 1, 1, 2),), 4: ((1, 1, 4, 1), (1, 2, 2, 1), (1, 4, 1, 1), (2, 2, 1, 1), (1, 1, 2, 2), (2, 1, 1, 2))}
+
+
+def _case_name(cfg: RolloutCorrectionConfig) -> str:
+    return f"{cfg.rollout_correction_preset}{'+normalize' if cfg.tis_batch_normalize else ''}"
 
 
 def _name(n: str) -> str:
@@ -35,7 +47,8 @@ def _name(n: str) -> str:
 
 
 def reference(cfg: RolloutCorrectionConfig, data: list[dict]) -> tuple[float, dict[str, torch.Tensor]]:
-    """Single rank, full batch, no process groups, torch.log_softmax on full logits: (loss, gradients)."""
+    """Single rank, no process groups, torch.log_softmax on full logits, the whole step as ONE batch (its rows are
+    the sequences of every micro-batch, so the step's --tis-batch-normalize mean is that batch's): (loss, grads)."""
     from slime_corr.losses import compute_policy_loss
 
     model = build_tiny_gpt(ARGS, ddp=False)
@@ -44,20 +57,37 @@ def reference(cfg: RolloutCorrectionConfig, data: list[dict]) -> tuple[float, di
         logits = model(input_ids=b["tokens"], position_ids=b["position_ids"], attention_mask=None)
         return torch.log_softmax(logits / TEMPERATURE, -1).gather(-1, b["labels"].unsqueeze(-1))[..., 0]
 
-    sums, dens = [], []
-    for b in data:
-        old = None
-        if not cfg.use_rollout_logprobs:
-            with torch.no_grad():
-                old = lp_of(b)
-        lp = lp_of(b)
-        out = compute_policy_loss(lp, old, b["rollout_log_probs"], b["advantages"], b["loss_mask"], cfg)
-        sums.append(out.loss_sum)
-        dens.append(out.denominator)
-    loss = sum(sums) / torch.stack(dens).sum().clamp_min(1)
+    old = None
+    if not cfg.use_rollout_logprobs:
+        with torch.no_grad():
+            old = torch.cat([lp_of(b) for b in data])
+    lp = torch.cat([lp_of(b) for b in data])
+    step = {k: torch.cat([b[k] for b in data]) for k in ("rollout_log_probs", "advantages", "loss_mask")}
+    loss = compute_policy_loss(lp, old, step["rollout_log_probs"], step["advantages"], step["loss_mask"], cfg).loss
     loss.backward()
     assert all(p.grad.abs().sum() > 0 for p in model.parameters() if p.dim() > 1), cfg  # a non-trivial test
     return loss.item(), {_name(n): p.grad.detach().double().clone() for n, p in model.named_parameters()}
+
+
+def _reference_name(name: str, pp_rank: int) -> str:
+    """A stage's parameter as the single-stage reference names it: its layers are numbered from 0 on every stage
+    (the embedding and the output layer are not tied in the tiny GPT)."""
+    name = _name(name)
+    layer = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
+    return f"decoder.layers.{int(layer[1]) + pp_rank * ARGS.num_layers // PP}.{layer[2]}" if layer else name
+
+
+def _load_stage(model: torch.nn.Module, weights: dict[str, torch.Tensor], pp_rank: int, tp_rank: int, tp: int) -> None:
+    """This stage's share of the reference weights (its TP shard of each)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            full = weights[_reference_name(name, pp_rank)]
+            if getattr(p, "tensor_model_parallel", False):
+                full = full.chunk(tp, dim=p.partition_dim)[tp_rank]
+            p.copy_(full)
+
+
+PP = 2
 
 
 def _rollout_near_model(data: list[dict]) -> None:
@@ -92,14 +122,17 @@ def _worker(rank: int, world: int) -> None:
     data = [{k: v for k, v in b.items() if k != "old_log_probs"} for b in step_data(seed=3)]
     init_layout(1, 1)
     _rollout_near_model(data)
-    refs = {c.rollout_correction_preset: reference(c, data) for c in CASES}
-    for tp, cp, dp in LAYOUTS:
-        init_layout(tp, cp)
+    refs = {_case_name(c): reference(c, data) for c in CASES}
+    weights = {_name(n): p.detach().clone() for n, p in build_tiny_gpt(ARGS, ddp=False).named_parameters()}
+    for tp, cp, dp, pp in LAYOUTS[world]:
+        init_layout(tp, cp, pp)
         groups = ParallelGroups.from_parallel_state()
-        dp_rank = ps.get_data_parallel_rank()
+        dp_rank, pp_rank = ps.get_data_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         for cfg in CASES:
-            tag = f"TP={tp} CP={cp} DP={dp} {cfg.rollout_correction_preset}"
+            tag = f"TP={tp} CP={cp} DP={dp} PP={pp} {_case_name(cfg)}"
             model = build_tiny_gpt(ARGS)
+            if pp > 1:  # a stage's initialization differs from the full model's: give it the reference's weights
+                _load_stage(model.module, weights, pp_rank, ps.get_tensor_model_parallel_rank(), tp)
             batches = []
             for b in data:
                 rows = {k: local_rows(v, dp_rank, dp) for k, v in b.items()}
@@ -109,15 +142,22 @@ def _worker(rank: int, world: int) -> None:
             hook = RolloutCorrectionLoss(cfg, temperature=TEMPERATURE, model_forward=emulated_cp_forward)
             model.zero_grad_buffer()
             metrics = hook.train_step(model, batches)
-            assert all("old_log_probs" in b for b in batches) != cfg.use_rollout_logprobs, tag
-            ref_loss, ref = refs[cfg.rollout_correction_preset]
-            assert abs(metrics["loss"] - ref_loss) <= 1e-6 * max(1.0, abs(ref_loss)), f"{tag}: {metrics['loss']}"
+            last = ps.is_pipeline_last_stage(ignore_virtual=True)
+            # lp_old lives where the loss does: on the last stage
+            assert all("old_log_probs" in b for b in batches) == (last and not cfg.use_rollout_logprobs), tag
+            ref_loss, ref = refs[_case_name(cfg)]
+            if last:
+                assert abs(metrics["loss"] - ref_loss) <= 1e-6 * max(1.0, abs(ref_loss)), f"{tag}: {metrics['loss']}"
+                assert cfg.use_rollout_logprobs or metrics["mis_valid_token_count"] > 0, tag
+            else:  # Megatron's convention: the loss and the metrics are on the last stage
+                assert metrics == {}, tag
             for name, p in model.named_parameters():
                 got = _full_param(p, p.main_grad.double(), groups.tp)
-                want = ref[_name(name)]
+                want = ref[_reference_name(name, pp_rank)]
                 err = (got - want).norm() / want.norm().clamp_min(1e-30)
                 assert err <= 1e-6, f"{tag} {name}: relative gradient error {err:.2e}"
-        _check_per_token_loss_guard(batches, f"TP={tp} CP={cp} DP={dp}")
+        if pp == 1:
+            _check_per_token_loss_guard(batches, f"TP={tp} CP={cp} DP={dp}")
     ps.destroy_model_parallel()
 
 
@@ -145,5 +185,6 @@ def _check_per_token_loss_guard(batches: list[dict], tag: str) -> None:
     assert all(p.main_grad.abs().sum() == 0 for p in model.parameters()), tag
 
 
-def test_tiny_gpt_gradients_match_single_rank_under_dp_cp_tp():
-    spawn(_worker, 4)
+@pytest.mark.parametrize("world", [2, 4])
+def test_tiny_gpt_gradients_match_single_rank_under_dp_cp_tp_pp(world):
+    spawn(_worker, world)
