@@ -83,6 +83,8 @@ def build_tiny_gpt(args: TinyGPTArgs | argparse.Namespace | None = None, *, ddp:
             config, DistributedDataParallelConfig(grad_reduce_in_fp32=dtype != torch.float64), module=model
         )
     config.finalize_model_grads_func = finalize_model_grads
+    # pipeline stages exchange each micro-batch's activation shape (packed / padded micro-batches vary in length)
+    config.variable_seq_lengths = ps.get_pipeline_model_parallel_world_size() > 1
     return model
 
 

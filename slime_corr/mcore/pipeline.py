@@ -7,8 +7,9 @@ log-probs of a bypass normalization pre-pass): with PP it goes through Megatron'
 LAST stage collecting the log-probs; the other stages get none, and need none: the loss runs on the last stage.
 
 Under PP the stages exchange activations of shape [S, B, hidden]. Megatron takes that shape from the schedule's
-`seq_length` / `micro_batch_size` unless the model's config has `variable_seq_lengths=True` (Megatron-LM:
-`--variable-seq-lengths`), in which case every exchange sends its shape first. Packed micro-batches, padded ones of
+`seq_length` / `micro_batch_size` unless the model's config has `variable_seq_lengths=True` (set on the config
+object, as slime and NeMo-RL do: Megatron-LM has no flag, and the TransformerConfig constructor refuses it with
+the default MoE dispatcher), in which case every exchange sends its shape first. Packed micro-batches, padded ones of
 different lengths and streams (whose shapes are not known ahead) need it: `run_schedule` says so before the
 schedule starts instead of letting a stage wait for a tensor of the wrong size.
 """
@@ -73,9 +74,9 @@ def check_pipeline_shapes(model: Any, micro_batches: MicroBatches) -> None:
         what = f"micro-batches of shapes {shapes}"
     raise ValueError(
         f"pipeline parallelism with {what}: the stages exchange activations whose shape Megatron takes from "
-        "seq_length/micro_batch_size; set variable_seq_lengths=True in the model's TransformerConfig (Megatron-LM: "
-        "--variable-seq-lengths) so that each exchange sends its shape, or give every micro-batch one shape "
-        "(padded, same length)."
+        "seq_length/micro_batch_size; set `config.variable_seq_lengths = True` on the model's TransformerConfig "
+        "(Megatron-LM has no flag for it: set it in the model provider, after core_transformer_config_from_args) "
+        "so that each exchange sends its shape first, or give every micro-batch one shape (padded, same length)."
     )
 
 

@@ -16,8 +16,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# (TP, CP, DP) layouts of 4 processes
-LAYOUTS_4 = ((1, 1, 4), (2, 1, 2), (1, 2, 2), (1, 4, 1), (2, 2, 1), (4, 1, 1))
 N_MB = 2  # micro-batches per step
 B_GLOBAL = 4  # rows of one global micro-batch (split over DP)
 S = 16  # divisible by 2 * CP for CP <= 4
@@ -63,6 +61,25 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any) -> None:
             del os.environ["CUDA_VISIBLE_DEVICES"]
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+def run_in_process(fn: Callable[..., Any], *args: Any) -> None:
+    """Run `fn(0, 1, *args)` as a one-rank gloo group in THIS process (no spawn: no import cost), then leave
+    torch.distributed and Megatron's parallel state as they were (uninitialized)."""
+    from megatron.core import parallel_state as ps
+
+    threads = torch.get_num_threads()
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
+    try:
+        _entry(0, 1, free_port(), fn, args)
+    finally:
+        ps.destroy_model_parallel()
+        torch.set_num_threads(threads)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def init_layout(tp: int, cp: int, pp: int = 1) -> None:
