@@ -197,8 +197,33 @@ def _bcast_worker(rank: int, world: int, port: int, q) -> None:
         src, group = (0, groups[0]) if rank == 0 else (1, groups[1])
         out = broadcast_micro_batch(_tp_batch(src) if rank == src else None, src=src, group=group)
         q.put((rank, {k: v.tolist() for k, v in out.items()}, {k: str(v.dtype) for k, v in out.items()}))
+        q.put((rank, _dp_materialize(rank), None))
     finally:
         dist.destroy_process_group()
+
+
+def _dp_materialize(rank: int) -> tuple[list[int], int]:
+    """Three DP ranks with a token budget: rank r's 3 groups (all of one length) fill r + 1 micro-batches; after
+    `materialize` over the DP group every rank runs 3 (the most any has), its own extra ones empty."""
+    import asyncio
+
+    from slime_corr.rollout.buffer import SampleBuffer
+    from slime_corr.rollout.data_iterator import BufferMicroBatchIterator, background_event_loop
+
+    n = (5, 9, 14)[rank]  # 3 groups of 2 samples of 1 + n tokens: 12, 20 or 30 per group -> 3, 2, 1 per micro-batch
+    groups = [[_s([1], [2] * n, reward=float(i), group=g, index=2 * g + i) for i in range(2)] for g in range(3)]
+    dp = dist.new_group([0, 1, 2])
+    with background_event_loop() as loop:
+        buffer = SampleBuffer(maxsize=6)
+
+        async def put_all():
+            for g in groups:
+                await buffer.put_group(g)
+
+        asyncio.run_coroutine_threadsafe(put_all(), loop).result(timeout=10)
+        it = BufferMicroBatchIterator(buffer, loop, 6, 6, group_size=2, max_tokens_per_micro_batch=40, timeout=10)
+        batches = it.materialize(dp_group=dp)
+    return it.batch_sizes, len(batches)
 
 
 def test_tp_broadcast_with_gloo():
@@ -213,7 +238,12 @@ def test_tp_broadcast_with_gloo():
     procs = [ctx.Process(target=_bcast_worker, args=(r, 3, port, q)) for r in range(3)]
     for p in procs:
         p.start()
-    results = dict((r, (v, d)) for r, v, d in (q.get(timeout=120) for _ in procs))
+    results, materialized = {}, {}
+    for rank, v, d in (q.get(timeout=120) for _ in range(2 * len(procs))):
+        if d is None:
+            materialized[rank] = v
+        else:
+            results[rank] = (v, d)
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
@@ -223,3 +253,5 @@ def test_tp_broadcast_with_gloo():
         assert vals == {k: v.tolist() for k, v in expect.items()}
         assert dtypes == {k: str(v.dtype) for k, v in expect.items()}
     assert results[2][0] != results[0][0]
+    # token budget: every DP rank keeps 3 micro-batches, the most real ones any rank has
+    assert materialized == {0: ([6, 0, 0], 3), 1: ([4, 2, 0], 3), 2: ([2, 2, 2], 3)}
