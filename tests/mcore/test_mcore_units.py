@@ -487,3 +487,45 @@ def test_decoupled_normalization_prepass_is_reused_by_the_training_pass(preset, 
         assert torch.equal(out.correction.loss_mask, want.correction.loss_mask)
     hook.prepare_step(model, batches, recompute_old_log_probs=False)  # a new step replaces the stored results
     assert len(calls) == len(batches)
+
+
+# ---------------------------------------------------------------- pipeline parallelism: what fails, and how
+@pytest.mark.parametrize("preset,normalize", [("decoupled_token_is", False), ("pg_is", True)])
+def test_rollout_steps_under_pp_refuse_a_prepass_from_inside_the_schedule(preset, normalize):
+    """Inside pretrain() a step's pre-pass (lp_old, or the normalization mean over several micro-batches) would
+    be a second pipelined schedule started from within the running one: a clear error instead of a deadlock.
+    Bypass without normalization needs no pre-pass and runs."""
+    from slime_corr.mcore.rollout_steps import RolloutStepIterator
+
+    cfg = RolloutCorrectionConfig.preset(preset, tis_batch_normalize=normalize)
+    hook = RolloutCorrectionLoss(cfg, groups=ParallelGroups(pp_size=2), model_forward=_logits_forward)
+    model = _CountingModel()
+    model.scale = 1.0
+    with pytest.raises(NotImplementedError, match=r"under pipeline parallelism.*hook\.train_step"):
+        hook.next_micro_batch(RolloutStepIterator([_rollout(0, 2)], num_microbatches=2), model)
+    bypass = RolloutCorrectionLoss(RolloutCorrectionConfig.preset("pg_is"), groups=ParallelGroups(pp_size=2),
+                                   model_forward=_logits_forward)
+    batch = bypass.next_micro_batch(RolloutStepIterator([_rollout(0, 2)], num_microbatches=2), model)
+    assert model.forwards == 0 and "labels" in batch
+
+
+def test_pipeline_shapes_need_variable_seq_lengths_when_they_differ():
+    from megatron.core.transformer import TransformerConfig
+
+    from slime_corr.mcore.pipeline import check_pipeline_shapes
+
+    class Model(torch.nn.Module):
+        def __init__(self, variable: bool):
+            super().__init__()
+            self.config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
+            self.config.variable_seq_lengths = variable
+
+    same = [{"labels": torch.zeros(2, 8)}, {"labels": torch.zeros(2, 8)}]
+    different = [{"labels": torch.zeros(1, 12)}, {"labels": torch.zeros(1, 20)}]
+    check_pipeline_shapes(Model(False), same)
+    check_pipeline_shapes(Model(True), different)
+    check_pipeline_shapes([Model(True)], iter(different))
+    with pytest.raises(ValueError, match=r"micro-batches of shapes \[\(1, 12\), \(1, 20\)\].*variable_seq_lengths"):
+        check_pipeline_shapes(Model(False), different)
+    with pytest.raises(ValueError, match="a stream of micro-batches.*config.variable_seq_lengths = True"):
+        check_pipeline_shapes([Model(False)], iter(same))
