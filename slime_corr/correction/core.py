@@ -2,7 +2,9 @@
 
 Order of operations (SPEC.md):
 1. lr = lp_train - lp_rollout on valid tokens; a sequence with a non-finite lr at a valid position is rejected.
-2. Per-sequence sums (count, Σlr, Σlp_train, veto and token-RS counts) in ONE CP all_reduce.
+2. Per-sequence sums (count, Σlr, Σlp_train, veto and token-RS counts) in ONE CP all_reduce. A sequence is a row
+   of the [B, S] inputs, or a segment of a packed [1, T] row (`segments.py`): every per-sequence sum, maximum and
+   broadcast goes through a `Segments`, the rest is per token and layout-free.
 3. The weighting function ("default" = `weights.default_weights`, or `--custom-tis-function-path`) gives IS
    weights and the RS mask; the veto (`lr < log C` at any valid token) then rejects whole sequences.
 4. All batch statistics (metric numerators/denominators, normalization mean, counts) in ONE SUM and ONE MAX

@@ -378,7 +378,8 @@ class RolloutCorrectionLoss:
         `prepare_step` first (lp_old in decoupled mode unless `recompute_old_log_probs` is False, the step's
         normalization mean), then the training pass. The caller zeroes grads before, steps after.
         `micro_batches` may be a stream with `len()` (e.g. `BufferMicroBatchIterator`) when `can_stream`: the
-        schedule then trains each micro-batch as soon as the rollout has filled it.
+        schedule then trains each micro-batch as soon as the rollout has filled it. Under pipeline parallelism the
+        step's metrics come back on the last stage; the other stages get {}.
         """
         streamed = not isinstance(micro_batches, Sequence)
         if streamed and not self.can_stream(len(micro_batches)):  # type: ignore[arg-type]
