@@ -285,8 +285,9 @@ def _custom(fn: Callable, stats: BatchStats, fn_metrics: dict[str, Tensor], lr: 
     """A custom weighting function on the good sequences: (token keep mask, weights or None, per-sequence
     kept-token counts [n]). Its raw weights feed the raw-weight metrics (+inf counts as exp(20)); a NaN/inf weight
     rejects its token (counted). The function sees one sequence per row (a packed row is unpacked for it)."""
-    mask_in = valid * seg.expand(good)
-    inputs = WeightInputs(log_ratio=seg.to_rows(lr * seg.expand(good)), loss_mask=seg.to_rows(mask_in > 0),
+    good_tok = seg.expand(good)
+    mask_in = valid * good_tok
+    inputs = WeightInputs(log_ratio=seg.to_rows(lr * good_tok), loss_mask=seg.to_rows(mask_in > 0),
                           seq_log_ratio_sum=s_lr, seq_token_count=n_seq, cp_group=cp_group, dp_group=dp_group)
     out = check_weight_outputs(fn(inputs, config), inputs, config)
     fn_metrics.update(out.metrics)

@@ -2,8 +2,8 @@
 
 The core works on 2-D token tensors and reduces per SEQUENCE only through a `Segments`:
 
-- `Segments.rows(S)`: padded `[B, S]`, one sequence per row (the default; sums over the last dim);
-- `Segments.packed(offsets, T)`: one packed row `[1, T]` (Megatron's THD layout), sequence i at this rank's
+- `Segments.rows(B, S)`: padded `[B, S]`, one sequence per row (the default; sums over the last dim);
+- `Segments.packed_row(offsets, T)`: one packed row `[1, T]` (Megatron's THD layout), sequence i at this rank's
   positions `[offsets[i], offsets[i+1])`; positions from `offsets[-1]` on belong to no sequence.
 
 Per-token math is layout-free; sums, maxima and broadcasts of per-sequence values go through here, so the padded
@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-
-from slime_corr.correction.reductions import row_products
 
 
 class Segments:
@@ -47,10 +45,6 @@ class Segments:
 
     def amax(self, x: Tensor) -> Tensor:
         """Max over each sequence's tokens of `x` ≥ 0: `[R, S]` -> `[n]` (0 for a sequence without tokens)."""
-        raise NotImplementedError
-
-    def products(self, x: Tensor) -> Tensor:
-        """`[R, k, S]` -> `[n, k, k]`: Σ_t x[i]·x[j] over each sequence, every pair of k stacked quantities."""
         raise NotImplementedError
 
     def expand(self, v: Tensor, fill: float = 0.0) -> Tensor:
@@ -85,9 +79,6 @@ class RowSegments(Segments):
 
     def amax(self, x: Tensor) -> Tensor:
         return x.amax(-1) if x.shape[-1] else x.new_zeros(x.shape[:-1])
-
-    def products(self, x: Tensor) -> Tensor:
-        return row_products(x)
 
     def expand(self, v: Tensor, fill: float = 0.0) -> Tensor:
         return v.unsqueeze(-1)
@@ -127,11 +118,6 @@ class PackedSegments(Segments):
 
     def amax(self, x: Tensor) -> Tensor:
         return x.new_zeros(self.num + 1).scatter_reduce(0, self.ids, x[0], "amax")[: self.num]
-
-    def products(self, x: Tensor) -> Tensor:
-        k = x.shape[1]
-        pairs = (x[0].unsqueeze(1) * x[0].unsqueeze(0)).reshape(1, k * k, -1)
-        return self.sum(pairs).reshape(self.num, k, k)
 
     def expand(self, v: Tensor, fill: float = 0.0) -> Tensor:
         return torch.cat([v, v.new_full((1,), fill)])[self.ids].unsqueeze(0)

@@ -153,7 +153,6 @@ def test_segments_reductions_against_rows():
     assert seg.num == B and seg.shape() == (1, sum(PADDED) + TRAILING)
     torch.testing.assert_close(seg.sum(packed), rows.sum(x))
     torch.testing.assert_close(seg.sum(packed[:, 0]), rows.sum(x[:, 0]))
-    torch.testing.assert_close(seg.products(packed), rows.products(x))
     torch.testing.assert_close(seg.amax(packed[:, 1]), rows.amax(x[:, 1]))
     v = torch.arange(1.0, B + 1, dtype=torch.float64)
     assert torch.equal(_unpack(seg.expand(v)), v[:, None] * _within())
