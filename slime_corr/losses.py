@@ -42,7 +42,8 @@ from slime_corr.correction.reductions import (
     valid_float,
 )
 from slime_corr.correction.segments import Segments
-from slime_corr.registry import LOSS_FUNCTIONS
+from slime_corr.loss_terms import LossTermsConfig
+from slime_corr.registry import LOSS_FUNCTIONS, Registry
 
 LOG_RATIO_CLAMP = 20.0
 
@@ -202,6 +203,9 @@ def compute_policy_loss(
     correction: CorrectionResult | None = None,
     finalize_metrics: bool = True,
     segments: Segments | None = None,
+    loss_terms: LossTermsConfig | None = None,
+    ref_log_probs: Tensor | None = None,
+    entropy: Tensor | None = None,
 ) -> PolicyLossOutput:
     """The policy loss of one micro-batch ([B, S] local slices, one sequence per row; or one packed row [1, T]
     whose sequences `segments` gives, `Segments.packed_row`) under `config`.
@@ -218,6 +222,8 @@ def compute_policy_loss(
     pre-pass, finished by `normalize_weights`); it is used instead of computing it again.
     `finalize_metrics=False`: the correction's metrics are not finalized (its `.stats` are complete), for callers
     that finalize a step's merged statistics once; the loss metrics stay.
+    `loss_terms` with `ref_log_probs` / `entropy` (shaped like `log_probs`): the KL and entropy terms (`loss_term_tokens`), added per
+    token before the aggregation; `pg_loss` is then the whole loss.
     """
     check_policy_loss_inputs(log_probs, old_log_probs, rollout_log_probs, advantages, loss_mask, config,
                              seq_length_for_norm, batch_norm_mean, loss_fn, cp_group, dp_group, correction, segments)
@@ -257,6 +263,8 @@ def compute_policy_loss(
     token_loss = fn(inputs, config)
     zero = torch.zeros((), dtype=dtype, device=log_probs.device)
     masked = token_loss if fn in BUILTIN_LOSSES else torch.where(inputs.loss_mask, token_loss, zero)
+    if loss_terms is not None and loss_terms.active:
+        masked = masked + loss_term_tokens(inputs, loss_terms, ref_log_probs, entropy)
 
     mode = config.loss_agg_mode
     has_groups = group_size(cp_group) > 1 or group_size(dp_group) > 1
@@ -290,3 +298,61 @@ def compute_policy_loss(
         loss=loss, loss_sum=loss_sum, denominator=denominator, metrics=metrics, correction=correction
     )
 
+
+# ------------------------------------------------------------------------------------------ KL and entropy terms
+# KL estimators of KL(π_θ ‖ π_ref) per token, from x = lp − lp_ref (Schulman's k1/k2/k3, as slime and verl name them):
+# fn(log_ratio) -> [B, S]. The log-ratio is clamped to ±20 before exp (k3, low_var_kl): never an inf.
+KL_ESTIMATORS = Registry("KL estimator", ("log_ratio",))
+
+
+@KL_ESTIMATORS.register("k1")
+def kl_k1(log_ratio: Tensor) -> Tensor:
+    """k1 = x (unbiased, high variance; may be negative per token)."""
+    return log_ratio
+
+
+@KL_ESTIMATORS.register("k2")
+def kl_k2(log_ratio: Tensor) -> Tensor:
+    """k2 = x² / 2."""
+    return log_ratio.square() / 2
+
+
+@KL_ESTIMATORS.register("k3")
+def kl_k3(log_ratio: Tensor) -> Tensor:
+    """k3 = exp(−x) − 1 + x (unbiased, ≥ 0), computed as expm1(−x) + x."""
+    x = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.expm1(-x) + x
+
+
+@KL_ESTIMATORS.register("low_var_kl")
+def kl_low_var(log_ratio: Tensor) -> Tensor:
+    """k3 clamped to [−10, 10] (verl's / slime's low_var_kl)."""
+    return kl_k3(log_ratio).clamp(-10.0, 10.0)
+
+
+def loss_term_tokens(inputs: LossInputs, terms: LossTermsConfig, ref_log_probs: Tensor | None,
+                     entropy: Tensor | None) -> Tensor:
+    """Per-token KL and entropy terms: kl_loss_coef · KL(lp, lp_ref) − entropy_coef · H, 0 outside the token mask.
+
+    Adds the token mean `kl_loss` (over the mask) to `inputs.metrics` (the entropy is reported by the caller, which
+    computed it). A non-finite reference log-prob or entropy contributes 0 (the token's policy term is unaffected).
+    """
+    mask = inputs.token_mask
+    n = (inputs.count if inputs.count is not None else mask.sum()).clamp_min(1)
+    out = torch.zeros_like(mask)
+    if terms.uses_reference:
+        if ref_log_probs is None:
+            raise ValueError("--use-kl-loss / --kl-loss-coef need ref_log_probs (the reference policy's log-probs)")
+        ref = ref_log_probs.detach().to(mask.dtype)
+        ok = torch.isfinite(ref) & (mask > 0)
+        log_ratio = torch.where(ok, inputs.log_probs - torch.where(ok, ref, 0.0), 0.0)
+        kl = torch.where(ok, KL_ESTIMATORS.get(terms.kl_loss_type, flag="--kl-loss-type")(log_ratio), 0.0)
+        inputs.metrics["kl_loss"] = kl.detach().sum() / n
+        if terms.kl_loss_coef:
+            out = out + terms.kl_loss_coef * kl
+    if terms.uses_entropy:
+        if entropy is None:
+            raise ValueError("--entropy-coef needs the policy's per-token entropy")
+        ok = torch.isfinite(entropy) & (mask > 0)
+        out = out - terms.entropy_coef * torch.where(ok, entropy.to(mask.dtype), 0.0)
+    return out

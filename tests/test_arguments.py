@@ -215,14 +215,3 @@ def test_main_self_check_prints_the_config(capsys):
     assert main(["--self-check", "--rollout-correction-preset", "decoupled_seq_is_rs"]) == 0
     out = capsys.readouterr().out
     assert "rs_level = 'sequence'" in out and "rollout_correction_preset = 'decoupled_seq_is_rs'" in out
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--micro-batch-size", "6", "--n-samples-per-prompt", "4"],
-     "--micro-batch-size 6 must be a multiple of --n-samples-per-prompt 4"),
-    (["--micro-batch-size", "8", "--rollout-buffer-size", "4"], "--rollout-buffer-size 4 must be >= --micro-batch-size 8"),
-])
-def test_main_rejects_batch_shapes_that_would_split_groups(argv, message, capsys):
-    with pytest.raises(SystemExit) as e:
-        main([*argv, "--self-check"])
-    assert e.value.code == 2 and message in capsys.readouterr().err

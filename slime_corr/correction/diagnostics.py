@@ -20,16 +20,17 @@ concatenate) and `reduce_diagnostics` runs once: one SUM and one MAX all_reduce 
 candidates, then ONE device→host transfer. Tokens with a non-finite log-prob are left out (the correction core
 rejects their whole sequence and counts them).
 
-Where the Megatron loss hook calls it (`RolloutCorrectionLoss`, which already holds every input):
-- `loss_func`, after `compute_policy_loss`: `reduced["diag"] = diagnostic_sums(old if decoupled else log_probs,
+Where the Megatron loss hook calls it (`RolloutCorrectionLoss(..., diagnostics_top_k=k)`, which already holds every
+input):
+- `loss_func`, after `compute_policy_loss`: `diagnostic_sums(old if decoupled else log_probs,
   batch["rollout_log_probs"], loss_mask, lp_current=log_probs if decoupled else None,
   positions=response_positions(loss_mask, batch["position_ids"], groups.cp), weight_lag=batch.get("weight_lag"),
   sample_ids=batch.get("sample_ids"))` — `log_probs.detach()` is what the loss already computed, so nothing is
   recomputed; `response_positions` adds one [B] all_reduce over CP only when CP > 1;
-- `reduce_step_metrics`: `reduce_diagnostics(merge_diagnostics([r["diag"] for r in losses_reduced]),
-  top_k=..., cp_group=groups.cp, dp_group=groups.dp)`, its metrics under `diag/`.
-Until then, `slime_corr.monitoring.step_diagnostics.ScheduleDiagnostics` does the same from the hook's
-`model_forward` (one extra log-softmax per micro-batch).
+- `reduce_step_metrics` (or `pop_diagnostics`): `MismatchDiagnostics.reduce(cp_group, dp_group)` once per step,
+  kept as `hook.last_diagnostics`; the trainer logs its metrics under `diag/`
+  (`slime_corr.monitoring.step_diagnostics`). The sums stay in the hook rather than in Megatron's report dict,
+  whose values Megatron-LM's `train_step` averages as 1- or 2-element tensors.
 """
 
 from __future__ import annotations

@@ -3,4 +3,5 @@
 loss_func for get_forward_backward_func and Megatron-LM's train_step), per_token_loss (the
 calculate_per_token_loss checks), step_metrics (Megatron's reporting format), rollout_steps (the data iterator that
 prepares each step inside pretrain()), megatron_lm (cross-checks with Megatron-LM's RL flags), model (tiny
-GPTModel for tests/demo). Import the submodules directly; nothing here imports megatron."""
+GPTModel for tests/demo, emulated CP forward), params (full weights from TP shards, grad norm, optimizer step),
+checkpoint (dist_checkpointing in Megatron-LM's layout). Import the submodules directly; nothing here imports megatron."""

@@ -21,6 +21,7 @@ from torch import Tensor
 from slime_corr.correction.segments import Segments
 from slime_corr.rollout.batching import (
     BATCH_KEYS,
+    TOKEN_KEYS,
     packed_starts,
     slice_micro_batch_for_cp,
     thd_local_offsets,
@@ -104,9 +105,10 @@ def slice_batch_for_cp(batch: dict[str, Tensor], groups: ParallelGroups) -> dict
     """This CP rank's part of every [B, S] / [1, T] micro-batch entry (tokens, labels, masks, log-probs, ...):
     the zig-zag slice of a padded batch, the THD partition of a packed one.
 
-    Also slices `old_log_probs` (added by the decoupled recompute pass); other keys pass through.
+    Also slices `old_log_probs` / `ref_log_probs` (added by the forward-only pass); other keys pass through.
     """
-    return slice_micro_batch_for_cp(batch, groups.cp_rank, groups.cp_size, keys=(*BATCH_KEYS, "old_log_probs"))
+    return slice_micro_batch_for_cp(batch, groups.cp_rank, groups.cp_size,
+                                    keys=(*TOKEN_KEYS, "old_log_probs", "ref_log_probs"))
 
 
 def is_packed(batch: dict[str, Any]) -> bool:

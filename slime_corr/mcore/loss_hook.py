@@ -16,6 +16,15 @@ Modes (from the config): decoupled (default; lp_old recomputed by a forward-only
 stored as `batch["old_log_probs"]`), bypass (`use_rollout_logprobs`: lp_old := lp_rollout, no extra forward),
 REINFORCE (`loss_type="reinforce"`, bypass only).
 
+KL and entropy terms (`loss_terms`, `slime_corr.loss_terms`): the reference policy's log-probs
+(`batch["ref_log_probs"]`) come from the same forward-only pass as lp_old, with `ref_model`; the entropy of π_θ from
+the training forward (with its gradient).
+
+Diagnostics (`diagnostics_top_k`): `loss_func` adds each training micro-batch's `diagnostic_sums`
+(`slime_corr.correction.diagnostics`) from the log-probs it already has (no recompute), with the batch's
+`weight_lag` [B, S] and `sample_ids` [B] when present; `reduce_step_metrics` (or `pop_diagnostics`, on every rank)
+reduces them once per step into `last_diagnostics`.
+
 Normalization. `loss_func` returns Megatron's per-token triple `(loss_sum, count, report)` where `count` is the
 core's local denominator (valid tokens for token-mean, valid sequences counted once across CP for seq-mean-*).
 With `calculate_per_token_loss=True` Megatron sums the counts over micro-batches, all-reduces them over DP×CP
@@ -68,6 +77,8 @@ from slime_corr.correction import (
     normalize_weights,
     weight_mean,
 )
+from slime_corr.correction.diagnostics import DiagnosticsResult, MismatchDiagnostics, response_positions
+from slime_corr.loss_terms import LossTermsConfig
 from slime_corr.mcore.compat import get_forward_backward_func, megatron_lm_args
 from slime_corr.mcore.context_parallel import (
     ParallelGroups,
@@ -113,12 +124,16 @@ class RolloutCorrectionLoss:
     `model_forward(model, batch) -> logits`: how to run the model (default: GPTModel on tokens/position_ids).
     `temperature`: the rollout sampling temperature (log π = log_softmax(logits / T), as SGLang reports).
     `chunk_size`: tokens per log-prob chunk (bounds the fp32 [chunk, V/TP] temporaries).
-    `compute_entropy`: also log the token-mean entropy of π_θ.
+    `compute_entropy`: also log the token-mean entropy of π_θ (on when `loss_terms` has an entropy bonus).
     `seq_length_for_norm`: the constant L of `seq-mean-token-sum-norm` (the run's maximum response length);
     required with packed micro-batches, else a padded micro-batch's full length S·CP.
     `keep_outputs`: keep each micro-batch's `PolicyLossOutput` in `self.outputs` (debugging, tests).
     `on_step_metrics(metrics)`: called with a step's correction metrics (`pop_step_metrics`) when
     `next_micro_batch` starts the next step; they are also kept in `self.last_step_metrics`.
+    `loss_terms`: KL to `ref_model` (a frozen reference policy, run by `model_forward`) and the entropy bonus.
+    `diagnostics_top_k`: compute the mismatch diagnostics of the training micro-batches, keeping the top-k
+    sequences (None: off). `on_rollout_prepared(micro_batches)`: called once per rollout after its forward-only
+    pass (lp_old / reference log-probs), before any of its micro-batches is trained.
     """
 
     def __init__(
@@ -133,13 +148,25 @@ class RolloutCorrectionLoss:
         keep_outputs: bool = False,
         on_step_metrics: Callable[[dict[str, float]], None] | None = None,
         seq_length_for_norm: int | None = None,
+        loss_terms: LossTermsConfig | None = None,
+        ref_model: torch.nn.Module | None = None,
+        diagnostics_top_k: int | None = None,
+        on_rollout_prepared: Callable[[Sequence[dict[str, Tensor]]], None] | None = None,
     ) -> None:
         self.config = config
         self.temperature = temperature
         self.chunk_size = chunk_size
         self._groups = groups
         self.model_forward = model_forward
-        self.compute_entropy = compute_entropy
+        self.loss_terms = loss_terms or LossTermsConfig()
+        if self.loss_terms.uses_reference and ref_model is None:
+            raise ValueError("RolloutCorrectionLoss: --use-kl-loss / --kl-loss-coef need ref_model (the frozen "
+                             "reference policy).")
+        self.ref_model = ref_model
+        self.compute_entropy = compute_entropy or self.loss_terms.uses_entropy
+        self.diagnostics = MismatchDiagnostics(diagnostics_top_k) if diagnostics_top_k is not None else None
+        self.last_diagnostics = DiagnosticsResult()
+        self.on_rollout_prepared = on_rollout_prepared
         self.keep_outputs = keep_outputs
         self.on_step_metrics = on_step_metrics
         self.seq_length_for_norm = seq_length_for_norm
@@ -158,18 +185,26 @@ class RolloutCorrectionLoss:
         """Decoupled mode: lp_old must be recomputed before the update (bypass/REINFORCE need no extra pass)."""
         return not self.config.use_rollout_logprobs
 
+    @property
+    def needs_ref_log_probs(self) -> bool:
+        """A KL term: the reference policy's log-probs are computed in the forward-only pass."""
+        return self.loss_terms.uses_reference
+
     # ------------------------------------------------------------------ log-probs
-    def log_probs(self, logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor | None]:
-        """(log π(labels), entropy or None) from vocab-parallel logits, with the rollout temperature."""
+    def log_probs(self, logits: Tensor, labels: Tensor, with_entropy: bool | None = None
+                  ) -> tuple[Tensor, Tensor | None]:
+        """(log π(labels), entropy or None) from vocab-parallel logits, with the rollout temperature.
+        `with_entropy` defaults to `compute_entropy`."""
+        entropy = self.compute_entropy if with_entropy is None else with_entropy
         out = vocab_parallel_log_probs(
             logits,
             labels,
             tp_group=self.groups.tp,
             temperature=self.temperature,
             chunk_size=self.chunk_size,
-            with_entropy=self.compute_entropy,
+            with_entropy=entropy,
         )
-        if self.compute_entropy:
+        if entropy:
             return out  # type: ignore[return-value]
         return out, None  # type: ignore[return-value]
 
@@ -198,12 +233,14 @@ class RolloutCorrectionLoss:
         return batch
 
     def _start_step(self, step: RolloutStep, model: torch.nn.Module) -> None:
-        needs_prepass = (self.needs_old_log_probs and not step.rollout.old_log_probs_ready) or self._needs_step_mean(
-            len(step.micro_batches))
+        needs_rollout_pass = (self.needs_old_log_probs or self.needs_ref_log_probs) and not \
+            step.rollout.old_log_probs_ready
+        needs_prepass = needs_rollout_pass or self._needs_step_mean(len(step.micro_batches))
         if needs_prepass and self.groups.pp_size > 1:
             raise NotImplementedError(
                 "RolloutStepIterator under pipeline parallelism: this step needs a forward-only pass over its "
-                "micro-batches first (lp_old in decoupled mode, or the --tis-batch-normalize mean), and under PP "
+                "micro-batches first (lp_old in decoupled mode, the reference log-probs of a KL term, or the "
+                "--tis-batch-normalize mean), and under PP "
                 "that pass is a pipelined schedule of its own, which cannot start from inside the running one. "
                 "Drive the step with hook.train_step(model, micro_batches) (or hook.prepare_step before Megatron's "
                 "forward_backward_func); inside pretrain() use bypass mode (--use-rollout-logprobs) without "
@@ -214,8 +251,8 @@ class RolloutCorrectionLoss:
             if self.on_step_metrics is not None:
                 self.on_step_metrics(self.last_step_metrics)
         rollout = step.rollout
-        if self.needs_old_log_probs and not rollout.old_log_probs_ready:
-            self.compute_old_log_probs(model, rollout.micro_batches)
+        if not rollout.old_log_probs_ready:
+            self.prepare_rollout(model, rollout.micro_batches)
             rollout.old_log_probs_ready = True
         self.prepare_step(model, step.micro_batches, recompute_old_log_probs=False)
         step.prepared = True
@@ -248,6 +285,13 @@ class RolloutCorrectionLoss:
                     "compute_old_log_probs(model, micro_batches) before the training pass, or set "
                     "--use-rollout-logprobs (bypass)."
                 )
+        ref = batch.get("ref_log_probs")
+        if self.needs_ref_log_probs and ref is None:
+            raise KeyError(
+                "the KL loss needs batch['ref_log_probs']: read the micro-batches of a RolloutStepIterator with "
+                "hook.next_micro_batch(data_iterator, model), or call hook.prepare_rollout(model, micro_batches) "
+                "before the training pass."
+            )
         loss_mask = batch["loss_mask"]
         precomputed = batch.get(PRECOMPUTED_CORRECTION)
         out = compute_policy_loss(
@@ -264,12 +308,17 @@ class RolloutCorrectionLoss:
             correction=precomputed,
             finalize_metrics=False,  # the step's metrics are finalized once, from the merged statistics
             segments=batch_segments(batch, groups),
+            loss_terms=self.loss_terms,
+            ref_log_probs=ref,
+            entropy=entropy,
         )
         if self.keep_outputs:
             self.outputs.append(out)
         corr = out.correction
         if corr is not None and corr.stats and torch.is_grad_enabled():  # training passes only, not evaluation
             self.step_stats.add(corr.stats, corr.function_metrics)
+        if self.diagnostics is not None and torch.is_grad_enabled():
+            self._add_diagnostics(batch, log_probs.detach(), old, groups)
         count = out.denominator.detach().round().to(torch.int)
         report = build_report(out, cfg, groups, loss_mask, entropy)
         return guard_loss(out.loss_sum), count, report
@@ -279,7 +328,33 @@ class RolloutCorrectionLoss:
             return self.seq_length_for_norm  # a packed row has no padded length: the core asks for it if needed
         return seq_length_for_norm(batch["labels"].shape[-1], groups.cp_size)
 
+    def _add_diagnostics(self, batch: dict[str, Tensor], log_probs: Tensor, old: Tensor | None,
+                         groups: ParallelGroups) -> None:
+        """The micro-batch's diagnostic sums from what `loss_func` computed (decoupled: lp_train = lp_old and the
+        drift split old -> current; bypass: lp_train = lp). A packed row is first laid out as one row per sequence
+        (`Segments.to_rows`): the diagnostics' per-sequence table and response positions are per row."""
+        seg = batch_segments(batch, groups)
+        rows = seg.to_rows if seg is not None else (lambda x: x)
+        lp = rows(log_probs)
+        mask = rows(batch["loss_mask"])
+        lag = batch.get("weight_lag")
+        position_ids = batch.get("position_ids")
+        self.diagnostics.add(  # type: ignore[union-attr]
+            rows(old) if old is not None else lp, rows(batch["rollout_log_probs"].to(log_probs.dtype)), mask,
+            lp_current=lp if old is not None else None,
+            positions=response_positions(mask, None if position_ids is None else rows(position_ids), groups.cp),
+            weight_lag=None if lag is None else rows(lag), sample_ids=batch.get("sample_ids"),
+        )
+
     # ------------------------------------------------------------------ step-level
+    def pop_diagnostics(self) -> DiagnosticsResult:
+        """The step's diagnostics (collectives over DP×CP: call it on every rank, once per step), also kept in
+        `last_diagnostics`; empty when `diagnostics_top_k` is None."""
+        if self.diagnostics is not None:
+            groups = self.groups
+            self.last_diagnostics = self.diagnostics.reduce(groups.cp, groups.dp)
+        return self.last_diagnostics
+
     def pop_step_metrics(self) -> dict[str, float]:
         """Every correction metric of the training micro-batches since the last call (the step), exact as if the
         step were one batch — the ratios Megatron logs and the others (min/max, std, quantiles, ESS, counts) —
@@ -298,6 +373,7 @@ class RolloutCorrectionLoss:
         out["loss_denominator"] = totals["pg_loss"][1].round()  # counts are integers; 0 was clamped to 1e-30
         out[NONFINITE_COUNT] = totals[NONFINITE_FRACTION][0]
         out.update(self.step_stats.pop(self.config))
+        self.pop_diagnostics()
         return metrics_to_host(out)
 
     def compute_old_log_probs(self, model: torch.nn.Module, micro_batches: Sequence[dict[str, Tensor]]) -> list[Tensor]:
@@ -305,15 +381,53 @@ class RolloutCorrectionLoss:
         as `batch["old_log_probs"]` (local slice, fp32) and returned. Under PP on the last stage only (the loss's
         stage; the others return [])."""
         outputs = self._forward_log_probs(model, micro_batches)
-        for batch, lp in zip(micro_batches, outputs, strict=False):
-            batch["old_log_probs"] = lp
+        self._store(micro_batches, "old_log_probs", outputs)
         return outputs
 
+    def _store(self, micro_batches: Sequence[dict[str, Tensor]], key: str, outputs: list[Tensor]) -> None:
+        """`batch[key]` = each micro-batch's output of a forward-only pass (none off the last PP stage)."""
+        if self.groups.pp_last:
+            for batch, lp in zip(micro_batches, outputs, strict=True):
+                batch[key] = lp
+
+    def prepare_rollout(self, model: torch.nn.Module, micro_batches: Sequence[dict[str, Tensor]]) -> None:
+        """Before a rollout's first update: the forward-only passes over its micro-batches that store lp_old
+        (decoupled mode, `model`) and the reference policy's log-probs (KL term, `ref_model`) in each batch, then
+        `on_rollout_prepared`. Under PP the log-probs are stored on the last stage only."""
+        if self.needs_old_log_probs:
+            self.compute_old_log_probs(model, micro_batches)
+        if self.needs_ref_log_probs:
+            self._store(micro_batches, "ref_log_probs", self._forward_log_probs(self.ref_model, micro_batches))
+        if self.on_rollout_prepared is not None:
+            self.on_rollout_prepared(micro_batches)
+
+    def kept_sequences(self, batch: dict[str, Tensor]) -> Tensor:
+        """[n] bool: the sequences (rows, or a packed row's sequences) of a prepared micro-batch (decoupled mode:
+        `old_log_probs` set) that keep at least one token in the loss after the correction's rejection (RS, veto,
+        non-finite log-probs), over the whole sequence (one [n] all-reduce over CP). Sequences with no trained token
+        are not kept."""
+        if not self.needs_old_log_probs or "old_log_probs" not in batch:
+            raise ValueError("kept_sequences: needs lp_old (decoupled mode, after prepare_rollout); in bypass mode "
+                             "the rejection depends on the current policy and is known only inside the loss.")
+        lp = batch["old_log_probs"]
+        groups = self.groups
+        seg = batch_segments(batch, groups)
+        corr = compute_rollout_correction(lp, batch["rollout_log_probs"].to(lp.dtype), batch["loss_mask"],
+                                          self.config, cp_group=groups.cp, normalize=False, finalize_metrics=False,
+                                          segments=seg)
+        kept = (corr.loss_mask > 0).to(torch.float64)
+        counts = seg.sum(kept) if seg is not None else kept.sum(-1)
+        if groups.cp_size > 1:
+            torch.distributed.all_reduce(counts, group=groups.cp)
+        return counts > 0
+
     def _forward_log_probs(self, model: Any, micro_batches: Sequence[dict[str, Tensor]]) -> list[Tensor]:
-        """log π(labels) of the current weights for every micro-batch: a forward-only pass (`pipeline.forward_only`:
-        one micro-batch at a time without PP, Megatron's pipelined schedule with it; [] off the last stage)."""
+        """log π(labels) of `model`'s current weights for every micro-batch: a forward-only pass
+        (`pipeline.forward_only`: one micro-batch at a time without PP, Megatron's pipelined schedule with it; [] off
+        the last stage)."""
         return forward_only(model, micro_batches, self.model_forward,
-                            lambda b, logits: self.log_probs(logits, b["labels"])[0], self.groups)
+                            lambda b, logits: self.log_probs(logits, b["labels"], with_entropy=False)[0],
+                            self.groups)
 
     def prepare_step(
         self,
@@ -322,16 +436,17 @@ class RolloutCorrectionLoss:
         *,
         recompute_old_log_probs: bool = True,
     ) -> None:
-        """Before a step's training pass: lp_old by a forward-only pass (decoupled mode, unless
-        `recompute_old_log_probs` is False and the batches carry it), then `step_batch_norm_mean`.
+        """Before a step's training pass: lp_old (decoupled mode) and the reference log-probs (KL term) by
+        `prepare_rollout`, unless `recompute_old_log_probs` is False and the batches carry them, then
+        `step_batch_norm_mean`.
 
         With `--tis-batch-normalize` and more than one micro-batch, the weights of every micro-batch are divided
         by their mean over the WHOLE step: a pre-pass computes each micro-batch's correction from lp_train. In
         decoupled mode (lp_train = lp_old) the training pass reuses it and only applies the step divisor; in
         bypass mode the pre-pass runs a forward-only pass for its log-probs and keeps just the step mean.
         """
-        if self.needs_old_log_probs and recompute_old_log_probs:
-            self.compute_old_log_probs(model, micro_batches)
+        if recompute_old_log_probs and (self.needs_old_log_probs or self.needs_ref_log_probs):
+            self.prepare_rollout(model, micro_batches)
         self.step_batch_norm_mean = None
         for b in micro_batches:
             b.pop(PRECOMPUTED_CORRECTION, None)
@@ -361,9 +476,9 @@ class RolloutCorrectionLoss:
         return self.config.use_tis and self.config.tis_batch_normalize and num_micro_batches > 1
 
     def can_stream(self, num_micro_batches: int) -> bool:
-        """Whether `train_step` can read the micro-batches once, as a stream: no lp_old recompute (bypass) and
-        no step-wide normalization mean, which both need a pass over every micro-batch first."""
-        return not self.needs_old_log_probs and not self._needs_step_mean(num_micro_batches)
+        """Whether `train_step` can read the micro-batches once, as a stream: no lp_old recompute (bypass), no
+        reference pass and no step-wide normalization mean, which all need a pass over every micro-batch first."""
+        return not (self.needs_old_log_probs or self.needs_ref_log_probs or self._needs_step_mean(num_micro_batches))
 
     def train_step(
         self,
@@ -390,6 +505,8 @@ class RolloutCorrectionLoss:
             )
         check_model_config(model)
         self.step_stats.reset()
+        if self.diagnostics is not None:
+            self.diagnostics.parts.clear()
         if not streamed:
             self.prepare_step(model, micro_batches, recompute_old_log_probs=recompute_old_log_probs)  # type: ignore[arg-type]
         try:

@@ -15,8 +15,9 @@ Megatron's micro-batches per step (sampled with the same weights). The iterator 
 the first micro-batch of each step carries a reference to its `RolloutStep`. `next_micro_batch` removes it and,
 before the model runs on that micro-batch (a plain forward of each micro-batch; under pipeline parallelism this
 pass would be a pipelined schedule inside the running one, so there a step that needs it fails with the fix):
-- at a rollout's first step (decoupled mode): lp_old of ALL the rollout's micro-batches, one forward-only pass
-  with the current weights, stored as `batch["old_log_probs"]`;
+- at a rollout's first step: one forward-only pass over ALL the rollout's micro-batches with the current weights:
+  lp_old in decoupled mode (`batch["old_log_probs"]`) and the reference policy's log-probs when the loss has a KL
+  term (`batch["ref_log_probs"]`), then the hook's `on_rollout_prepared` callback;
 - at every step: the step's `--tis-batch-normalize` mean (from lp_old; bypass mode: one forward-only pass of the
   step's micro-batches), and the previous step's correction metrics are finalized (`hook.last_step_metrics`).
 Megatron's own `RerunDataIterator` wrapping passes the micro-batches through unchanged.

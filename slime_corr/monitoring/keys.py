@@ -3,9 +3,9 @@
 | prefix | what | examples |
 | --- | --- | --- |
 | `rollout_corr/` | the correction metrics of SPEC.md, and a custom weighting function's own | `rollout_corr/mismatch_k3_kl`, `rollout_corr/mis_ess`, `rollout_corr/ois` |
-| `train/` | the policy loss and the optimizer | `train/loss`, `train/pg_clipfrac`, `train/ppo_kl`, `train/grad_norm`, `train/lr` |
-| `rollout/` | the step's samples | `rollout/reward_mean`, `rollout/samples`, `rollout/response_length_mean` |
-| `perf/` | time | `perf/step_time`, `perf/rollout_time` |
+| `train/` | the policy loss and the optimizer | `train/loss`, `train/pg_clipfrac`, `train/ppo_kl`, `train/grad_norm`, `train/kl_loss` |
+| `rollout/` | the step's samples | `rollout/reward_mean`, `rollout/samples`, `rollout/staleness_mean` |
+| `perf/` | time | `perf/step_time`, `perf/rollout_time`, `perf/train_time`, `perf/weight_sync_time` |
 | `diag/` | the diagnostics of `slime_corr.correction.diagnostics` | `diag/prob/lt_1e-06/k3`, `diag/drift/mismatch_share` |
 """
 
@@ -18,7 +18,8 @@ PREFIXES = (CORRECTION, TRAIN, ROLLOUT, PERF, DIAG)
 
 # Keys of `RolloutCorrectionLoss.reduce_step_metrics` that belong to the loss, not to the correction.
 TRAIN_KEYS = frozenset({"loss", "pg_loss", "loss_denominator", "pg_clipfrac", "ppo_kl", "entropy",
-                        "pg_nonfinite_token_count"})
+                        "pg_nonfinite_token_count", "kl_loss", "grad_norm",
+                        "baseline_rejected_samples"})
 
 # The console line: (key, label) in order; a key the step does not have is left out.
 CONSOLE_KEYS = (
@@ -28,6 +29,8 @@ CONSOLE_KEYS = (
     (f"{TRAIN}/pg_clipfrac", "pg_clipfrac"),
     (f"{TRAIN}/ppo_kl", "ppo_kl"),
     (f"{TRAIN}/grad_norm", "grad_norm"),
+    (f"{ROLLOUT}/staleness_mean", "staleness"),
+    (f"{TRAIN}/kl_loss", "kl_loss"),
     (f"{PERF}/step_time", "step_time"),
     (f"{CORRECTION}/mismatch_kl", "mismatch_kl"),
     (f"{CORRECTION}/mismatch_k3_kl", "mismatch_k3_kl"),

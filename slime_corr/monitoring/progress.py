@@ -6,7 +6,7 @@
     progress.close()
 
 `update` may be called from the rollout's event-loop thread. Plain lines are printed when the count crosses a
-quarter of the total (so at most four per step): `rollout step 3: 8/16 samples (50%), 96 tokens, 1 failed, 0.8 s`.
+quarter of the total (so at most four per rollout): `rollout 3: 8/16 samples (50%), 96 tokens, 1 failed, 0.8 s`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class RolloutProgress:
         if mode == "bar":
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, desc=f"rollout step {step}", unit="sample", file=self.stream, leave=False,
+            self._bar = tqdm(total=total, desc=f"rollout {step}", unit="sample", file=self.stream, leave=False,
                              dynamic_ncols=True)
 
     def update(self, samples: Sequence[Sample]) -> None:
@@ -63,7 +63,7 @@ class RolloutProgress:
     def line(self) -> str:
         pct = 100.0 * self.done / self.total if self.total else 100.0
         failed = f", {self.failed} failed" if self.failed else ""
-        return (f"rollout step {self.step}: {self.done}/{self.total} samples ({pct:.0f}%), {self.tokens} tokens"
+        return (f"rollout {self.step}: {self.done}/{self.total} samples ({pct:.0f}%), {self.tokens} tokens"
                 f"{failed}, {time.perf_counter() - self.start:.1f} s")
 
     def close(self) -> None:

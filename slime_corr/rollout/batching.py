@@ -30,7 +30,6 @@ Megatron-Core partitions THD batches (``get_thd_batch_on_this_cp_rank``, i.e. Tr
 from __future__ import annotations
 
 import heapq
-from collections import defaultdict
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -39,35 +38,47 @@ import torch.distributed as dist
 from slime_corr.rollout.sample import Sample
 
 BATCH_KEYS = ("tokens", "position_ids", "labels", "loss_mask", "rollout_log_probs", "advantages")
+# optional per-token entries, laid out (and CP-sliced) like the others: the weight lag of each trained token
+TOKEN_KEYS = (*BATCH_KEYS, "weight_lag")
+
+
+def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, keep: torch.Tensor | None = None,
+                     normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO advantages [N] (float64): (r − mean of the group) [/ (std of the group + eps)], over the samples of the
+    same group id that are KEPT (``keep`` [N] bool, default all); std is the unbiased std (0 with one kept sample).
+    A sample that is not kept gets 0 and does not enter its group's mean or std."""
+    r = rewards.to(torch.float64)
+    kept = torch.ones_like(r, dtype=torch.bool) if keep is None else keep.to(torch.bool)
+    _, g = torch.unique(group_ids, return_inverse=True)
+    k = kept.to(torch.float64)
+    n = torch.zeros(int(g.max()) + 1 if g.numel() else 0, dtype=torch.float64).index_add_(0, g, k)
+    mean = torch.zeros_like(n).index_add_(0, g, r * k) / n.clamp_min(1)
+    centered = (r - mean[g]) * k
+    adv = centered
+    if normalize_std:
+        var = torch.zeros_like(n).index_add_(0, g, centered.square()) / (n - 1).clamp_min(1)
+        adv = centered / (var.sqrt()[g] + eps)
+    return torch.where(kept, adv, torch.zeros_like(adv))
 
 
 def grpo_advantages(samples: Sequence[Sample], normalize_std: bool = True, eps: float = 1e-6) -> list[float]:
-    """GRPO group-normalised advantage per sample: (reward - group mean) [/ (group std + eps)].
-
-    Groups are by ``group_id``; std is the unbiased std (0 for singleton groups). Rewards must be set.
-    """
-    groups: dict[int, list[int]] = defaultdict(list)
-    for i, s in enumerate(samples):
+    """GRPO group-normalised advantage per sample (:func:`group_advantages` by ``group_id``). Rewards must be set."""
+    for s in samples:
         if s.reward is None:
             raise ValueError(f"reward: sample {s.index} (group {s.group_id}) has no reward")
-        groups[s.group_id].append(i)
-    adv = [0.0] * len(samples)
-    for idx in groups.values():
-        r = torch.tensor([float(samples[i].reward) for i in idx], dtype=torch.float64)  # type: ignore[arg-type]
-        a = r - r.mean()
-        if normalize_std:
-            std = r.std() if len(idx) > 1 else torch.tensor(0.0, dtype=torch.float64)
-            a = a / (std + eps)
-        for i, v in zip(idx, a.tolist(), strict=True):
-            adv[i] = v
-    return adv
+    if not samples:
+        return []
+    rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float64)  # type: ignore[arg-type]
+    group_ids = torch.tensor([s.group_id for s in samples])
+    return group_advantages(rewards, group_ids, normalize_std=normalize_std, eps=eps).tolist()
 
 
 def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
-def _sample_rows(s: Sample, adv: float | Sequence[float], pad_token_id: int) -> dict[str, torch.Tensor]:
+def _sample_rows(s: Sample, adv: float | Sequence[float], pad_token_id: int,
+                 weight_lag: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
     """One sample's 1-D rows (length prompt + response), already shifted to Megatron's alignment."""
     p, r = len(s.prompt_tokens), s.response_length
     n = p + r
@@ -85,8 +96,15 @@ def _sample_rows(s: Sample, adv: float | Sequence[float], pad_token_id: int) -> 
         if a.numel() != r:
             raise ValueError(f"advantages: {a.numel()} values for {r} response tokens of sample {s.index}")
         adv_row[p - 1 : n - 1] = a * m
-    return {"tokens": tokens, "position_ids": torch.arange(n), "labels": labels, "loss_mask": mask,
+    rows = {"tokens": tokens, "position_ids": torch.arange(n), "labels": labels, "loss_mask": mask,
             "rollout_log_probs": lp, "advantages": adv_row}
+    if weight_lag is not None:
+        if len(weight_lag) != r:
+            raise ValueError(f"weight_lag: {len(weight_lag)} values for {r} response tokens of sample {s.index}")
+        lag = torch.zeros(n, dtype=torch.long)
+        lag[p - 1 : n - 1] = torch.tensor(list(weight_lag), dtype=torch.long)
+        rows["weight_lag"] = lag
+    return rows
 
 
 def build_micro_batch(
@@ -96,24 +114,31 @@ def build_micro_batch(
     pad_to_multiple: int = 1,
     pad_token_id: int = 0,
     packed: bool = False,
+    weight_lag: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Build one micro-batch dict (see the module docstring) from ``samples``.
 
     ``advantages``: one scalar per sample (broadcast over its response tokens) or one list per sample (per
     token); None means zeros. ``pad_to_multiple``: pad S (packed: every sample) to a multiple of it (2 * CP
     size for context parallelism, ``cp_pad_multiple``).
+    ``weight_lag``: per sample, the weight lag of each response token (trainer version − the version that
+    sampled it); adds ``weight_lag`` [B, S] int64 in the labels' alignment (0 elsewhere).
     """
     if not samples:
         raise ValueError("samples: empty micro-batch")
     advs = list(advantages) if advantages is not None else [0.0] * len(samples)
     if len(advs) != len(samples):
         raise ValueError(f"advantages: {len(advs)} entries for {len(samples)} samples")
-    rows = [_sample_rows(s, a, pad_token_id) for s, a in zip(samples, advs, strict=True)]
+    lags = list(weight_lag) if weight_lag is not None else [None] * len(samples)
+    if len(lags) != len(samples):
+        raise ValueError(f"weight_lag: {len(lags)} entries for {len(samples)} samples")
+    rows = [_sample_rows(s, a, pad_token_id, lag) for s, a, lag in zip(samples, advs, lags, strict=True)]
+    keys = [k for k in TOKEN_KEYS if k in rows[0]]
     if packed:
-        return _pack_rows(rows, pad_to_multiple, pad_token_id)
+        return _pack_rows(rows, keys, pad_to_multiple, pad_token_id)
     s_len = _round_up(max(len(r["tokens"]) for r in rows), pad_to_multiple)
     out = {}
-    for k in BATCH_KEYS:
+    for k in keys:
         fill = pad_token_id if k in ("tokens", "labels") else 0
         t = torch.full((len(rows), s_len), fill, dtype=rows[0][k].dtype)
         for i, r in enumerate(rows):
@@ -123,12 +148,13 @@ def build_micro_batch(
     return out
 
 
-def _pack_rows(rows: list[dict[str, torch.Tensor]], multiple: int, pad_token_id: int) -> dict[str, torch.Tensor]:
+def _pack_rows(rows: list[dict[str, torch.Tensor]], keys: Sequence[str], multiple: int,
+               pad_token_id: int) -> dict[str, torch.Tensor]:
     """Samples' rows one after the other in one [1, T] row, each padded to a multiple of `multiple`."""
     lengths = [len(r["tokens"]) for r in rows]
     padded = [_round_up(n, multiple) for n in lengths]
     out = {}
-    for k in BATCH_KEYS:
+    for k in keys:
         fill = pad_token_id if k in ("tokens", "labels") else 0
         out[k] = torch.cat([torch.cat([r[k], torch.full((p - n,), fill, dtype=r[k].dtype)])
                             for r, n, p in zip(rows, lengths, padded, strict=True)]).unsqueeze(0)
@@ -207,7 +233,7 @@ def thd_local_offsets(cu_seqlens_padded: torch.Tensor, cp_size: int) -> torch.Te
 
 
 def slice_micro_batch_for_cp(batch: dict[str, torch.Tensor], cp_rank: int, cp_size: int,
-                             keys: Sequence[str] = BATCH_KEYS) -> dict[str, torch.Tensor]:
+                             keys: Sequence[str] = TOKEN_KEYS) -> dict[str, torch.Tensor]:
     """This CP rank's part of every `keys` entry ([B, S]; others are passed through): the zig-zag slice of a
     padded batch, the THD partition of a packed one (`cu_seqlens*` stay whole: they describe the full row)."""
     if cp_size == 1:

@@ -294,3 +294,22 @@ class SGLangClient(ControlPlane):
                 break
         return acc.result()
 
+
+
+def probe_health(url: str, timeout: float = 5.0) -> str | None:
+    """Why ``url`` cannot serve (a one-line reason), or None when its ``/health`` answers 200. Synchronous and
+    bounded by ``timeout``: a start-up check before anything else is built."""
+    import urllib.error
+    import urllib.request
+
+    target = url.rstrip("/") + "/health"
+    if not target.startswith(("http://", "https://")):
+        return f"not an http(s) URL ({url!r}); e.g. http://127.0.0.1:30000"
+    try:
+        with urllib.request.urlopen(target, timeout=timeout) as resp:  # noqa: S310 - an http(s) URL, checked above
+            return None if resp.status == 200 else f"GET {target} answered HTTP {resp.status}"
+    except urllib.error.HTTPError as e:
+        return f"GET {target} answered HTTP {e.code}"
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        return f"GET {target} failed: {reason}"

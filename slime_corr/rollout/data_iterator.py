@@ -196,12 +196,19 @@ class BufferMicroBatchIterator:
             samples, [adv_of.get(id(s), 0.0) for s in samples], pad_token_id=self.pad_token_id, packed=self.packed,
             pad_to_multiple=cp_pad_multiple(self.cp_size),
         )
-        for i, s in enumerate(samples):
-            if s.status not in TRAINABLE:
-                rows = _sample_positions(batch, i)
-                for key in NOT_TRAINED_KEYS:
-                    batch[key][rows] = 0
-        return slice_micro_batch_for_cp(batch, self.cp_rank, self.cp_size)
+        return slice_micro_batch_for_cp(mask_not_trained(batch, samples), self.cp_rank, self.cp_size)
+
+
+def mask_not_trained(batch: dict[str, torch.Tensor], samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
+    """Zero the loss mask, rollout log-probs and advantages of the samples that did not finish (not TRAINABLE) in
+    the micro-batch built from `samples` (in place; returned): they stay in it, so every rank runs the same
+    micro-batches, but contribute nothing."""
+    for i, s in enumerate(samples):
+        if s.status not in TRAINABLE:
+            rows = _sample_positions(batch, i)
+            for key in NOT_TRAINED_KEYS:
+                batch[key][rows] = 0
+    return batch
 
 
 def _group_device(group: dist.ProcessGroup | None) -> str:

@@ -30,6 +30,7 @@ import torch
 from slime_corr.rollout.buffer import SampleBuffer
 from slime_corr.rollout.client import GenerationError, SGLangClient
 from slime_corr.rollout.sample import Sample, SampleStatus, SampleValidationError
+from slime_corr.rollout.sampling import mix_seed
 
 
 class PausePolicy(StrEnum):
@@ -104,18 +105,27 @@ async def generate_group_samples(
     buffer: SampleBuffer | None = None,
     group_id_offset: int = 0,
     stop: asyncio.Event | None = None,
+    sampling_seed: int | None = None,
 ) -> list[Sample]:
     """Generate ``n_samples_per_prompt`` samples per prompt concurrently (one request per sample).
 
     Sample ``index`` is global order (prompt-major), ``group_id`` is ``group_id_offset + prompt index``.
     ``reward_fn`` scores every non-failed sample. With ``buffer``, each group is put into it as soon as all its
     samples ended (awaiting when the buffer is full: backpressure). Returns all samples in index order.
+    ``sampling_seed``: each request gets ``sampling_params.sampling_seed = mix_seed(sampling_seed, index)``, so the
+    rollout samples the same tokens every time (an engine that honours the seed, as SGLang and the embedded engine
+    do, draws per (seed, position) whatever the batching; a resumed request continues the same draws).
     """
+
+    def params_of(index: int) -> dict[str, Any]:
+        if sampling_seed is None:
+            return sampling_params
+        return {**sampling_params, "sampling_seed": mix_seed(sampling_seed, index)}
 
     async def one_group(g: int, prompt: list[int]) -> list[Sample]:
         samples = [Sample(prompt_tokens=list(prompt), group_id=group_id_offset + g,
                           index=g * n_samples_per_prompt + j) for j in range(n_samples_per_prompt)]
-        await asyncio.gather(*(generate_sample(client, s, sampling_params, stream=stream,
+        await asyncio.gather(*(generate_sample(client, s, params_of(s.index), stream=stream,
                                                pause_policy=pause_policy, stop=stop) for s in samples))
         if reward_fn is not None:
             for s in samples:

@@ -21,9 +21,9 @@ import torch.distributed as dist
 from mcore_helpers import TEMPERATURE, S, V, init_layout, local_rows, spawn, step_data
 
 from slime_corr.config import RolloutCorrectionConfig
-from slime_corr.mcore.context_parallel import ParallelGroups, slice_batch_for_cp, zigzag_slice
+from slime_corr.mcore.context_parallel import ParallelGroups, slice_batch_for_cp
 from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
-from slime_corr.mcore.model import TinyGPTArgs, build_tiny_gpt
+from slime_corr.mcore.model import TinyGPTArgs, build_tiny_gpt, emulated_cp_forward
 
 ARGS = TinyGPTArgs(vocab_size=V, max_position_embeddings=S, hidden_size=32, num_attention_heads=4,
                    params_dtype=torch.float64)
@@ -99,12 +99,6 @@ def _rollout_near_model(data: list[dict]) -> None:
             logits = model(input_ids=b["tokens"], position_ids=b["position_ids"], attention_mask=None)
             lp = torch.log_softmax(logits / TEMPERATURE, -1).gather(-1, b["labels"].unsqueeze(-1))[..., 0]
             b["rollout_log_probs"] = (lp + 0.05 * torch.randn(lp.shape, generator=g)) * b["loss_mask"]
-
-
-def emulated_cp_forward(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    g = ParallelGroups.current()
-    logits = model(input_ids=batch["full_tokens"], position_ids=batch["full_position_ids"], attention_mask=None)
-    return zigzag_slice(logits, g.cp_rank, g.cp_size, dim=1)
 
 
 def _full_param(p: torch.Tensor, grad: torch.Tensor, tp_group) -> torch.Tensor:

@@ -48,8 +48,9 @@ def _strace_works() -> bool:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     d = tmp_path_factory.mktemp("monitored")
-    cmd = [sys.executable, "-m", "slime_corr.cli", "--num-steps", str(STEPS), "--prompts-per-step", "2",
-           "--n-samples-per-prompt", "2", "--max-new-tokens", "8", "--rollout-correction-preset",
+    cmd = [sys.executable, "-m", "slime_corr.cli", "--num-rollout", str(STEPS), "--num-steps-per-rollout", "1",
+           "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--micro-batch-size", "4",
+           "--rollout-max-response-len", "8", "--rollout-correction-preset",
            "decoupled_seq_is_rs", "--rs-veto-threshold", "1e-4", "--tis-batch-normalize", "--work-dir", str(d / "run"),
            "--tensorboard-dir", str(d / "tb"), "--wandb-project", "slime-corr-test", "--wandb-mode", "offline"]
     traced = _strace_works()
@@ -94,10 +95,10 @@ def test_diagnostics_agree_with_the_spec_metrics_of_the_same_step(run):
 def test_console_line_and_rollout_progress(run):
     out, err = run["proc"].stdout, run["proc"].stderr
     lines = re.findall(r"^step (\d+): samples=4 reward=\S+ loss=\S+ pg_clipfrac=\S+ ppo_kl=\S+ grad_norm=\S+ "
-                       r"step_time=\S+ mismatch_kl=\S+ mismatch_k3_kl=\S+", out, re.M)
+                       r"staleness=0 step_time=\S+ mismatch_kl=\S+ mismatch_k3_kl=\S+", out, re.M)
     assert lines == [str(s) for s in range(1, STEPS + 1)], out
     # not a terminal: plain progress lines, the last one at 100 %
-    assert re.search(r"^rollout step 2: 4/4 samples \(100%\), \d+ tokens, [\d.]+ s$", err, re.M), err[-2000:]
+    assert re.search(r"^rollout 1: 4/4 samples \(100%\), \d+ tokens, [\d.]+ s$", err, re.M), err[-2000:]
 
 
 def test_tensorboard_event_files_hold_every_metric(run):

@@ -123,7 +123,7 @@ def test_progress_prints_plain_lines_when_not_on_a_terminal():
     progress.update(_samples(4, SampleStatus.FAILED))
     progress.close()
     lines = out.getvalue().splitlines()
-    assert [line.split(" (")[0] for line in lines] == [f"rollout step 3: {k}/16 samples" for k in (4, 8, 12, 16)]
+    assert [line.split(" (")[0] for line in lines] == [f"rollout 3: {k}/16 samples" for k in (4, 8, 12, 16)]
     assert "32 tokens, 4 failed" in lines[-1]
 
 
@@ -133,7 +133,7 @@ def test_progress_bar_and_none_modes():
     bar.update(_samples(4))
     assert bar.done == 4 and bar.tokens == 8
     bar.close()
-    assert "rollout step 1:" in out.getvalue() and "/4 [" in out.getvalue()  # tqdm drew the bar
+    assert "rollout 1:" in out.getvalue() and "/4 [" in out.getvalue()  # tqdm drew the bar
     quiet = io.StringIO()
     none = RolloutProgress(4, step=1, mode="none", stream=quiet)
     none.update(_samples(4))

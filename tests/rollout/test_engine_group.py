@@ -70,8 +70,9 @@ def test_router_choice():
 
 def test_main_job_with_two_engines_and_distributed_weight_sync(tmp_path):
     require_router()
-    cmd = [sys.executable, "-m", "slime_corr.main", "--num-steps", "2", "--prompts-per-step", "2",
-           "--n-samples-per-prompt", "2", "--max-new-tokens", "8", "--work-dir", str(tmp_path),
+    cmd = [sys.executable, "-m", "slime_corr.main", "--num-rollout", "2", "--num-steps-per-rollout", "1",
+           "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--micro-batch-size", "4",
+           "--rollout-max-response-len", "8", "--rollout-progress", "none", "--work-dir", str(tmp_path),
            "--rollout-num-engines", "2", "--rollout-weight-sync", "distributed", "--engine-dtype", "float32",
            "--update-weight-buffer-size", "65536", "--rollout-correction-preset", "decoupled_token_is"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -80,7 +81,7 @@ def test_main_job_with_two_engines_and_distributed_weight_sync(tmp_path):
     assert re.search(r"2 engine\(s\) .* behind sglang-router at http://127\.0\.0\.1:\d+", out), out
     assert re.findall(r"weight sync \(distributed\): (step-\d) on (\d) engine", out) == [("step-1", "2"),
                                                                                            ("step-2", "2")]
-    assert re.findall(r"rollout: truncated=4", out) == ["rollout: truncated=4"] * 2
+    assert re.findall(r"^rollout \d: truncated=4;", out, re.M) == ["rollout 0: truncated=4;", "rollout 1: truncated=4;"]
     # step 2 sampled with the weights step 1 broadcast: fp32 engines still match the fp32 trainer (a sync that
     # garbled a weight would show here; bitwise equality itself is checked in test_weight_sync.py)
     diffs = [float(x) for x in re.findall(r"train_rollout_logprob_abs_diff=(\S+)", out)]

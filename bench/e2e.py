@@ -1,0 +1,110 @@
+"""End-to-end benchmark of the main job (not part of the test suite).
+
+    python bench/e2e.py [--repeats 3] [--num-rollout 5] [--nproc 1] [-- extra main-job flags]
+
+Runs the real trainer (`python -m slime_corr.main`, or torchrun with `--nproc` processes) in four variants,
+interleaved `--repeats` times: decoupled PPO with sequence IS + RS (`decoupled_seq_is_rs`) and bypass PPO
+(`ppo_is_bypass`), each synchronous and asynchronous (`--async-rollout`). From each run's metrics.jsonl (the
+trainer's own `perf/*` timers) it takes, per rollout, leaving out the first (warm-up) and the last (the asynchronous
+pipeline has nothing left to generate there):
+
+  rollout      waiting for the rollout's samples (async: only what generation did not hide behind training)
+  lp_old/ref   the forward-only pass before a rollout's first update (lp_old in decoupled mode; 0 in bypass)
+  train        forward + backward + optimizer of the rollout's steps (without that pass)
+  weight sync  pushing the new weights to the engines
+  other        the rest of the iteration (advantages, DP plan, scatter, micro-batches, logging)
+  loss share   the loss functions' forward (log-probs from logits, correction, policy loss), as a share of the
+               training time and of the whole iteration
+
+and prints medians over runs (seconds per rollout), then ratios in the same run: bypass / decoupled and
+async / sync of the wall time per rollout, and decoupled / bypass of the training part (what the extra pass costs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = {
+    "decoupled sync": ["--rollout-correction-preset", "decoupled_seq_is_rs"],
+    "bypass sync": ["--rollout-correction-preset", "ppo_is_bypass"],
+    "decoupled async": ["--rollout-correction-preset", "decoupled_seq_is_rs", "--async-rollout"],
+    "bypass async": ["--rollout-correction-preset", "ppo_is_bypass", "--async-rollout"],
+}
+PARTS = ("rollout", "lp_old/ref", "train", "weight sync", "other", "wall")
+
+
+def run_variant(flags: list[str], args: argparse.Namespace, work: Path) -> dict[str, float]:
+    """One trainer run; the per-rollout medians of each part, and the loss share of training."""
+    main = ["-m", "slime_corr.main", "--num-rollout", str(args.num_rollout), "--rollout-progress", "none",
+            "--no-log-mismatch-diagnostics", "--work-dir", str(work), *flags, *args.extra]
+    if args.nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
+               *main]
+    else:
+        cmd = [sys.executable, *main]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=1800)
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    records = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
+    by_rollout: dict[int, list[dict]] = {}
+    for r in records:
+        by_rollout.setdefault(int(r["rollout/index"]), []).append(r)
+    rows = []
+    for _, steps in sorted(by_rollout.items())[1:-1]:  # the first: warm-up; the last: the pipeline drains
+        first = steps[0]
+        row = {"rollout": first["perf/rollout_time"], "lp_old/ref": first["perf/prepare_time"],
+               "train": sum(s["perf/train_time"] for s in steps), "weight sync": first["perf/weight_sync_time"],
+               "wall": sum(s["perf/step_time"] for s in steps), "loss": sum(s["perf/loss_time"] for s in steps)}
+        row["other"] = row["wall"] - row["rollout"] - row["lp_old/ref"] - row["train"] - row["weight sync"]
+        rows.append(row)
+    out = {k: statistics.median(r[k] for r in rows) for k in (*PARTS, "loss")}
+    out["loss share"] = statistics.median(r["loss"] / r["train"] for r in rows)
+    out["loss/wall"] = statistics.median(r["loss"] / r["wall"] for r in rows)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--num-rollout", type=int, default=6, help="Rollouts per run (the first and last are not "
+                                                                "measured).")
+    ap.add_argument("--nproc", type=int, default=1, help="Processes per run (torchrun when > 1).")
+    ap.add_argument("extra", nargs="*", help="Flags for every run (after --), e.g. -- --rollout-batch-size 8.")
+    args = ap.parse_args()
+    if args.num_rollout < 3:
+        ap.error("--num-rollout must be >= 3 (the first and the last rollout are not measured)")
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
+    with tempfile.TemporaryDirectory(prefix="slime_corr_e2e_") as tmp:
+        for rep in range(args.repeats):  # interleaved: every variant once per repeat
+            for i, (name, flags) in enumerate(VARIANTS.items()):
+                results[name].append(run_variant(flags, args, Path(tmp) / f"{rep}-{i}"))
+                print(f"repeat {rep + 1}/{args.repeats}: {name} done", file=sys.stderr, flush=True)
+    med = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in results.items()}
+    print(f"seconds per rollout (median of {args.repeats} runs × {args.num_rollout - 2} rollouts; "
+          f"{args.nproc} process(es)); extra flags: {' '.join(args.extra) or 'none'}")
+    print(f"{'variant':<18}" + "".join(f"{p:>13}" for p in PARTS) + f"{'loss/train':>12}{'loss/wall':>11}")
+    for name, m in med.items():
+        print(f"{name:<18}" + "".join(f"{m[p]:>13.4f}" for p in PARTS)
+              + f"{m['loss share']:>11.1%}{m['loss/wall']:>11.1%}")
+    print("ratios (same run):")
+    for mode in ("sync", "async"):
+        d, b = med[f"decoupled {mode}"], med[f"bypass {mode}"]
+        print(f"  {mode:<5}  bypass / decoupled wall {b['wall'] / d['wall']:.3f}   decoupled / bypass "
+              f"(lp_old/ref + train) {(d['lp_old/ref'] + d['train']) / (b['lp_old/ref'] + b['train']):.3f}")
+    for corr in ("decoupled", "bypass"):
+        s, a = med[f"{corr} sync"], med[f"{corr} async"]
+        print(f"  {corr:<9}  async / sync wall {a['wall'] / s['wall']:.3f}   (rollout wait {s['rollout']:.3f} s "
+              f"-> {a['rollout']:.3f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Checkpoints through Megatron's `dist_checkpointing`, in Megatron-LM's directory layout, on CPU with gloo.
+
+    ROOT/latest_checkpointed_iteration.txt     the last complete iteration (written after every rank saved)
+    ROOT/iter_0000012/                          dist_checkpointing's torch_dist format (*.distcp, metadata.json,
+                                                common.pt)
+
+What is saved: the model's `sharded_state_dict()` (each TP shard once, DP/CP replicas deduplicated: a checkpoint
+loads at another TP size), the optimizer state sharded like its parameters (a plain `torch.optim` optimizer: its
+per-parameter state tensors follow the parameter's sharding; Adam's scalar `step` goes to the common state), a
+`common` dict (the same on every rank: counters), one picklable object per rank (`rank_state`, e.g. RNG states;
+loaded only at the same world size) and one object only rank 0 has (`rank0_state`, e.g. what the rollout driver
+holds), saved from rank 0 and given back to every rank.
+
+Measured here: with megatron-core 0.16 and gloo the torch_dist strategy saves and loads on CPU; it hands the
+write results to a `multiprocessing` manager started with "spawn", so the launching script must guard its entry
+point (`if __name__ == "__main__":`) as `python -m` modules do.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded; the message names the directory and the fix."""
+
+
+def iteration_dir(root: str | Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def latest_iteration(root: str | Path) -> int | None:
+    """The iteration in ROOT's tracker file, or None when there is none."""
+    tracker = Path(root) / TRACKER_FILE
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{tracker}: expected an iteration number, got {text!r}") from None
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _sharded_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, common: dict[str, Any],
+                   rank_state: Any, rank0_state: Any) -> dict[str, Any]:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        optim_state_to_sharding_state,
+    )
+
+    model_state = module.sharded_state_dict()
+    optim_state = optimizer.state_dict()
+    steps = {int(st.pop("step")) for st in optim_state["state"].values() if "step" in st}
+    if len(steps) > 1:
+        raise CheckpointError(f"optimizer: parameters at different steps {sorted(steps)}; cannot save one step")
+    id_map = get_param_id_to_sharded_param_map(model_state, _params(optimizer))
+    optim_state_to_sharding_state(optim_state, id_map)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    return {
+        "model": model_state,
+        "optimizer": optim_state,
+        "optimizer_step": steps.pop() if steps else None,
+        "rank_state": ShardedObject("rank_state", rank_state, (world,), (rank,), replica_id=0),
+        "rank0_state": ShardedObject("rank0_state", rank0_state, (1,), (0,), replica_id=rank),
+        "common": common,
+    }
+
+
+def save_checkpoint(root: str | Path, iteration: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    common: dict[str, Any], rank_state: Any = None, rank0_state: Any = None) -> Path:
+    """Save on every rank (collective); the tracker names `iteration` once all ranks are done. `module` is the
+    model without its DDP wrapper."""
+    from megatron.core import dist_checkpointing
+
+    path = iteration_dir(root, iteration)
+    if dist.get_rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(module, optimizer, common, rank_state, rank0_state), str(path))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        tmp = Path(root) / (TRACKER_FILE + ".tmp")
+        tmp.write_text(f"{iteration}\n")
+        tmp.replace(Path(root) / TRACKER_FILE)
+    dist.barrier()
+    return path
+
+
+def load_checkpoint(root: str | Path, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    iteration: int | None = None) -> tuple[int, dict[str, Any], Any, Any]:
+    """Load model and optimizer in place (collective); returns (iteration, common, this rank's rank_state,
+    rank0_state). The latest iteration unless `iteration` is given."""
+    from megatron.core import dist_checkpointing
+
+    if iteration is None:
+        iteration = latest_iteration(root)
+        if iteration is None:
+            raise CheckpointError(f"--load {root}: no {TRACKER_FILE} (no complete checkpoint was saved there); "
+                                  "pass the --save directory of an earlier run.")
+    path = iteration_dir(root, iteration)
+    if not (path / "metadata.json").is_file():
+        raise CheckpointError(f"--load {root}: {path.name} is not a complete checkpoint (no metadata.json).")
+    # the optimizer needs its state before it can describe it: one zero-gradient step with lr 0 creates it
+    if not optimizer.state:
+        _init_optimizer_state(optimizer)
+    template = _sharded_state(module, optimizer, {}, None, None)
+    template.pop("common")
+    loaded = dist_checkpointing.load(template, str(path))
+    module.load_state_dict(loaded["model"])
+    optim_state = loaded["optimizer"]
+    step = loaded.get("optimizer_step")
+    if step is not None:
+        for state in optim_state["state"].values():
+            state["step"] = torch.tensor(float(step))
+    optimizer.load_state_dict(optim_state)
+    return iteration, loaded.get("common", {}), loaded["rank_state"], loaded["rank0_state"]
+
+
+def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    saved = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    grads = []
+    for p in _params(optimizer):
+        grads.append(p.grad)
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for p, g in zip(_params(optimizer), grads, strict=True):
+        p.grad = g
+    for group, lr in zip(optimizer.param_groups, saved, strict=True):
+        group["lr"] = lr
+
+
+__all__ = ["CheckpointError", "TRACKER_FILE", "iteration_dir", "latest_iteration", "load_checkpoint",
+           "save_checkpoint"]

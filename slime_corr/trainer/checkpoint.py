@@ -1,0 +1,86 @@
+"""What the trainer saves to resume exactly: model and optimizer (Megatron's `dist_checkpointing`,
+`slime_corr.mcore.checkpoint`), the position (next rollout, optimizer steps done), every rank's RNG states, and
+what only the driver holds: in asynchronous mode the next rollout, already generated with the weights before the
+checkpoint (it is trained first after a resume, exactly as the uninterrupted run trains it).
+
+A resumed run rebuilds everything else from the flags: the prompts of rollout k come from (`--seed`, k), every
+request's sampling seed from (`--seed`, k, sample), the reference policy from `--seed`, and the engines start from
+the loaded weights. So its metrics continue those of the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slime_corr.mcore.checkpoint import load_checkpoint, save_checkpoint
+from slime_corr.rollout.sample import Sample
+from slime_corr.trainer.config import TrainerConfig
+
+
+@dataclass
+class TrainState:
+    """Where the run is: `rollout` = the next rollout to train, `step` = optimizer steps done, `pending` = the
+    driver's next rollout when already generated (asynchronous mode; None on other ranks)."""
+
+    rollout: int = 0
+    step: int = 0
+    pending: list[Sample] | None = None
+
+
+def _rng_states() -> dict[str, Any]:
+    from megatron.core import tensor_parallel
+
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
+
+
+def _identity(config: TrainerConfig) -> dict[str, Any]:
+    """Settings a checkpoint must agree with to resume the same run."""
+    return {"seed": config.seed, "samples_per_rollout": config.samples_per_rollout,
+            "num_steps_per_rollout": config.num_steps_per_rollout, "async_rollout": config.async_rollout}
+
+
+def save_train_state(config: TrainerConfig, state: TrainState, module: torch.nn.Module,
+                     optimizer: torch.optim.Optimizer) -> Path:
+    """Collective: every rank saves its shard; the iteration is the optimizer step."""
+    assert config.save is not None
+    common = {"rollout": state.rollout, "step": state.step, "run": _identity(config)}
+    return save_checkpoint(config.save, state.step, module, optimizer, common, rank_state=_rng_states(),
+                           rank0_state={"pending": state.pending})
+
+
+def load_train_state(config: TrainerConfig, module: torch.nn.Module, optimizer: torch.optim.Optimizer
+                     ) -> TrainState:
+    """Collective: model and optimizer in place, RNG restored; the run's position (`pending` on rank 0 only)."""
+    import torch.distributed as dist
+
+    from slime_corr.config import ConfigError
+
+    assert config.load is not None
+    _, common, rng, rank0 = load_checkpoint(config.load, module, optimizer, config.ckpt_step)
+    saved, now = common.get("run", {}), _identity(config)
+    changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+    if changed:
+        detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in changed.items())
+        raise ConfigError(f"--load {config.load}: the checkpoint is of another run ({detail}); resume with the flags "
+                          "it was saved with.")
+    if rng is not None:
+        _set_rng_states(rng)
+    pending = rank0["pending"] if rank0 and dist.get_rank() == 0 else None
+    return TrainState(rollout=common["rollout"], step=common["step"], pending=pending)
+
+
+__all__ = ["TrainState", "load_train_state", "save_train_state"]

@@ -1,0 +1,282 @@
+"""The trainer's flags and the one typed, validated `TrainerConfig` they build.
+
+Names follow the ecosystem: Megatron's for parallelism, batches, optimization and checkpoints
+(`--tensor-model-parallel-size`, `--context-parallel-size`, `--pipeline-model-parallel-size`,
+`--micro-batch-size`, `--global-batch-size`, `--seed`, `--lr`, `--clip-grad`, `--save`, `--save-interval`,
+`--load`, `--ckpt-step`), slime's for the rollout (`--rollout-batch-size`, `--n-samples-per-prompt`,
+`--num-steps-per-rollout`, `--num-rollout`, `--rollout-max-response-len`, `--rollout-temperature`,
+`--disable-grpo-std-normalization`, `--update-weight-buffer-size`). slime runs the asynchronous loop as a separate
+script (`train_async.py`); here it is `--async-rollout`.
+
+Batch arithmetic (slime's): a rollout is `--rollout-batch-size` prompts × `--n-samples-per-prompt` samples, trained in
+`--num-steps-per-rollout` optimizer steps of `--global-batch-size` samples (default: the rollout divided by the
+steps); each DP rank trains global / DP samples per step in micro-batches of `--micro-batch-size`.
+`--save-interval` counts rollouts (as slime's loop does); checkpoint directories are named by optimizer step
+(Megatron's iteration), which `--ckpt-step` selects.
+
+Every check runs at parse time and names the flag; the process count is `WORLD_SIZE` (torchrun's), checked against
+TP × CP × PP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from slime_corr.config import ConfigError
+from slime_corr.mcore.model import TinyGPTArgs
+from slime_corr.trainer.task import PROMPT_TOKENS_MAX
+
+WEIGHT_SYNC_MODES = ("disk", "distributed")
+ROUTER_CHOICES = ("auto", "on", "off")
+ENGINE_DTYPES = ("bfloat16", "float32", "float64")
+PARAMS_DTYPES = ("float32", "float64")
+
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """What the trainer runs. Field names are the flag names with `-` replaced by `_` (`sglang_url` is a tuple)."""
+
+    # parallelism (Megatron)
+    tensor_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    world_size: int = 1
+    # batches (slime / Megatron)
+    rollout_batch_size: int = 4
+    n_samples_per_prompt: int = 8
+    num_steps_per_rollout: int = 4
+    global_batch_size: int | None = None
+    micro_batch_size: int = 8
+    num_rollout: int = 16
+    # rollout
+    rollout_max_response_len: int = 12
+    rollout_temperature: float = 1.0
+    async_rollout: bool = False
+    sglang_url: tuple[str, ...] = ()
+    rollout_num_engines: int = 1
+    rollout_router: str = "auto"
+    rollout_weight_sync: str = "disk"
+    update_weight_buffer_size: int = 512 * 1024**2
+    engine_dtype: str = "bfloat16"
+    # optimization
+    lr: float = 1e-2
+    clip_grad: float = 1.0
+    seed: int = 1234
+    grpo_std_normalization: bool = True
+    params_dtype: str = "float32"
+    # checkpoints
+    save: str | None = None
+    save_interval: int | None = None
+    load: str | None = None
+    ckpt_step: int | None = None
+    work_dir: str | None = None
+    # the model
+    model: TinyGPTArgs = field(default_factory=lambda: TinyGPTArgs(vocab_size=256))
+
+    def __post_init__(self) -> None:
+        if self.global_batch_size is None and self.rollout_batch_size > 0 and self.num_steps_per_rollout > 0:
+            object.__setattr__(self, "global_batch_size", self.samples_per_rollout // self.num_steps_per_rollout)
+        object.__setattr__(self, "sglang_url", tuple(self.sglang_url))
+        self._validate()
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // (self.tensor_model_parallel_size * self.context_parallel_size
+                                   * self.pipeline_model_parallel_size)
+
+    @property
+    def samples_per_rollout(self) -> int:
+        return self.rollout_batch_size * self.n_samples_per_prompt
+
+    @property
+    def samples_per_rank_step(self) -> int:
+        """Samples one DP rank trains per optimizer step."""
+        return self.global_batch_size // self.data_parallel_size  # type: ignore[operator]
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per optimizer step on each DP rank."""
+        return self.samples_per_rank_step // self.micro_batch_size
+
+    @property
+    def torch_params_dtype(self) -> torch.dtype:
+        return getattr(torch, self.params_dtype)
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self) -> None:
+        def fail(msg: str) -> None:
+            raise ConfigError(msg)
+
+        positive = ("tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
+                    "rollout_batch_size", "n_samples_per_prompt", "num_steps_per_rollout", "micro_batch_size",
+                    "num_rollout", "rollout_max_response_len", "rollout_num_engines", "update_weight_buffer_size")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                fail(f"--{_flag(name)} {value} must be an integer >= 1.")
+        if self.pipeline_model_parallel_size > 1:
+            fail(f"--pipeline-model-parallel-size {self.pipeline_model_parallel_size}: pipeline parallelism is not "
+                 "supported yet (the lp_old/reference pass and the packing of micro-batches for pipeline stages "
+                 "come with the packed-sequence/PP issue); use tensor, context or data parallelism.")
+        if not (math.isfinite(self.rollout_temperature) and self.rollout_temperature > 0):
+            fail(f"--rollout-temperature {self.rollout_temperature} must be > 0: temperature 0 is greedy decoding, "
+                 "not a policy to train (the log-probs are log_softmax(logits / T)); e.g. 1.0.")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            fail(f"--lr {self.lr} must be a finite number > 0 (e.g. 1e-2 for the tiny model, 1e-6 for an LLM).")
+        if not (math.isfinite(self.clip_grad) and self.clip_grad >= 0):
+            fail(f"--clip-grad {self.clip_grad} must be >= 0 (0 turns clipping off).")
+        if self.n_samples_per_prompt < 2:
+            fail(f"--n-samples-per-prompt {self.n_samples_per_prompt}: GRPO's advantage (reward − group mean) is 0 "
+                 "for every sample of a group of one; use >= 2.")
+        model_parallel = (self.tensor_model_parallel_size * self.context_parallel_size
+                          * self.pipeline_model_parallel_size)
+        if self.world_size % model_parallel:
+            fail(f"{self.world_size} processes (WORLD_SIZE) are not a multiple of --tensor-model-parallel-size "
+                 f"{self.tensor_model_parallel_size} × --context-parallel-size {self.context_parallel_size}: "
+                 "launch TP × CP × DP processes (torchrun --nproc-per-node).")
+        dp = self.data_parallel_size
+        gbs = self.global_batch_size
+        if not isinstance(gbs, int) or gbs < 1:
+            fail(f"--global-batch-size {gbs} must be an integer >= 1.")
+        assert isinstance(gbs, int)
+        if gbs * self.num_steps_per_rollout != self.samples_per_rollout:
+            fail(f"--global-batch-size {gbs} × --num-steps-per-rollout {self.num_steps_per_rollout} must equal the "
+                 f"rollout's {self.samples_per_rollout} samples (--rollout-batch-size {self.rollout_batch_size} × "
+                 f"--n-samples-per-prompt {self.n_samples_per_prompt}); drop one of the two flags.")
+        if gbs % (self.n_samples_per_prompt * dp):
+            fail(f"--global-batch-size {gbs} must be a multiple of --n-samples-per-prompt {self.n_samples_per_prompt} "
+                 f"× {dp} data-parallel rank(s): every DP rank trains whole GRPO groups in each step.")
+        if self.samples_per_rank_step % self.micro_batch_size:
+            fail(f"--micro-batch-size {self.micro_batch_size} must divide the {self.samples_per_rank_step} samples "
+                 f"each of the {dp} data-parallel rank(s) trains per step (--global-batch-size {gbs} / DP).")
+        for name, choices in (("rollout_router", ROUTER_CHOICES), ("rollout_weight_sync", WEIGHT_SYNC_MODES),
+                              ("engine_dtype", ENGINE_DTYPES), ("params_dtype", PARAMS_DTYPES)):
+            if getattr(self, name) not in choices:
+                fail(f"--{_flag(name)} {getattr(self, name)!r} is not one of {', '.join(choices)}.")
+        if self.sglang_url and self.rollout_num_engines != 1:
+            fail("--rollout-num-engines starts embedded engines; with --sglang-url the engines are yours: drop one.")
+        m = self.model
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings"):
+            value = getattr(m, name)
+            if not isinstance(value, int) or value < 1:
+                fail(f"--{_flag(name)} {value} must be an integer >= 1.")
+        if m.hidden_size % m.num_attention_heads:
+            fail(f"--hidden-size {m.hidden_size} must be a multiple of --num-attention-heads {m.num_attention_heads}.")
+        if m.vocab_size < 256:
+            fail(f"--vocab-size {m.vocab_size} must be >= 256: prompts, responses and rewards are byte tokens.")
+        if m.vocab_size % self.tensor_model_parallel_size or m.num_attention_heads % self.tensor_model_parallel_size:
+            fail(f"--tensor-model-parallel-size {self.tensor_model_parallel_size} must divide --vocab-size "
+                 f"{m.vocab_size} and --num-attention-heads {m.num_attention_heads}.")
+        longest = PROMPT_TOKENS_MAX + self.rollout_max_response_len + 2 * self.context_parallel_size
+        if longest > m.max_position_embeddings:
+            fail(f"--rollout-max-response-len {self.rollout_max_response_len}: prompt + response (+ CP padding) "
+                 f"reach {longest} tokens, more than --max-position-embeddings {m.max_position_embeddings}.")
+        if self.save_interval is not None:
+            if self.save_interval < 1:
+                fail(f"--save-interval {self.save_interval} must be >= 1 (rollouts between checkpoints).")
+            if not self.save:
+                fail("--save-interval needs --save DIR (where the checkpoints go).")
+        if self.ckpt_step is not None and not self.load:
+            fail("--ckpt-step selects a checkpoint of --load DIR: add --load.")
+        if self.load:
+            self._check_load()
+
+    def _check_load(self) -> None:
+        from slime_corr.mcore.checkpoint import TRACKER_FILE, iteration_dir, latest_iteration
+
+        root = Path(self.load)  # type: ignore[arg-type]
+        if not root.is_dir():
+            raise ConfigError(f"--load {root}: no such directory; pass the --save directory of an earlier run.")
+        step = self.ckpt_step if self.ckpt_step is not None else latest_iteration(root)
+        if step is None:
+            raise ConfigError(f"--load {root}: no {TRACKER_FILE} (no complete checkpoint was saved there).")
+        if not (iteration_dir(root, step) / "metadata.json").is_file():
+            saved = sorted(p.name for p in root.glob("iter_*"))
+            raise ConfigError(f"--ckpt-step {step}: {iteration_dir(root, step)} is not a complete checkpoint "
+                              f"(saved: {', '.join(saved) or 'none'}).")
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, *, world_size: int | None = None) -> TrainerConfig:
+        """From parsed flags (`add_trainer_args` + `add_tiny_model_args`); `world_size` defaults to WORLD_SIZE."""
+        names = [f for f in cls.__dataclass_fields__ if f not in ("world_size", "model", "sglang_url")]
+        values = {n: getattr(args, n) for n in names}
+        model = TinyGPTArgs(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                            num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size,
+                            max_position_embeddings=args.max_position_embeddings, seed=args.seed,
+                            params_dtype=getattr(torch, args.params_dtype))
+        world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+        return cls(**values, world_size=world, sglang_url=tuple(args.sglang_url or ()), model=model)
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The trainer's flags (see the module doc); the model's come from `mcore.model.add_tiny_model_args`."""
+    d = TrainerConfig()
+    g = parser.add_argument_group(title="parallelism, optimization and checkpoints (Megatron's flags)")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=d.tensor_model_parallel_size)
+    g.add_argument("--context-parallel-size", type=int, default=d.context_parallel_size,
+                   help="On CPU, CP is emulated: each CP rank runs the full sequence and keeps its zig-zag slice.")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=d.pipeline_model_parallel_size,
+                   help="Only 1 for now.")
+    g.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size, help="Samples per micro-batch.")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="Samples per optimizer step (default: the rollout's samples / --num-steps-per-rollout).")
+    g.add_argument("--lr", type=float, default=d.lr, help="Adam learning rate.")
+    g.add_argument("--clip-grad", type=float, default=d.clip_grad, help="Gradient clipping by global L2 norm (0: off).")
+    g.add_argument("--params-dtype", choices=PARAMS_DTYPES, default=d.params_dtype,
+                   help="Dtype of the trained model (float64 makes runs comparable across parallel layouts).")
+    g.add_argument("--save", default=None, help="Checkpoint directory (Megatron-LM's layout, dist_checkpointing).")
+    g.add_argument("--save-interval", type=int, default=None, help="Save every N rollouts (and after the last).")
+    g.add_argument("--load", default=None, help="Resume from this checkpoint directory (model, optimizer, step, "
+                                                "RNG, rollout position).")
+    g.add_argument("--ckpt-step", type=int, default=None, help="Load this iteration of --load (default: latest).")
+
+    r = parser.add_argument_group(title="rollout (slime's flags)")
+    r.add_argument("--rollout-batch-size", type=int, default=d.rollout_batch_size, help="Prompts per rollout.")
+    r.add_argument("--n-samples-per-prompt", type=int, default=d.n_samples_per_prompt, help="GRPO group size.")
+    r.add_argument("--num-steps-per-rollout", type=int, default=d.num_steps_per_rollout,
+                   help="Optimizer steps trained on each rollout (decoupled mode: lp_old is computed once, before "
+                        "the first).")
+    r.add_argument("--num-rollout", type=int, default=d.num_rollout, help="Rollouts of the run.")
+    r.add_argument("--rollout-max-response-len", type=int, default=d.rollout_max_response_len,
+                   help="Response length cap (SGLang's max_new_tokens).")
+    r.add_argument("--rollout-temperature", type=float, default=d.rollout_temperature,
+                   help="Sampling temperature (> 0); the trainer's log-probs use the same.")
+    r.add_argument("--async-rollout", action="store_true",
+                   help="Generate rollout k+1 while rollout k trains (one rollout off-policy, as slime's "
+                        "train_async.py); the weights reach the engines between rollouts.")
+    r.add_argument("--disable-grpo-std-normalization", dest="grpo_std_normalization", action="store_false",
+                   help="GRPO advantage = reward − group mean, without dividing by the group's std (Dr. GRPO).")
+    r.add_argument("--sglang-url", action="append", default=None,
+                   help="SGLang server or router URL (repeatable), checked at start-up. Default: embedded engines.")
+
+    e = parser.add_argument_group(title="rollout engines")
+    e.add_argument("--rollout-num-engines", type=int, default=d.rollout_num_engines,
+                   help="Embedded engines to start (no --sglang-url); several sit behind sglang-router.")
+    e.add_argument("--rollout-router", choices=ROUTER_CHOICES, default=d.rollout_router,
+                   help="sglang-router in front of several engines: auto = when installed.")
+    e.add_argument("--rollout-weight-sync", choices=WEIGHT_SYNC_MODES, default=d.rollout_weight_sync,
+                   help="How new weights reach the engines: a checkpoint on disk, or a broadcast over a process "
+                        "group (gloo on CPU).")
+    e.add_argument("--update-weight-buffer-size", type=int, default=d.update_weight_buffer_size,
+                   help="Bytes per bucket of the distributed weight sync.")
+    e.add_argument("--engine-dtype", choices=ENGINE_DTYPES, default=d.engine_dtype,
+                   help="Numeric path of the embedded engines (bfloat16 gives a real mismatch with the trainer).")
+    e.add_argument("--work-dir", default=None,
+                   help="Where the engines' weight files go (default: a temporary folder).")
+    return parser
+
+
+__all__ = ["TrainerConfig", "add_trainer_args"]

@@ -1,0 +1,147 @@
+"""The rollout driver: the one process (global rank 0) that talks to the rollout engines.
+
+It starts the embedded engine group once (or checks and uses `--sglang-url`), runs one `SGLangClient` on a
+background event loop, generates rollouts (GRPO groups of the toy task, one seeded request per sample), and pushes
+new weights to every engine (`--rollout-weight-sync`: a checkpoint on disk, or a broadcast over a process group).
+`submit(k)` starts rollout k and returns a future: the loop waits on it at once (synchronous) or lets it run while
+the previous rollout trains (asynchronous). The engines never change weights during a rollout: the trainer syncs
+only once the in-flight rollout has finished, so every sample carries exactly one weight version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from slime_corr.monitoring.progress import ProgressSampleBuffer, RolloutProgress
+from slime_corr.rollout.client import SGLangClient
+from slime_corr.rollout.data_iterator import background_event_loop
+from slime_corr.rollout.engine_group import start_engine_group
+from slime_corr.rollout.engine_model import TorchEngineModel
+from slime_corr.rollout.local_engine import start_local_engine
+from slime_corr.rollout.rollout import RolloutReport, generate_group_samples, rollout_report
+from slime_corr.rollout.sample import Sample
+from slime_corr.rollout.sampling import mix_seed
+from slime_corr.rollout.weight_sync import DistributedWeightSync, SyncReport, sync_weights_from_disk
+from slime_corr.trainer.config import TrainerConfig
+from slime_corr.trainer.data import VERSION_PREFIX, weight_version
+from slime_corr.trainer.task import make_prompts, reward_lowercase
+
+
+class RolloutDriver:
+    """Rank 0's rollout side (see the module doc). Use as a context manager; `start` before the first rollout."""
+
+    def __init__(self, config: TrainerConfig, engine_module: Callable[[str], Any], weights_dir: Path,
+                 progress_mode: str = "auto") -> None:
+        self.config = config
+        self.engine_module = engine_module
+        self.weights_dir = weights_dir
+        self.progress_mode = progress_mode
+        self._stack = contextlib.ExitStack()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.client: SGLangClient | None = None
+        self.syncer: DistributedWeightSync | None = None
+        self.description = ""
+        self._counters: dict[int, tuple[int, int]] = {}  # rollout -> the client's (failovers, events) at submit
+
+    def __enter__(self) -> RolloutDriver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    # ------------------------------------------------------------------ engines
+    def start(self, weights: dict[str, Tensor], step: int, save: Callable[[dict[str, Tensor], Path], str]) -> str:
+        """Start the engines with the policy's `weights` (after `step` optimizer steps), or push them to the
+        `--sglang-url` engines; returns a description for the log. `save(weights, dir)` writes an engine
+        checkpoint."""
+        cfg = self.config
+        version = weight_version(step)
+        if cfg.sglang_url:
+            urls = list(cfg.sglang_url)
+            self.description = f"SGLang at {', '.join(urls)}"
+        else:
+            ckpt = save(weights, self.weights_dir / version)
+            dtype = getattr(torch, cfg.engine_dtype)
+
+            def make_engine(i: int) -> Any:
+                model = TorchEngineModel(ckpt, factory=self.engine_module, dtype=dtype)
+                return start_local_engine(ckpt, model=model, weight_version=version)
+
+            group = self._stack.enter_context(start_engine_group(cfg.rollout_num_engines, make_engine,
+                                                                 router=cfg.rollout_router))
+            urls = group.urls
+            self.description = f"embedded engines ({cfg.engine_dtype}; trainer in {cfg.params_dtype}): " \
+                               f"{group.describe()}"
+        self.loop = self._stack.enter_context(background_event_loop())
+        self.client = self._run(_open_client(urls))
+        self._stack.callback(lambda: self._run(self.client.close()))  # type: ignore[union-attr]
+        if cfg.rollout_weight_sync == "distributed":
+            self.syncer = DistributedWeightSync(self.client, bucket_bytes=cfg.update_weight_buffer_size)
+            self._stack.callback(self.syncer.close)
+        if cfg.sglang_url:  # the servers start with their own weights: serve the trainer's policy
+            self.sync_weights(weights, step, save)
+        return self.description
+
+    def _run(self, coro: Any) -> Any:
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    # ------------------------------------------------------------------ rollouts
+    def submit(self, rollout: int) -> Future[list[Sample]]:
+        """Start rollout number `rollout` on the background loop; the future gives its samples in group order."""
+        assert self.loop is not None and self.client is not None
+        cfg = self.config
+        progress = RolloutProgress(cfg.samples_per_rollout, step=rollout, mode=self.progress_mode)
+        buffer = ProgressSampleBuffer(cfg.samples_per_rollout, progress)  # only counts: never full, never read
+        params = {"max_new_tokens": cfg.rollout_max_response_len, "temperature": cfg.rollout_temperature}
+        prompts = make_prompts(cfg.seed, rollout, cfg.rollout_batch_size)
+        self._counters[rollout] = self.client.failovers, len(self.client.events)
+
+        async def generate() -> list[Sample]:
+            try:
+                return await generate_group_samples(
+                    self.client, prompts, cfg.n_samples_per_prompt, params, stream=True,  # type: ignore[arg-type]
+                    reward_fn=reward_lowercase, buffer=buffer, group_id_offset=rollout * cfg.rollout_batch_size,
+                    sampling_seed=mix_seed(cfg.seed, rollout))
+            finally:
+                progress.close()
+
+        return asyncio.run_coroutine_threadsafe(generate(), self.loop)  # type: ignore[return-value]
+
+    def report(self, rollout: int, samples: list[Sample]) -> RolloutReport:
+        """What rollout `rollout` went through: sample statuses, retries, failovers, dead engines (the client's
+        counters since it was submitted; with an asynchronous rollout they include the overlapping one's)."""
+        assert self.client is not None
+        return rollout_report(samples, self.client, *self._counters.pop(rollout, (0, 0)))
+
+    # ------------------------------------------------------------------ weights
+    def sync_weights(self, weights: dict[str, Tensor], step: int,
+                     save: Callable[[dict[str, Tensor], Path], str]) -> SyncReport:
+        """Every engine serves `weights` as `weight_version(step)` once this returns (no rollout may be running)."""
+        version = weight_version(step)
+        if self.syncer is not None:
+            return self._run(self.syncer.sync(weights.items(), version))
+        assert self.client is not None
+        report = self._run(sync_weights_from_disk(self.client, save(weights, self.weights_dir / version), version))
+        for old in self.weights_dir.glob(f"{VERSION_PREFIX}*"):  # the engines no longer read older files
+            if old.name != version:
+                shutil.rmtree(old, ignore_errors=True)
+        return report
+
+
+async def _open_client(urls: list[str]) -> SGLangClient:
+    client = SGLangClient(urls)
+    await client.wait_healthy()
+    return client
+
+
+__all__ = ["RolloutDriver"]

@@ -1,0 +1,287 @@
+"""The main job's loop: torch.distributed + Megatron's parallel state, the policy, the rollout driver on rank 0,
+the update loop on every rank, weight sync, checkpoints and the metrics, from ONE rank.
+
+Per rollout k (synchronous):   driver generates k → scatter to DP ranks → K optimizer steps → sync weights.
+Asynchronous (`--async-rollout`): rollout k+1 is submitted as soon as rollout k is in hand, so it is generated
+(with the weights before rollout k's updates) while k trains; the weights are synced once it has finished. Every
+sample is then one rollout (K optimizer steps) older than in the synchronous loop, which its weight version
+records and `rollout/staleness_*`, the correction and the diagnostics see.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import tempfile
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slime_corr.config import RolloutCorrectionConfig
+from slime_corr.loss_terms import LossTermsConfig
+from slime_corr.monitoring.config import MonitoringConfig
+from slime_corr.rollout.sample import Sample
+from slime_corr.trainer.config import TrainerConfig
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a run needs, each concern validated on its own."""
+
+    trainer: TrainerConfig
+    correction: RolloutCorrectionConfig
+    loss_terms: LossTermsConfig
+    monitoring: MonitoringConfig
+    hparams: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RolloutRecord:
+    """Wall-clock seconds of one rollout iteration, split (driver's view; `bench/e2e.py` reads them as `perf/*`)."""
+
+    rollout_wait: float = 0.0  # waiting for the rollout's samples (async: for the in-flight one too)
+    data: float = 0.0  # advantages, the DP plan, the scatter, building micro-batches
+    prepare: float = 0.0  # the forward-only pass: lp_old / reference log-probs
+    train: list[float] = field(default_factory=list)  # each optimizer step, without that pass
+    loss: list[float] = field(default_factory=list)  # of which the loss functions' forward
+    weight_sync: float = 0.0
+    checkpoint: float = 0.0
+    wall: float = 0.0
+
+
+def init_distributed() -> bool:
+    """Join torchrun's process group (gloo), or make a one-process one; True when this call created it."""
+    if dist.is_initialized():
+        return False
+    if "RANK" not in os.environ:  # `python -m slime_corr.main`: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    dist.init_process_group("gloo")
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _is_exporting_rank() -> bool:
+    """The ranks whose TP shards make the full weights the driver sends: the TP group of global rank 0."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+
+
+def run(config: RunConfig) -> list[RolloutRecord]:
+    """The whole job (see the module doc); every rank calls it. Returns the driver's timing records."""
+    from megatron.core import parallel_state as ps
+
+    from slime_corr.mcore.cpu_compat import apply_cpu_compat
+
+    created = init_distributed()
+    cfg = config.trainer
+    ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+                                 context_parallel_size=cfg.context_parallel_size)
+    apply_cpu_compat()
+    try:
+        with contextlib.ExitStack() as stack:
+            return _Job(config, stack).run()
+    finally:
+        ps.destroy_model_parallel()
+        if created:
+            dist.destroy_process_group()
+
+
+class _Job:
+    """One run's state on one rank; `run` is the loop."""
+
+    def __init__(self, config: RunConfig, stack: contextlib.ExitStack) -> None:
+        from megatron.core import parallel_state as ps
+
+        from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
+        from slime_corr.monitoring.logger import MetricsLogger
+        from slime_corr.trainer.checkpoint import TrainState, load_train_state
+        from slime_corr.trainer.driver import RolloutDriver
+        from slime_corr.trainer.policy import build_policy
+        from slime_corr.trainer.update import Updater
+
+        cfg, corr = config.trainer, config.correction
+        self.config, self.cfg = config, cfg
+        self.is_driver = dist.get_rank() == 0
+        dp_ranks: list[int | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(dp_ranks, ps.get_data_parallel_rank())
+        self.dp_rank_of = [int(r) for r in dp_ranks]  # type: ignore[arg-type]
+        self.policy = build_policy(cfg, with_reference=config.loss_terms.uses_reference)
+        self.optimizer = torch.optim.Adam(self.policy.model.parameters(), lr=cfg.lr)
+        monitoring = config.monitoring
+        diagnostics = monitoring.log_mismatch_diagnostics and corr.computes_metrics
+        self.hook = RolloutCorrectionLoss(
+            corr, temperature=cfg.rollout_temperature, model_forward=self.policy.forward,
+            loss_terms=config.loss_terms, ref_model=self.policy.reference,
+            diagnostics_top_k=monitoring.log_top_mismatch_samples if diagnostics else None)
+        self.updater = Updater(self.policy.model, self.optimizer, self.hook, num_microbatches=cfg.num_microbatches,
+                               micro_batch_size=cfg.micro_batch_size, clip_grad=cfg.clip_grad,
+                               rebaseline=not corr.use_rollout_logprobs and corr.use_rollout_correction,
+                               normalize_std=cfg.grpo_std_normalization)
+        self.state = load_train_state(cfg, self.policy.module, self.optimizer) if cfg.load else TrainState()
+        self.logger = stack.enter_context(MetricsLogger(monitoring, hparams=config.hparams, enabled=self.is_driver))
+        self.driver: RolloutDriver | None = None
+        if self.is_driver:
+            weights_dir = Path(cfg.work_dir) / "weights" if cfg.work_dir else \
+                Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="slime_corr_weights_")))
+            self.driver = stack.enter_context(RolloutDriver(cfg, self.policy.engine_module, weights_dir,
+                                                            monitoring.rollout_progress))
+        self.say(f"metrics: {self.logger.run_dir / 'metrics.jsonl'}" if self.logger.run_dir else "")
+        self.say(f"parallel: TP={cfg.tensor_model_parallel_size} CP={cfg.context_parallel_size} "
+                 f"DP={cfg.data_parallel_size} ({cfg.world_size} process(es)); rollout: {cfg.rollout_batch_size} "
+                 f"prompts × {cfg.n_samples_per_prompt} samples in {cfg.num_steps_per_rollout} step(s) of "
+                 f"{cfg.global_batch_size}; {'asynchronous' if cfg.async_rollout else 'synchronous'}")
+
+    def say(self, line: str) -> None:
+        """Console output: the driver's only."""
+        if self.is_driver and line:
+            print(line, flush=True)
+
+    def _weights(self) -> dict[str, torch.Tensor] | None:
+        """The full weights on the driver (collective on the exporting TP group); None elsewhere."""
+        if not _is_exporting_rank():
+            return None
+        weights = self.policy.full_weights()
+        return weights if self.is_driver else None
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> list[RolloutRecord]:
+        cfg, state = self.cfg, self.state
+        weights = self._weights()
+        if self.driver is not None:
+            assert weights is not None
+            self.say(self.driver.start(weights, state.step, self.policy.save_engine_checkpoint))
+        if state.rollout:
+            self.say(f"resumed from {cfg.load}: rollout {state.rollout}, step {state.step}")
+        ahead: Future[list[Sample]] | None = None
+        records = []
+        for rollout in range(state.rollout, cfg.num_rollout):
+            record = RolloutRecord()
+            start = time.perf_counter()
+            samples: list[Sample] = []
+            if self.driver is not None:
+                samples, ahead = self._next_rollout(rollout)
+            record.rollout_wait = time.perf_counter() - start
+            first_step = state.step
+            results = self._train(samples, first_step, record)
+            state.step += len(results)
+            if self.driver is not None and ahead is not None:  # the engines may change weights once it is done
+                waited = time.perf_counter()
+                state.pending = ahead.result()
+                ahead = None
+                record.rollout_wait += time.perf_counter() - waited
+            sync = self._sync_weights(record)
+            state.rollout = rollout + 1
+            if self._saves_after(rollout):
+                record.checkpoint = self._save()
+            record.wall = time.perf_counter() - start
+            self._log(rollout, samples, first_step, results, record, sync)
+            records.append(record)
+        return records
+
+    def _saves_after(self, rollout: int) -> bool:
+        cfg = self.cfg
+        done = rollout + 1
+        return bool(cfg.save) and (done % (cfg.save_interval or cfg.num_rollout) == 0 or done == cfg.num_rollout)
+
+    def _next_rollout(self, rollout: int) -> tuple[list[Sample], Future[list[Sample]] | None]:
+        """The driver's samples of `rollout` (already generated when pending), and in asynchronous mode the
+        future of the next rollout, submitted now: also after the last rollout when a checkpoint follows it, which
+        then holds that rollout so that a resumed run trains what the uninterrupted one would."""
+        assert self.driver is not None
+        cfg, state = self.cfg, self.state
+        if state.pending is not None:
+            samples, state.pending = state.pending, None
+        else:
+            samples = self.driver.submit(rollout).result()
+        if cfg.async_rollout and (rollout + 1 < cfg.num_rollout or self._saves_after(rollout)):
+            return samples, self.driver.submit(rollout + 1)
+        return samples, None
+
+    def _train(self, samples: list[Sample], first_step: int, record: RolloutRecord) -> list[Any]:
+        """Deal the driver's rollout to the ranks and train it (collective); times go to `record`."""
+        from megatron.core import parallel_state as ps
+
+        from slime_corr.trainer.data import build_micro_batches, rollout_shards, scatter_shards
+
+        cfg = self.cfg
+        start = time.perf_counter()
+        shards = rollout_shards(samples, cfg.n_samples_per_prompt, cfg.num_steps_per_rollout, cfg.data_parallel_size,
+                                cfg.grpo_std_normalization) if self.is_driver else None
+        shard = scatter_shards(shards, self.dp_rank_of)
+        micro_batches = build_micro_batches(shard, cfg.micro_batch_size, first_step,
+                                            cp_rank=ps.get_context_parallel_rank(), cp_size=cfg.context_parallel_size,
+                                            pad_token_id=self.policy.pad_token_id)
+        record.data = time.perf_counter() - start
+        results, times = self.updater.train_rollout(micro_batches)
+        record.prepare, record.train, record.loss = times.prepare, times.steps, times.loss
+        return results
+
+    def _sync_weights(self, record: RolloutRecord) -> Any:
+        start = time.perf_counter()
+        weights = self._weights()
+        report = None
+        if self.driver is not None:
+            assert weights is not None
+            report = self.driver.sync_weights(weights, self.state.step, self.policy.save_engine_checkpoint)
+        record.weight_sync = time.perf_counter() - start
+        return report
+
+    def _save(self) -> float:
+        from slime_corr.trainer.checkpoint import save_train_state
+
+        start = time.perf_counter()
+        path = save_train_state(self.cfg, self.state, self.policy.module, self.optimizer)
+        self.say(f"  checkpoint: {path}")
+        return time.perf_counter() - start
+
+    # ------------------------------------------------------------------ metrics
+    def _log(self, rollout: int, samples: list[Sample], first_step: int, results: list[Any], record: RolloutRecord,
+             sync: Any) -> None:
+        """Each optimizer step's metrics (driver only): the loss's, the rollout's, staleness, time."""
+        if not self.is_driver:
+            return
+        from slime_corr.monitoring.keys import loss_step_metrics
+        from slime_corr.monitoring.rollout_stats import rollout_metrics
+        from slime_corr.monitoring.step_diagnostics import diagnostic_metrics, top_mismatch_records
+        from slime_corr.rollout.engine_model import ByteTokenizer
+        from slime_corr.trainer.data import staleness
+
+        assert self.driver is not None
+        cfg = self.cfg
+        self.say(f"rollout {rollout}: {self.driver.report(rollout, samples).line()}; weight sync "
+                 f"({cfg.rollout_weight_sync}): step-{self.state.step} on {len(sync.workers)} engine(s) in "
+                 f"{sync.seconds:.3f}s")
+        rollout_part = rollout_metrics(samples)
+        overhead = record.wall - sum(record.train)
+        for k, result in enumerate(results):
+            step = first_step + k + 1
+            lag_mean, lag_max = staleness(samples, first_step + k)
+            metrics = {**loss_step_metrics(result.metrics), **rollout_part,
+                       "rollout/index": float(rollout), "rollout/staleness_mean": lag_mean,
+                       "rollout/staleness_max": float(lag_max),
+                       "perf/step_time": record.train[k] + overhead / len(results),
+                       "perf/train_time": record.train[k], "perf/loss_time": record.loss[k],
+                       "perf/rollout_time": record.rollout_wait, "perf/prepare_time": record.prepare,
+                       "perf/data_time": record.data, "perf/weight_sync_time": record.weight_sync,
+                       "perf/checkpoint_time": record.checkpoint,
+                       **diagnostic_metrics(result.diagnostics)}
+            self.logger.log(step, metrics)
+            if result.diagnostics.top:
+                self.logger.log_samples(step, top_mismatch_records(result.diagnostics, samples,
+                                                                   ByteTokenizer().decode))
+
+
+__all__ = ["RolloutRecord", "RunConfig", "init_distributed", "run"]

@@ -1,0 +1,274 @@
+"""The trainer's pieces on their own (no process launch): every bad run flag is refused at parse time with the
+flag's name, GRPO advantages with and without std normalization and with rejected samples left out of their group,
+the DP plan (whole groups, token-balanced), weight lags, and the KL / entropy loss terms against hand formulas."""
+
+from __future__ import annotations
+
+import math
+import socket
+
+import pytest
+import torch
+
+from slime_corr.config import ConfigError
+from slime_corr.config import RolloutCorrectionConfig as C
+from slime_corr.loss_terms import LossTermsConfig
+from slime_corr.losses import KL_ESTIMATORS, compute_policy_loss
+from slime_corr.main import main
+from slime_corr.rollout.batching import group_advantages, grpo_advantages
+from slime_corr.rollout.sample import Sample, SampleStatus
+from slime_corr.trainer.config import TrainerConfig
+from slime_corr.trainer.data import (
+    build_micro_batches,
+    plan_rollout,
+    rollout_shards,
+    token_lags,
+    version_step,
+)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again when the block ends: nothing listens there
+
+
+BAD_FLAGS = [
+    (["--rollout-max-response-len", "0"], "--rollout-max-response-len 0 must be an integer >= 1"),
+    (["--num-rollout", "0"], "--num-rollout 0 must be an integer >= 1"),
+    (["--rollout-temperature", "0"], "--rollout-temperature 0.0 must be > 0"),
+    (["--lr", "-0.001"], "--lr -0.001 must be a finite number > 0"),
+    (["--lr", "nan"], "--lr nan must be a finite number > 0"),
+    (["--n-samples-per-prompt", "1"], "--n-samples-per-prompt 1: GRPO"),
+    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2: pipeline parallelism is not"),
+    (["--tensor-model-parallel-size", "2"], "1 processes (WORLD_SIZE) are not a multiple of --tensor-model"),
+    (["--global-batch-size", "5"], "--global-batch-size 5 × --num-steps-per-rollout 4 must equal"),
+    (["--num-steps-per-rollout", "8", "--rollout-batch-size", "4"], "--global-batch-size 4 must be a multiple of "
+                                                                    "--n-samples-per-prompt 8"),
+    (["--micro-batch-size", "3"], "--micro-batch-size 3 must divide the 8 samples"),
+    (["--rollout-max-response-len", "300"], "--rollout-max-response-len 300: prompt + response"),
+    (["--save-interval", "2"], "--save-interval needs --save DIR"),
+    (["--load", "/nonexistent/ckpt"], "--load /nonexistent/ckpt: no such directory"),
+    (["--ckpt-step", "2"], "--ckpt-step selects a checkpoint of --load DIR"),
+    (["--kl-loss-coef", "-1"], "--kl-loss-coef -1.0 must be a finite number >= 0"),
+    (["--kl-loss-type", "k9"], "argument --kl-loss-type: invalid choice"),
+    (["--entropy-coef", "inf"], "--entropy-coef inf must be a finite number"),
+    (["--rollout-num-engines", "0"], "--rollout-num-engines 0 must be an integer >= 1"),
+    (["--clip-grad", "-1"], "--clip-grad -1.0 must be >= 0"),
+    (["--vocab-size", "128"], "--vocab-size 128 must be >= 256"),
+    (["--hidden-size", "0"], "--hidden-size 0 must be an integer >= 1"),
+    (["--hidden-size", "30"], "--hidden-size 30 must be a multiple of --num-attention-heads 4"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_FLAGS, ids=[" ".join(a) for a, _ in BAD_FLAGS])
+def test_each_bad_run_flag_is_refused_at_parse_time_naming_it(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--self-check"])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_an_unreachable_sglang_url_is_refused_at_start_up(capsys):
+    url = f"http://127.0.0.1:{_closed_port()}"
+    with pytest.raises(SystemExit) as e:
+        main(["--sglang-url", url, "--self-check"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"--sglang-url {url} is not reachable" in err and "refused" in err.lower()
+    with pytest.raises(SystemExit):
+        main(["--sglang-url", "localhost:30000", "--self-check"])
+    assert "not an http(s) URL" in capsys.readouterr().err
+
+
+def test_an_empty_load_directory_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--load", str(tmp_path), "--self-check"])
+    assert "no latest_checkpointed_iteration.txt" in capsys.readouterr().err
+
+
+def test_the_default_run_parses_and_derives_slimes_batch_arithmetic():
+    assert main(["--self-check"]) == 0
+    cfg = TrainerConfig(world_size=4, tensor_model_parallel_size=2, rollout_batch_size=4, n_samples_per_prompt=4,
+                        num_steps_per_rollout=2, micro_batch_size=2)
+    assert (cfg.data_parallel_size, cfg.global_batch_size, cfg.samples_per_rank_step, cfg.num_microbatches) == \
+        (2, 8, 4, 2)
+    with pytest.raises(ConfigError, match="--kl-loss-type"):
+        LossTermsConfig(kl_loss_type="kl")
+
+
+# ------------------------------------------------------------------------------------------------ advantages
+def _reference_advantages(rewards, groups, keep, normalize_std, eps=1e-6):
+    """A plain loop: per group, over the kept samples only."""
+    out = []
+    for i, r in enumerate(rewards):
+        if not keep[i]:
+            out.append(0.0)
+            continue
+        peers = [rewards[j] for j in range(len(rewards)) if groups[j] == groups[i] and keep[j]]
+        mean = sum(peers) / len(peers)
+        a = r - mean
+        if normalize_std:
+            std = math.sqrt(sum((p - mean) ** 2 for p in peers) / (len(peers) - 1)) if len(peers) > 1 else 0.0
+            a /= std + eps
+        out.append(a)
+    return out
+
+
+@pytest.mark.parametrize("normalize_std", [True, False])
+def test_group_advantages_leave_rejected_samples_out_of_the_baseline(normalize_std):
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.rand(12, generator=g, dtype=torch.float64)
+    groups = torch.tensor([7, 7, 7, 7, 3, 3, 3, 3, 5, 5, 9, 9])
+    keep = torch.tensor([1, 0, 1, 1, 0, 0, 0, 0, 1, 0, 1, 1], dtype=torch.bool)  # an all-rejected group, a lone one
+    got = group_advantages(rewards, groups, keep, normalize_std)
+    want = _reference_advantages(rewards.tolist(), groups.tolist(), keep.tolist(), normalize_std)
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+    assert got[8] == 0.0 and (got[4:8] == 0).all()
+    # the rejected sample's reward does not move its group: changing it changes nothing
+    rewards2 = rewards.clone()
+    rewards2[1] = 100.0
+    assert torch.equal(group_advantages(rewards2, groups, keep, normalize_std), got)
+
+
+def test_grpo_advantages_of_samples_match_the_tensor_version():
+    samples = [Sample(prompt_tokens=[1], reward=r, group_id=g) for r, g in
+               [(1.0, 0), (0.0, 0), (0.5, 0), (0.2, 1), (0.2, 1)]]
+    assert grpo_advantages(samples) == pytest.approx(
+        _reference_advantages([s.reward for s in samples], [s.group_id for s in samples], [True] * 5, True))
+    assert grpo_advantages(samples, normalize_std=False)[:3] == pytest.approx([0.5, -0.5, 0.0])
+
+
+# ------------------------------------------------------------------------------------------------ data plan
+def _samples(n_groups: int, group_size: int, seed: int = 0) -> list[Sample]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for gid in range(n_groups):
+        for j in range(group_size):
+            n = int(torch.randint(1, 9, (1,), generator=g))
+            out.append(Sample(prompt_tokens=[65, 66], response_tokens=[97] * n,
+                              rollout_log_probs=torch.full((n,), -1.0), reward=float(j % 2), group_id=gid,
+                              index=gid * group_size + j, weight_version="step-3",
+                              status=SampleStatus.TRUNCATED))
+    return out
+
+
+def test_the_plan_keeps_groups_whole_and_balances_tokens_across_dp():
+    samples = _samples(8, 4)
+    plan = plan_rollout(samples, group_size=4, num_steps=2, dp_size=2)
+    seen = sorted(i for step in plan for part in step for i in part)
+    assert seen == list(range(32))
+    for k, step in enumerate(plan):
+        for part in step:
+            assert len(part) == 8 and {samples[i].group_id for i in part} <= set(range(4 * k, 4 * k + 4))
+            for gid in {samples[i].group_id for i in part}:  # whole groups only
+                assert sum(samples[i].group_id == gid for i in part) == 4
+        loads = [sum(samples[i].total_length for i in part) for part in step]
+        group_tokens = sorted(sum(samples[i].total_length for i in range(g * 4, g * 4 + 4)) for g in
+                              range(4 * k, 4 * k + 4))
+        assert abs(loads[0] - loads[1]) <= group_tokens[-1]  # greedy longest-first: within the largest group
+
+
+def test_micro_batches_carry_lag_ids_rewards_and_cp_slices():
+    samples = _samples(2, 4)
+    samples[2].weight_versions = [("step-1", 0, 1), ("step-3", 1, samples[2].response_length)]
+    samples[5].status, samples[5].failure_reason = SampleStatus.FAILED, "test"
+    (shard,) = rollout_shards(samples, group_size=4, num_steps=1, dp_size=1)
+    mbs = build_micro_batches(shard, 4, first_step=5)
+    assert [b["sample_ids"].tolist() for b in mbs] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    b = mbs[0]
+    p = len(samples[2].prompt_tokens)
+    assert b["weight_lag"][2, p - 1].item() == 4 and b["weight_lag"][2, p].item() == 2  # resumed across versions
+    assert b["rewards"].tolist() == [0.0, 1.0, 0.0, 1.0]
+    assert mbs[1]["loss_mask"][1].sum() == 0  # the failed sample stays, untrained
+    cp = build_micro_batches(shard, 4, first_step=5, cp_rank=1, cp_size=2)
+    assert cp[0]["tokens"].shape[1] * 2 == cp[0]["full_tokens"].shape[1] and "full_position_ids" in cp[0]
+    assert cp[0]["weight_lag"].shape == cp[0]["loss_mask"].shape
+    assert token_lags(samples[0], 3) == [0] * samples[0].response_length
+    assert version_step("step-12") == 12 and version_step("default") is None
+
+
+# ------------------------------------------------------------------------------------------------ KL, entropy
+def test_kl_estimators_are_schulmans():
+    x = torch.tensor([-30.0, -2.0, -0.1, 0.0, 0.3, 25.0], dtype=torch.float64)  # x = lp − lp_ref
+    assert torch.equal(KL_ESTIMATORS.get("k1", flag="f")(x), x)
+    torch.testing.assert_close(KL_ESTIMATORS.get("k2", flag="f")(x), x**2 / 2)
+    xc = x.clamp(-20, 20)
+    k3 = torch.exp(-xc) - 1 + xc
+    torch.testing.assert_close(KL_ESTIMATORS.get("k3", flag="f")(x), k3)
+    torch.testing.assert_close(KL_ESTIMATORS.get("low_var_kl", flag="f")(x), k3.clamp(-10, 10))
+    assert torch.isfinite(KL_ESTIMATORS.get("k3", flag="f")(x)).all() and (k3 >= 0).all()
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("kl_type", ["k1", "k3"])
+def test_loss_terms_add_coef_times_kl_minus_entropy_per_token(agg, kl_type):
+    g = torch.Generator().manual_seed(1)
+    B, S = 4, 7
+    lp = (-torch.rand(B, S, generator=g, dtype=torch.float64) * 2).requires_grad_()
+    old = lp.detach() + 0.05 * torch.randn(B, S, generator=g, dtype=torch.float64)
+    ref = lp.detach() + 0.3 * torch.randn(B, S, generator=g, dtype=torch.float64)
+    ent = (torch.rand(B, S, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    adv = torch.randn(B, 1, generator=g, dtype=torch.float64).expand(B, S)
+    mask = torch.rand(B, S, generator=g) > 0.3
+    mask[1] = False
+    ref[0, 0] = float("nan")  # a non-finite reference contributes nothing, never a NaN
+    cfg = C(loss_agg_mode=agg)
+    terms = LossTermsConfig(kl_loss_coef=0.1, kl_loss_type=kl_type, entropy_coef=0.01)
+    out = compute_policy_loss(lp, old, None, adv, mask, cfg, loss_terms=terms, ref_log_probs=ref, entropy=ent)
+    base = compute_policy_loss(lp, old, None, adv, mask, cfg)
+    x = lp - torch.nan_to_num(ref)
+    kl = x if kl_type == "k1" else torch.exp(-x) - 1 + x
+    ok = mask & torch.isfinite(ref)
+    term = torch.where(ok, 0.1 * kl, 0.0) - torch.where(mask, 0.01 * ent, 0.0)
+    if agg == "token-mean":
+        extra = term.sum() / mask.sum()
+    else:
+        n = mask.sum(-1)
+        rows = n > 0
+        extra = (term.sum(-1)[rows] / n[rows]).sum() / rows.sum()
+    torch.testing.assert_close(out.loss, base.loss + extra, rtol=1e-12, atol=1e-12)
+    want_grad = torch.autograd.grad(base.loss + extra, (lp, ent))
+    got_grad = torch.autograd.grad(out.loss, (lp, ent))
+    for a, b in zip(got_grad, want_grad, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    kl_mean = torch.where(ok, kl, 0.0).sum() / mask.sum()
+    assert out.metrics["kl_loss"].item() == pytest.approx(kl_mean.item(), rel=1e-12)
+
+
+def test_loss_terms_need_their_inputs():
+    lp = torch.zeros(1, 3, requires_grad=True)
+    with pytest.raises(ValueError, match="ref_log_probs"):
+        compute_policy_loss(lp, lp.detach(), None, torch.ones(1, 3), torch.ones(1, 3), C(),
+                            loss_terms=LossTermsConfig(use_kl_loss=True))
+    with pytest.raises(ValueError, match="entropy"):
+        compute_policy_loss(lp, lp.detach(), None, torch.ones(1, 3), torch.ones(1, 3), C(),
+                            loss_terms=LossTermsConfig(entropy_coef=0.1))
+
+
+# ------------------------------------------------------------------------------------------------ rebaseline
+def test_rejected_sequences_leave_their_groups_baseline_before_the_update():
+    from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
+    from slime_corr.trainer.update import rebaseline_rejected
+
+    samples = _samples(2, 4)
+    for s, r in zip(samples, [1.0, 0.0, 0.9, 0.2, 0.3, 0.3, 0.8, 0.1], strict=True):
+        s.reward = r
+    (shard,) = rollout_shards(samples, group_size=4, num_steps=1, dp_size=1)
+    mbs = build_micro_batches(shard, 4, first_step=0)
+    for b in mbs:  # lp_old = lp_rollout (no mismatch) except one catastrophic token in sample 0
+        b["old_log_probs"] = b["rollout_log_probs"].clone().double()
+    p = len(samples[0].prompt_tokens)
+    mbs[0]["old_log_probs"][0, p] -= 12.0  # ratio e^-12 < 1e-4: vetoed by decoupled_geo_rs
+    before = [b["advantages"].clone() for b in mbs]
+    hook = RolloutCorrectionLoss(C.preset("decoupled_geo_rs"))
+    assert hook.kept_sequences(mbs[0]).tolist() == [False, True, True, True]
+    assert rebaseline_rejected(hook, mbs, normalize_std=True) == 1
+    want = _reference_advantages([s.reward for s in samples], [s.group_id for s in samples],
+                                 [i != 0 for i in range(8)], True)
+    for b, rows in zip(mbs, (want[:4], want[4:]), strict=True):
+        got = [float(b["advantages"][i][b["loss_mask"][i] > 0][0]) for i in range(4)]
+        assert got == pytest.approx(rows, rel=1e-6)
+    assert torch.equal(mbs[1]["advantages"], before[1])  # the other group is untouched
+    assert not torch.equal(mbs[0]["advantages"], before[0])
+    with pytest.raises(ValueError, match="bypass"):
+        RolloutCorrectionLoss(C.preset("pg_rs")).kept_sequences(mbs[0])
