@@ -126,6 +126,25 @@ def batch_segments(batch: dict[str, Any], groups: ParallelGroups) -> Segments | 
     return Segments.packed_row(offsets, labels.shape[-1])
 
 
+def slice_tensor_for_cp(x: Tensor, batch: dict[str, Any], groups: ParallelGroups) -> Tensor:
+    """This CP rank's part of `x` [B, S_full, ...], a full-row tensor laid out like `batch` (e.g. the logits of
+    the full sequence under emulated CP): its zig-zag slice, or packed, its THD partition."""
+    cu = {k: batch[k] for k in ("cu_seqlens", "cu_seqlens_padded") if k in batch}
+    return slice_micro_batch_for_cp({**cu, "x": x}, groups.cp_rank, groups.cp_size, keys=("x",))["x"]
+
+
+def packed_attention_mask(batch: dict[str, Any], length: int) -> Tensor:
+    """[1, 1, T, T] bool, True where attention is masked (Megatron's convention): causal within each sample of a
+    packed row of `length` positions (`cu_seqlens_padded`), nothing across samples — what THD attention computes,
+    for attention implementations without it (the local layer spec on CPU). Positions past the last sample attend
+    among themselves."""
+    starts = packed_starts(batch).long()
+    ids = torch.searchsorted(starts[1:].contiguous(), torch.arange(length, device=starts.device), right=True)
+    pos = torch.arange(length, device=starts.device)
+    allowed = (ids[:, None] == ids[None, :]) & (pos[None, :] <= pos[:, None])
+    return (~allowed)[None, None]
+
+
 def packed_seq_params(batch: dict[str, Any]) -> Any:
     """Megatron's `PackedSeqParams` (qkv_format "thd") of a packed micro-batch, as `get_thd_batch_on_this_cp_rank`
     builds them: the full row's `cu_seqlens` (sample lengths) and `cu_seqlens_padded` (their spans), the longest
@@ -144,10 +163,12 @@ __all__ = [
     "BATCH_KEYS",
     "batch_segments",
     "is_packed",
+    "packed_attention_mask",
     "packed_seq_params",
     "ParallelGroups",
     "seq_length_for_norm",
     "slice_batch_for_cp",
+    "slice_tensor_for_cp",
     "zigzag_indices",
     "zigzag_slice",
     "zigzag_unslice",

@@ -487,6 +487,7 @@ class RolloutCorrectionLoss:
         *,
         forward_backward_func: Callable[..., Any] | None = None,
         recompute_old_log_probs: bool = True,
+        forward_step: Callable[..., Any] | None = None,
     ) -> dict[str, float]:
         """One step's forward+backward over `micro_batches` (gradients accumulated and finalized by Megatron).
 
@@ -494,7 +495,8 @@ class RolloutCorrectionLoss:
         normalization mean), then the training pass. The caller zeroes grads before, steps after.
         `micro_batches` may be a stream with `len()` (e.g. `BufferMicroBatchIterator`) when `can_stream`: the
         schedule then trains each micro-batch as soon as the rollout has filled it. Under pipeline parallelism the
-        step's metrics come back on the last stage; the other stages get {}.
+        step's metrics come back on the last stage; the other stages get {}. `forward_step`: the schedule's
+        `forward_step_func` (default `self.forward_step`; e.g. a wrapper that times it).
         """
         streamed = not isinstance(micro_batches, Sequence)
         if streamed and not self.can_stream(len(micro_batches)):  # type: ignore[arg-type]
@@ -511,7 +513,8 @@ class RolloutCorrectionLoss:
             self.prepare_step(model, micro_batches, recompute_old_log_probs=recompute_old_log_probs)  # type: ignore[arg-type]
         try:
             fb = forward_backward_func or get_forward_backward_func()
-            losses = run_schedule(fb, self.forward_step, model, micro_batches, self.groups, forward_only=False)
+            losses = run_schedule(fb, forward_step or self.forward_step, model, micro_batches, self.groups,
+                                  forward_only=False)
         finally:
             self.step_batch_norm_mean = None
         return self.reduce_step_metrics(losses)

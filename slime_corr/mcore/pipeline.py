@@ -12,6 +12,9 @@ object, as slime and NeMo-RL do: Megatron-LM has no flag, and the TransformerCon
 the default MoE dispatcher), in which case every exchange sends its shape first. Packed micro-batches, padded ones of
 different lengths and streams (whose shapes are not known ahead) need it: `run_schedule` says so before the
 schedule starts instead of letting a stage wait for a tensor of the wrong size.
+
+`gather_stages` merges every stage's weights on the first stage (a model's full weights, e.g. for a rollout engine
+that runs it unsplit); `from_last_stage` hands what the last stage computed (the loss's metrics) to every stage.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from slime_corr.mcore.compat import get_forward_backward_func
@@ -111,4 +115,39 @@ def _collected(collect: Callable[[dict[str, Tensor], Tensor], Tensor], batch: di
     return collect(batch, output)
 
 
-__all__ = ["check_pipeline_shapes", "forward_only", "run_schedule"]
+def gather_stages(weights: dict[str, Tensor]) -> dict[str, Tensor] | None:
+    """Without PP: `weights`. With PP: every stage's `weights` (named as in the unsplit model, e.g. by
+    `params.full_named_tensors`) merged on the first stage; one object gather over the PP group of TP rank 0
+    (a collective there; the other TP ranks return None at once), None off the first stage."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return weights
+    if ps.get_tensor_model_parallel_rank() != 0:
+        return None
+    first = ps.is_pipeline_first_stage(ignore_virtual=True)
+    parts: list[Any] | None = [None] * ps.get_pipeline_model_parallel_world_size() if first else None
+    dist.gather_object(weights, parts, dst=ps.get_pipeline_model_parallel_first_rank(),
+                       group=ps.get_pipeline_model_parallel_group())
+    if parts is None:
+        return None
+    merged: dict[str, Tensor] = {}
+    for part in parts:
+        merged.update(part)
+    return merged
+
+
+def from_last_stage(obj: Any) -> Any:
+    """Without PP: `obj`. With PP: the last stage's `obj` on every stage of this rank's pipeline (one object
+    broadcast over the PP group; collective)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                               group=ps.get_pipeline_model_parallel_group())
+    return box[0]
+
+
+__all__ = ["check_pipeline_shapes", "forward_only", "from_last_stage", "gather_stages", "run_schedule"]

@@ -173,12 +173,16 @@ def packed_length(total_length: int, cp_size: int) -> int:
     return _round_up(total_length, cp_pad_multiple(cp_size))
 
 
+def padding_sample(pad_token_id: int = 0) -> Sample:
+    """The one sample of an empty micro-batch: a pad token, no response (nothing to train), group and index -1."""
+    return Sample(prompt_tokens=[pad_token_id], group_id=-1, index=-1)
+
+
 def empty_micro_batch(cp_size: int = 1, pad_token_id: int = 0, packed: bool = True) -> dict[str, torch.Tensor]:
-    """A micro-batch with nothing to train (one pad-token sample, loss mask 0): it keeps every rank at the same
+    """A micro-batch with nothing to train (`padding_sample`, loss mask 0): it keeps every rank at the same
     number of micro-batches (see `BufferMicroBatchIterator`). Not yet CP-sliced."""
-    dummy = Sample(prompt_tokens=[pad_token_id], group_id=-1, index=-1)
-    return build_micro_batch([dummy], pad_to_multiple=cp_pad_multiple(cp_size), pad_token_id=pad_token_id,
-                             packed=packed)
+    return build_micro_batch([padding_sample(pad_token_id)], pad_to_multiple=cp_pad_multiple(cp_size),
+                             pad_token_id=pad_token_id, packed=packed)
 
 
 def cp_pad_multiple(cp_size: int) -> int:
@@ -263,6 +267,26 @@ def balance_across_dp(lengths: Sequence[int], dp_size: int, equal_count: bool = 
         if count + 1 < cap:  # a full rank leaves the heap
             heapq.heappush(heap, (tokens + lengths[i], count + 1, rank))
     return [sorted(x) for x in out]
+
+
+def pack_by_tokens(sizes: Sequence[int], budget: int) -> list[list[int]]:
+    """Items of ``sizes`` tokens (e.g. whole GRPO groups, ``packed_length`` summed) into micro-batches of at most
+    ``budget`` tokens (slime's ``--max-tokens-per-gpu``), first-fit decreasing: few micro-batches, never an item
+    split; an item over the budget on its own gets a micro-batch of its own. Each micro-batch lists its items in
+    index order; micro-batches come in the order of their first item."""
+    if budget < 1:
+        raise ValueError(f"budget={budget}: the token budget per micro-batch must be >= 1")
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        fit = next((b for b, load in enumerate(loads) if load + sizes[i] <= budget), None)
+        if fit is None:
+            bins.append([i])
+            loads.append(sizes[i])
+        else:
+            bins[fit].append(i)
+            loads[fit] += sizes[i]
+    return sorted((sorted(b) for b in bins), key=lambda b: b[0])
 
 
 def split_for_dp(samples: Sequence[Sample], dp_rank: int, dp_size: int) -> list[Sample]:

@@ -123,6 +123,9 @@ def step_data(
         old = model_lp + noise * torch.randn(B_GLOBAL, S, generator=g, dtype=dtype)
         if k == CATASTROPHIC[0]:
             rollout[CATASTROPHIC[1], CATASTROPHIC[2]] += 12.0
+        # a reference policy's log-probs (KL term), from a generator of their own: the other entries stay as they were
+        ref = model_lp + 0.3 * torch.randn(B_GLOBAL, S, generator=torch.Generator().manual_seed(seed * 100 + k),
+                                           dtype=dtype)
         out.append(
             dict(
                 tokens=tokens,
@@ -132,6 +135,7 @@ def step_data(
                 rollout_log_probs=rollout * mask,
                 advantages=torch.randn(B_GLOBAL, 1, generator=g, dtype=dtype).expand(B_GLOBAL, S) * mask,
                 old_log_probs=old * mask,
+                ref_log_probs=ref,
             )
         )
     return out

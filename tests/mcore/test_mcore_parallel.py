@@ -1,7 +1,8 @@
 """Every preset under (TP, CP, DP, PP) factorizations of gloo processes, through the REAL Megatron schedule
 (`get_forward_backward_func`: no pipelining, or 1F1B over gloo p2p), Megatron DDP and `finalize_model_grads`,
 equals a single-rank full-tensor reference: loss, IS weights, masks, step metrics and gradients, for every preset
-and the example custom weighting function (`--custom-tis-function-path`), with padded micro-batches and with
+and the example custom weighting function (`--custom-tis-function-path`), and the KL / entropy loss terms (reference
+log-probs in the batch), with padded micro-batches and with
 packed (THD) ones — the same sequences with uneven lengths, an empty and a length-1 one, per-sequence padding to
 2·CP and Megatron's per-sample CP partition. Layouts (TP, CP, DP, PP): 1x1x1x1 (in this process); TP=2, CP=2,
 DP=2, PP=2 alone (2 processes); DP=4, TP=2×DP=2, CP=2×DP=2, CP=4, TP=2×CP=2, TP=4 (4 processes); packed at
@@ -40,6 +41,7 @@ from mcore_helpers import (
 
 from slime_corr.config import PRESETS, RolloutCorrectionConfig
 from slime_corr.correction import compute_rollout_correction
+from slime_corr.loss_terms import LossTermsConfig
 from slime_corr.mcore.compat import get_batch_on_this_cp_rank
 from slime_corr.mcore.context_parallel import ParallelGroups, slice_batch_for_cp, zigzag_slice
 from slime_corr.mcore.logprobs import vocab_parallel_log_probs
@@ -74,7 +76,14 @@ def cases() -> list[tuple[str, RolloutCorrectionConfig, dict]]:
                 RolloutCorrectionConfig.preset("decoupled_token_is", tis_batch_normalize=True)))
     out.append(("pg_is+normalize/seq-mean-token-mean",
                 RolloutCorrectionConfig.preset("pg_is", tis_batch_normalize=True, loss_agg_mode="seq-mean-token-mean")))
-    return [(tag, cfg, dict(chunk_size=5 if i % 2 else 4096, compute_entropy=i % 2 == 1))
+    out.append(("decoupled_seq_is_rs+kl+entropy/seq-mean-token-mean",
+                RolloutCorrectionConfig.preset("decoupled_seq_is_rs", loss_agg_mode="seq-mean-token-mean")))
+    # the KL term's reference log-probs come with the batch (as after the forward-only pass): the reference model
+    # is never run here
+    terms = dict(loss_terms=LossTermsConfig(kl_loss_coef=0.1, kl_loss_type="k3", entropy_coef=0.01),
+                 ref_model=torch.nn.Module())
+    return [(tag, cfg, dict(chunk_size=5 if i % 2 else 4096, compute_entropy=i % 2 == 1,
+                            **(terms if "+kl" in tag else {})))
             for i, (tag, cfg) in enumerate(out)]
 
 
@@ -89,15 +98,17 @@ def reference(cfg: RolloutCorrectionConfig, opts: dict, data: list[dict], logits
     logp = torch.log_softmax(leaf.reshape(-1, S, V) / TEMPERATURE, dim=-1)
     lp = logp.gather(-1, step["labels"].unsqueeze(-1)).squeeze(-1)
     old = None if cfg.use_rollout_logprobs else step["old_log_probs"]
-    out = compute_policy_loss(lp, old, step["rollout_log_probs"], step["advantages"], step["loss_mask"], cfg)
+    entropy = -(logp.exp() * logp).sum(-1)
+    terms = opts.get("loss_terms")
+    out = compute_policy_loss(lp, old, step["rollout_log_probs"], step["advantages"], step["loss_mask"], cfg,
+                              loss_terms=terms, ref_log_probs=step["ref_log_probs"], entropy=entropy)
     out.loss.backward()
     metrics = {k: v.item() for k, v in out.metrics.items()}
     metrics.update(loss=out.loss.item(), loss_denominator=out.denominator.item())
     in_mask = out.correction.loss_mask if cfg.use_rollout_correction else step["loss_mask"]
     metrics["pg_nonfinite_token_fraction"] = metrics["pg_nonfinite_token_count"] / max(1, (in_mask > 0).sum().item())
-    if opts["compute_entropy"]:
-        valid = step["loss_mask"] > 0
-        metrics["entropy"] = (-(logp.exp() * logp).sum(-1))[valid].mean().item()
+    if opts["compute_entropy"] or terms is not None:
+        metrics["entropy"] = entropy.detach()[step["loss_mask"] > 0].mean().item()
     if out.correction is not None:
         lp_train = lp.detach() if cfg.use_rollout_logprobs else step["old_log_probs"]
         per_mb = [compute_rollout_correction(lp_train[rows], step["rollout_log_probs"][rows], step["loss_mask"][rows],
@@ -128,6 +139,8 @@ def check_reference_is_not_trivial(tag: str, cfg: RolloutCorrectionConfig, ref: 
         assert 0 < metrics["mis_rejected_seq_fraction"] < 1, f"{tag}: {metrics['mis_rejected_seq_fraction']}"
     if cfg.rs_veto_threshold is not None:
         assert metrics["mis_catastrophic_seq_fraction"] > 0, tag
+    if "kl_loss" in metrics:  # the reference policy differs from the trained one: the KL term acts
+        assert metrics["kl_loss"] > 1e-3, f"{tag}: {metrics['kl_loss']}"
 
 
 def record_collectives(fn) -> list[tuple[str, object, tuple]]:
@@ -177,7 +190,7 @@ def check_sequence_reduction(tag: str, cfg: RolloutCorrectionConfig, opts: dict,
         shape = tuple(mask.shape)
         lp = -torch.rand(shape, generator=g, dtype=torch.float64) * mask
         batch = dict(labels=torch.randint(0, V, shape, generator=g), loss_mask=mask, rollout_log_probs=lp,
-                     old_log_probs=lp * 0.9, advantages=mask.double(), **extra)
+                     old_log_probs=lp * 0.9, ref_log_probs=lp * 1.1, advantages=mask.double(), **extra)
         logits = torch.randn(*shape, V // tp, generator=g, dtype=torch.float64, requires_grad=True)
         hook = RolloutCorrectionLoss(cfg, temperature=TEMPERATURE, seq_length_for_norm=S, **opts)
         calls = record_collectives(lambda hook=hook, batch=batch, logits=logits: hook.loss_func(batch, logits))

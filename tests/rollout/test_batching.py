@@ -20,6 +20,7 @@ from slime_corr.rollout.batching import (
     empty_micro_batch,
     grpo_advantages,
     micro_batch_iterator,
+    pack_by_tokens,
     slice_micro_batch_for_cp,
     split_for_dp,
     thd_local_offsets,
@@ -174,6 +175,27 @@ def test_dp_balance_assigns_each_sample_once(lengths, dp):
     assert max(loads) - min(loads) <= max(lengths)
     free = balance_across_dp(lengths, dp, equal_count=False)
     assert sorted(i for p in free for i in p) == list(range(n))
+
+
+@settings(max_examples=80, deadline=None)
+@given(sizes=st.lists(st.integers(1, 300), max_size=40), budget=st.integers(1, 400))
+def test_token_packing_keeps_items_whole_within_the_budget_first_fit(sizes, budget):
+    bins = pack_by_tokens(sizes, budget)
+    assert sorted(i for b in bins for i in b) == list(range(len(sizes)))  # every item once, whole
+    loads = [sum(sizes[i] for i in b) for b in bins]
+    for b, load in zip(bins, loads, strict=True):
+        assert b == sorted(b) and (load <= budget or len(b) == 1)  # over the budget: an item alone
+    assert [b[0] for b in bins] == sorted(b[0] for b in bins)
+    # first fit: no two micro-batches could have been one (so at most twice the fewest possible)
+    assert all(loads[i] + loads[j] > budget for i in range(len(bins)) for j in range(i + 1, len(bins)))
+
+
+def test_token_packing_fills_the_fullest_fit_first():
+    assert pack_by_tokens([5, 7, 3, 5], 10) == [[0, 3], [1, 2]]  # first fit decreasing: 7+3, 5+5
+    assert pack_by_tokens([12, 3], 10) == [[0], [1]]  # an item over the budget on its own
+    assert pack_by_tokens([], 10) == []
+    with pytest.raises(ValueError, match="budget=0"):
+        pack_by_tokens([1], 0)
 
 
 def test_split_for_dp_balances_tokens():
