@@ -104,7 +104,8 @@ def build_policy(config: TrainerConfig, *, with_reference: bool) -> Policy:
         reference = build_tiny_gpt(args, ddp=False).eval()
         reference.requires_grad_(False)
     single_rank_groups()
-    forward = emulated_cp_forward if config.context_parallel_size > 1 else default_model_forward
+    emulated = config.context_parallel_size > 1 or config.use_dynamic_batch_size  # CP / THD attention on CPU
+    forward = emulated_cp_forward if emulated else default_model_forward
     engine_args = dataclasses.replace(args, params_dtype=torch.float32)  # the engine casts to --engine-dtype
     return Policy(model=model, reference=reference, forward=forward,
                   engine_module=lambda directory: EngineGPT(engine_args, directory))
