@@ -8,8 +8,9 @@ which scales with the positions it is given (the model's cost scales alike, plus
 
 Time: medians over interleaved repeats (padded, packed, packed, padded, ...), in this process. Memory: the peak
 resident memory that one forward+backward adds, measured in a fresh child process per layout (CPU has no
-allocator statistics: the peak resident size, reset just before the call through /proc/self/clear_refs). Throughput counts the RESPONSE tokens (the trained ones):
-the same in both layouts. Prints both and the packed / padded ratios.
+allocator statistics: the peak resident size, reset just before the call through /proc/self/clear_refs).
+Throughput counts the RESPONSE tokens (the trained ones): the same in both layouts. Prints both and the
+packed / padded ratios.
 
     python bench/packing.py [--batch 16] [--vocab 512] [--repeats 7] [--preset decoupled_seq_is_rs] [--seed 0]
 """

@@ -222,8 +222,8 @@ def compute_policy_loss(
     pre-pass, finished by `normalize_weights`); it is used instead of computing it again.
     `finalize_metrics=False`: the correction's metrics are not finalized (its `.stats` are complete), for callers
     that finalize a step's merged statistics once; the loss metrics stay.
-    `loss_terms` with `ref_log_probs` / `entropy` (shaped like `log_probs`): the KL and entropy terms (`loss_term_tokens`), added per
-    token before the aggregation; `pg_loss` is then the whole loss.
+    `loss_terms` with `ref_log_probs` / `entropy` (shaped like `log_probs`): the KL and entropy terms
+    (`loss_term_tokens`), added per token before the aggregation; `pg_loss` is then the whole loss.
     """
     check_policy_loss_inputs(log_probs, old_log_probs, rollout_log_probs, advantages, loss_mask, config,
                              seq_length_for_norm, batch_norm_mean, loss_fn, cp_group, dp_group, correction, segments)

@@ -510,7 +510,8 @@ class RolloutCorrectionLoss:
         if self.diagnostics is not None:
             self.diagnostics.parts.clear()
         if not streamed:
-            self.prepare_step(model, micro_batches, recompute_old_log_probs=recompute_old_log_probs)  # type: ignore[arg-type]
+            self.prepare_step(model, micro_batches,  # type: ignore[arg-type]
+                              recompute_old_log_probs=recompute_old_log_probs)
         try:
             fb = forward_backward_func or get_forward_backward_func()
             losses = run_schedule(fb, forward_step or self.forward_step, model, micro_batches, self.groups,

@@ -8,7 +8,8 @@
 - `optimizer_step`: Megatron DDP accumulates (and, through `finalize_model_grads`, reduces over DP×CP) gradients
   into `main_grad`; this computes the global L2 gradient norm (each TP shard once, parameters replicated across TP
   once, summed over the pipeline stages), clips (Megatron's `--clip-grad`: coefficient max_norm / (norm + 1e-6)
-  when below 1), hands the gradients to the optimizer and steps. Megatron's own optimizer and clipping hard-code CUDA (see MEGATRON_ON_CPU.md).
+  when below 1), hands the gradients to the optimizer and steps. Megatron's own optimizer and clipping hard-code
+  CUDA (see MEGATRON_ON_CPU.md).
 """
 
 from __future__ import annotations

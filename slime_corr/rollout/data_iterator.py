@@ -74,9 +74,10 @@ class BufferMicroBatchIterator:
 
     Takes `num_samples` samples (one step) in micro-batches of `micro_batch_size` (the last may be smaller),
     CP-sliced for (`cp_rank`, `cp_size`); with `max_tokens_per_micro_batch`, packed micro-batches of whole groups
-    up to that many tokens per GPU (and at most `micro_batch_size` samples), see the module doc. The rollout puts GRPO groups atomically, so a micro-batch holds whole
-    groups when both sizes are multiples of `group_size` (checked, also as samples are taken), and the advantages `advantage_fn` computes per micro-batch are those
-    of the whole step. A sample that did not finish (FAILED, or ABORTED under the KEEP policy) stays in its
+    up to that many tokens per GPU (and at most `micro_batch_size` samples), see the module doc. The rollout puts
+    GRPO groups atomically, so a micro-batch holds whole groups when both sizes are multiples of `group_size`
+    (checked, also as samples are taken), and the advantages `advantage_fn` computes per micro-batch are those of
+    the whole step. A sample that did not finish (FAILED, or ABORTED under the KEEP policy) stays in its
     micro-batch with loss mask, rollout log-probs and advantages zeroed, so every rank runs the same micro-batches
     and no sample is lost silently: it is listed in `skipped`. `samples` holds every sample taken, in order, and
     `batch_sizes` the number of samples of each micro-batch given out (0 for an empty one).
