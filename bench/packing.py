@@ -23,12 +23,13 @@ import math
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from timing import interleaved_medians  # bench/timing.py (this script's directory is on sys.path)
 
 from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.mcore.context_parallel import ParallelGroups
@@ -124,15 +125,7 @@ def main() -> None:
     lengths = response_lengths(args.batch, args.seed)
     trained = int(batches["padded"]["loss_mask"].sum())
     steps = {name: make_step(args, b) for name, b in batches.items()}
-    for step in steps.values():  # warm-up (allocator, first-call costs)
-        step()
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for r in range(args.repeats):
-        for name in (("padded", "packed") if r % 2 == 0 else ("packed", "padded")):
-            t0 = time.perf_counter()
-            steps[name]()
-            times[name].append(time.perf_counter() - t0)
-    med = {name: statistics.median(ts) for name, ts in times.items()}
+    med = interleaved_medians(steps, args.repeats)
     mem = {name: peak_memory(args, name) for name in steps}
     positions = {name: b["labels"].numel() for name, b in batches.items()}
     print(f"threads={torch.get_num_threads()} batch={args.batch} vocab={args.vocab} preset={args.preset} "

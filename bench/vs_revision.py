@@ -13,14 +13,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from timing import interleaved_medians  # bench/timing.py (this script's directory is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
@@ -92,15 +91,7 @@ def main() -> None:
             bad = [k for k in want if abs(want[k] - got.get(k, float("nan"))) > 1e-5 * max(1.0, abs(want[k]))]
             if set(want) != set(got) or bad:
                 raise SystemExit(f"{preset} {size}: results differ ({bad or set(want) ^ set(got)})")
-            for fn in fns.values():  # warm-up: first-call costs (compilation, allocator) out of the medians
-                fn()
-            times: dict[str, list[float]] = {name: [] for name in fns}
-            for r in range(args.repeats):
-                for name in (("revision", "this") if r % 2 == 0 else ("this", "revision")):
-                    t0 = time.perf_counter()
-                    fns[name]()
-                    times[name].append(time.perf_counter() - t0)
-            med = {name: statistics.median(ts) for name, ts in times.items()}
+            med = interleaved_medians(fns, args.repeats)
             print(f"{preset:20s} {size:>8s}: revision {med['revision'] * 1e3:8.2f} ms  this {med['this'] * 1e3:8.2f} "
                   f"ms  this / revision {med['this'] / med['revision']:.3f}")
 
