@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Launch the main job under torchrun: N processes = TP × CP × DP (first argument, default 1), flags passed on to
+# Launch the main job under torchrun: N processes = TP × CP × PP × DP (first argument, default 1), flags passed on to
 # slime_corr.main. One process (rank 0) drives the rollout and prints; on CPU the ranks talk over gloo.
 #   bash scripts/launch_torchrun.sh 4 --tensor-model-parallel-size 2 --rollout-correction-preset decoupled_seq_is_rs
 set -euo pipefail

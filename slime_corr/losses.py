@@ -41,6 +41,7 @@ from slime_corr.correction.reductions import (
     seq_sums,
     valid_float,
 )
+from slime_corr.correction.segments import Segments
 from slime_corr.loss_terms import LossTermsConfig
 from slime_corr.registry import LOSS_FUNCTIONS, Registry
 
@@ -201,35 +202,39 @@ def compute_policy_loss(
     loss_fn: str | Callable | None = None,
     correction: CorrectionResult | None = None,
     finalize_metrics: bool = True,
+    segments: Segments | None = None,
     loss_terms: LossTermsConfig | None = None,
     ref_log_probs: Tensor | None = None,
     entropy: Tensor | None = None,
 ) -> PolicyLossOutput:
-    """The policy loss of one micro-batch ([B, S] local slices) under `config`.
+    """The policy loss of one micro-batch ([B, S] local slices, one sequence per row; or one packed row [1, T]
+    whose sequences `segments` gives, `Segments.packed_row`) under `config`.
 
     Bypass (`use_rollout_logprobs`): lp_old := lp_rollout, lp_train := lp.detach(); decoupled:
     lp_train := lp_old. Aggregation (`config.loss_agg_mode`, m = loss mask, n_i / valid sequences from the
     denominator mask): token-mean Σ l·m / Σ m; seq-mean-token-sum mean_i Σ_t l·m; seq-mean-token-mean
-    mean_i Σ_t l·m / n_i; seq-mean-token-sum-norm mean_i Σ_t l·m / T (T = seq_length_for_norm or S·cp_size).
-    `advantages`: [B, S], or [B] / [B, 1] per sequence (broadcast along the sequence).
+    mean_i Σ_t l·m / n_i; seq-mean-token-sum-norm mean_i Σ_t l·m / T (T = seq_length_for_norm, the run's maximum
+    response length; padded rows default to S·cp_size, packed rows must pass it).
+    `advantages`: per token, or one per sequence ([B] / [B, 1]; [n] / [n, 1] packed), broadcast along it.
     `loss_fn` overrides `config.loss_type` with a registered name, an import path, or a callable.
     `batch_norm_mean`: the step's IS-weight mean for `--tis-batch-normalize` (see `compute_rollout_correction`).
     `correction`: this micro-batch's correction computed beforehand from the same lp_train (e.g. a decoupled
     pre-pass, finished by `normalize_weights`); it is used instead of computing it again.
     `finalize_metrics=False`: the correction's metrics are not finalized (its `.stats` are complete), for callers
     that finalize a step's merged statistics once; the loss metrics stay.
-    `loss_terms` with `ref_log_probs` / `entropy` ([B, S]): the KL and entropy terms (`loss_term_tokens`), added per
-    token before the aggregation; `pg_loss` is then the whole loss.
+    `loss_terms` with `ref_log_probs` / `entropy` (shaped like `log_probs`): the KL and entropy terms
+    (`loss_term_tokens`), added per token before the aggregation; `pg_loss` is then the whole loss.
     """
     check_policy_loss_inputs(log_probs, old_log_probs, rollout_log_probs, advantages, loss_mask, config,
-                             seq_length_for_norm, batch_norm_mean, loss_fn, cp_group, dp_group, correction)
+                             seq_length_for_norm, batch_norm_mean, loss_fn, cp_group, dp_group, correction, segments)
+    seg = segments or Segments.rows(*log_probs.shape)
     if config.use_rollout_logprobs:
         old_log_probs = rollout_log_probs
         lp_train = log_probs.detach()
     else:
         lp_train = old_log_probs
-    if advantages.dim() == 1 or advantages.shape[-1] != log_probs.shape[-1]:
-        advantages = advantages.reshape(-1, 1)  # per sequence: broadcast along the tokens
+    if advantages.dim() == 1 or advantages.shape != log_probs.shape:
+        advantages = seg.expand(advantages.reshape(-1))  # per sequence: broadcast along the tokens
 
     if correction is not None and batch_norm_mean is not None:
         raise ValueError("compute_policy_loss: pass either a precomputed correction (already normalized) or "
@@ -237,7 +242,7 @@ def compute_policy_loss(
     if correction is None and config.computes_metrics:
         correction = compute_rollout_correction(
             lp_train, rollout_log_probs, loss_mask, config, cp_group=cp_group, dp_group=dp_group,
-            batch_norm_mean=batch_norm_mean, finalize_metrics=finalize_metrics,
+            batch_norm_mean=batch_norm_mean, finalize_metrics=finalize_metrics, segments=segments,
         )
     dtype = log_probs.dtype
     if correction is not None and config.use_rollout_correction:
@@ -271,9 +276,9 @@ def compute_policy_loss(
         if correction is not None:
             n_i = correction.seq_token_count
         else:
-            n_i = seq_sums([den_mask], cp_group)[:, 0]
+            n_i = seq_sums([seg.sum(den_mask)], cp_group)[:, 0]
         if mode == "seq-mean-token-mean":
-            loss_sum = (masked.sum(-1) / n_i.clamp_min(1).to(dtype)).sum()
+            loss_sum = (seg.sum(masked) / n_i.clamp_min(1).to(dtype)).sum()
         elif mode == "seq-mean-token-sum-norm":
             norm = seq_length_for_norm or log_probs.shape[-1] * group_size(cp_group)
             loss_sum = masked.sum() / norm

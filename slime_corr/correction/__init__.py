@@ -1,7 +1,8 @@
 """Rollout-correction core: IS weights, rejection sampling, veto, batch normalization and mismatch metrics.
 
 The IS/RS formulas live in `weights.py`, the orchestration (and the only collectives) in `core.py`, metric
-definitions in `metrics.py`, and the masked-reduction helpers in `reductions.py`.
+definitions in `metrics.py`, the masked-reduction helpers in `reductions.py`, and the per-sequence reductions of
+padded rows or packed (THD) rows in `segments.py`.
 """
 
 from slime_corr.correction.core import (
@@ -12,11 +13,13 @@ from slime_corr.correction.core import (
     weight_mean,
 )
 from slime_corr.correction.metrics import merge_stats, metrics_to_host
+from slime_corr.correction.segments import Segments
 from slime_corr.correction.types import CorrectionResult, WeightInputs, WeightOutputs
 from slime_corr.correction.weights import default_weights
 
 __all__ = [
     "CorrectionResult",
+    "Segments",
     "WeightInputs",
     "WeightOutputs",
     "compute_rollout_correction",

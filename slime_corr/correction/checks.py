@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from slime_corr.config import RolloutCorrectionConfig
+from slime_corr.correction.segments import Segments
 from slime_corr.correction.types import CorrectionResult, WeightInputs, WeightOutputs
 
 
@@ -68,9 +69,21 @@ def check_batch_norm_mean(mean: Any, config: RolloutCorrectionConfig, where: str
                         f"{_describe(mean)}.")
 
 
+def check_segments(segments: Any, shape: tuple[int, ...], where: str) -> None:
+    """`segments` must be None (one sequence per row) or a `Segments` of the inputs' [B, S] / [1, T] shape."""
+    if segments is None:
+        return
+    if not isinstance(segments, Segments):
+        raise TypeError(f"{where}: segments must be a slime_corr.correction.segments.Segments (e.g. "
+                        f"Segments.packed_row(cu_seqlens, T)) or None, got {_describe(segments)}.")
+    if segments.shape() != shape:
+        raise ValueError(f"{where}: segments describe tokens of shape {segments.shape()}, but log_probs has shape "
+                         f"{shape}; a packed micro-batch is one row [1, T] with T = its packed length.")
+
+
 def check_correction_inputs(log_probs: Any, rollout_log_probs: Any, loss_mask: Any, config: Any,
                             batch_norm_mean: Any = None, cp_group: Any = None, dp_group: Any = None,
-                            where: str = "compute_rollout_correction") -> None:
+                            segments: Any = None, where: str = "compute_rollout_correction") -> None:
     """The checks of `compute_rollout_correction`."""
     check_config(config, where)
     check_tensor(log_probs, "log_probs", where)
@@ -80,17 +93,21 @@ def check_correction_inputs(log_probs: Any, rollout_log_probs: Any, loss_mask: A
     check_batch_norm_mean(batch_norm_mean, config, where)
     check_group(cp_group, "cp_group", where)
     check_group(dp_group, "dp_group", where)
+    check_segments(segments, shape, where)
 
 
 def check_policy_loss_inputs(log_probs: Any, old_log_probs: Any, rollout_log_probs: Any, advantages: Any,
                              loss_mask: Any, config: Any, seq_length_for_norm: Any, batch_norm_mean: Any,
-                             loss_fn: Any, cp_group: Any = None, dp_group: Any = None, correction: Any = None) -> None:
+                             loss_fn: Any, cp_group: Any = None, dp_group: Any = None, correction: Any = None,
+                             segments: Any = None) -> None:
     """The checks of `compute_policy_loss`. Advantages may be per token [B, S] or per sequence [B] / [B, 1]
-    (broadcast along the sequence)."""
+    (broadcast along the sequence; [n] / [n, 1] for the n sequences of a packed row)."""
     where = "compute_policy_loss"
     check_config(config, where)
     check_tensor(log_probs, "log_probs", where)
     shape = tuple(log_probs.shape)
+    check_segments(segments, shape, where)
+    num_seqs = segments.num if segments is not None else shape[0]
     if config.use_rollout_logprobs:
         if rollout_log_probs is None:
             raise ValueError(f"{where}: --use-rollout-logprobs (bypass) takes pi_old from rollout_log_probs, "
@@ -106,8 +123,8 @@ def check_policy_loss_inputs(log_probs: Any, old_log_probs: Any, rollout_log_pro
     if rollout_log_probs is not None:
         check_tensor(rollout_log_probs, "rollout_log_probs", where, shape=shape, like=log_probs)
     adv_shape = tuple(advantages.shape) if isinstance(advantages, Tensor) else None
-    if adv_shape not in (shape, shape[:1], (shape[0], 1)):
-        expected = f"{shape} per token, or ({shape[0]},) / ({shape[0]}, 1) per sequence"
+    if adv_shape not in (shape, (num_seqs,), (num_seqs, 1)):
+        expected = f"{shape} per token, or ({num_seqs},) / ({num_seqs}, 1) per sequence"
         error = ValueError if adv_shape is not None else TypeError
         what = "have shape" if adv_shape is not None else "be a torch.Tensor of shape"
         raise error(f"{where}: advantages must {what} {expected}, got {_describe(advantages)}.")
@@ -117,6 +134,11 @@ def check_policy_loss_inputs(log_probs: Any, old_log_probs: Any, rollout_log_pro
                                             or not isinstance(seq_length_for_norm, int) or seq_length_for_norm <= 0):
         raise ValueError(f"{where}: seq_length_for_norm must be a positive int (the maximum response length), got "
                          f"{seq_length_for_norm!r}.")
+    if (seq_length_for_norm is None and segments is not None and segments.packed
+            and config.loss_agg_mode == "seq-mean-token-sum-norm"):
+        raise ValueError(f"{where}: --loss-agg-mode seq-mean-token-sum-norm divides by a constant of the run (the "
+                         "maximum response length); a packed row has no padded length to default to: pass "
+                         "seq_length_for_norm.")
     check_batch_norm_mean(batch_norm_mean, config, where)
     if loss_fn is not None and not (isinstance(loss_fn, str) or callable(loss_fn)):
         raise TypeError(f"{where}: loss_fn must be a registered name, an import path or a callable, got "

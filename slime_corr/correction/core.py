@@ -2,7 +2,9 @@
 
 Order of operations (SPEC.md):
 1. lr = lp_train - lp_rollout on valid tokens; a sequence with a non-finite lr at a valid position is rejected.
-2. Per-sequence sums (count, Σlr, Σlp_train, veto and token-RS counts) in ONE CP all_reduce.
+2. Per-sequence sums (count, Σlr, Σlp_train, veto and token-RS counts) in ONE CP all_reduce. A sequence is a row
+   of the [B, S] inputs, or a segment of a packed [1, T] row (`segments.py`): every per-sequence sum, maximum and
+   broadcast goes through a `Segments`, the rest is per token and layout-free.
 3. The weighting function ("default" = `weights.default_weights`, or `--custom-tis-function-path`) gives IS
    weights and the RS mask; the veto (`lr < log C` at any valid token) then rejects whole sequences.
 4. All batch statistics (metric numerators/denominators, normalization mean, counts) in ONE SUM and ONE MAX
@@ -34,6 +36,7 @@ from slime_corr.correction.reductions import (
     seq_sums,
     valid_float,
 )
+from slime_corr.correction.segments import Segments
 from slime_corr.correction.types import CorrectionResult, WeightInputs
 from slime_corr.correction.weights import (
     LOG_RATIO_CLAMP,
@@ -79,44 +82,45 @@ def _compiled(fn: Callable) -> Callable:
 
 
 def _token_stage(log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor, dtype: torch.dtype,
-                 veto_log: float | None, rs_bounds: tuple[float, float] | None) -> tuple[Tensor, ...]:
-    """The per-token work before the sequence sums: (valid mask, lr, per-sequence local sums [B, k], token
+                 veto_log: float | None, rs_bounds: tuple[float, float] | None, seg: Segments) -> tuple[Tensor, ...]:
+    """The per-token work before the sequence sums: (valid mask, lr, per-sequence local sums [n, k], token
     mismatch rows, per-sequence max |p_t - p_r|, token-RS keep mask or None). Columns of the sums: valid tokens,
     non-finite tokens, Σlr, Σlp_train, then the veto count (lr < log C) and the token-RS kept count if asked."""
     valid = valid_float(loss_mask, dtype)  # float 0/1; in good sequences also the mask of finite tokens
-    tok = M.token_pass(log_probs.detach().to(dtype), rollout_log_probs.detach().to(dtype), valid)
+    tok = M.token_pass(log_probs.detach().to(dtype), rollout_log_probs.detach().to(dtype), valid, seg)
     columns = [tok.seq]
     if veto_log is not None:  # lr < log C, as -lr > -log C (lr is 0 outside the mask and log C < 0)
-        columns.append(count_greater_(tok.lr.neg(), -veto_log)[:, None])
+        columns.append(count_greater_(tok.lr.neg(), -veto_log, seg)[:, None])
     keep_tok = None
     if rs_bounds is not None:
         keep_tok = in_log_bounds(tok.lr, *rs_bounds).mul_(valid)
-        columns.append(keep_tok.sum(-1, keepdim=True))
+        columns.append(seg.sum(keep_tok)[:, None])
     return valid, tok.lr, torch.cat(columns, -1), tok.rows, tok.d_max, keep_tok
 
 
-def _token_is_stage(inputs: WeightInputs, config: RolloutCorrectionConfig, tok_f: Tensor, row_f: Tensor
-                    ) -> tuple[Tensor, ...]:
-    """Built-in token-level IS after rejection: (final mask, weights (0 outside it), raw-weight row sums [B, 4],
-    then `weight_stat_tensors`). Raw weights are counted over the valid tokens (the caller keeps good sequences)."""
+def _token_is_stage(inputs: WeightInputs, config: RolloutCorrectionConfig, tok_f: Tensor, row_f: Tensor,
+                    seg: Segments) -> tuple[Tensor, ...]:
+    """Built-in token-level IS after rejection: (final mask, weights (0 outside it), raw-weight sums per sequence
+    [n, 4], then `weight_stat_tensors`). Raw weights are counted over the valid tokens (the caller keeps good
+    sequences)."""
     w, w_raw, _ = default_weight_parts(inputs, config, rs=False)
-    raw_rows = _token_raw_rows(w_raw, inputs.loss_mask, config)
+    raw_rows = _token_raw_rows(w_raw, inputs.loss_mask, config, seg)
     final_f = tok_f * row_f
     weights = w.mul_(final_f)
     return (final_f, weights, raw_rows, *M.weight_stat_tensors(weights, final_f))
 
 
-def _token_raw_rows(w_raw: Tensor, valid: Tensor, config: RolloutCorrectionConfig) -> Tensor:
+def _token_raw_rows(w_raw: Tensor, valid: Tensor, config: RolloutCorrectionConfig, seg: Segments) -> Tensor:
     """Per-sequence [valid tokens, Σ w_raw, # w_raw > U, # w_raw < L] of built-in token-level IS; `w_raw` is 0
     outside the mask (so never above U, and counted below L: those are subtracted). Destroys `w_raw`."""
     lower, upper = config.tis_bounds
-    n = valid.sum(-1)
-    s_raw = w_raw.sum(-1)
+    n = seg.sum(valid)
+    s_raw = seg.sum(w_raw)
     if config.effective_tis_mode == "truncate":
         low = torch.zeros_like(s_raw)
     else:
-        low = count_greater_(torch.sub(lower, w_raw), 0.0) - (valid.shape[-1] - n)
-    high = count_greater_(w_raw, upper)
+        low = count_greater_(torch.sub(lower, w_raw), 0.0, seg) - (seg.sizes() - n)
+    high = count_greater_(w_raw, upper, seg)
     return torch.stack([n, s_raw, high, low], -1)
 
 
@@ -131,8 +135,10 @@ def compute_rollout_correction(
     batch_norm_mean: Tensor | None = None,
     normalize: bool = True,
     finalize_metrics: bool = True,
+    segments: Segments | None = None,
 ) -> CorrectionResult:
-    """Weights, masks and metrics for [B, S] local slices.
+    """Weights, masks and metrics for [B, S] local slices (one sequence per row), or for one packed row [1, T]
+    whose sequences `segments` gives (`Segments.packed_row`; per-sequence results are then [n]).
 
     `log_probs` is lp_train (lp_old in decoupled mode, lp in bypass; detached here). `loss_mask` may be bool
     or float (valid = mask > 0). Without `config.use_rollout_correction` the weights are None and the mask is
@@ -145,7 +151,8 @@ def compute_rollout_correction(
     (`.metrics` is empty; `.stats` is complete) for callers that finalize a step's merged statistics once.
     With `--rollout-correction-compile` the per-token stages run torch.compile'd (same results).
     """
-    check_correction_inputs(log_probs, rollout_log_probs, loss_mask, config, batch_norm_mean, cp_group, dp_group)
+    check_correction_inputs(log_probs, rollout_log_probs, loss_mask, config, batch_norm_mean, cp_group, dp_group,
+                            segments)
     if not config.computes_metrics:
         orig_mask = valid_float(loss_mask, torch.float32)
         return CorrectionResult(weights=None, loss_mask=orig_mask, denominator_mask=orig_mask, metrics={})
@@ -155,9 +162,10 @@ def compute_rollout_correction(
     fn = weight_function(config) if correct else None
     is_default = fn is default_weights
     token_rs = is_default and config.use_rs and config.rs_level == "token"
+    seg = segments or Segments.rows(*log_probs.shape)
     valid, lr, local, tok_rows, tok_d_max, keep_tok = maybe_compiled(_token_stage, config)(
         log_probs, rollout_log_probs, loss_mask, dtype, math.log(config.rs_veto_threshold) if veto else None,
-        config.rs_bounds if token_rs else None)
+        config.rs_bounds if token_rs else None, seg)
     seq = seq_sums(list(local.unbind(-1)), cp_group)  # the one CP collective for sequence sums
 
     n_orig, n_bad, s_lr, s_lpt = seq[:, :4].unbind(-1)
@@ -166,7 +174,7 @@ def compute_rollout_correction(
     # a non-finite token, or whole-sequence sums that overflowed
     seq_bad = (n_bad > 0) | ~(s_lr.isfinite() & s_lpt.isfinite() & s_lpr.isfinite())
     seq_ok = (n_orig > 0) & ~seq_bad
-    good = (~seq_bad).to(dtype).unsqueeze(-1)  # [B, 1]
+    good = (~seq_bad).to(dtype)  # [n]
     n_seq = _zero_where(seq_bad, n_ok)
     s_lr = _zero_where(seq_bad, s_lr)
 
@@ -184,9 +192,9 @@ def compute_rollout_correction(
     w_seq: Tensor | None = None  # built-in sequence/geometric IS: the bounded weight of each sequence [B]
     sketch: tuple[Tensor, Tensor, Tensor] | None = None  # (weights, level-1 keys, units) for `Q.refine`
     fn_metrics: dict[str, Tensor] = {}
-    step_counts: dict[str, Tensor] = {}  # [B] per-sequence counts, summed into batch statistics at once below
+    step_counts: dict[str, Tensor] = {}  # [n] per-sequence counts, summed into batch statistics at once below
     if correct:
-        tok_f, row_f = valid, good  # [B, S] token keep, [B, 1] sequence keep (non-finite, RS, veto)
+        tok_f, row_f = valid, good  # token keep, [n] sequence keep (non-finite, RS, veto)
         lower, upper = config.tis_bounds
         token_is = False
         if is_default:
@@ -203,28 +211,29 @@ def compute_rollout_correction(
             if token_rs:
                 tok_f = keep_tok
             elif config.use_rs:
-                keep = rs_keep(inputs, config)
+                keep = rs_keep(inputs, config).squeeze(-1)
                 row_f = row_f * keep
-                n_fn = n_fn * keep.squeeze(-1)
+                n_fn = n_fn * keep
         else:  # a custom mask is arbitrary: one extra CP collective for its per-sequence counts
-            tok_f, weights, n_fn = _custom(fn, stats, fn_metrics, lr, valid, good, s_lr, n_seq, cp_group, dp_group,
-                                           config, dtype)
+            tok_f, weights, n_fn = _custom(fn, stats, fn_metrics, lr, valid, good, s_lr, n_seq, seg, cp_group,
+                                           dp_group, config, dtype)
         n_final = n_fn
         if veto:
             vetoed = seq[:, 4] > 0
-            row_f = row_f * (~vetoed).to(dtype).unsqueeze(-1)
+            row_f = row_f * (~vetoed).to(dtype)
             n_final = _zero_where(vetoed, n_fn)
             step_counts.update(n_cat_tok=torch.where(seq_ok, seq[:, 4], torch.zeros_like(n_fn)),
                                n_cat_seq=vetoed & seq_ok)
         step_counts.update(n_fn_tok=n_fn, n_fn_seq_rej=seq_ok & (n_fn == 0), n_final_tok=n_final,
                            n_final_seq_rej=(n_orig > 0) & (n_final == 0))
         if token_is:  # the per-token weights, their statistics and the sketch's first digit in one stage
-            final_f, weights, raw_rows, *parts = maybe_compiled(_token_is_stage, config)(inputs, config, tok_f, row_f)
+            final_f, weights, raw_rows, *parts = maybe_compiled(_token_is_stage, config)(
+                inputs, config, tok_f, seg.expand(row_f), seg)
             zero = torch.zeros((), dtype=torch.float64, device=raw_rows.device)
-            M.add_raw_weight_sums(stats, *torch.where(good > 0, raw_rows.to(torch.float64), zero).sum(0).unbind())
+            M.add_raw_weight_sums(stats, *torch.where(seq_bad[:, None], zero, raw_rows.to(torch.float64)).sum(0).unbind())
             sketch = (weights, M.add_weight_stats(stats, parts, final_f), final_f)
         else:
-            final_f = tok_f * row_f
+            final_f = tok_f * seg.expand(row_f)
         if w_seq is not None:  # constant along each sequence: statistics on [B], each sequence counted once
             counted = (n_final > 0).to(dtype) * cp0
             w_counted = w_seq * counted
@@ -233,7 +242,7 @@ def compute_rollout_correction(
             weights = torch.where(final_f > 0, weights, torch.zeros((), dtype=dtype))  # its NaN stays out
             unit = final_f.double()
             if config.tis_level != "token":
-                unit = unit / n_final.clamp_min(1).unsqueeze(-1).double()
+                unit = unit / seg.expand(n_final.clamp_min(1).double(), fill=1.0)
             sketch = (weights, M.add_weight_stats(stats, M.weight_stat_tensors(weights, final_f, unit), unit), unit)
 
     keep_den = not correct or config.rs_keep_loss_denominator
@@ -250,8 +259,8 @@ def compute_rollout_correction(
     divisor = None
     if "w_u" in r and config.tis_batch_normalize and normalize:
         divisor = normalization_divisor(weight_mean(r) if batch_norm_mean is None else batch_norm_mean)
-    if w_seq is not None:  # one [B, S] pass: per-sequence weight (normalized) x final mask
-        weights = (w_seq if divisor is None else w_seq / divisor.to(dtype)).unsqueeze(-1) * final_f
+    if w_seq is not None:  # one pass over the tokens: per-sequence weight (normalized) x final mask
+        weights = seg.expand(w_seq if divisor is None else w_seq / divisor.to(dtype)) * final_f
     elif divisor is not None:
         weights = weights.div_(divisor.to(dtype))
     metrics = correction_metrics(r, config, divisor) if finalize_metrics else {}
@@ -271,27 +280,28 @@ def compute_rollout_correction(
 
 
 def _custom(fn: Callable, stats: BatchStats, fn_metrics: dict[str, Tensor], lr: Tensor, valid: Tensor, good: Tensor,
-            s_lr: Tensor, n_seq: Tensor, cp_group: ProcessGroup, dp_group: ProcessGroup,
+            s_lr: Tensor, n_seq: Tensor, seg: Segments, cp_group: ProcessGroup, dp_group: ProcessGroup,
             config: RolloutCorrectionConfig, dtype: torch.dtype) -> tuple[Tensor, Tensor | None, Tensor]:
-    """A custom weighting function on the good sequences: (token keep mask [B, S], weights or None, per-sequence
-    kept-token counts [B]). Its raw weights feed the raw-weight metrics (+inf counts as exp(20)); a NaN/inf weight
-    rejects its token (counted)."""
-    mask_in = valid * good
-    inputs = WeightInputs(log_ratio=lr * good, loss_mask=mask_in > 0, seq_log_ratio_sum=s_lr, seq_token_count=n_seq,
-                          cp_group=cp_group, dp_group=dp_group)
+    """A custom weighting function on the good sequences: (token keep mask, weights or None, per-sequence
+    kept-token counts [n]). Its raw weights feed the raw-weight metrics (+inf counts as exp(20)); a NaN/inf weight
+    rejects its token (counted). The function sees one sequence per row (a packed row is unpacked for it)."""
+    good_tok = seg.expand(good)
+    mask_in = valid * good_tok
+    inputs = WeightInputs(log_ratio=seg.to_rows(lr * good_tok), loss_mask=seg.to_rows(mask_in > 0),
+                          seq_log_ratio_sum=s_lr, seq_token_count=n_seq, cp_group=cp_group, dp_group=dp_group)
     out = check_weight_outputs(fn(inputs, config), inputs, config)
     fn_metrics.update(out.metrics)
-    fn_mask = valid_float(out.loss_mask, dtype) * mask_in
-    weights = None if out.weights is None else out.weights.detach().to(dtype)
+    fn_mask = valid_float(seg.from_rows(out.loss_mask), dtype) * mask_in
+    weights = None if out.weights is None else seg.from_rows(out.weights.detach().to(dtype))
     if out.raw_weights is not None:  # an overflowed raw weight counts as the built-in ceiling exp(20)
-        raw = out.raw_weights.detach().to(dtype).nan_to_num(0.0, math.exp(LOG_RATIO_CLAMP), 0.0)
-        unit0 = mask_in if config.tis_level == "token" else mask_in / n_seq.clamp_min(1).unsqueeze(-1)
+        raw = seg.from_rows(out.raw_weights.detach().to(dtype)).nan_to_num(0.0, math.exp(LOG_RATIO_CLAMP), 0.0)
+        unit0 = mask_in if config.tis_level == "token" else mask_in / seg.expand(n_seq.clamp_min(1), fill=1.0)
         M.add_raw_weight_stats(stats, raw, unit0, *config.tis_bounds)
     if weights is not None:  # a NaN/inf weight rejects its token (counted), like a non-finite log-prob
         finite = weights.isfinite().to(dtype)
         stats.add_sum("n_fn_bad_w", (fn_mask * (1.0 - finite)).sum())
         fn_mask = fn_mask * finite
-    n_fn = seq_sums([fn_mask], cp_group)[:, 0]
+    n_fn = seq_sums([seg.sum(fn_mask)], cp_group)[:, 0]
     return fn_mask, weights, n_fn
 
 

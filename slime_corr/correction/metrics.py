@@ -49,6 +49,7 @@ from torch import Tensor
 
 from slime_corr.correction import quantiles as Q
 from slime_corr.correction.reductions import BatchStats, count_greater_, row_products
+from slime_corr.correction.segments import Segments
 from slime_corr.correction.weights import LOG_RATIO_CLAMP
 
 PPL_EXP_CLAMP = 80.0
@@ -128,18 +129,21 @@ class _Stack:
         return torch.stack(columns, 1) if self.data is None else self.data
 
 
-def token_pass(lp_train: Tensor, lp_rollout: Tensor, valid: Tensor) -> TokenPass:
-    """lr, the per-sequence sums the core needs and the token mismatch terms, for a float 0/1 `valid` mask.
+def token_pass(lp_train: Tensor, lp_rollout: Tensor, valid: Tensor, segments: Segments | None = None) -> TokenPass:
+    """lr, the per-sequence sums the core needs and the token mismatch terms, for a float 0/1 `valid` mask;
+    sequences are the rows, or the `segments` of a packed row.
 
     Terms (x = clamp(lr, ±20), p = exp(min(lp, 20)), 0 outside the mask): k3 = expm1(x) - x; chi2 = e(e + 2) with
     e = k3 + x (= exp(2x) - 1, no cancellation for small x); |lr|; d = |p_train - p_rollout|, d²; p, p², p_t·p_r.
-    Built as two stacked blocks [x, k3] and [p_t, p_r, d] whose row sums and row products (`row_products`: one
+    Rows: two stacked blocks [x, k3] and [p_t, p_r, d] whose row sums and row products (`row_products`: one
     batched matmul) give every sum at once: on CPU, passes over fresh memory cost more than the arithmetic.
+    Packed: every term written out, then one index addition per stack (`_token_pass_terms`).
     """
     big = torch.finfo(lp_train.dtype).max
     lr = torch.sub(lp_train, lp_rollout).nan_to_num_(big, big, -big).mul_(valid)
-    if torch.compiler.is_compiling():
-        return _token_pass_fused(lp_train, lp_rollout, valid, lr)
+    seg = segments or Segments.rows(*lr.shape)
+    if torch.compiler.is_compiling() or seg.packed:
+        return _token_pass_terms(lp_train, lp_rollout, valid, lr, seg)
     xk = _Stack(lr, 2)
     x = torch.clamp(lr, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP, out=xk.slots[0])
     k3 = torch.expm1(x, out=xk.slots[1]).sub_(x)
@@ -151,7 +155,7 @@ def token_pass(lp_train: Tensor, lp_rollout: Tensor, valid: Tensor) -> TokenPass
     p_r = torch.mul(lp_rollout, valid, out=p.slots[1]).nan_to_num_(0.0, 0.0, 0.0)
     p_r = p_r.clamp_(max=LOG_PROB_CLAMP).exp_().mul_(valid)
     d = torch.sub(p_t, p_r, out=p.slots[2]).abs_()
-    d_max = d.amax(-1) if d.shape[-1] else d.new_zeros(d.shape[0])
+    d_max = seg.amax(d)
     p_block = p.stack(p_t, p_r, d)
     g_p, s_p = row_products(p_block).to(torch.float64), p_block.sum(-1).to(torch.float64)
     del p, p_block, p_t, p_r, d
@@ -169,8 +173,9 @@ def token_pass(lp_train: Tensor, lp_rollout: Tensor, valid: Tensor) -> TokenPass
     return TokenPass(lr, seq, rows, d_max)
 
 
-def _token_pass_fused(lp_train: Tensor, lp_rollout: Tensor, valid: Tensor, lr: Tensor) -> TokenPass:
-    """`token_pass` as torch.compile fuses it best: every term and its row sum written out, one loop."""
+def _token_pass_terms(lp_train: Tensor, lp_rollout: Tensor, valid: Tensor, lr: Tensor, seg: Segments) -> TokenPass:
+    """`token_pass` with every term and its per-sequence sum written out: one loop as torch.compile fuses it
+    best, and two index additions for a packed row."""
     keep = valid > 0
     x = lr.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     e = torch.expm1(x)
@@ -179,10 +184,16 @@ def _token_pass_fused(lp_train: Tensor, lp_rollout: Tensor, valid: Tensor, lr: T
     d = (p_t - p_r).abs()
     abs_lr = lr.abs()
     terms = (-lr, e - x, e * (e + 2.0), abs_lr, d, d * d, p_t, p_r, p_t * p_t, p_r * p_r, p_t * p_r)
-    rows = torch.stack([t.sum(-1) for t in terms], -1).to(torch.float64)  # TOKEN_SUMS order
-    n_bad = (abs_lr > MAX_ABS_LOG_RATIO).sum(-1, dtype=lr.dtype)
-    seq = torch.stack([valid.sum(-1), n_bad, lr.sum(-1), torch.where(keep, lp_train, 0.0).sum(-1)], -1)
-    return TokenPass(lr, seq, rows, d.amax(-1) if d.shape[-1] else d.new_zeros(d.shape[0]))
+    seq_terms = (valid, (abs_lr > MAX_ABS_LOG_RATIO).to(lr.dtype), lr, torch.where(keep, lp_train, 0.0))
+    rows = _sums(seg, terms).to(torch.float64)  # TOKEN_SUMS order
+    return TokenPass(lr, _sums(seg, seq_terms), rows, seg.amax(d))
+
+
+def _sums(seg: Segments, terms: tuple[Tensor, ...]) -> Tensor:
+    """[n, k] per-sequence sums of k token terms: one index addition of their stack for a packed row."""
+    if seg.packed:
+        return seg.sum(torch.stack(terms, 1))
+    return torch.stack([t.sum(-1) for t in terms], -1)
 
 
 def add_token_mismatch(stats: BatchStats, rows: Tensor, row_max_d: Tensor, use_row: Tensor) -> None:

@@ -10,9 +10,14 @@ Sequence-level quantities are counted once across CP ranks by weighting them wit
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from slime_corr.correction.segments import Segments
 
 ProcessGroup = dist.ProcessGroup | None
 
@@ -49,14 +54,16 @@ def float_mask(valid: Tensor, dtype: torch.dtype) -> Tensor:
     return valid.view(torch.uint8).to(dtype)
 
 
-def count_greater_(x: Tensor, threshold: float) -> Tensor:
-    """Per-row count of `x > threshold` over the last dim ([B, S] -> [B]); overwrites `x` (pass a temporary),
-    which must be NaN-free.
+def count_greater_(x: Tensor, threshold: float, segments: Segments | None = None) -> Tensor:
+    """Per-sequence count of `x > threshold`: over the last dim ([B, S] -> [B]), or per segment of `segments`;
+    overwrites `x` (pass a temporary), which must be NaN-free.
 
     Σ max(sign(x - threshold), 0): float passes only, about 2x faster on CPU than a bool compare and bool sum.
     The count is float32 or wider (bf16/fp16 cannot hold counts above 256 exactly).
     """
-    return greater_indicator_(x.sub_(threshold)).sum(-1, dtype=torch.promote_types(x.dtype, torch.float32))
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    hits = greater_indicator_(x.sub_(threshold))
+    return hits.sum(-1, dtype=dtype) if segments is None else segments.sum(hits, dtype=dtype)
 
 
 def greater_indicator_(x: Tensor) -> Tensor:
@@ -93,8 +100,8 @@ def active_groups(*groups: ProcessGroup) -> list[dist.ProcessGroup]:
 
 
 def seq_sums(columns: list[Tensor], cp_group: ProcessGroup = None) -> Tensor:
-    """Per-sequence sums of [B, S] columns (summed over the last dim) or [B] local row sums -> [B, k], summed over
-    CP in ONE all_reduce.
+    """Per-sequence sums of [B, S] columns (summed over the last dim) or [n] local per-sequence sums (e.g.
+    `Segments.sum`) -> [n, k], summed over CP in ONE all_reduce.
 
     Columns must already be zero at invalid positions (bool columns are counted).
     """

@@ -12,9 +12,11 @@ from torch import Tensor
 class WeightInputs:
     """What a weighting function receives: `fn(inputs: WeightInputs, config) -> WeightOutputs`.
 
-    All tensors are detached. `[B, S]` tensors are the caller's local slice (zig-zag slice under CP);
-    `[B]` tensors are already summed over the WHOLE sequence (reduced over `cp_group`), so a function that only
-    uses them is CP-correct without touching process groups.
+    All tensors are detached. `[B, S]` tensors are the caller's local slice (zig-zag slice under CP), one sequence
+    per row: a packed micro-batch's sequences are given as rows too (`Segments.to_rows`, padded with zeros /
+    False), and what the function returns is packed back; `[B]` tensors are already summed over the WHOLE
+    sequence (reduced over `cp_group`), so a function that only uses them is CP-correct without touching process
+    groups.
 
     - `log_ratio` [B, S]: lr = lp_train - lp_rollout, 0 outside `loss_mask`.
     - `loss_mask` [B, S] bool: the original mask restricted to finite data (sequences with a non-finite

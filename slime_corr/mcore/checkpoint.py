@@ -61,6 +61,8 @@ def _sharded_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, co
 
     model_state = module.sharded_state_dict()
     optim_state = optimizer.state_dict()
+    # state_dict() hands out the optimizer's own per-parameter dicts: edit copies (a save must not change the run)
+    optim_state["state"] = {k: dict(v) for k, v in optim_state["state"].items()}
     steps = {int(st.pop("step")) for st in optim_state["state"].values() if "step" in st}
     if len(steps) > 1:
         raise CheckpointError(f"optimizer: parameters at different steps {sorted(steps)}; cannot save one step")

@@ -1,22 +1,32 @@
-"""Context-parallel (CP) helpers Megatron needs around the correction core.
+"""Context-parallel (CP) and sequence-layout helpers Megatron needs around the correction core.
 
-Layout (Megatron's zig-zag, load-balanced for causal attention): with C CP ranks the sequence dim is split into
-2·C chunks and CP rank r holds chunks r and 2·C−1−r. The slicing itself lives in ONE place,
-`slime_corr.rollout.batching.zigzag_slice`; this module re-exports it and adds the parallel-state glue:
-process groups, the full sequence length used by `seq-mean-token-sum-norm`, and the inverse (gather) used only
-by tests and debugging. Sequence-level sums are NOT gathered: the core all-reduces per-sequence [B, k] scalars
-over the CP group once per micro-batch.
+Layout (Megatron's zig-zag, load-balanced for causal attention): with C CP ranks a padded row is split into 2·C
+chunks and CP rank r holds chunks r and 2·C−1−r; a packed (THD) row is partitioned the same way sample by sample
+(Megatron-Core's `get_thd_batch_on_this_cp_rank`). The layout itself lives in ONE place,
+`slime_corr.rollout.batching`; this module re-exports it and adds the parallel-state glue: process groups, the
+`Segments` the core reduces a micro-batch's sequences with, Megatron's `PackedSeqParams`, the full sequence length
+used by `seq-mean-token-sum-norm`, and the inverse (gather) used only by tests and debugging. Sequence-level sums
+are NOT gathered: the core all-reduces per-sequence [n, k] scalars over the CP group once per micro-batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from slime_corr.rollout.batching import BATCH_KEYS, slice_micro_batch_for_cp, zigzag_slice
+from slime_corr.correction.segments import Segments
+from slime_corr.rollout.batching import (
+    BATCH_KEYS,
+    TOKEN_KEYS,
+    packed_starts,
+    slice_micro_batch_for_cp,
+    thd_local_offsets,
+    zigzag_slice,
+)
 
 ProcessGroup = dist.ProcessGroup | None
 
@@ -48,6 +58,8 @@ class ParallelGroups:
     dp_cp: ProcessGroup = None  # data x context parallel (Megatron's gradient / token-count group)
     cp_size: int = 1
     cp_rank: int = 0
+    pp_size: int = 1  # pipeline stages; the loss and its metrics live on the last one
+    pp_last: bool = True
 
     @classmethod
     def from_parallel_state(cls) -> ParallelGroups:
@@ -61,6 +73,8 @@ class ParallelGroups:
             dp_cp=ps.get_data_parallel_group(with_context_parallel=True),
             cp_size=ps.get_context_parallel_world_size(),
             cp_rank=ps.get_context_parallel_rank(),
+            pp_size=ps.get_pipeline_model_parallel_world_size(),
+            pp_last=ps.is_pipeline_last_stage(ignore_virtual=True),
         )
 
     @classmethod
@@ -88,22 +102,73 @@ def seq_length_for_norm(local_seq_len: int, cp_size: int) -> int:
 
 
 def slice_batch_for_cp(batch: dict[str, Tensor], groups: ParallelGroups) -> dict[str, Tensor]:
-    """This CP rank's zig-zag slice of every [B, S] micro-batch entry (tokens, labels, masks, log-probs, ...).
+    """This CP rank's part of every [B, S] / [1, T] micro-batch entry (tokens, labels, masks, log-probs, ...):
+    the zig-zag slice of a padded batch, the THD partition of a packed one.
 
-    Also slices `old_log_probs` (added by the decoupled recompute pass); other keys pass through.
+    Also slices `old_log_probs` / `ref_log_probs` (added by the forward-only pass); other keys pass through.
     """
-    out = slice_micro_batch_for_cp(batch, groups.cp_rank, groups.cp_size)
-    if "old_log_probs" in batch:
-        out["old_log_probs"] = zigzag_slice(batch["old_log_probs"], groups.cp_rank, groups.cp_size, dim=1)
-    return out
+    return slice_micro_batch_for_cp(batch, groups.cp_rank, groups.cp_size,
+                                    keys=(*TOKEN_KEYS, "old_log_probs", "ref_log_probs"))
+
+
+def is_packed(batch: dict[str, Any]) -> bool:
+    """Whether a micro-batch is packed (THD: one row [1, T] with `cu_seqlens`)."""
+    return "cu_seqlens" in batch
+
+
+def batch_segments(batch: dict[str, Any], groups: ParallelGroups) -> Segments | None:
+    """The sequences of this rank's (CP-sliced) micro-batch for the core: None for padded rows (one sequence per
+    row), else the packed row's local sample offsets (`cu_seqlens_padded / CP`)."""
+    if not is_packed(batch):
+        return None
+    labels = batch["labels"]
+    offsets = thd_local_offsets(packed_starts(batch), groups.cp_size).to(labels.device)
+    return Segments.packed_row(offsets, labels.shape[-1])
+
+
+def slice_tensor_for_cp(x: Tensor, batch: dict[str, Any], groups: ParallelGroups) -> Tensor:
+    """This CP rank's part of `x` [B, S_full, ...], a full-row tensor laid out like `batch` (e.g. the logits of
+    the full sequence under emulated CP): its zig-zag slice, or packed, its THD partition."""
+    cu = {k: batch[k] for k in ("cu_seqlens", "cu_seqlens_padded") if k in batch}
+    return slice_micro_batch_for_cp({**cu, "x": x}, groups.cp_rank, groups.cp_size, keys=("x",))["x"]
+
+
+def packed_attention_mask(batch: dict[str, Any], length: int) -> Tensor:
+    """[1, 1, T, T] bool, True where attention is masked (Megatron's convention): causal within each sample of a
+    packed row of `length` positions (`cu_seqlens_padded`), nothing across samples — what THD attention computes,
+    for attention implementations without it (the local layer spec on CPU). Positions past the last sample attend
+    among themselves."""
+    starts = packed_starts(batch).long()
+    ids = torch.searchsorted(starts[1:].contiguous(), torch.arange(length, device=starts.device), right=True)
+    pos = torch.arange(length, device=starts.device)
+    allowed = (ids[:, None] == ids[None, :]) & (pos[None, :] <= pos[:, None])
+    return (~allowed)[None, None]
+
+
+def packed_seq_params(batch: dict[str, Any]) -> Any:
+    """Megatron's `PackedSeqParams` (qkv_format "thd") of a packed micro-batch, as `get_thd_batch_on_this_cp_rank`
+    builds them: the full row's `cu_seqlens` (sample lengths) and `cu_seqlens_padded` (their spans), the longest
+    span as max_seqlen. The attention (TransformerEngine) partitions by them under CP."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = batch["cu_seqlens"].to(torch.int32)
+    cu_padded = packed_starts(batch).to(torch.int32)
+    max_len = int(cu_padded.diff().max()) if cu_padded.numel() > 1 else 0
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
+                           cu_seqlens_kv_padded=cu_padded, max_seqlen_q=max_len, max_seqlen_kv=max_len)
 
 
 __all__ = [
     "all_reduce_dp_cp",
     "BATCH_KEYS",
+    "batch_segments",
+    "is_packed",
+    "packed_attention_mask",
+    "packed_seq_params",
     "ParallelGroups",
     "seq_length_for_norm",
     "slice_batch_for_cp",
+    "slice_tensor_for_cp",
     "zigzag_indices",
     "zigzag_slice",
     "zigzag_unslice",

@@ -47,7 +47,17 @@ gradient (above); the `--tis-batch-normalize` mean, from a pre-pass over the ste
 reuses lp_old; bypass mode, which has no lp_old, pays one forward-only pass, and only when normalization is on
 with more than one micro-batch); and the correction metrics. Only the extra metrics of a custom weighting
 function are averaged over micro-batches with equal weight.
-Micro-batches are padded [B, S] (one sequence per row); packed batches are rejected.
+
+Layouts. Micro-batches are padded [B, S] (one sequence per row) or packed (THD: one row [1, T] with `cu_seqlens`
+and `cu_seqlens_padded`, `slime_corr.rollout.batching`); every sequence-level quantity is per packed sequence, the
+same as padded. `seq-mean-token-sum-norm` divides by `seq_length_for_norm` (the run's maximum response length; a
+padded batch defaults to its length S·CP, a packed one must be given it).
+
+Pipeline parallelism (PP). The log-probs, the loss and the correction metrics live on the last stage (where
+Megatron-LM logs; `train_step` returns {} on the other stages). The forward-only passes before a step (lp_old, the
+bypass normalization pre-pass) run through Megatron's pipelined schedule (`slime_corr.mcore.pipeline`), so
+`train_step` / `prepare_step` work at any PP size. Inside `pretrain()` (`RolloutStepIterator`) a step that needs
+such a pass cannot start it from within the running schedule under PP: it fails with the fix.
 """
 
 from __future__ import annotations
@@ -70,9 +80,16 @@ from slime_corr.correction import (
 from slime_corr.correction.diagnostics import DiagnosticsResult, MismatchDiagnostics, response_positions
 from slime_corr.loss_terms import LossTermsConfig
 from slime_corr.mcore.compat import get_forward_backward_func, megatron_lm_args
-from slime_corr.mcore.context_parallel import ParallelGroups, seq_length_for_norm
+from slime_corr.mcore.context_parallel import (
+    ParallelGroups,
+    batch_segments,
+    is_packed,
+    packed_seq_params,
+    seq_length_for_norm,
+)
 from slime_corr.mcore.logprobs import DEFAULT_CHUNK_SIZE, vocab_parallel_log_probs
 from slime_corr.mcore.per_token_loss import check_model_config, check_per_token_loss, guard_loss
+from slime_corr.mcore.pipeline import MicroBatches, forward_only, run_schedule
 from slime_corr.mcore.rollout_steps import RolloutStep, pop_step
 from slime_corr.mcore.step_metrics import (
     NONFINITE_COUNT,
@@ -86,51 +103,18 @@ ModelForward = Callable[[torch.nn.Module, dict[str, Tensor]], Tensor]
 # A micro-batch's correction computed by the decoupled normalization pre-pass (lp_train = lp_old, so the training
 # pass would compute the very same one): `prepare_step` stores it here, `loss_func` uses it instead of recomputing.
 PRECOMPUTED_CORRECTION = "_rollout_correction"
-MicroBatches = Sequence[dict[str, Tensor]] | Iterator[dict[str, Tensor]]  # a stream must also have len()
 
 
 def default_model_forward(model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
-    """Logits [B, S, V/TP] of a Megatron GPTModel for this rank's (CP-sliced) micro-batch."""
+    """Logits [B, S, V/TP] of a Megatron GPTModel for this rank's (CP-sliced) micro-batch; a packed micro-batch
+    passes its `PackedSeqParams` (THD attention needs TransformerEngine)."""
+    packed = {"packed_seq_params": packed_seq_params(batch)} if is_packed(batch) else {}
     return model(
         input_ids=batch["tokens"],
         position_ids=batch["position_ids"],
         attention_mask=batch.get("attention_mask"),
+        **packed,
     )
-
-
-def _run_schedule(
-    fb: Callable[..., Any],
-    forward_step: Callable[..., Any],
-    model: torch.nn.Module,
-    micro_batches: MicroBatches,
-    **kwargs: Any,
-) -> Any:
-    """Run Megatron's schedule `fb` over `micro_batches`: a list, or a stream with `len()` (e.g. a
-    `BufferMicroBatchIterator`) that the schedule reads one micro-batch per forward step."""
-    if isinstance(micro_batches, Sequence):
-        b, s = micro_batches[0]["labels"].shape
-        data = iter(micro_batches)
-    else:  # shapes are not known ahead of a stream; the schedule without pipelining does not use them
-        (b, s), data = (0, 0), micro_batches
-    return fb(
-        forward_step_func=forward_step,
-        data_iterator=data,
-        model=model,
-        num_microbatches=len(micro_batches),  # type: ignore[arg-type]
-        seq_length=s,
-        micro_batch_size=b,
-        **kwargs,
-    )
-
-
-def _check_no_pipeline_parallelism() -> None:
-    from megatron.core import parallel_state as ps
-
-    if ps.model_parallel_is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1:
-        raise NotImplementedError(
-            "RolloutCorrectionLoss: the lp_old / normalization pre-pass runs the model on whole micro-batches; "
-            "pipeline parallelism (--pipeline-model-parallel-size > 1) is not supported."
-        )
 
 
 class RolloutCorrectionLoss:
@@ -141,6 +125,8 @@ class RolloutCorrectionLoss:
     `temperature`: the rollout sampling temperature (log π = log_softmax(logits / T), as SGLang reports).
     `chunk_size`: tokens per log-prob chunk (bounds the fp32 [chunk, V/TP] temporaries).
     `compute_entropy`: also log the token-mean entropy of π_θ (on when `loss_terms` has an entropy bonus).
+    `seq_length_for_norm`: the constant L of `seq-mean-token-sum-norm` (the run's maximum response length);
+    required with packed micro-batches, else a padded micro-batch's full length S·CP.
     `keep_outputs`: keep each micro-batch's `PolicyLossOutput` in `self.outputs` (debugging, tests).
     `on_step_metrics(metrics)`: called with a step's correction metrics (`pop_step_metrics`) when
     `next_micro_batch` starts the next step; they are also kept in `self.last_step_metrics`.
@@ -161,6 +147,7 @@ class RolloutCorrectionLoss:
         compute_entropy: bool = False,
         keep_outputs: bool = False,
         on_step_metrics: Callable[[dict[str, float]], None] | None = None,
+        seq_length_for_norm: int | None = None,
         loss_terms: LossTermsConfig | None = None,
         ref_model: torch.nn.Module | None = None,
         diagnostics_top_k: int | None = None,
@@ -182,6 +169,7 @@ class RolloutCorrectionLoss:
         self.on_rollout_prepared = on_rollout_prepared
         self.keep_outputs = keep_outputs
         self.on_step_metrics = on_step_metrics
+        self.seq_length_for_norm = seq_length_for_norm
         self.outputs: list[Any] = []
         self.step_batch_norm_mean: Tensor | None = None  # set by `prepare_step`
         self.step_stats = StepStatistics()
@@ -245,6 +233,19 @@ class RolloutCorrectionLoss:
         return batch
 
     def _start_step(self, step: RolloutStep, model: torch.nn.Module) -> None:
+        needs_rollout_pass = (self.needs_old_log_probs or self.needs_ref_log_probs) and not \
+            step.rollout.old_log_probs_ready
+        needs_prepass = needs_rollout_pass or self._needs_step_mean(len(step.micro_batches))
+        if needs_prepass and self.groups.pp_size > 1:
+            raise NotImplementedError(
+                "RolloutStepIterator under pipeline parallelism: this step needs a forward-only pass over its "
+                "micro-batches first (lp_old in decoupled mode, the reference log-probs of a KL term, or the "
+                "--tis-batch-normalize mean), and under PP "
+                "that pass is a pipelined schedule of its own, which cannot start from inside the running one. "
+                "Drive the step with hook.train_step(model, micro_batches) (or hook.prepare_step before Megatron's "
+                "forward_backward_func); inside pretrain() use bypass mode (--use-rollout-logprobs) without "
+                "--tis-batch-normalize, or one micro-batch per step."
+            )
         if self.step_stats.micro_batches:
             self.last_step_metrics = self.pop_step_metrics()
             if self.on_step_metrics is not None:
@@ -271,11 +272,6 @@ class RolloutCorrectionLoss:
             check_model_config(model)
         elif (args := megatron_lm_args()) is not None:
             check_per_token_loss(getattr(args, "calculate_per_token_loss", None), "Megatron-LM's arguments")
-        if "cu_seqlens" in batch:
-            raise ValueError(
-                "RolloutCorrectionLoss needs padded [B, S] micro-batches (one sequence per row): sequence-level "
-                "sums are taken per row, so packed batches (cu_seqlens) would mix sequences."
-            )
         cfg = self.config
         groups = self.groups
         log_probs, entropy = self.log_probs(logits, batch["labels"])
@@ -307,10 +303,11 @@ class RolloutCorrectionLoss:
             cfg,
             cp_group=groups.cp,
             dp_group=groups.dp,
-            seq_length_for_norm=seq_length_for_norm(log_probs.shape[-1], groups.cp_size),
+            seq_length_for_norm=self._seq_length_for_norm(batch, groups),
             batch_norm_mean=self.step_batch_norm_mean if precomputed is None else None,
             correction=precomputed,
             finalize_metrics=False,  # the step's metrics are finalized once, from the merged statistics
+            segments=batch_segments(batch, groups),
             loss_terms=self.loss_terms,
             ref_log_probs=ref,
             entropy=entropy,
@@ -326,16 +323,27 @@ class RolloutCorrectionLoss:
         report = build_report(out, cfg, groups, loss_mask, entropy)
         return guard_loss(out.loss_sum), count, report
 
+    def _seq_length_for_norm(self, batch: dict[str, Tensor], groups: ParallelGroups) -> int | None:
+        if self.seq_length_for_norm is not None or is_packed(batch):
+            return self.seq_length_for_norm  # a packed row has no padded length: the core asks for it if needed
+        return seq_length_for_norm(batch["labels"].shape[-1], groups.cp_size)
+
     def _add_diagnostics(self, batch: dict[str, Tensor], log_probs: Tensor, old: Tensor | None,
                          groups: ParallelGroups) -> None:
         """The micro-batch's diagnostic sums from what `loss_func` computed (decoupled: lp_train = lp_old and the
-        drift split old -> current; bypass: lp_train = lp)."""
-        mask = batch["loss_mask"]
+        drift split old -> current; bypass: lp_train = lp). A packed row is first laid out as one row per sequence
+        (`Segments.to_rows`): the diagnostics' per-sequence table and response positions are per row."""
+        seg = batch_segments(batch, groups)
+        rows = seg.to_rows if seg is not None else (lambda x: x)
+        lp = rows(log_probs)
+        mask = rows(batch["loss_mask"])
+        lag = batch.get("weight_lag")
+        position_ids = batch.get("position_ids")
         self.diagnostics.add(  # type: ignore[union-attr]
-            old if old is not None else log_probs, batch["rollout_log_probs"].to(log_probs.dtype), mask,
-            lp_current=log_probs if old is not None else None,
-            positions=response_positions(mask, batch.get("position_ids"), groups.cp),
-            weight_lag=batch.get("weight_lag"), sample_ids=batch.get("sample_ids"),
+            rows(old) if old is not None else lp, rows(batch["rollout_log_probs"].to(log_probs.dtype)), mask,
+            lp_current=lp if old is not None else None,
+            positions=response_positions(mask, None if position_ids is None else rows(position_ids), groups.cp),
+            weight_lag=None if lag is None else rows(lag), sample_ids=batch.get("sample_ids"),
         )
 
     # ------------------------------------------------------------------ step-level
@@ -370,52 +378,56 @@ class RolloutCorrectionLoss:
 
     def compute_old_log_probs(self, model: torch.nn.Module, micro_batches: Sequence[dict[str, Tensor]]) -> list[Tensor]:
         """Decoupled mode: log π_old for every micro-batch by a forward-only pass (no grad), stored in place
-        as `batch["old_log_probs"]` ([B, S] local slice, fp32) and returned."""
+        as `batch["old_log_probs"]` (local slice, fp32) and returned. Under PP on the last stage only (the loss's
+        stage; the others return [])."""
         outputs = self._forward_log_probs(model, micro_batches)
-        for batch, lp in zip(micro_batches, outputs, strict=True):
-            batch["old_log_probs"] = lp
+        self._store(micro_batches, "old_log_probs", outputs)
         return outputs
 
+    def _store(self, micro_batches: Sequence[dict[str, Tensor]], key: str, outputs: list[Tensor]) -> None:
+        """`batch[key]` = each micro-batch's output of a forward-only pass (none off the last PP stage)."""
+        if self.groups.pp_last:
+            for batch, lp in zip(micro_batches, outputs, strict=True):
+                batch[key] = lp
+
     def prepare_rollout(self, model: torch.nn.Module, micro_batches: Sequence[dict[str, Tensor]]) -> None:
-        """Before a rollout's first update: ONE forward-only pass over its micro-batches that stores lp_old
-        (decoupled mode) and the reference policy's log-probs (KL term) in each batch, then `on_rollout_prepared`."""
-        _check_no_pipeline_parallelism()
-        chunk = model[0] if isinstance(model, list | tuple) else model
-        with torch.no_grad():
-            for batch in micro_batches:
-                if self.needs_old_log_probs:
-                    batch["old_log_probs"] = self._batch_log_probs(chunk, batch)
-                if self.needs_ref_log_probs:
-                    batch["ref_log_probs"] = self._batch_log_probs(self.ref_model, batch)
+        """Before a rollout's first update: the forward-only passes over its micro-batches that store lp_old
+        (decoupled mode, `model`) and the reference policy's log-probs (KL term, `ref_model`) in each batch, then
+        `on_rollout_prepared`. Under PP the log-probs are stored on the last stage only."""
+        if self.needs_old_log_probs:
+            self.compute_old_log_probs(model, micro_batches)
+        if self.needs_ref_log_probs:
+            self._store(micro_batches, "ref_log_probs", self._forward_log_probs(self.ref_model, micro_batches))
         if self.on_rollout_prepared is not None:
             self.on_rollout_prepared(micro_batches)
 
     def kept_sequences(self, batch: dict[str, Tensor]) -> Tensor:
-        """[B] bool: the rows of a prepared micro-batch (decoupled mode: `old_log_probs` set) that keep at least one
-        token in the loss after the correction's rejection (RS, veto, non-finite log-probs), over the whole
-        sequence (one [B] all-reduce over CP). Rows with no trained token are not kept."""
+        """[n] bool: the sequences (rows, or a packed row's sequences) of a prepared micro-batch (decoupled mode:
+        `old_log_probs` set) that keep at least one token in the loss after the correction's rejection (RS, veto,
+        non-finite log-probs), over the whole sequence (one [n] all-reduce over CP). Sequences with no trained token
+        are not kept."""
         if not self.needs_old_log_probs or "old_log_probs" not in batch:
             raise ValueError("kept_sequences: needs lp_old (decoupled mode, after prepare_rollout); in bypass mode "
                              "the rejection depends on the current policy and is known only inside the loss.")
         lp = batch["old_log_probs"]
         groups = self.groups
+        seg = batch_segments(batch, groups)
         corr = compute_rollout_correction(lp, batch["rollout_log_probs"].to(lp.dtype), batch["loss_mask"],
-                                          self.config, cp_group=groups.cp, normalize=False, finalize_metrics=False)
-        counts = (corr.loss_mask > 0).sum(-1).to(torch.float64)
+                                          self.config, cp_group=groups.cp, normalize=False, finalize_metrics=False,
+                                          segments=seg)
+        kept = (corr.loss_mask > 0).to(torch.float64)
+        counts = seg.sum(kept) if seg is not None else kept.sum(-1)
         if groups.cp_size > 1:
             torch.distributed.all_reduce(counts, group=groups.cp)
         return counts > 0
 
-    def _batch_log_probs(self, model: Any, batch: dict[str, Tensor]) -> Tensor:
-        return self.log_probs(self.model_forward(model, batch), batch["labels"], with_entropy=False)[0]
-
     def _forward_log_probs(self, model: Any, micro_batches: Sequence[dict[str, Tensor]]) -> list[Tensor]:
-        """log π(labels) of the current weights for every micro-batch: a forward-only pass, one micro-batch at a
-        time (what Megatron's schedule does without pipelining; it can also run inside a training step)."""
-        _check_no_pipeline_parallelism()
-        chunk = model[0] if isinstance(model, list | tuple) else model
-        with torch.no_grad():
-            return [self._batch_log_probs(chunk, b) for b in micro_batches]
+        """log π(labels) of `model`'s current weights for every micro-batch: a forward-only pass
+        (`pipeline.forward_only`: one micro-batch at a time without PP, Megatron's pipelined schedule with it; [] off
+        the last stage)."""
+        return forward_only(model, micro_batches, self.model_forward,
+                            lambda b, logits: self.log_probs(logits, b["labels"], with_entropy=False)[0],
+                            self.groups)
 
     def prepare_step(
         self,
@@ -442,12 +454,15 @@ class RolloutCorrectionLoss:
             return
         cfg, groups = self.config, self.groups
         decoupled = self.needs_old_log_probs
-        train_log_probs = ([b["old_log_probs"] for b in micro_batches] if decoupled
-                           else self._forward_log_probs(model, micro_batches))
+        train_log_probs = None if decoupled else self._forward_log_probs(model, micro_batches)  # all PP stages
+        if not groups.pp_last:  # the mean is used by the loss, on the last stage
+            return
+        if train_log_probs is None:
+            train_log_probs = [b["old_log_probs"] for b in micro_batches]
         results = [
             compute_rollout_correction(lp, b["rollout_log_probs"].to(lp.dtype), b["loss_mask"], cfg,
                                        cp_group=groups.cp, dp_group=groups.dp, normalize=False,
-                                       finalize_metrics=False)
+                                       finalize_metrics=False, segments=batch_segments(b, groups))
             for lp, b in zip(train_log_probs, micro_batches, strict=True)
         ]
         self.step_batch_norm_mean = weight_mean(merge_stats([r.stats for r in results]))
@@ -472,13 +487,16 @@ class RolloutCorrectionLoss:
         *,
         forward_backward_func: Callable[..., Any] | None = None,
         recompute_old_log_probs: bool = True,
+        forward_step: Callable[..., Any] | None = None,
     ) -> dict[str, float]:
         """One step's forward+backward over `micro_batches` (gradients accumulated and finalized by Megatron).
 
         `prepare_step` first (lp_old in decoupled mode unless `recompute_old_log_probs` is False, the step's
         normalization mean), then the training pass. The caller zeroes grads before, steps after.
         `micro_batches` may be a stream with `len()` (e.g. `BufferMicroBatchIterator`) when `can_stream`: the
-        schedule then trains each micro-batch as soon as the rollout has filled it.
+        schedule then trains each micro-batch as soon as the rollout has filled it. Under pipeline parallelism the
+        step's metrics come back on the last stage; the other stages get {}. `forward_step`: the schedule's
+        `forward_step_func` (default `self.forward_step`; e.g. a wrapper that times it).
         """
         streamed = not isinstance(micro_batches, Sequence)
         if streamed and not self.can_stream(len(micro_batches)):  # type: ignore[arg-type]
@@ -492,10 +510,12 @@ class RolloutCorrectionLoss:
         if self.diagnostics is not None:
             self.diagnostics.parts.clear()
         if not streamed:
-            self.prepare_step(model, micro_batches, recompute_old_log_probs=recompute_old_log_probs)  # type: ignore[arg-type]
+            self.prepare_step(model, micro_batches,  # type: ignore[arg-type]
+                              recompute_old_log_probs=recompute_old_log_probs)
         try:
             fb = forward_backward_func or get_forward_backward_func()
-            losses = _run_schedule(fb, self.forward_step, model, micro_batches, forward_only=False)
+            losses = run_schedule(fb, forward_step or self.forward_step, model, micro_batches, self.groups,
+                                  forward_only=False)
         finally:
             self.step_batch_norm_mean = None
         return self.reduce_step_metrics(losses)

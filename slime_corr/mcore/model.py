@@ -13,6 +13,7 @@ rank runs the full sequence and zig-zag-slices the logits before the loss.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +49,10 @@ def build_tiny_gpt(args: TinyGPTArgs | argparse.Namespace | None = None, *, ddp:
                    pg_collection: Any = None) -> torch.nn.Module:
     """A tiny GPTModel (fp32 unless `params_dtype`) on the current parallel_state (TP from it; CP attention is
     not used: build with context_parallel_size=1 and zig-zag-slice the logits to emulate CP on CPU). Same weights on every
-    DP/CP rank for a given seed; TP shards come from `use_cpu_initialization` of the full weights.
+    DP/CP rank for a given seed; TP shards come from `use_cpu_initialization` of the full weights. Under pipeline
+    parallelism this rank's stage: its share of the layers, the embedding on the first stage, the output layer on
+    the last (the stages exchange activations in `params_dtype`), with the weights the unsplit model has for the
+    seed (a stage's own initialization would draw other random numbers): a seed gives one model at any TP and PP.
 
     `pg_collection` (e.g. `single_rank_groups()`): the model's own process groups instead of parallel_state's; the
     weights are then left uninitialized (to be loaded) and the global RNG is not touched."""
@@ -60,14 +64,17 @@ def build_tiny_gpt(args: TinyGPTArgs | argparse.Namespace | None = None, *, ddp:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
+    from slime_corr.mcore.params import unsplit_name
+
     a = args or TinyGPTArgs()
     dtype = getattr(a, "params_dtype", torch.float32)
     if pg_collection is None:
         torch.manual_seed(a.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(a.seed)
         tp_size = ps.get_tensor_model_parallel_world_size()
+        pp_size, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     else:
-        tp_size = pg_collection.tp.size()
+        tp_size, pp_size, pp_rank = pg_collection.tp.size(), pg_collection.pp.size(), pg_collection.pp.rank()
     config = TransformerConfig(
         num_layers=a.num_layers,
         hidden_size=a.hidden_size,
@@ -79,21 +86,37 @@ def build_tiny_gpt(args: TinyGPTArgs | argparse.Namespace | None = None, *, ddp:
         attention_dropout=0.0,
         calculate_per_token_loss=True,
         params_dtype=dtype,
+        pipeline_model_parallel_size=pp_size,
+        pipeline_dtype=dtype,
     )
-    model: torch.nn.Module = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
-        vocab_size=a.vocab_size,
-        max_sequence_length=a.max_position_embeddings,
-        position_embedding_type="learned_absolute",
-        parallel_output=True,
-        **({"pg_collection": pg_collection} if pg_collection is not None else {}),
-    ).to(dtype)  # the local spec's torch LayerNorm ignores params_dtype
+
+    def gpt(config: TransformerConfig, pre_process: bool, post_process: bool) -> torch.nn.Module:
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(),
+            vocab_size=a.vocab_size,
+            max_sequence_length=a.max_position_embeddings,
+            position_embedding_type="learned_absolute",
+            parallel_output=True,
+            pre_process=pre_process,
+            post_process=post_process,
+            **({"pg_collection": pg_collection} if pg_collection is not None else {}),
+        ).to(dtype)  # the local spec's torch LayerNorm ignores params_dtype
+
+    model = gpt(config, pp_rank == 0, pp_rank == pp_size - 1)
+    if pp_size > 1 and pg_collection is None:  # the stage takes its part of the unsplit model's initial weights
+        torch.manual_seed(a.seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(a.seed)
+        unsplit = gpt(dataclasses.replace(config, pipeline_model_parallel_size=1), True, True).state_dict()
+        rename = unsplit_name(model)
+        model.load_state_dict({name: unsplit[rename(name)] for name in model.state_dict()})
     if ddp:
         model = DistributedDataParallel(
             config, DistributedDataParallelConfig(grad_reduce_in_fp32=dtype != torch.float64), module=model
         )
     config.finalize_model_grads_func = finalize_model_grads
+    # pipeline stages exchange each micro-batch's activation shape (packed / padded micro-batches vary in length)
+    config.variable_seq_lengths = pp_size > 1
     return model
 
 
@@ -124,13 +147,27 @@ def single_rank_groups() -> Any:
 
 
 def emulated_cp_forward(model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
-    """Context parallelism on CPU: the full sequence (`full_tokens`, `full_position_ids`) through the model, then
-    this CP rank's zig-zag slice of the logits (the loss sees the same layout as with real CP attention)."""
-    from slime_corr.mcore.context_parallel import ParallelGroups, zigzag_slice
+    """The local layer spec's forward with what it lacks emulated, exactly: context parallelism (the full sequence,
+    `full_tokens` / `full_position_ids`, through the model, then this CP rank's slice of the logits: the loss sees
+    the layout of real CP attention) and packed (THD) rows (a block-diagonal causal attention mask over the
+    row's samples instead of `PackedSeqParams`). Without CP and packing it is `default_model_forward`. Under
+    pipeline parallelism only the last stage's output (the logits) is sliced; the others pass hidden states on."""
+    from slime_corr.mcore.context_parallel import (
+        ParallelGroups,
+        is_packed,
+        packed_attention_mask,
+        slice_tensor_for_cp,
+    )
 
     groups = ParallelGroups.current()
-    logits = model(input_ids=batch["full_tokens"], position_ids=batch["full_position_ids"], attention_mask=None)
-    return zigzag_slice(logits, groups.cp_rank, groups.cp_size, dim=1)
+    if groups.cp_size > 1 and "full_tokens" not in batch:
+        raise KeyError("emulated CP runs the full row: the micro-batch needs 'full_tokens' and 'full_position_ids' "
+                       "(the tokens and position ids before CP slicing).")
+    tokens = batch.get("full_tokens", batch["tokens"])
+    positions = batch.get("full_position_ids", batch["position_ids"])
+    mask = packed_attention_mask(batch, tokens.shape[-1]) if is_packed(batch) else batch.get("attention_mask")
+    out = model(input_ids=tokens, position_ids=positions, attention_mask=mask)
+    return slice_tensor_for_cp(out, batch, groups) if groups.pp_last and groups.cp_size > 1 else out
 
 
 __all__ = ["TinyGPTArgs", "add_tiny_model_args", "build_tiny_gpt", "emulated_cp_forward", "single_rank_groups"]

@@ -13,7 +13,8 @@ do run at the right moments:
 `rollouts` yields one rollout at a time: this rank's micro-batches for one or more optimizer steps, a multiple of
 Megatron's micro-batches per step (sampled with the same weights). The iterator hands them out one per `next()`;
 the first micro-batch of each step carries a reference to its `RolloutStep`. `next_micro_batch` removes it and,
-before the model runs on that micro-batch (PP = 1: the pass is a plain forward of each micro-batch):
+before the model runs on that micro-batch (a plain forward of each micro-batch; under pipeline parallelism this
+pass would be a pipelined schedule inside the running one, so there a step that needs it fails with the fix):
 - at a rollout's first step: one forward-only pass over ALL the rollout's micro-batches with the current weights:
   lp_old in decoupled mode (`batch["old_log_probs"]`) and the reference policy's log-probs when the loss has a KL
   term (`batch["ref_log_probs"]`), then the hook's `on_rollout_prepared` callback;

@@ -10,8 +10,21 @@ Micro-batch contract (a dict of CPU tensors, ``B`` rows of ``S`` positions)::
     advantages         [B, S] float32  advantage of labels[t]; 0 where loss_mask is 0
 
 Megatron's alignment: position ``t`` of labels / loss_mask / rollout_log_probs / advantages is about predicting
-``tokens[t+1]`` from the logits at ``t``. Packed batches (``packed=True``) have ``B == 1`` and an extra
-``cu_seqlens`` [n+1] int32 (sample boundaries); use packing with CP size 1 only (padded batches for CP > 1).
+``tokens[t+1]`` from the logits at ``t``.
+
+Packed batches (``packed=True``, Megatron's THD layout) are one row, ``B == 1``: sample i occupies positions
+``[cu_seqlens_padded[i], cu_seqlens_padded[i+1])``, its own tokens first, then padding to a multiple of
+``pad_to_multiple`` (2·CP with context parallelism), and two more entries (never CP-sliced)::
+
+    cu_seqlens         [n+1] int32    cumulative sample lengths (Megatron's / TE's ``cu_seqlens``)
+    cu_seqlens_padded  [n+1] int32    cumulative padded lengths: where each sample starts in the row
+
+Context parallelism (this module owns the layout): padded rows are zig-zag sliced as one sequence per row
+(``zigzag_slice``: 2·CP chunks, rank r keeps chunks r and 2·CP−1−r); a packed row is partitioned per sample the way
+Megatron-Core partitions THD batches (``get_thd_batch_on_this_cp_rank``, i.e. Transformer Engine's
+``thd_get_partitioned_indices``): every sample's padded span is split into 2·CP chunks and rank r keeps chunks r and
+2·CP−1−r of each, sample after sample (``thd_partition_index``), so sample i is at local positions
+``[cu_seqlens_padded[i] / CP, cu_seqlens_padded[i+1] / CP)`` (``thd_local_offsets``).
 """
 
 from __future__ import annotations
@@ -106,7 +119,8 @@ def build_micro_batch(
     """Build one micro-batch dict (see the module docstring) from ``samples``.
 
     ``advantages``: one scalar per sample (broadcast over its response tokens) or one list per sample (per
-    token); None means zeros. ``pad_to_multiple``: pad S to a multiple of it (2 * CP size for zig-zag).
+    token); None means zeros. ``pad_to_multiple``: pad S (packed: every sample) to a multiple of it (2 * CP
+    size for context parallelism, ``cp_pad_multiple``).
     ``weight_lag``: per sample, the weight lag of each response token (trainer version − the version that
     sampled it); adds ``weight_lag`` [B, S] int64 in the labels' alignment (0 elsewhere).
     """
@@ -121,18 +135,7 @@ def build_micro_batch(
     rows = [_sample_rows(s, a, pad_token_id, lag) for s, a, lag in zip(samples, advs, lags, strict=True)]
     keys = [k for k in TOKEN_KEYS if k in rows[0]]
     if packed:
-        lengths = [len(r["tokens"]) for r in rows]
-        total = sum(lengths)
-        s_len = _round_up(total, pad_to_multiple)
-        out = {k: torch.cat([r[k] for r in rows]) for k in keys}
-        pad = s_len - total
-        for k in keys:
-            fill = pad_token_id if k in ("tokens", "labels") else 0
-            out[k] = torch.cat([out[k], torch.full((pad,), fill, dtype=out[k].dtype)]).unsqueeze(0)
-        if pad:
-            out["position_ids"][0, total:] = torch.arange(pad)
-        out["cu_seqlens"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-        return out
+        return _pack_rows(rows, keys, pad_to_multiple, pad_token_id)
     s_len = _round_up(max(len(r["tokens"]) for r in rows), pad_to_multiple)
     out = {}
     for k in keys:
@@ -143,6 +146,43 @@ def build_micro_batch(
         out[k] = t
     out["position_ids"] = torch.arange(s_len).expand(len(rows), s_len).clone()
     return out
+
+
+def _pack_rows(rows: list[dict[str, torch.Tensor]], keys: Sequence[str], multiple: int,
+               pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Samples' rows one after the other in one [1, T] row, each padded to a multiple of `multiple`."""
+    lengths = [len(r["tokens"]) for r in rows]
+    padded = [_round_up(n, multiple) for n in lengths]
+    out = {}
+    for k in keys:
+        fill = pad_token_id if k in ("tokens", "labels") else 0
+        out[k] = torch.cat([torch.cat([r[k], torch.full((p - n,), fill, dtype=r[k].dtype)])
+                            for r, n, p in zip(rows, lengths, padded, strict=True)]).unsqueeze(0)
+    out["position_ids"] = torch.cat([torch.arange(p) for p in padded]).unsqueeze(0)
+    out["cu_seqlens"] = _cumulative(lengths)
+    out["cu_seqlens_padded"] = _cumulative(padded)
+    return out
+
+
+def _cumulative(lengths: Sequence[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths, dtype=torch.long).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def packed_length(total_length: int, cp_size: int) -> int:
+    """Positions a sample of `total_length` tokens takes in a packed micro-batch under CP size `cp_size`."""
+    return _round_up(total_length, cp_pad_multiple(cp_size))
+
+
+def padding_sample(pad_token_id: int = 0) -> Sample:
+    """The one sample of an empty micro-batch: a pad token, no response (nothing to train), group and index -1."""
+    return Sample(prompt_tokens=[pad_token_id], group_id=-1, index=-1)
+
+
+def empty_micro_batch(cp_size: int = 1, pad_token_id: int = 0, packed: bool = True) -> dict[str, torch.Tensor]:
+    """A micro-batch with nothing to train (`padding_sample`, loss mask 0): it keeps every rank at the same
+    number of micro-batches (see `BufferMicroBatchIterator`). Not yet CP-sliced."""
+    return build_micro_batch([padding_sample(pad_token_id)], pad_to_multiple=cp_pad_multiple(cp_size),
+                             pad_token_id=pad_token_id, packed=packed)
 
 
 def cp_pad_multiple(cp_size: int) -> int:
@@ -167,14 +207,45 @@ def zigzag_slice(tensor: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1)
                      dim=dim)
 
 
-def slice_micro_batch_for_cp(batch: dict[str, torch.Tensor], cp_rank: int, cp_size: int) -> dict[str, torch.Tensor]:
-    """Apply :func:`zigzag_slice` on the sequence dim of every [B, S] entry (others are passed through)."""
-    if cp_size > 1 and "cu_seqlens" in batch:
-        raise ValueError(
-            f"cp_size={cp_size}: a packed micro-batch (cu_seqlens) cannot be zig-zag sliced as one row, its "
-            "sequences would mix; use padded micro-batches (packed=False) with context parallelism."
-        )
-    return {k: zigzag_slice(v, cp_rank, cp_size, dim=1) if k in TOKEN_KEYS else v for k, v in batch.items()}
+def thd_partition_index(cu_seqlens_padded: torch.Tensor, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """Positions of a packed row that CP rank `cp_rank` holds, in its local order (see the module docstring):
+    for each sample, chunk r then chunk 2·CP−1−r of its padded span split into 2·CP chunks."""
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} not in [0, {cp_size})")
+    cu = cu_seqlens_padded.long()
+    spans = cu.diff()
+    if bool((spans % (2 * cp_size)).any()):
+        raise ValueError(f"cu_seqlens_padded {cu.tolist()}: every sample's padded length must be a multiple of "
+                         f"2*cp_size={2 * cp_size}; build the micro-batch with pad_to_multiple=cp_pad_multiple(cp_size).")
+    chunk = spans // (2 * cp_size)
+    begins = torch.stack([cu[:-1] + cp_rank * chunk, cu[:-1] + (2 * cp_size - 1 - cp_rank) * chunk], 1).reshape(-1)
+    sizes = chunk.repeat_interleave(2)
+    which = torch.repeat_interleave(torch.arange(sizes.numel()), sizes)
+    start_of = sizes.cumsum(0) - sizes
+    return begins[which] + torch.arange(which.numel()) - start_of[which]
+
+
+def packed_starts(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Where each sample of a packed micro-batch starts in the full row: `cu_seqlens_padded` (`cu_seqlens` when a
+    producer without per-sample padding left it out)."""
+    return batch.get("cu_seqlens_padded", batch["cu_seqlens"])
+
+
+def thd_local_offsets(cu_seqlens_padded: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """Where each sample starts in a CP rank's slice of a packed row: `cu_seqlens_padded / cp_size` (int64)."""
+    return cu_seqlens_padded.long() // cp_size
+
+
+def slice_micro_batch_for_cp(batch: dict[str, torch.Tensor], cp_rank: int, cp_size: int,
+                             keys: Sequence[str] = TOKEN_KEYS) -> dict[str, torch.Tensor]:
+    """This CP rank's part of every `keys` entry ([B, S]; others are passed through): the zig-zag slice of a
+    padded batch, the THD partition of a packed one (`cu_seqlens*` stay whole: they describe the full row)."""
+    if cp_size == 1:
+        return dict(batch)
+    if "cu_seqlens" in batch:
+        index = thd_partition_index(packed_starts(batch), cp_rank, cp_size)
+        return {k: v.index_select(1, index.to(v.device)) if k in keys else v for k, v in batch.items()}
+    return {k: zigzag_slice(v, cp_rank, cp_size, dim=1) if k in keys else v for k, v in batch.items()}
 
 
 def balance_across_dp(lengths: Sequence[int], dp_size: int, equal_count: bool = True) -> list[list[int]]:
@@ -196,6 +267,26 @@ def balance_across_dp(lengths: Sequence[int], dp_size: int, equal_count: bool = 
         if count + 1 < cap:  # a full rank leaves the heap
             heapq.heappush(heap, (tokens + lengths[i], count + 1, rank))
     return [sorted(x) for x in out]
+
+
+def pack_by_tokens(sizes: Sequence[int], budget: int) -> list[list[int]]:
+    """Items of ``sizes`` tokens (e.g. whole GRPO groups, ``packed_length`` summed) into micro-batches of at most
+    ``budget`` tokens (slime's ``--max-tokens-per-gpu``), first-fit decreasing: few micro-batches, never an item
+    split; an item over the budget on its own gets a micro-batch of its own. Each micro-batch lists its items in
+    index order; micro-batches come in the order of their first item."""
+    if budget < 1:
+        raise ValueError(f"budget={budget}: the token budget per micro-batch must be >= 1")
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        fit = next((b for b, load in enumerate(loads) if load + sizes[i] <= budget), None)
+        if fit is None:
+            bins.append([i])
+            loads.append(sizes[i])
+        else:
+            bins[fit].append(i)
+            loads[fit] += sizes[i]
+    return sorted((sorted(b) for b in bins), key=lambda b: b[0])
 
 
 def split_for_dp(samples: Sequence[Sample], dp_rank: int, dp_size: int) -> list[Sample]:

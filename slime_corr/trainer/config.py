@@ -10,7 +10,9 @@ script (`train_async.py`); here it is `--async-rollout`.
 
 Batch arithmetic (slime's): a rollout is `--rollout-batch-size` prompts × `--n-samples-per-prompt` samples, trained in
 `--num-steps-per-rollout` optimizer steps of `--global-batch-size` samples (default: the rollout divided by the
-steps); each DP rank trains global / DP samples per step in micro-batches of `--micro-batch-size`.
+steps); each DP rank trains global / DP samples per step in micro-batches of `--micro-batch-size`, or with slime's
+`--use-dynamic-batch-size --max-tokens-per-gpu N` in packed (THD) micro-batches of whole GRPO groups holding up to N
+tokens per GPU (as many per step on every DP rank; `--micro-batch-size` is then not used).
 `--save-interval` counts rollouts (as slime's loop does); checkpoint directories are named by optimizer step
 (Megatron's iteration), which `--ckpt-step` selects.
 
@@ -59,6 +61,9 @@ class TrainerConfig:
     global_batch_size: int | None = None
     micro_batch_size: int = 8
     num_rollout: int = 16
+    # packed micro-batches (slime's dynamic batch size)
+    use_dynamic_batch_size: bool = False
+    max_tokens_per_gpu: int | None = None
     # rollout
     rollout_max_response_len: int = 12
     rollout_temperature: float = 1.0
@@ -113,6 +118,13 @@ class TrainerConfig:
         return self.samples_per_rank_step // self.micro_batch_size
 
     @property
+    def micro_batching(self) -> str:
+        """How the micro-batches are made, in words."""
+        if self.use_dynamic_batch_size:
+            return f"packed, up to {self.max_tokens_per_gpu} tokens per GPU"
+        return f"{self.micro_batch_size} samples, padded"
+
+    @property
     def torch_params_dtype(self) -> torch.dtype:
         return getattr(torch, self.params_dtype)
 
@@ -128,10 +140,6 @@ class TrainerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 fail(f"--{_flag(name)} {value} must be an integer >= 1.")
-        if self.pipeline_model_parallel_size > 1:
-            fail(f"--pipeline-model-parallel-size {self.pipeline_model_parallel_size}: pipeline parallelism is not "
-                 "supported yet (the lp_old/reference pass and the packing of micro-batches for pipeline stages "
-                 "come with the packed-sequence/PP issue); use tensor, context or data parallelism.")
         if not (math.isfinite(self.rollout_temperature) and self.rollout_temperature > 0):
             fail(f"--rollout-temperature {self.rollout_temperature} must be > 0: temperature 0 is greedy decoding, "
                  "not a policy to train (the log-probs are log_softmax(logits / T)); e.g. 1.0.")
@@ -146,8 +154,9 @@ class TrainerConfig:
                           * self.pipeline_model_parallel_size)
         if self.world_size % model_parallel:
             fail(f"{self.world_size} processes (WORLD_SIZE) are not a multiple of --tensor-model-parallel-size "
-                 f"{self.tensor_model_parallel_size} × --context-parallel-size {self.context_parallel_size}: "
-                 "launch TP × CP × DP processes (torchrun --nproc-per-node).")
+                 f"{self.tensor_model_parallel_size} × --context-parallel-size {self.context_parallel_size} × "
+                 f"--pipeline-model-parallel-size {self.pipeline_model_parallel_size}: launch TP × CP × PP × DP "
+                 "processes (torchrun --nproc-per-node).")
         dp = self.data_parallel_size
         gbs = self.global_batch_size
         if not isinstance(gbs, int) or gbs < 1:
@@ -160,7 +169,7 @@ class TrainerConfig:
         if gbs % (self.n_samples_per_prompt * dp):
             fail(f"--global-batch-size {gbs} must be a multiple of --n-samples-per-prompt {self.n_samples_per_prompt} "
                  f"× {dp} data-parallel rank(s): every DP rank trains whole GRPO groups in each step.")
-        if self.samples_per_rank_step % self.micro_batch_size:
+        if not self.use_dynamic_batch_size and self.samples_per_rank_step % self.micro_batch_size:
             fail(f"--micro-batch-size {self.micro_batch_size} must divide the {self.samples_per_rank_step} samples "
                  f"each of the {dp} data-parallel rank(s) trains per step (--global-batch-size {gbs} / DP).")
         for name, choices in (("rollout_router", ROUTER_CHOICES), ("rollout_weight_sync", WEIGHT_SYNC_MODES),
@@ -175,6 +184,7 @@ class TrainerConfig:
             self._check_pretrained()
         else:
             self._check_tiny_model()
+        self._check_pipeline_and_packing()
         if self.save_interval is not None:
             if self.save_interval < 1:
                 fail(f"--save-interval {self.save_interval} must be >= 1 (rollouts between checkpoints).")
@@ -227,6 +237,39 @@ class TrainerConfig:
                               f"{CHAT_TEMPLATE_ALLOWANCE} tokens of chat template) + response reach {longest} tokens, "
                               f"more than the model's max_position_embeddings {spec.max_position_embeddings}.")
 
+    def _check_pipeline_and_packing(self) -> None:
+        from slime_corr.rollout.batching import packed_length
+
+        pp, layers = self.pipeline_model_parallel_size, self.model.num_layers
+        if self.model_source.is_pretrained and (pp > 1 or self.use_dynamic_batch_size):
+            flag = f"--pipeline-model-parallel-size {pp}" if pp > 1 else "--use-dynamic-batch-size"
+            raise ConfigError(f"{flag}: not supported yet with a pretrained model (--model / --hf-checkpoint): its "
+                              "Megatron model is built unsplit and its RoPE needs Megatron's THD attention for packed "
+                              "rows; use tensor, context or data parallelism with padded micro-batches.")
+        if layers % pp:
+            raise ConfigError(f"--pipeline-model-parallel-size {pp} must divide --num-layers {layers}: every "
+                              "pipeline stage holds the same number of layers.")
+        budget = self.max_tokens_per_gpu
+        if budget is not None and (not isinstance(budget, int) or budget < 1):
+            raise ConfigError(f"--max-tokens-per-gpu {budget} must be an integer >= 1.")
+        if self.use_dynamic_batch_size and budget is None:
+            raise ConfigError("--use-dynamic-batch-size needs --max-tokens-per-gpu N: the tokens a packed "
+                              "micro-batch may hold per GPU.")
+        if budget is not None and not self.use_dynamic_batch_size:
+            raise ConfigError(f"--max-tokens-per-gpu {budget} only applies to packed micro-batches: add "
+                              "--use-dynamic-batch-size, or drop --max-tokens-per-gpu.")
+        if budget is not None:
+            cp = self.context_parallel_size
+            prompt = TASKS[self.task].max_prompt_chars  # byte tokens (the tiny model; a pretrained one is refused above)
+            group = self.n_samples_per_prompt * packed_length(prompt + self.rollout_max_response_len, cp)
+            if budget * cp < group:
+                raise ConfigError(
+                    f"--max-tokens-per-gpu {budget}: a GRPO group (--n-samples-per-prompt {self.n_samples_per_prompt}"
+                    f" samples of up to {prompt} prompt + --rollout-max-response-len "
+                    f"{self.rollout_max_response_len} tokens) can take {group} tokens, {-(-group // cp)} per GPU "
+                    f"under --context-parallel-size {cp}, and a group is never split across micro-batches: use "
+                    f"--max-tokens-per-gpu >= {-(-group // cp)}.")
+
     def _check_load(self) -> None:
         from slime_corr.mcore.checkpoint import TRACKER_FILE, iteration_dir, latest_iteration
 
@@ -277,8 +320,14 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--context-parallel-size", type=int, default=d.context_parallel_size,
                    help="On CPU, CP is emulated: each CP rank runs the full sequence and keeps its zig-zag slice.")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=d.pipeline_model_parallel_size,
-                   help="Only 1 for now.")
-    g.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size, help="Samples per micro-batch.")
+                   help="Pipeline stages (must divide --num-layers); the loss and its metrics live on the last one.")
+    g.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size,
+                   help="Samples per micro-batch (padded; not used with --use-dynamic-batch-size).")
+    g.add_argument("--use-dynamic-batch-size", action="store_true",
+                   help="Packed (THD) micro-batches of whole GRPO groups up to --max-tokens-per-gpu tokens (slime's "
+                        "flag): no padding between samples; every DP rank runs as many micro-batches.")
+    g.add_argument("--max-tokens-per-gpu", type=int, default=None,
+                   help="Token budget of a packed micro-batch per GPU (with CP, a micro-batch holds N × CP tokens).")
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="Samples per optimizer step (default: the rollout's samples / --num-steps-per-rollout).")
     g.add_argument("--lr", type=float, default=None,

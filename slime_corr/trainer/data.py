@@ -3,11 +3,15 @@
 On the driver (rank 0): GRPO advantages over the whole rollout (trainable samples only), then the plan: step k
 trains groups [k·G, (k+1)·G) of the rollout (G = groups per step; a GRPO group never straddles steps), and within a
 step the groups are dealt to the DP ranks balanced by tokens (`balance_across_dp` over whole groups: a group never
-straddles DP ranks). One `scatter_object_list` gives each rank its DP rank's share, so the TP and CP ranks of a
-replica receive identical data. Each rank then builds its micro-batches (`build_micro_batch`), CP-slices them, and
-adds what the loss hook and the trainer read: `weight_lag` [B, S] (trainer step − the version that sampled each
-token), `sample_ids` [B] (the sample's index in the rollout), `rewards` [B] and `group_ids` [B] (to recompute GRPO
-baselines after rejection), and under emulated CP the unsliced `full_tokens` / `full_position_ids`.
+straddles DP ranks), then cut into micro-batches (`plan_micro_batches`): `--micro-batch-size` samples each, or with
+`--use-dynamic-batch-size` packed micro-batches of whole groups up to `--max-tokens-per-gpu` tokens per GPU
+(`pack_by_tokens`), every DP rank filled up with empty micro-batches to the same count. One `scatter_object_list`
+gives each rank its DP rank's share, so the TP, CP and PP ranks of a replica receive identical data. Each rank then
+builds its micro-batches (`build_micro_batch`, padded or packed), CP-slices them, and adds what the loss hook and
+the trainer read: `weight_lag` (trainer step − the version that sampled each token, laid out like the tokens),
+per sequence `sample_ids` (the sample's index in the rollout; −1 for an empty micro-batch's padding sample),
+`rewards`, `group_ids` and `trained` (to recompute GRPO baselines after rejection), and under emulated CP the
+unsliced `full_tokens` / `full_position_ids`.
 
 Weight versions: the engines serve `weight_version(n)` = "step-n" after n optimizer steps.
 """
@@ -25,6 +29,9 @@ from slime_corr.rollout.batching import (
     build_micro_batch,
     cp_pad_multiple,
     grpo_advantages,
+    pack_by_tokens,
+    packed_length,
+    padding_sample,
     slice_micro_batch_for_cp,
 )
 from slime_corr.rollout.data_iterator import TRAINABLE, mask_not_trained
@@ -68,9 +75,10 @@ class TrainSample:
 
 @dataclass
 class RankShard:
-    """What one DP rank trains of a rollout: per optimizer step, its samples."""
+    """What one DP rank trains of a rollout: per optimizer step, its micro-batches, each a list of samples (an empty
+    list is an empty micro-batch: it keeps every DP rank at the same count)."""
 
-    steps: list[list[TrainSample]] = field(default_factory=list)
+    steps: list[list[list[TrainSample]]] = field(default_factory=list)
 
 
 def plan_rollout(samples: Sequence[Sample], group_size: int, num_steps: int, dp_size: int) -> list[list[list[int]]]:
@@ -87,18 +95,38 @@ def plan_rollout(samples: Sequence[Sample], group_size: int, num_steps: int, dp_
     return plan
 
 
+def plan_micro_batches(samples: Sequence[Sample], parts: Sequence[Sequence[int]], group_size: int,
+                       micro_batch_size: int, max_tokens: int | None = None, cp_size: int = 1) -> list[list[list[int]]]:
+    """One step's micro-batches [dp_rank][micro-batch] (sample indices) from its DP `parts` (whole groups, group
+    after group): `micro_batch_size` samples each, or with `max_tokens` (per GPU; a micro-batch holds
+    max_tokens · CP, each CP rank 1/CP) whole groups packed by `pack_by_tokens`, each sample taking its packed
+    length under CP. Every DP rank gets the same number of micro-batches (empty ones, [], at the end)."""
+    if max_tokens is None:
+        return [[list(part[i:i + micro_batch_size]) for i in range(0, len(part), micro_batch_size)]
+                for part in parts]
+    out = []
+    for part in parts:
+        groups = [list(part[i:i + group_size]) for i in range(0, len(part), group_size)]
+        sizes = [sum(packed_length(samples[i].total_length, cp_size) for i in g) for g in groups]
+        out.append([[i for g in b for i in groups[g]] for b in pack_by_tokens(sizes, max_tokens * cp_size)])
+    count = max(len(mbs) for mbs in out)
+    return [mbs + [[] for _ in range(count - len(mbs))] for mbs in out]
+
+
 def rollout_shards(samples: Sequence[Sample], group_size: int, num_steps: int, dp_size: int,
-                   normalize_std: bool = True) -> list[RankShard]:
-    """Per DP rank, its `RankShard` of the rollout, with GRPO advantages over the trainable samples (the others
-    get 0 and are masked out of the loss)."""
+                   normalize_std: bool = True, *, micro_batch_size: int, max_tokens: int | None = None,
+                   cp_size: int = 1) -> list[RankShard]:
+    """Per DP rank, its `RankShard` of the rollout (micro-batches by `plan_micro_batches`), with GRPO advantages
+    over the trainable samples (the others get 0 and are masked out of the loss)."""
     trained = [i for i, s in enumerate(samples) if s.status in TRAINABLE]
     advantages = [0.0] * len(samples)
     for i, a in zip(trained, grpo_advantages([samples[i] for i in trained], normalize_std), strict=True):
         advantages[i] = a
     shards = [RankShard() for _ in range(dp_size)]
     for step in plan_rollout(samples, group_size, num_steps, dp_size):
-        for shard, indices in zip(shards, step, strict=True):
-            shard.steps.append([TrainSample(samples[i], advantages[i], i) for i in indices])
+        plan = plan_micro_batches(samples, step, group_size, micro_batch_size, max_tokens, cp_size)
+        for shard, micro_batches in zip(shards, plan, strict=True):
+            shard.steps.append([[TrainSample(samples[i], advantages[i], i) for i in mb] for mb in micro_batches])
     return shards
 
 
@@ -115,27 +143,30 @@ def scatter_shards(shards: list[RankShard] | None, dp_rank_of: Sequence[int]) ->
     return out[0]
 
 
-def build_micro_batches(shard: RankShard, micro_batch_size: int, first_step: int, *, cp_rank: int = 0,
-                        cp_size: int = 1, pad_token_id: int = 0) -> list[dict[str, torch.Tensor]]:
-    """This rank's micro-batches of the rollout, step after step (`first_step` = the optimizer step the rollout's
-    first update makes; the weight lag of step k is measured against `first_step + k`)."""
-    out = []
-    for k, step_samples in enumerate(shard.steps):
-        for start in range(0, len(step_samples), micro_batch_size):
-            part = step_samples[start:start + micro_batch_size]
+def build_micro_batches(shard: RankShard, first_step: int, *, cp_rank: int = 0, cp_size: int = 1,
+                        pad_token_id: int = 0, packed: bool = False) -> list[list[dict[str, torch.Tensor]]]:
+    """This rank's micro-batches of the rollout, per optimizer step (`first_step` = the optimizer step the rollout's
+    first update makes; the weight lag of step k is measured against `first_step + k`); `packed`: THD rows."""
+    steps = []
+    for k, micro_batches in enumerate(shard.steps):
+        out = []
+        for part in micro_batches:
+            part = part or [TrainSample(padding_sample(pad_token_id), 0.0, -1)]  # an empty micro-batch
             samples = [t.sample for t in part]
             batch = build_micro_batch(samples, [t.advantage for t in part], pad_to_multiple=cp_pad_multiple(cp_size),
-                                      pad_token_id=pad_token_id,
+                                      pad_token_id=pad_token_id, packed=packed,
                                       weight_lag=[token_lags(s, first_step + k) for s in samples])
             mask_not_trained(batch, samples)
             batch["rewards"] = torch.tensor([float(s.reward or 0.0) for s in samples], dtype=torch.float64)
             batch["group_ids"] = torch.tensor([s.group_id for s in samples])
             batch["sample_ids"] = torch.tensor([t.sample_id for t in part])
+            batch["trained"] = torch.tensor([s.status in TRAINABLE and sum(s.loss_mask or ()) > 0 for s in samples])
             local = slice_micro_batch_for_cp(batch, cp_rank, cp_size)
             if cp_size > 1:  # emulated CP: the model runs the full sequence (see mcore.model.emulated_cp_forward)
                 local["full_tokens"], local["full_position_ids"] = batch["tokens"], batch["position_ids"]
             out.append(local)
-    return out
+        steps.append(out)
+    return steps
 
 
 def staleness(samples: Sequence[Sample], step: int) -> tuple[float, int]:
@@ -145,5 +176,5 @@ def staleness(samples: Sequence[Sample], step: int) -> tuple[float, int]:
     return (sum(lags) / len(lags), max(lags)) if lags else (0.0, 0)
 
 
-__all__ = ["RankShard", "TrainSample", "build_micro_batches", "plan_rollout", "rollout_shards", "scatter_shards",
-           "staleness", "token_lags", "version_step", "weight_version"]
+__all__ = ["RankShard", "TrainSample", "build_micro_batches", "plan_micro_batches", "plan_rollout", "rollout_shards",
+           "scatter_shards", "staleness", "token_lags", "version_step", "weight_version"]

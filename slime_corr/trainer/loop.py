@@ -50,6 +50,8 @@ class RolloutRecord:
     prepare: float = 0.0  # the forward-only pass: lp_old / reference log-probs
     train: list[float] = field(default_factory=list)  # each optimizer step, without that pass
     loss: list[float] = field(default_factory=list)  # of which the loss functions' forward
+    micro_batches: list[int] = field(default_factory=list)  # each step's micro-batches per DP rank
+    empty_micro_batches: list[int] = field(default_factory=list)  # of which empty (packed), over all DP ranks
     weight_sync: float = 0.0
     checkpoint: float = 0.0
     wall: float = 0.0
@@ -73,7 +75,7 @@ def _free_port() -> int:
 
 
 def _is_exporting_rank() -> bool:
-    """The ranks whose TP shards make the full weights the driver sends: the TP group of global rank 0."""
+    """The ranks whose TP shards (and PP stages) make the full weights the driver sends: DP and CP rank 0."""
     from megatron.core import parallel_state as ps
 
     return ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
@@ -88,7 +90,8 @@ def run(config: RunConfig) -> list[RolloutRecord]:
     created = init_distributed()
     cfg = config.trainer
     ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-                                 context_parallel_size=cfg.context_parallel_size)
+                                 context_parallel_size=cfg.context_parallel_size,
+                                 pipeline_model_parallel_size=cfg.pipeline_model_parallel_size)
     apply_cpu_compat()
     try:
         with contextlib.ExitStack() as stack:
@@ -124,10 +127,10 @@ class _Job:
         diagnostics = monitoring.log_mismatch_diagnostics and corr.computes_metrics
         self.hook = RolloutCorrectionLoss(
             corr, temperature=cfg.rollout_temperature, model_forward=self.policy.forward,
+            seq_length_for_norm=cfg.rollout_max_response_len,
             loss_terms=config.loss_terms, ref_model=self.policy.reference,
             diagnostics_top_k=monitoring.log_top_mismatch_samples if diagnostics else None)
-        self.updater = Updater(self.policy.model, self.optimizer, self.hook, num_microbatches=cfg.num_microbatches,
-                               micro_batch_size=cfg.micro_batch_size, clip_grad=cfg.clip_grad,
+        self.updater = Updater(self.policy.model, self.optimizer, self.hook, clip_grad=cfg.clip_grad,
                                rebaseline=not corr.use_rollout_logprobs and corr.use_rollout_correction,
                                normalize_std=cfg.grpo_std_normalization)
         self.state = load_train_state(cfg, self.policy.module, self.optimizer) if cfg.load else TrainState()
@@ -142,7 +145,8 @@ class _Job:
                 served_model_name=self.policy.name))
         self.say(f"metrics: {self.logger.run_dir / 'metrics.jsonl'}" if self.logger.run_dir else "")
         self.say(f"parallel: TP={cfg.tensor_model_parallel_size} CP={cfg.context_parallel_size} "
-                 f"DP={cfg.data_parallel_size} ({cfg.world_size} process(es)); rollout: {cfg.rollout_batch_size} "
+                 f"PP={cfg.pipeline_model_parallel_size} DP={cfg.data_parallel_size} ({cfg.world_size} process(es)); "
+                 f"micro-batches: {cfg.micro_batching}; rollout: {cfg.rollout_batch_size} "
                  f"prompts × {cfg.n_samples_per_prompt} samples in {cfg.num_steps_per_rollout} step(s) of "
                  f"{cfg.global_batch_size}; {'asynchronous' if cfg.async_rollout else 'synchronous'}")
 
@@ -152,10 +156,13 @@ class _Job:
             print(line, flush=True)
 
     def _weights(self) -> dict[str, torch.Tensor] | None:
-        """The full weights on the driver (collective on the exporting TP group); None elsewhere."""
+        """The full weights on the driver (collective on the exporting ranks: each stage's TP group, then the
+        stages' gather to the first); None elsewhere."""
+        from slime_corr.mcore.pipeline import gather_stages
+
         if not _is_exporting_rank():
             return None
-        weights = self.policy.full_weights()
+        weights = gather_stages(self.policy.full_weights())
         return weights if self.is_driver else None
 
     # ------------------------------------------------------------------ the loop
@@ -221,11 +228,17 @@ class _Job:
         cfg = self.cfg
         start = time.perf_counter()
         shards = rollout_shards(samples, cfg.n_samples_per_prompt, cfg.num_steps_per_rollout, cfg.data_parallel_size,
-                                cfg.grpo_std_normalization) if self.is_driver else None
+                                cfg.grpo_std_normalization, micro_batch_size=cfg.micro_batch_size,
+                                max_tokens=cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None,
+                                cp_size=cfg.context_parallel_size) if self.is_driver else None
+        if shards is not None:
+            record.micro_batches = [len(step) for step in shards[0].steps]
+            record.empty_micro_batches = [sum(not mb for shard in shards for mb in shard.steps[k])
+                                          for k in range(len(record.micro_batches))]
         shard = scatter_shards(shards, self.dp_rank_of)
-        micro_batches = build_micro_batches(shard, cfg.micro_batch_size, first_step,
-                                            cp_rank=ps.get_context_parallel_rank(), cp_size=cfg.context_parallel_size,
-                                            pad_token_id=self.policy.pad_token_id)
+        micro_batches = build_micro_batches(shard, first_step, cp_rank=ps.get_context_parallel_rank(),
+                                            cp_size=cfg.context_parallel_size, pad_token_id=self.policy.pad_token_id,
+                                            packed=cfg.use_dynamic_batch_size)
         record.data = time.perf_counter() - start
         results, times = self.updater.train_rollout(micro_batches)
         record.prepare, record.train, record.loss = times.prepare, times.steps, times.loss
@@ -278,6 +291,8 @@ class _Job:
                        "perf/rollout_time": record.rollout_wait, "perf/prepare_time": record.prepare,
                        "perf/data_time": record.data, "perf/weight_sync_time": record.weight_sync,
                        "perf/checkpoint_time": record.checkpoint,
+                       "perf/micro_batches": float(record.micro_batches[k]),
+                       "perf/empty_micro_batches": float(record.empty_micro_batches[k]),
                        **diagnostic_metrics(result.diagnostics)}
             self.logger.log(step, metrics)
             if result.diagnostics.top:

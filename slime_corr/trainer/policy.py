@@ -108,7 +108,8 @@ def build_policy(config: TrainerConfig, *, with_reference: bool) -> Policy:
     from slime_corr.mcore.model import build_tiny_gpt, emulated_cp_forward, single_rank_groups
     from slime_corr.mcore.params import full_named_tensors
 
-    forward = emulated_cp_forward if config.context_parallel_size > 1 else default_model_forward
+    emulated = config.context_parallel_size > 1 or config.use_dynamic_batch_size  # CP / THD attention on CPU
+    forward = emulated_cp_forward if emulated else default_model_forward
     if config.model_source.is_pretrained:
         return _pretrained_policy(config, forward, with_reference)
 

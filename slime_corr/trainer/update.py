@@ -1,10 +1,15 @@
 """The update loop: several optimizer steps on one rollout, through Megatron's schedule and the loss hook.
 
-A rollout's micro-batches (this rank's) go into ONE `RolloutStepIterator`; each optimizer step runs Megatron's
-`forward_backward_func` over the next `num_microbatches` of them with `hook.forward_step`. At the rollout's first
-step the hook runs one forward-only pass over ALL the rollout's micro-batches (lp_old in decoupled mode, the
-reference log-probs for the KL term), so the later steps train π_θ ≠ π_old (PPO clipping, `ois` and `pg_clipfrac`
-act); in bypass mode lp_old is lp_rollout at every step.
+Before a rollout's first step, ONE forward-only pass over ALL the rollout's micro-batches (`hook.prepare_rollout`:
+lp_old in decoupled mode, the reference log-probs for the KL term; under pipeline parallelism Megatron's pipelined
+forward-only schedule), so the later steps train π_θ ≠ π_old (PPO clipping, `ois` and `pg_clipfrac` act); in
+bypass mode lp_old is lp_rollout at every step. Then each optimizer step runs Megatron's `forward_backward_func`
+over its micro-batches (`hook.train_step`, which also computes the step's `--tis-batch-normalize` mean); packed
+steps may have different numbers of micro-batches, the same on every DP rank.
+
+Under pipeline parallelism the loss, its metrics and the diagnostics exist on the last stage: `train_rollout`
+hands them to every stage of the pipeline (one object broadcast per rollout), so the driver (rank 0, first stage)
+logs them.
 
 Baselines after rejection (decoupled mode with rejection sampling or the veto): the rejection of a sequence is
 decided by lp_old vs lp_rollout, known after that pass and before any update. A rejected sequence is then taken out
@@ -26,27 +31,30 @@ from torch import Tensor
 
 from slime_corr.correction.diagnostics import DiagnosticsResult
 from slime_corr.mcore.compat import get_forward_backward_func
+from slime_corr.mcore.context_parallel import batch_segments
 from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
 from slime_corr.mcore.params import optimizer_step
-from slime_corr.mcore.rollout_steps import RolloutStepIterator
+from slime_corr.mcore.pipeline import from_last_stage
 from slime_corr.rollout.batching import group_advantages
 
 
 def rebaseline_rejected(hook: RolloutCorrectionLoss, micro_batches: Sequence[dict[str, Tensor]],
                         normalize_std: bool) -> int:
-    """Recompute the GRPO advantages of this rank's `micro_batches` (whole groups; `rewards`, `group_ids`) over the
-    sequences the correction keeps (`hook.kept_sequences`), in place. Returns how many trained sequences were
-    rejected, over all DP ranks."""
-    kept = [hook.kept_sequences(b) for b in micro_batches]
-    trained = torch.cat([(b["loss_mask"] > 0).any(-1) for b in micro_batches])
-    keep = torch.cat(kept)
+    """Recompute the GRPO advantages of this rank's `micro_batches` (whole groups; per sequence `rewards`,
+    `group_ids`, `trained`; padded or packed) over the sequences the correction keeps (`hook.kept_sequences`), in
+    place. Returns how many trained sequences were rejected, over all DP ranks."""
+    keep = torch.cat([hook.kept_sequences(b) for b in micro_batches])
+    trained = torch.cat([b["trained"] for b in micro_batches])
     adv = group_advantages(torch.cat([b["rewards"] for b in micro_batches]),
                            torch.cat([b["group_ids"] for b in micro_batches]), keep, normalize_std)
     start = 0
     for b in micro_batches:
-        rows = b["loss_mask"].shape[0]
-        b["advantages"] = adv[start:start + rows, None].to(b["advantages"].dtype) * b["loss_mask"]
-        start += rows
+        n = len(b["rewards"])
+        seg = batch_segments(b, hook.groups)
+        per_seq = adv[start:start + n]
+        per_token = seg.expand(per_seq) if seg is not None else per_seq[:, None]  # broadcast along each sequence
+        b["advantages"] = per_token.to(b["advantages"].dtype) * b["loss_mask"]
+        start += n
     rejected = (trained & ~keep).sum().to(torch.float64)
     dp = hook.groups.dp
     if dp is not None and torch.distributed.get_world_size(dp) > 1:
@@ -73,18 +81,13 @@ class StepResult:
 
 
 class Updater:
-    """Trains rollouts: `train_rollout(micro_batches)` yields each optimizer step's metrics."""
+    """Trains rollouts: `train_rollout(steps)` returns each optimizer step's metrics (see the module doc)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, hook: RolloutCorrectionLoss, *,
-                 num_microbatches: int, micro_batch_size: int, clip_grad: float,
-                 rebaseline: bool, normalize_std: bool) -> None:
+                 clip_grad: float, rebaseline: bool, normalize_std: bool) -> None:
         self.model, self.optimizer, self.hook = model, optimizer, hook
-        self.num_microbatches, self.micro_batch_size, self.clip_grad = num_microbatches, micro_batch_size, clip_grad
-        self.rebaseline, self.normalize_std = rebaseline, normalize_std
-        self.rejected = 0
-        self._prepared_at = 0.0
+        self.clip_grad, self.rebaseline, self.normalize_std = clip_grad, rebaseline, normalize_std
         self._loss_seconds = 0.0
-        hook.on_rollout_prepared = self._on_prepared
 
     def _forward_step(self, data_iterator: Any, model: torch.nn.Module) -> tuple[Tensor, Any]:
         """The hook's forward_step, with its loss function timed."""
@@ -99,34 +102,40 @@ class Updater:
 
         return logits, timed
 
-    def _on_prepared(self, micro_batches: Sequence[dict[str, Tensor]]) -> None:
-        self.rejected = rebaseline_rejected(self.hook, micro_batches, self.normalize_std) if self.rebaseline else 0
-        self._prepared_at = time.perf_counter()
+    def _prepare(self, micro_batches: list[dict[str, Tensor]]) -> int:
+        """The rollout's forward-only pass, then its baselines after rejection (on the loss's stage); returns the
+        rejected count there (0 elsewhere)."""
+        hook = self.hook
+        if hook.needs_old_log_probs or hook.needs_ref_log_probs:
+            hook.prepare_rollout(self.model, micro_batches)
+        if self.rebaseline and hook.groups.pp_last:  # lp_old and the advantages live on the last stage
+            return rebaseline_rejected(hook, micro_batches, self.normalize_std)
+        return 0
 
-    def train_rollout(self, micro_batches: list[dict[str, Tensor]]) -> tuple[list[StepResult], RolloutTimes]:
-        """Every step of one rollout (collective: every rank calls it with its micro-batches)."""
-        steps, rest = divmod(len(micro_batches), self.num_microbatches)
-        assert steps and not rest, (len(micro_batches), self.num_microbatches)
-        data = RolloutStepIterator([micro_batches], num_microbatches=self.num_microbatches)
-        fb = get_forward_backward_func()
+    def train_rollout(self, steps: list[list[dict[str, Tensor]]]) -> tuple[list[StepResult], RolloutTimes]:
+        """Every step of one rollout: `steps` holds each optimizer step's micro-batches of this rank (collective:
+        every rank calls it). Under PP every stage returns the last stage's results."""
         times, results = RolloutTimes(), []
-        for k in range(steps):
-            start = self._prepared_at = time.perf_counter()
+        start = time.perf_counter()
+        rejected = self._prepare([b for step in steps for b in step])
+        times.prepare = time.perf_counter() - start
+        fb = get_forward_backward_func()
+        for k, micro_batches in enumerate(steps):
+            start = time.perf_counter()
             self._loss_seconds = 0.0
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad(set_to_none=True)
-            losses = fb(forward_step_func=self._forward_step, data_iterator=data, model=self.model,
-                        num_microbatches=self.num_microbatches, seq_length=0, micro_batch_size=self.micro_batch_size,
-                        forward_only=False)
-            metrics = self.hook.reduce_step_metrics(losses)
-            metrics["grad_norm"] = optimizer_step(self.model, self.optimizer, self.clip_grad)
-            end = time.perf_counter()
-            if k == 0:
-                times.prepare = self._prepared_at - start
-                metrics["baseline_rejected_samples"] = float(self.rejected)
-            times.steps.append(end - start - (times.prepare if k == 0 else 0.0))
+            metrics = self.hook.train_step(self.model, micro_batches, forward_backward_func=fb,
+                                           recompute_old_log_probs=False, forward_step=self._forward_step)
+            norm = optimizer_step(self.model, self.optimizer, self.clip_grad)  # every stage steps
+            if metrics:  # the loss's stage (the last one under PP)
+                metrics["grad_norm"] = norm
+                if k == 0:
+                    metrics["baseline_rejected_samples"] = float(rejected)
+            times.steps.append(time.perf_counter() - start)
             times.loss.append(self._loss_seconds)
             results.append(StepResult(metrics, self.hook.last_diagnostics))
+        results, times.loss = from_last_stage((results, times.loss))
         return results, times
 
 

@@ -16,8 +16,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# (TP, CP, DP) layouts of 4 processes
-LAYOUTS_4 = ((1, 1, 4), (2, 1, 2), (1, 2, 2), (1, 4, 1), (2, 2, 1), (4, 1, 1))
 N_MB = 2  # micro-batches per step
 B_GLOBAL = 4  # rows of one global micro-batch (split over DP)
 S = 16  # divisible by 2 * CP for CP <= 4
@@ -65,11 +63,31 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any) -> None:
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
-def init_layout(tp: int, cp: int) -> None:
+def run_in_process(fn: Callable[..., Any], *args: Any) -> None:
+    """Run `fn(0, 1, *args)` as a one-rank gloo group in THIS process (no spawn: no import cost), then leave
+    torch.distributed and Megatron's parallel state as they were (uninitialized)."""
+    from megatron.core import parallel_state as ps
+
+    threads = torch.get_num_threads()
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
+    try:
+        _entry(0, 1, free_port(), fn, args)
+    finally:
+        ps.destroy_model_parallel()
+        torch.set_num_threads(threads)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def init_layout(tp: int, cp: int, pp: int = 1) -> None:
     from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                 pipeline_model_parallel_size=pp)
 
 
 # per (micro-batch, row) noise scale of lp_old and lp_rollout around the model's log-probs: 1e-4 rows pass the
@@ -105,6 +123,9 @@ def step_data(
         old = model_lp + noise * torch.randn(B_GLOBAL, S, generator=g, dtype=dtype)
         if k == CATASTROPHIC[0]:
             rollout[CATASTROPHIC[1], CATASTROPHIC[2]] += 12.0
+        # a reference policy's log-probs (KL term), from a generator of their own: the other entries stay as they were
+        ref = model_lp + 0.3 * torch.randn(B_GLOBAL, S, generator=torch.Generator().manual_seed(seed * 100 + k),
+                                           dtype=dtype)
         out.append(
             dict(
                 tokens=tokens,
@@ -114,6 +135,7 @@ def step_data(
                 rollout_log_probs=rollout * mask,
                 advantages=torch.randn(B_GLOBAL, 1, generator=g, dtype=dtype).expand(B_GLOBAL, S) * mask,
                 old_log_probs=old * mask,
+                ref_log_probs=ref,
             )
         )
     return out

@@ -88,13 +88,102 @@ def test_decoupled_loss_func_requires_old_log_probs():
         hook.loss_func(batch, torch.zeros(1, 4, 8))
 
 
-def test_loss_func_rejects_packed_micro_batches():
-    hook = RolloutCorrectionLoss(RolloutCorrectionConfig.preset("pg_is"), groups=ParallelGroups())
-    batch = dict(labels=torch.zeros(1, 4, dtype=torch.long), loss_mask=torch.ones(1, 4),
-                 rollout_log_probs=torch.zeros(1, 4), advantages=torch.zeros(1, 4),
-                 cu_seqlens=torch.tensor([0, 2, 4], dtype=torch.int32))
-    with pytest.raises(ValueError, match="packed"):
-        hook.loss_func(batch, torch.zeros(1, 4, 8))
+def _packed_and_padded(seed: int = 4):
+    """The same samples as one packed micro-batch and as a padded one (batching's layouts), with logits."""
+    from slime_corr.rollout.batching import build_micro_batch
+    from slime_corr.rollout.sample import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i, (p, r) in enumerate(((3, 5), (2, 1), (4, 0), (1, 7))):  # a length-1 and an empty response
+        lps = (-torch.rand(r, generator=g)).tolist()
+        samples.append(Sample(prompt_tokens=[1] * p, response_tokens=list(range(2, 2 + r)), rollout_log_probs=lps,
+                              index=i))
+    adv = [0.5, -1.0, 2.0, 1.5]
+    packed = build_micro_batch(samples, adv, packed=True, pad_to_multiple=2)
+    padded = build_micro_batch(samples, adv)
+    logits = torch.randn(*padded["labels"].shape, 10, generator=g, dtype=torch.float64)
+    starts = packed["cu_seqlens_padded"].tolist()
+    lengths = packed["cu_seqlens"].diff().tolist()
+    packed_logits = torch.zeros(1, starts[-1], 10, dtype=torch.float64)
+    for i, (a, n) in enumerate(zip(starts, lengths, strict=False)):
+        packed_logits[0, a:a + n] = logits[i, :n]
+    return packed, packed_logits, padded, logits
+
+
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_loss_func_on_a_packed_micro_batch_equals_padded(agg):
+    cfg = RolloutCorrectionConfig.preset("pg_is", loss_agg_mode=agg)
+    packed, packed_logits, padded, logits = _packed_and_padded()
+    s = padded["labels"].shape[-1]
+    out = []
+    for batch, lg in ((padded, logits), (packed, packed_logits)):
+        leaf = lg.clone().requires_grad_()
+        hook = RolloutCorrectionLoss(cfg, groups=ParallelGroups(), seq_length_for_norm=s)
+        loss_sum, count, report = hook.loss_func({k: v.double() if v.is_floating_point() else v
+                                                  for k, v in batch.items()}, leaf)
+        loss_sum.backward()
+        out.append((loss_sum, count, report, leaf.grad))
+    (ls_pad, n_pad, rep_pad, g_pad), (ls_pack, n_pack, rep_pack, g_pack) = out
+    torch.testing.assert_close(ls_pack, ls_pad, rtol=1e-12, atol=1e-14)
+    assert int(n_pack) == int(n_pad) == 3  # sequences with a response token
+    assert set(rep_pack) == set(rep_pad)
+    for key, value in rep_pad.items():
+        torch.testing.assert_close(rep_pack[key], value, rtol=1e-10, atol=1e-12, msg=key)
+    starts, lengths = packed["cu_seqlens_padded"].tolist(), packed["cu_seqlens"].diff().tolist()
+    for i, (a, n) in enumerate(zip(starts, lengths, strict=False)):
+        torch.testing.assert_close(g_pack[0, a:a + n], g_pad[i, :n], rtol=1e-12, atol=1e-14)
+    if agg == "seq-mean-token-sum-norm":  # a packed row has no padded length to normalize by
+        with pytest.raises(ValueError, match="pass seq_length_for_norm"):
+            RolloutCorrectionLoss(cfg, groups=ParallelGroups()).loss_func(
+                {k: v.double() if v.is_floating_point() else v for k, v in packed.items()}, packed_logits)
+
+
+def test_packed_batch_segments_are_the_thd_local_offsets():
+    """The core's segments of a CP rank's packed slice: sample i at [cu_seqlens_padded[i] / CP, ...); the slice
+    itself is compared with Megatron's own CP slicing in test_mcore_parallel.py (it needs a real CP group)."""
+    from slime_corr.mcore.context_parallel import batch_segments
+    from slime_corr.rollout.batching import build_micro_batch, cp_pad_multiple
+    from slime_corr.rollout.sample import Sample
+
+    samples = [Sample(prompt_tokens=list(range(1, 1 + n)), index=i) for i, n in enumerate((5, 1, 12, 6))]
+    for cp in (1, 2, 3):
+        packed = build_micro_batch(samples, packed=True, pad_to_multiple=cp_pad_multiple(cp))
+        starts = packed["cu_seqlens_padded"].tolist()
+        for r in range(cp):
+            groups = ParallelGroups(cp_size=cp, cp_rank=r)
+            mine = slice_batch_for_cp({**packed, "old_log_probs": packed["loss_mask"]}, groups)
+            assert mine["tokens"].shape == mine["old_log_probs"].shape == (1, starts[-1] // cp)
+            seg = batch_segments(mine, groups)
+            assert seg.offsets.tolist() == [a // cp for a in starts] and seg.num == len(samples)
+            # every sample's local tokens are its own: a prefix-free split of its span
+            for i, (a, b) in enumerate(zip(seg.offsets.tolist(), seg.offsets.tolist()[1:], strict=False)):
+                got = [t for t in mine["tokens"][0, a:b].tolist() if t]
+                assert set(got) <= set(samples[i].prompt_tokens)
+    assert batch_segments({"labels": torch.zeros(2, 4)}, ParallelGroups()) is None
+
+
+def test_packed_seq_params_and_the_default_forward():
+    from slime_corr.mcore.context_parallel import packed_seq_params
+    from slime_corr.mcore.loss_hook import default_model_forward
+
+    packed, _, padded, _ = _packed_and_padded()
+    params = packed_seq_params(packed)
+    assert params.qkv_format == "thd"
+    assert params.cu_seqlens_q.tolist() == params.cu_seqlens_kv.tolist() == [0, 8, 11, 15, 23]
+    assert params.cu_seqlens_q_padded.tolist() == [0, 8, 12, 16, 24] and params.max_seqlen_q == 8
+    assert params.cu_seqlens_q.dtype == torch.int32
+
+    class Recorder(torch.nn.Module):  # records what the forward passes to the model
+        def forward(self, **kwargs):
+            self.kwargs = kwargs
+            return kwargs["input_ids"]
+
+    model = Recorder()
+    default_model_forward(model, packed)
+    assert model.kwargs["packed_seq_params"].cu_seqlens_q_padded.tolist() == [0, 8, 12, 16, 24]
+    default_model_forward(model, padded)
+    assert "packed_seq_params" not in model.kwargs
 
 
 def test_bypass_loss_func_single_rank_matches_core():
@@ -398,3 +487,45 @@ def test_decoupled_normalization_prepass_is_reused_by_the_training_pass(preset, 
         assert torch.equal(out.correction.loss_mask, want.correction.loss_mask)
     hook.prepare_step(model, batches, recompute_old_log_probs=False)  # a new step replaces the stored results
     assert len(calls) == len(batches)
+
+
+# ---------------------------------------------------------------- pipeline parallelism: what fails, and how
+@pytest.mark.parametrize("preset,normalize", [("decoupled_token_is", False), ("pg_is", True)])
+def test_rollout_steps_under_pp_refuse_a_prepass_from_inside_the_schedule(preset, normalize):
+    """Inside pretrain() a step's pre-pass (lp_old, or the normalization mean over several micro-batches) would
+    be a second pipelined schedule started from within the running one: a clear error instead of a deadlock.
+    Bypass without normalization needs no pre-pass and runs."""
+    from slime_corr.mcore.rollout_steps import RolloutStepIterator
+
+    cfg = RolloutCorrectionConfig.preset(preset, tis_batch_normalize=normalize)
+    hook = RolloutCorrectionLoss(cfg, groups=ParallelGroups(pp_size=2), model_forward=_logits_forward)
+    model = _CountingModel()
+    model.scale = 1.0
+    with pytest.raises(NotImplementedError, match=r"under pipeline parallelism.*hook\.train_step"):
+        hook.next_micro_batch(RolloutStepIterator([_rollout(0, 2)], num_microbatches=2), model)
+    bypass = RolloutCorrectionLoss(RolloutCorrectionConfig.preset("pg_is"), groups=ParallelGroups(pp_size=2),
+                                   model_forward=_logits_forward)
+    batch = bypass.next_micro_batch(RolloutStepIterator([_rollout(0, 2)], num_microbatches=2), model)
+    assert model.forwards == 0 and "labels" in batch
+
+
+def test_pipeline_shapes_need_variable_seq_lengths_when_they_differ():
+    from megatron.core.transformer import TransformerConfig
+
+    from slime_corr.mcore.pipeline import check_pipeline_shapes
+
+    class Model(torch.nn.Module):
+        def __init__(self, variable: bool):
+            super().__init__()
+            self.config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
+            self.config.variable_seq_lengths = variable
+
+    same = [{"labels": torch.zeros(2, 8)}, {"labels": torch.zeros(2, 8)}]
+    different = [{"labels": torch.zeros(1, 12)}, {"labels": torch.zeros(1, 20)}]
+    check_pipeline_shapes(Model(False), same)
+    check_pipeline_shapes(Model(True), different)
+    check_pipeline_shapes([Model(True)], iter(different))
+    with pytest.raises(ValueError, match=r"micro-batches of shapes \[\(1, 12\), \(1, 20\)\].*variable_seq_lengths"):
+        check_pipeline_shapes(Model(False), different)
+    with pytest.raises(ValueError, match="a stream of micro-batches.*config.variable_seq_lengths = True"):
+        check_pipeline_shapes([Model(False)], iter(same))

@@ -24,7 +24,10 @@ Checked: loss, gradients and lp_old of every step equal a one-rank full-batch re
 the weights changing in between); the correction metrics are in Megatron's reduced loss dict, finite and equal to
 the reference; the non-ratio ones come exact from `hook.last_step_metrics`; training_log prints them; without
 --calculate-per-token-loss train_step fails with the clear error and no gradient; Megatron-LM's own IS flags
-with --use-tis fail at parse time naming both flags.
+with --use-tis fail at parse time naming both flags. At PP=2 (--pipeline-model-parallel-size 2, bypass mode: a
+decoupled step's lp_old pre-pass cannot start inside pretrain()'s running pipeline, see the loss hook): Megatron's
+1F1B schedule, the stages holding the reference's weights; loss, metrics and the log line on the last stage,
+an empty loss dict on the first; every stage's gradients equal the reference's.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import contextlib
 import dataclasses
 import io
 import math
+import re
 import sys
 from functools import partial
 
@@ -61,6 +65,7 @@ BASE_ARGV = [
     "--distributed-backend", "gloo", "--seed", "1234", "--no-persist-layer-norm", "--no-masked-softmax-fusion",
     "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
 ]
+PP_CASES = {"pg_is": ["--rollout-correction-preset", "pg_is"]}  # bypass: no pre-pass inside pretrain()
 CASES = {  # name -> slime_corr flags (decoupled mode: lp_old through RolloutStepIterator)
     "decoupled_token_is+normalize": ["--rollout-correction-preset", "decoupled_token_is", "--tis-batch-normalize"],
     "decoupled_seq_is_rs": ["--rollout-correction-preset", "decoupled_seq_is_rs",
@@ -108,34 +113,42 @@ def _parse(argv: list[str], extra_args_provider=None):
     return parse_and_validate_args(extra_args_provider=extra_args_provider or add_rollout_correction_args)
 
 
-def _init_parallel(args) -> None:
-    """The CPU substitute of initialize_megatron's distributed part: model parallel from the parsed sizes."""
+def _init_parallel(args, pipeline: bool = True) -> None:
+    """The CPU substitute of initialize_megatron's distributed part: model parallel from the parsed sizes
+    (`pipeline=False`: one stage, for the full reference model)."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+    ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size if pipeline else 1,
                                  context_parallel_size=args.context_parallel_size)
     torch.manual_seed(args.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
 
 
 def _gpt(config, args) -> torch.nn.Module:
+    """The GPTModel (this rank's pipeline stage of it) as a model_provider builds it."""
+    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     torch.manual_seed(args.seed)
     return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
                     vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
-                    position_embedding_type="learned_absolute", parallel_output=True).to(torch.float64)
+                    position_embedding_type="learned_absolute", parallel_output=True,
+                    pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                    ).to(torch.float64)
 
 
-def _model_config(args):
-    """Megatron-LM's model config from the flags; CP emulated (attention on the full sequence), float64."""
+def _model_config(args, full: bool = False):
+    """Megatron-LM's model config from the flags; CP emulated (attention on the full sequence), float64 (also
+    the activations pipeline stages exchange); `full`: one pipeline stage (the reference model)."""
     from megatron.training.arguments import core_transformer_config_from_args
 
     config = core_transformer_config_from_args(args)
-    return dataclasses.replace(config, context_parallel_size=1, params_dtype=torch.float64)
+    pp = 1 if full else config.pipeline_model_parallel_size
+    return dataclasses.replace(config, context_parallel_size=1, params_dtype=torch.float64,
+                               pipeline_dtype=torch.float64, pipeline_model_parallel_size=pp)
 
 
 def _build_model(args):
@@ -166,7 +179,7 @@ def _lp(model, b):
 def _rollout_data(args) -> list[list[dict]]:
     """Global micro-batches per rollout; lp_rollout = the initial model's log-probs + noise (some sequences are
     rejected by RS, IS weights are truncated) with uneven masks (CP ranks hold different token counts)."""
-    model = _gpt(_model_config(args), args)
+    model = _gpt(_model_config(args, full=True), args)
     g = torch.Generator().manual_seed(5)
     rollouts = []
     for r, steps in enumerate(ROLLOUTS):
@@ -184,7 +197,7 @@ def reference(cfg, args, rollouts):
     """One rank, full batch, torch.log_softmax: per step (loss, {param index: grad}, metrics, lp_old)."""
     from slime_corr.losses import compute_policy_loss
 
-    model = _gpt(_model_config(args), args)
+    model = _gpt(_model_config(args, full=True), args)
     out = []
     for batches in rollouts:
         with torch.no_grad():
@@ -215,8 +228,22 @@ def _local(b: dict, dp_rank: int, dp: int) -> dict:
     return local
 
 
-def _run(args, rollouts):
-    """pretrain()'s loop around Megatron-LM's real train_step and training_log, one iteration per step."""
+def _stage_param_names(model) -> list[str]:
+    """The reference model's name of each of this stage's parameters (in `parameters()` order): a stage numbers
+    its layers from 0."""
+    from megatron.core import parallel_state as ps
+
+    offset = ps.get_pipeline_model_parallel_rank() * (2 // ps.get_pipeline_model_parallel_world_size())
+    out = []
+    for name, _ in model.module.named_parameters():
+        layer = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
+        out.append(f"decoder.layers.{int(layer[1]) + offset}.{layer[2]}" if layer else name)
+    return out
+
+
+def _run(args, rollouts, weights=None):
+    """pretrain()'s loop around Megatron-LM's real train_step and training_log, one iteration per step.
+    `weights`: the reference model's initial weights by name, loaded into this pipeline stage."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.rerun_state_machine import RerunDataIterator
@@ -230,6 +257,10 @@ def _run(args, rollouts):
 
     config = config_from_args(args)
     model, model_config = _build_model(args)
+    if weights is not None:
+        with torch.no_grad():
+            for name, p in zip(_stage_param_names(model[0]), model[0].parameters(), strict=True):
+                p.copy_(weights[name])
     model_config.finalize_model_grads_func = finalize_model_grads  # as pretrain() sets them
     model_config.timers = get_timers()
     step_metrics: list[dict[str, float]] = []  # each step's, finalized when the next step starts
@@ -258,44 +289,60 @@ def _run(args, rollouts):
         results.append({k: v.item() for k, v in loss_dict.items()})
         logs.append(buf.getvalue())
     step_metrics.append(hook.pop_step_metrics())  # the last step's
-    return results, optimizer.grads, local_rollouts, step_metrics, logs, config
+    return results, optimizer.grads, local_rollouts, step_metrics, logs, config, _stage_param_names(model[0])
 
 
 def _check_case(name, flags, tag_prefix):
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from slime_corr.arguments import config_from_args
+
     args = _parse(BASE_ARGV + flags + ["--calculate-per-token-loss"])
-    _init_parallel(args)
+    _init_parallel(args, pipeline=False)  # the data and the reference: the full model
     tag = f"{tag_prefix} {name}"
     rollouts = _rollout_data(args)
-    results, grads, local_rollouts, step_metrics, logs, cfg = _run(args, rollouts)
-    refs = reference(cfg, args, rollouts)
+    refs = reference(config_from_args(args), args, rollouts)
+    full = _gpt(_model_config(args, full=True), args)
+    names = [n for n, _ in full.named_parameters()]
+    weights = dict(full.named_parameters())
+    _init_parallel(args)
+    pipelined = ps.get_pipeline_model_parallel_world_size() > 1
+    results, grads, local_rollouts, step_metrics, logs, cfg, stage_names = _run(args, rollouts,
+                                                                                weights if pipelined else None)
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     steps = [(r, i) for r, n in enumerate(ROLLOUTS) for i in range(n)]
-    assert len(results) == len(refs) == len(grads) == len(step_metrics) == len(steps), tag
-    for j, ((ref_loss, ref_grads, ref_metrics, ref_old), got, got_grads, pop) in enumerate(
-            zip(refs, results, grads, step_metrics, strict=True)):
+    last = ps.is_pipeline_last_stage()
+    assert len(results) == len(refs) == len(grads) == len(steps), tag
+    assert len(step_metrics) == (len(steps) if last else 1), tag
+    for j, ((ref_loss, ref_grads, ref_metrics, ref_old), got, got_grads) in enumerate(
+            zip(refs, results, grads, strict=True)):
         t = f"{tag} step {j}"
-        assert got["pg_loss"] == pytest.approx(ref_loss, rel=1e-6, abs=1e-9), t
-        for i, want in ref_grads.items():
+        for i, want_name in enumerate(stage_names):  # every stage's parameters
+            want = ref_grads[names.index(want_name)]
             err = (got_grads[i] - want).norm() / want.norm().clamp_min(1e-30)
-            assert err <= 1e-6, f"{t} param {i}: relative gradient error {err:.2e}"
+            assert err <= 1e-6, f"{t} {want_name}: relative gradient error {err:.2e}"
+        if not last:  # Megatron-LM: the loss dict and the metrics are on the last stage
+            assert got == {} and step_metrics == [{}], t
+            continue
+        pop = step_metrics[j]
+        assert got["pg_loss"] == pytest.approx(ref_loss, rel=1e-6, abs=1e-9), t
         corr = {k for k in got if k.startswith(("mismatch_", "mis_", "train_rollout", "rollout_"))}
         assert {"mismatch_kl", "mismatch_k3_kl", "mis_rejected_token_fraction"} <= corr, t
-        for k in corr | {"ppo_kl", "pg_clipfrac", "ois"}:
+        for k in corr | ({"ppo_kl", "pg_clipfrac", "ois"} & set(ref_metrics)):  # REINFORCE has no PPO terms
             assert got[k] == pytest.approx(ref_metrics[k], rel=1e-6, abs=1e-9), f"{t} {k}"
         assert all(v == v and abs(v) != float("inf") for v in got.values()), t
         for k in NON_RATIO_CHECKED:
             if k in ref_metrics:
                 assert pop[k] == pytest.approx(ref_metrics[k], rel=1e-6, abs=1e-9), f"{t} {k}"
         r, i = steps[j]
-        for k, want in enumerate(ref_old):  # lp_old: the weights at the rollout's first step
+        for k, want in enumerate(ref_old if not cfg.use_rollout_logprobs else []):  # lp_old: at the rollout's start
             b = local_rollouts[r][i * N_MB + k]
             want = _cp_slice({"x": local_rows(want, dp_rank, dp)})["x"]
             err = (b["old_log_probs"] - want).abs().max().item()
             assert err <= 1e-6, f"{t}: lp_old off by {err:.2e} (micro-batch {k})"  # a stale lp_old: ~1e-3
-        if ps.get_data_parallel_rank() == dp - 1 and ps.get_context_parallel_rank() == ps.get_context_parallel_world_size() - 1:
-            assert "mismatch_k3_kl:" in logs[j] and "pg_clipfrac:" in logs[j], logs[j]
+        if dist.get_rank() == dist.get_world_size() - 1:  # training_log prints on the last rank
+            assert "mismatch_k3_kl:" in logs[j] and "mis_rejected_seq_fraction:" in logs[j], logs[j]
 
 
 def _check_per_token_loss_required(layout_flags):
@@ -410,11 +457,14 @@ def _worker(rank: int, world: int) -> None:
         for name, case_flags in CASES.items():
             _check_case(name, flags + case_flags, layout)
         _check_per_token_loss_required(flags)
+    for name, case_flags in PP_CASES.items():
+        _check_case(name, ["--micro-batch-size", str(B_GLOBAL), "--pipeline-model-parallel-size", "2"] + case_flags,
+                    "PP=2")
     with tempfile.TemporaryDirectory() as tmp:
         tmp_dir = [tmp]
         dist.broadcast_object_list(tmp_dir, src=0)  # rank 0 writes the prompt file, every rank reads it
         _check_example(tmp_dir[0])
 
 
-def test_megatron_lm_train_step_with_the_hook_at_dp2_and_cp2():
+def test_megatron_lm_train_step_with_the_hook_at_dp2_cp2_and_pp2():
     spawn(_worker, 2)

@@ -16,9 +16,14 @@ from slime_corr.rollout.batching import (
     balance_across_dp,
     broadcast_micro_batch,
     build_micro_batch,
+    cp_pad_multiple,
+    empty_micro_batch,
     grpo_advantages,
     micro_batch_iterator,
+    pack_by_tokens,
+    slice_micro_batch_for_cp,
     split_for_dp,
+    thd_local_offsets,
     zigzag_slice,
 )
 from slime_corr.rollout.sample import Sample
@@ -58,13 +63,54 @@ def test_micro_batch_alignment_and_padding():
 def test_packed_batch():
     a, b = _s([1, 2], [3]), _s([4], [5, 6])
     mb = build_micro_batch([a, b], packed=True, pad_to_multiple=4)
-    assert mb["tokens"].tolist() == [[1, 2, 3, 4, 5, 6, 0, 0]]
-    assert mb["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 0, 1]]
-    assert mb["labels"].tolist() == [[2, 3, 0, 5, 6, 0, 0, 0]]  # never across a sample boundary
-    assert mb["loss_mask"].tolist() == [[0, 1, 0, 1, 1, 0, 0, 0]]
-    assert mb["cu_seqlens"].tolist() == [0, 3, 6]
-    with pytest.raises(ValueError, match="cp_size=2: a packed micro-batch .cu_seqlens. cannot be zig-zag sliced"):
-        next(micro_batch_iterator([a, b], 2, packed=True, cp_rank=0, cp_size=2))
+    assert mb["tokens"].tolist() == [[1, 2, 3, 0, 4, 5, 6, 0]]  # each sample padded to a multiple of 4
+    assert mb["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3]]
+    assert mb["labels"].tolist() == [[2, 3, 0, 0, 5, 6, 0, 0]]  # never across a sample boundary
+    assert mb["loss_mask"].tolist() == [[0, 1, 0, 0, 1, 1, 0, 0]]
+    assert mb["cu_seqlens"].tolist() == [0, 3, 6] and mb["cu_seqlens"].dtype == torch.int32
+    assert mb["cu_seqlens_padded"].tolist() == [0, 4, 8] and mb["cu_seqlens_padded"].dtype == torch.int32
+    plain = build_micro_batch([a, b], packed=True)
+    assert plain["tokens"].tolist() == [[1, 2, 3, 4, 5, 6]] and plain["cu_seqlens_padded"].tolist() == [0, 3, 6]
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 9), min_size=1, max_size=6), cp=st.integers(2, 4))
+def test_thd_partition_follows_megatron_per_sample_chunks(lengths, cp):
+    """Each CP rank holds, sample after sample, chunks r and 2·CP−1−r of the sample's padded span (Transformer
+    Engine's thd_get_partitioned_indices); the ranks together hold every position once; sample i starts at
+    cu_seqlens_padded[i] / CP locally. The per-sample comparison with Megatron's own zig-zag slicing is in
+    tests/mcore/test_mcore_units.py."""
+    samples = [_s([7] * n, [8], index=i) for i, n in enumerate(lengths)]
+    mb = build_micro_batch(samples, [1.0] * len(samples), packed=True, pad_to_multiple=cp_pad_multiple(cp))
+    cu = mb["cu_seqlens_padded"].tolist()
+    assert all((b - a) % (2 * cp) == 0 and b - a >= n + 1
+               for a, b, n in zip(cu, cu[1:], lengths, strict=False))
+    positions = torch.arange(cu[-1]).unsqueeze(0)
+    held = []
+    for r in range(cp):
+        local = slice_micro_batch_for_cp({**mb, "positions": positions}, r, cp, keys=("positions",))
+        idx = local["positions"][0].tolist()
+        want = []
+        for a, b in zip(cu, cu[1:], strict=False):
+            c = (b - a) // (2 * cp)
+            want += list(range(a + r * c, a + (r + 1) * c)) + list(range(a + (2 * cp - 1 - r) * c, a + (2 * cp - r) * c))
+        assert idx == want
+        assert thd_local_offsets(mb["cu_seqlens_padded"], cp).tolist() == [x // cp for x in cu]
+        assert local["cu_seqlens"] is mb["cu_seqlens"]  # the metadata describe the full row
+        held += idx
+    assert sorted(held) == list(range(cu[-1]))
+
+
+def test_thd_partition_rejects_unpadded_samples():
+    mb = build_micro_batch([_s([1, 2], [3]), _s([4], [5, 6])], packed=True)
+    with pytest.raises(ValueError, match=r"padded length must be a multiple of 2\*cp_size=4.*pad_to_multiple"):
+        slice_micro_batch_for_cp(mb, 0, 2)
+
+
+def test_empty_micro_batch_trains_nothing():
+    mb = empty_micro_batch(cp_size=2, pad_token_id=5)
+    assert mb["tokens"].shape == (1, 4) and mb["loss_mask"].sum() == 0 and mb["cu_seqlens_padded"].tolist() == [0, 4]
+    assert slice_micro_batch_for_cp(mb, 1, 2)["tokens"].shape == (1, 2)
 
 
 def test_grpo_advantages_against_numpy_reference():
@@ -131,6 +177,27 @@ def test_dp_balance_assigns_each_sample_once(lengths, dp):
     assert sorted(i for p in free for i in p) == list(range(n))
 
 
+@settings(max_examples=80, deadline=None)
+@given(sizes=st.lists(st.integers(1, 300), max_size=40), budget=st.integers(1, 400))
+def test_token_packing_keeps_items_whole_within_the_budget_first_fit(sizes, budget):
+    bins = pack_by_tokens(sizes, budget)
+    assert sorted(i for b in bins for i in b) == list(range(len(sizes)))  # every item once, whole
+    loads = [sum(sizes[i] for i in b) for b in bins]
+    for b, load in zip(bins, loads, strict=True):
+        assert b == sorted(b) and (load <= budget or len(b) == 1)  # over the budget: an item alone
+    assert [b[0] for b in bins] == sorted(b[0] for b in bins)
+    # first fit: no two micro-batches could have been one (so at most twice the fewest possible)
+    assert all(loads[i] + loads[j] > budget for i in range(len(bins)) for j in range(i + 1, len(bins)))
+
+
+def test_token_packing_fills_the_fullest_fit_first():
+    assert pack_by_tokens([5, 7, 3, 5], 10) == [[0, 3], [1, 2]]  # first fit decreasing: 7+3, 5+5
+    assert pack_by_tokens([12, 3], 10) == [[0], [1]]  # an item over the budget on its own
+    assert pack_by_tokens([], 10) == []
+    with pytest.raises(ValueError, match="budget=0"):
+        pack_by_tokens([1], 0)
+
+
 def test_split_for_dp_balances_tokens():
     samples = [_s([1] * n, [2]) for n in (50, 40, 30, 20, 10, 5, 5, 4)]
     shares = [split_for_dp(samples, r, 2) for r in range(2)]
@@ -152,8 +219,33 @@ def _bcast_worker(rank: int, world: int, port: int, q) -> None:
         src, group = (0, groups[0]) if rank == 0 else (1, groups[1])
         out = broadcast_micro_batch(_tp_batch(src) if rank == src else None, src=src, group=group)
         q.put((rank, {k: v.tolist() for k, v in out.items()}, {k: str(v.dtype) for k, v in out.items()}))
+        q.put((rank, _dp_materialize(rank), None))
     finally:
         dist.destroy_process_group()
+
+
+def _dp_materialize(rank: int) -> tuple[list[int], int]:
+    """Three DP ranks with a token budget: rank r's 3 groups (all of one length) fill r + 1 micro-batches; after
+    `materialize` over the DP group every rank runs 3 (the most any has), its own extra ones empty."""
+    import asyncio
+
+    from slime_corr.rollout.buffer import SampleBuffer
+    from slime_corr.rollout.data_iterator import BufferMicroBatchIterator, background_event_loop
+
+    n = (5, 9, 14)[rank]  # 3 groups of 2 samples of 1 + n tokens: 12, 20 or 30 per group -> 3, 2, 1 per micro-batch
+    groups = [[_s([1], [2] * n, reward=float(i), group=g, index=2 * g + i) for i in range(2)] for g in range(3)]
+    dp = dist.new_group([0, 1, 2])
+    with background_event_loop() as loop:
+        buffer = SampleBuffer(maxsize=6)
+
+        async def put_all():
+            for g in groups:
+                await buffer.put_group(g)
+
+        asyncio.run_coroutine_threadsafe(put_all(), loop).result(timeout=10)
+        it = BufferMicroBatchIterator(buffer, loop, 6, 6, group_size=2, max_tokens_per_micro_batch=40, timeout=10)
+        batches = it.materialize(dp_group=dp)
+    return it.batch_sizes, len(batches)
 
 
 def test_tp_broadcast_with_gloo():
@@ -168,7 +260,12 @@ def test_tp_broadcast_with_gloo():
     procs = [ctx.Process(target=_bcast_worker, args=(r, 3, port, q)) for r in range(3)]
     for p in procs:
         p.start()
-    results = dict((r, (v, d)) for r, v, d in (q.get(timeout=120) for _ in procs))
+    results, materialized = {}, {}
+    for rank, v, d in (q.get(timeout=120) for _ in range(2 * len(procs))):
+        if d is None:
+            materialized[rank] = v
+        else:
+            results[rank] = (v, d)
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
@@ -178,3 +275,5 @@ def test_tp_broadcast_with_gloo():
         assert vals == {k: v.tolist() for k, v in expect.items()}
         assert dtypes == {k: str(v.dtype) for k, v in expect.items()}
     assert results[2][0] != results[0][0]
+    # token budget: every DP rank keeps 3 micro-batches, the most real ones any rank has
+    assert materialized == {0: ([6, 0, 0], 3), 1: ([4, 2, 0], 3), 2: ([2, 2, 2], 3)}

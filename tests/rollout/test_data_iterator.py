@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from slime_corr.mcore.context_parallel import zigzag_unslice
-from slime_corr.rollout.batching import build_micro_batch, grpo_advantages, slice_micro_batch_for_cp
+from slime_corr.rollout.batching import (
+    build_micro_batch,
+    cp_pad_multiple,
+    grpo_advantages,
+    packed_length,
+    slice_micro_batch_for_cp,
+)
 from slime_corr.rollout.buffer import SampleBuffer
 from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.data_iterator import BufferMicroBatchIterator, background_event_loop
@@ -156,3 +162,84 @@ def test_last_micro_batch_takes_what_is_left_of_the_step():
         assert len(it) == 2
         assert [b["tokens"].shape[0] for b in it] == [4, 2]
     assert [s.index for s in it.samples] == list(range(6)) and len(buffer) == 0
+
+
+def _group(g: int, response_lengths: list[int], prompt: int = 2) -> list[Sample]:
+    out = []
+    for i, n in enumerate(response_lengths):
+        s = Sample(prompt_tokens=[65] * prompt, group_id=g, index=10 * g + i)
+        s.append_segment(list(range(97, 97 + n)), [-0.25] * n, "v0")
+        s.status, s.reward = SampleStatus.COMPLETED, float(i)
+        out.append(s)
+    return out
+
+
+# groups of 2 samples; tokens per group (prompt 2 + response): 6, 8, 30 (> a budget of 14), 6, 8
+GROUPS = [[1, 1], [2, 2], [13, 13], [1, 1], [2, 2]]
+
+
+@pytest.mark.parametrize("cp_size", [1, 2])
+def test_token_budget_packs_whole_groups_up_to_n_tokens_in_arrival_order(cp_size):
+    """Next-fit by tokens: a micro-batch closes when the next group does not fit N·CP tokens (each sample padded
+    to 2·CP); the over-long group gets one of its own; every micro-batch equals batching's packed micro-batch of
+    its samples with the whole step's advantages (CP-sliced); empty micro-batches fill up to len() = groups."""
+    groups = [_group(g, lens) for g, lens in enumerate(GROUPS)]
+    budget = 14  # per GPU: N·CP per micro-batch
+    with background_event_loop() as loop:
+        buffer = SampleBuffer(maxsize=2)  # one group at a time: the rollout waits for the trainer
+        feeder = asyncio.run_coroutine_threadsafe(_put_all(buffer, groups), loop)
+        it = BufferMicroBatchIterator(buffer, loop, 10, 10, group_size=2, cp_size=cp_size,
+                                      max_tokens_per_micro_batch=budget, timeout=10)
+        assert len(it) == 5
+        batches = list(it)
+        feeder.result(timeout=10)
+    spans = [[packed_length(s.total_length, cp_size) for s in g] for g in groups]
+    expected, current, tokens = [], [], 0
+    for g, sp in zip(groups, spans, strict=True):  # the reference next-fit
+        if current and tokens + sum(sp) > budget * cp_size:
+            expected.append(current)
+            current, tokens = [], 0
+        current, tokens = current + g, tokens + sum(sp)
+    expected.append(current)
+    assert it.batch_sizes == [len(b) for b in expected] + [0] * (5 - len(expected))
+    assert it.oversized_groups == 1 and it.num_empty == 5 - len(expected)
+    assert [s.index for s in it.samples] == [s.index for g in groups for s in g]
+    advantages = dict(zip(map(id, it.samples), grpo_advantages(it.samples), strict=True))
+    for got, part in zip(batches, expected, strict=False):
+        want = build_micro_batch(part, [advantages[id(s)] for s in part], packed=True,
+                                 pad_to_multiple=cp_pad_multiple(cp_size))
+        _assert_batches_equal(got, slice_micro_batch_for_cp(want, 0, cp_size))
+        if len(part) > 2:  # never more than the budget, except a group alone
+            assert want["tokens"].shape[1] <= budget * cp_size
+    for empty in batches[len(expected):]:
+        assert empty["loss_mask"].sum() == 0 and empty["cu_seqlens_padded"].tolist() == [0, 2 * cp_size if
+                                                                                         cp_size > 1 else 1]
+
+
+def test_token_budget_streams_a_micro_batch_before_the_rest_of_the_step_arrives():
+    groups = [_group(g, lens) for g, lens in enumerate([[1, 1], [2, 2], [1, 1], [1, 1]])]  # 6, 8, 6, 6 tokens
+    with background_event_loop() as loop:
+        buffer = SampleBuffer(maxsize=8)
+        _feed(loop, buffer, groups[:2])  # 6 + 8 tokens: the second does not fit a 12-token budget
+        it = BufferMicroBatchIterator(buffer, loop, 8, 8, group_size=2, max_tokens_per_micro_batch=12, timeout=10)
+        first = next(it)
+        assert first["cu_seqlens"].numel() == 3 and len(it.samples) == 2  # group 0, while groups 2-3 are not made
+        _feed(loop, buffer, groups[2:])
+        rest = it.materialize()
+    assert it.batch_sizes == [2, 2, 4, 0] and len(rest) == 2  # the trailing empty one is dropped
+
+
+def test_token_budget_is_checked():
+    with background_event_loop() as loop:
+        buffer = SampleBuffer(maxsize=2)
+        with pytest.raises(ValueError, match=r"max_tokens_per_micro_batch=0 \(--max-tokens-per-gpu\) must be positive"):
+            BufferMicroBatchIterator(buffer, loop, 4, 4, group_size=2, max_tokens_per_micro_batch=0)
+        # the iterator takes one group at a time: a buffer of one group is enough whatever micro_batch_size is
+        BufferMicroBatchIterator(buffer, loop, 8, 8, group_size=2, max_tokens_per_micro_batch=64)
+        with pytest.raises(ValueError, match="group_size=4 exceeds the buffer's maxsize=2"):
+            BufferMicroBatchIterator(buffer, loop, 8, 8, group_size=4, max_tokens_per_micro_batch=64)
+
+
+async def _put_all(buffer: SampleBuffer, groups: list[list[Sample]]) -> None:
+    for g in groups:
+        await buffer.put_group(g)

@@ -83,6 +83,10 @@ BAD = [
      "--rollout-max-response-len 8100: prompt (with up to 128 tokens of chat template) + response reach 8236"),
     (["--model", "smollm2-135m", "--hf-checkpoint", "/tmp"], {}, "both choose the model: give one"),
     (["--hf-checkpoint", "/nonexistent/llama"], {}, "--hf-checkpoint /nonexistent/llama: not a directory"),
+    (["--model", "smollm2-135m", "--pipeline-model-parallel-size", "2"], {"WORLD_SIZE": "2"},
+     "--pipeline-model-parallel-size 2: not supported yet with a pretrained model"),
+    (["--model", "smollm2-135m", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096"], {},
+     "--use-dynamic-batch-size: not supported yet with a pretrained model"),
     (["--model", "llama-7b"], {}, "argument --model: invalid choice: 'llama-7b'"),
     (["--task", "poetry"], {}, "argument --task: invalid choice: 'poetry'"),
 ]

@@ -1,13 +1,17 @@
 """The main job through its real entry point: one process (`python -m slime_corr.main`) and torchrun with 2 and 4
-processes (DP=2, TP=2, CP=2, TP=2×DP=2), real embedded engine on loopback, real gloo groups, real Megatron schedule.
+processes (DP=2 packed, TP=2, CP=2 packed, PP=2, TP=2×DP=2), real embedded engine on loopback, real gloo groups,
+real Megatron schedule (1F1B over gloo p2p under PP).
 
 Every run trains the same seed and batch in float64 (engine in float32) with decoupled PPO, sequence IS + RS, a KL
 term to the reference policy and an entropy bonus, 2 rollouts × 2 optimizer steps: the parallel runs must print
-from one rank, start one engine, and log the metrics of the one-process run. The same command twice gives the same
-metrics; a run saved after step 2 and resumed logs steps 3–4 as the uninterrupted run does; the asynchronous loop
-samples one step behind and the bypass correction measures that lag.
+from one rank, start one engine, and log the metrics of the one-process run (padded micro-batches of 2 samples):
+also with packed micro-batches (`--use-dynamic-batch-size --max-tokens-per-gpu`, whole GRPO groups, DP ranks filled
+up with empty micro-batches to equal counts) and at PP=2 (saving a checkpoint after each rollout, which must not
+change the run). The same command twice gives the same metrics; a run saved after each rollout logs what the
+uninterrupted run logs, and resumed from step 2 logs steps 3–4 as it does; the asynchronous loop samples one step
+behind and the bypass correction measures that lag.
 
-CI cost: 5 one-process runs (~8 s each) and 4 torchrun launches (~12–20 s each), about 1.5–2 minutes here.
+CI cost: 5 one-process runs (~8 s each) and 5 torchrun launches (~12–20 s each), about 2 minutes here.
 """
 
 from __future__ import annotations
@@ -23,14 +27,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = ["--rollout-correction-preset", "decoupled_seq_is_rs", "--num-rollout", "2", "--num-steps-per-rollout", "2",
-          "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--micro-batch-size", "2",
+          "--rollout-batch-size", "8", "--n-samples-per-prompt", "4", "--micro-batch-size", "2",
           "--rollout-max-response-len", "8", "--params-dtype", "float64", "--engine-dtype", "float32",
           "--kl-loss-coef", "0.01", "--kl-loss-type", "k3", "--entropy-coef", "0.001", "--rollout-progress", "none",
           "--seed", "7"]
+PACKED = ["--use-dynamic-batch-size", "--max-tokens-per-gpu"]
 LAYOUTS = {  # name: (processes, flags)
-    "dp2": (2, []),
+    # 2 groups of 68 or 72 tokens per DP rank and step: 140 tokens hold both on one rank and not on the other
+    "dp2_packed": (2, [*PACKED, "140"]),
     "tp2": (2, ["--tensor-model-parallel-size", "2"]),
-    "cp2": (2, ["--context-parallel-size", "2"]),
+    "cp2_packed": (2, ["--context-parallel-size", "2", *PACKED, "80"]),
+    "pp2": (2, ["--pipeline-model-parallel-size", "2", "--save-interval", "1"]),
     "tp2_dp2": (4, ["--tensor-model-parallel-size", "2"]),
 }
 
@@ -99,6 +106,7 @@ def test_several_updates_per_rollout_make_clipping_act(reference):
     assert [steps[k]["rollout/staleness_mean"] for k in (1, 2, 3, 4)] == [0, 1, 0, 1]
     assert steps[2]["diag/lag/1/token_frac"] == 1.0
     assert reference["out"].count("embedded engines") == 1
+    assert all(s["perf/micro_batches"] == 8 and s["perf/empty_micro_batches"] == 0 for s in steps.values())
 
 
 def test_the_same_command_twice_gives_the_same_metrics(reference, tmp_path):
@@ -109,9 +117,11 @@ def test_the_same_command_twice_gives_the_same_metrics(reference, tmp_path):
 
 def test_a_resumed_run_continues_as_the_uninterrupted_one(reference, tmp_path):
     ckpt = tmp_path / "ckpt"
-    first = launch(tmp_path / "first", "--num-rollout", "1", "--save", str(ckpt), "--save-interval", "1")
-    assert sorted(first["steps"]) == [1, 2] and (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2\n"
-    resumed = launch(tmp_path / "resumed", "--load", str(ckpt))
+    first = launch(tmp_path / "first", "--save", str(ckpt), "--save-interval", "1")
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "4\n"
+    assert {s: compared(r) for s, r in first["steps"].items()} == \
+        {s: compared(r) for s, r in reference["steps"].items()}  # saving after rollout 1 changed nothing
+    resumed = launch(tmp_path / "resumed", "--load", str(ckpt), "--ckpt-step", "2")
     assert "resumed from" in resumed["out"] and "rollout 1, step 2" in resumed["out"]
     assert sorted(resumed["steps"]) == [3, 4]
     assert {s: compared(r) for s, r in resumed["steps"].items()} == \
@@ -121,6 +131,8 @@ def test_a_resumed_run_continues_as_the_uninterrupted_one(reference, tmp_path):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_torchrun_layouts_train_like_one_process(layout, reference, tmp_path):
     nproc, flags = LAYOUTS[layout]
+    if "--save-interval" in flags:
+        flags = [*flags, "--save", str(tmp_path / "ckpt")]
     run = launch(tmp_path / layout, *flags, nproc=nproc)
     out = run["out"]
     assert re.findall(r"^step (\d+):", out, re.M) == ["1", "2", "3", "4"], out  # one console
@@ -128,6 +140,13 @@ def test_torchrun_layouts_train_like_one_process(layout, reference, tmp_path):
     assert f"({nproc} process(es))" in out
     assert_same_metrics(run["steps"], reference["steps"], layout)
     assert run["steps"][2]["train/pg_clipfrac"] > 0
+    steps = run["steps"].values()
+    if "packed" in layout:  # fewer micro-batches than padded; DP ranks equal, filled up with empty ones
+        assert "micro-batches: packed" in out
+        assert all(s["perf/micro_batches"] < 8 for s in steps)
+        assert any(s["perf/empty_micro_batches"] > 0 for s in steps) == layout.startswith("dp2"), layout
+    if layout == "pp2":
+        assert "PP=2" in out and (tmp_path / "ckpt" / "iter_0000002" / "metadata.json").is_file()
 
 
 def test_async_rollout_samples_one_step_behind_and_the_correction_sees_it(tmp_path):

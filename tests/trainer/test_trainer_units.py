@@ -1,6 +1,7 @@
 """The trainer's pieces on their own (no process launch): every bad run flag is refused at parse time with the
 flag's name, GRPO advantages with and without std normalization and with rejected samples left out of their group,
-the DP plan (whole groups, token-balanced), weight lags, and the KL / entropy loss terms against hand formulas."""
+the DP plan (whole groups, token-balanced) and its micro-batches (padded, or packed by a token budget with equal
+counts on every DP rank), weight lags, and the KL / entropy loss terms against hand formulas."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from slime_corr.rollout.batching import group_advantages, grpo_advantages
 from slime_corr.rollout.sample import Sample, SampleStatus
 from slime_corr.trainer.config import TrainerConfig
 from slime_corr.trainer.data import (
+    RankShard,
     build_micro_batches,
+    plan_micro_batches,
     plan_rollout,
     rollout_shards,
     token_lags,
@@ -40,7 +43,13 @@ BAD_FLAGS = [
     (["--lr", "-0.001"], "--lr -0.001 must be a finite number > 0"),
     (["--lr", "nan"], "--lr nan must be a finite number > 0"),
     (["--n-samples-per-prompt", "1"], "--n-samples-per-prompt 1: GRPO"),
-    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2: pipeline parallelism is not"),
+    (["--pipeline-model-parallel-size", "2"], "× --pipeline-model-parallel-size 2: launch TP × CP × PP × DP"),
+    (["--use-dynamic-batch-size"], "--use-dynamic-batch-size needs --max-tokens-per-gpu N"),
+    (["--max-tokens-per-gpu", "512"], "--max-tokens-per-gpu 512 only applies to packed micro-batches: add "
+                                      "--use-dynamic-batch-size"),
+    (["--use-dynamic-batch-size", "--max-tokens-per-gpu", "0"], "--max-tokens-per-gpu 0 must be an integer >= 1"),
+    (["--use-dynamic-batch-size", "--max-tokens-per-gpu", "200"], "--max-tokens-per-gpu 200: a GRPO group "
+                                                                  "(--n-samples-per-prompt 8 samples"),
     (["--tensor-model-parallel-size", "2"], "1 processes (WORLD_SIZE) are not a multiple of --tensor-model"),
     (["--global-batch-size", "5"], "--global-batch-size 5 × --num-steps-per-rollout 4 must equal"),
     (["--num-steps-per-rollout", "8", "--rollout-batch-size", "4"], "--global-batch-size 4 must be a multiple of "
@@ -94,6 +103,23 @@ def test_the_default_run_parses_and_derives_slimes_batch_arithmetic():
         (2, 8, 4, 2)
     with pytest.raises(ConfigError, match="--kl-loss-type"):
         LossTermsConfig(kl_loss_type="kl")
+
+
+def test_pipeline_and_packing_flags_are_checked_against_the_model_and_the_batch():
+    from slime_corr.mcore.model import TinyGPTArgs
+
+    pp = TrainerConfig(world_size=2, pipeline_model_parallel_size=2, micro_batch_size=2,
+                       model=TinyGPTArgs(num_layers=4, vocab_size=256))
+    assert (pp.data_parallel_size, pp.num_microbatches) == (1, 4)
+    with pytest.raises(ConfigError, match="--pipeline-model-parallel-size 2 must divide --num-layers 3"):
+        TrainerConfig(world_size=2, pipeline_model_parallel_size=2, model=TinyGPTArgs(num_layers=3, vocab_size=256))
+    # packed: --micro-batch-size is not used; the budget must hold a group: 8 samples of 16 + 12 tokens, padded
+    # to 2·CP = 4 under CP=2 -> 224 tokens, 112 per GPU
+    packed = TrainerConfig(world_size=2, context_parallel_size=2, micro_batch_size=3, use_dynamic_batch_size=True,
+                           max_tokens_per_gpu=112)
+    assert packed.micro_batching == "packed, up to 112 tokens per GPU"
+    with pytest.raises(ConfigError, match="can take 224 tokens, 112 per GPU under --context-parallel-size 2"):
+        TrainerConfig(world_size=2, context_parallel_size=2, use_dynamic_batch_size=True, max_tokens_per_gpu=111)
 
 
 # ------------------------------------------------------------------------------------------------ advantages
@@ -168,19 +194,66 @@ def test_the_plan_keeps_groups_whole_and_balances_tokens_across_dp():
         assert abs(loads[0] - loads[1]) <= group_tokens[-1]  # greedy longest-first: within the largest group
 
 
+def _group_samples(response_lengths: list[list[int]]) -> list[Sample]:
+    """Groups of samples with a 2-token prompt and the given response lengths, trainable, rewards 0, 1, 0, ..."""
+    out = []
+    for gid, lengths in enumerate(response_lengths):
+        for j, n in enumerate(lengths):
+            out.append(Sample(prompt_tokens=[65, 66], response_tokens=[97] * n, rollout_log_probs=torch.full((n,), -1.0),
+                              reward=float(j % 2), group_id=gid, index=len(out), status=SampleStatus.COMPLETED))
+    return out
+
+
+def test_packed_micro_batches_hold_whole_groups_within_the_budget_and_equal_counts_across_dp():
+    # group tokens 10, 10, 10, 12 (2 samples of 5 or 6): DP rank 0 gets groups 2 and 3 (22 tokens), rank 1 groups
+    # 0 and 1 (20): with 20 tokens per micro-batch rank 1 needs one micro-batch, rank 0 two
+    samples = _group_samples([[3, 3], [3, 3], [3, 3], [4, 4]])
+    (parts,) = plan_rollout(samples, group_size=2, num_steps=1, dp_size=2)
+    assert [sorted({samples[i].group_id for i in p}) for p in parts] == [[2, 3], [0, 1]]
+    plan = plan_micro_batches(samples, parts, group_size=2, micro_batch_size=2, max_tokens=20)
+    assert plan == [[[4, 5], [6, 7]], [[0, 1, 2, 3], []]]  # rank 1 filled up with an empty micro-batch
+    # padded: micro_batch_size samples each, equal counts by construction
+    assert plan_micro_batches(samples, parts, 2, micro_batch_size=2) == [[[4, 5], [6, 7]], [[0, 1], [2, 3]]]
+    # under CP=2 every sample is padded to 4 (6 -> 8): 24 per group of 12, 20 for the others; 12 per GPU = 24
+    plan = plan_micro_batches(samples, parts, 2, micro_batch_size=2, max_tokens=12, cp_size=2)
+    assert plan == [[[4, 5], [6, 7]], [[0, 1], [2, 3]]]
+    # a larger rollout: every sample once, groups whole, budgets kept, counts equal, empties last
+    samples = _samples(8, 4, seed=3)
+    for parts in plan_rollout(samples, group_size=4, num_steps=2, dp_size=2):
+        plan = plan_micro_batches(samples, parts, 4, micro_batch_size=4, max_tokens=60)
+        assert len({len(mbs) for mbs in plan}) == 1
+        assert sorted(i for mbs in plan for mb in mbs for i in mb) == sorted(i for p in parts for i in p)
+        for mbs in plan:
+            sizes = [len(mb) for mb in mbs]
+            assert sizes == sorted(sizes, key=lambda n: n == 0)  # the empty ones at the end
+            for mb in filter(None, mbs):
+                groups = {samples[i].group_id for i in mb}
+                assert len(mb) == 4 * len(groups)  # whole groups
+                assert len(groups) == 1 or sum(samples[i].total_length for i in mb) <= 60
+
+
+def test_an_empty_micro_batch_trains_nothing_and_counts_no_sequence():
+    shard = RankShard(steps=[[[], []]])
+    (mbs,) = build_micro_batches(shard, first_step=0, packed=True, cp_size=2)
+    for b in mbs:
+        assert b["loss_mask"].sum() == 0 and b["trained"].tolist() == [False] and b["sample_ids"].tolist() == [-1]
+        assert b["group_ids"].tolist() == [-1] and b["cu_seqlens_padded"].tolist() == [0, 4]
+
+
 def test_micro_batches_carry_lag_ids_rewards_and_cp_slices():
     samples = _samples(2, 4)
     samples[2].weight_versions = [("step-1", 0, 1), ("step-3", 1, samples[2].response_length)]
     samples[5].status, samples[5].failure_reason = SampleStatus.FAILED, "test"
-    (shard,) = rollout_shards(samples, group_size=4, num_steps=1, dp_size=1)
-    mbs = build_micro_batches(shard, 4, first_step=5)
+    (shard,) = rollout_shards(samples, group_size=4, num_steps=1, dp_size=1, micro_batch_size=4)
+    (mbs,) = build_micro_batches(shard, first_step=5)
     assert [b["sample_ids"].tolist() for b in mbs] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     b = mbs[0]
     p = len(samples[2].prompt_tokens)
     assert b["weight_lag"][2, p - 1].item() == 4 and b["weight_lag"][2, p].item() == 2  # resumed across versions
     assert b["rewards"].tolist() == [0.0, 1.0, 0.0, 1.0]
     assert mbs[1]["loss_mask"][1].sum() == 0  # the failed sample stays, untrained
-    cp = build_micro_batches(shard, 4, first_step=5, cp_rank=1, cp_size=2)
+    assert mbs[1]["trained"].tolist() == [True, False, True, True]
+    (cp,) = build_micro_batches(shard, first_step=5, cp_rank=1, cp_size=2)
     assert cp[0]["tokens"].shape[1] * 2 == cp[0]["full_tokens"].shape[1] and "full_position_ids" in cp[0]
     assert cp[0]["weight_lag"].shape == cp[0]["loss_mask"].shape
     assert token_lags(samples[0], 3) == [0] * samples[0].response_length
@@ -246,15 +319,24 @@ def test_loss_terms_need_their_inputs():
 
 
 # ------------------------------------------------------------------------------------------------ rebaseline
-def test_rejected_sequences_leave_their_groups_baseline_before_the_update():
+def _per_sequence(batch: dict, key: str) -> list[torch.Tensor]:
+    """A micro-batch entry per sequence: the rows of a padded batch, the spans of a packed one."""
+    if "cu_seqlens" in batch:
+        cu = batch["cu_seqlens_padded"].tolist()
+        return [batch[key][0, a:e] for a, e in zip(cu, cu[1:], strict=False)]
+    return list(batch[key])
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_rejected_sequences_leave_their_groups_baseline_before_the_update(packed):
     from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
     from slime_corr.trainer.update import rebaseline_rejected
 
     samples = _samples(2, 4)
     for s, r in zip(samples, [1.0, 0.0, 0.9, 0.2, 0.3, 0.3, 0.8, 0.1], strict=True):
         s.reward = r
-    (shard,) = rollout_shards(samples, group_size=4, num_steps=1, dp_size=1)
-    mbs = build_micro_batches(shard, 4, first_step=0)
+    (shard,) = rollout_shards(samples, group_size=4, num_steps=1, dp_size=1, micro_batch_size=4)
+    (mbs,) = build_micro_batches(shard, first_step=0, packed=packed)
     for b in mbs:  # lp_old = lp_rollout (no mismatch) except one catastrophic token in sample 0
         b["old_log_probs"] = b["rollout_log_probs"].clone().double()
     p = len(samples[0].prompt_tokens)
@@ -266,8 +348,10 @@ def test_rejected_sequences_leave_their_groups_baseline_before_the_update():
     want = _reference_advantages([s.reward for s in samples], [s.group_id for s in samples],
                                  [i != 0 for i in range(8)], True)
     for b, rows in zip(mbs, (want[:4], want[4:]), strict=True):
-        got = [float(b["advantages"][i][b["loss_mask"][i] > 0][0]) for i in range(4)]
+        got = [float(a[m > 0][0]) for a, m in zip(_per_sequence(b, "advantages"), _per_sequence(b, "loss_mask"),
+                                                   strict=True)]
         assert got == pytest.approx(rows, rel=1e-6)
+        assert (b["advantages"][b["loss_mask"] == 0] == 0).all()
     assert torch.equal(mbs[1]["advantages"], before[1])  # the other group is untouched
     assert not torch.equal(mbs[0]["advantages"], before[0])
     with pytest.raises(ValueError, match="bypass"):
