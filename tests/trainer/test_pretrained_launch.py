@@ -90,7 +90,7 @@ def test_smollm2_trains_data_parallel_through_the_entry_point(tmp_path):
     for step, r in run["steps"].items():
         print(_summary(step, r))
     print(run_mismatch(run["steps"]))
-    assert "parallel: TP=1 CP=1 DP=2 (2 process(es))" in out
+    assert "parallel: TP=1 CP=1 PP=1 DP=2 (2 process(es))" in out
     assert "embedded engines (bfloat16; trainer in float32): 1 engine(s)" in out
     assert out.count("step 1:") == 1 and "weight sync (distributed): step-2 on 1 engine(s)" in out
     assert sorted(run["steps"]) == [1, 2]
@@ -122,7 +122,7 @@ def test_a_local_hf_checkpoint_trains_under_tp2_as_one_process(tmp_path):
     one = launch(tmp_path / "one", flags)
     tp2 = launch(tmp_path / "tp2", [*flags, "--tensor-model-parallel-size", "2"], nproc=2)
     print(tp2["out"][tp2["out"].index("parallel:"):])
-    assert "parallel: TP=2 CP=1 DP=1" in tp2["out"] and sorted(one["steps"]) == [1, 2, 3, 4]
+    assert "parallel: TP=2 CP=1 PP=1 DP=1" in tp2["out"] and sorted(one["steps"]) == [1, 2, 3, 4]
     assert all(r["train/grad_norm"] > 0 for r in one["steps"].values())
     worst = 0.0
     for step, want in one["steps"].items():

@@ -75,8 +75,8 @@ def _teacher_forced(policy, config, samples, step: int, micro_batch_size: int = 
     hook = RolloutCorrectionLoss(RolloutCorrectionConfig.preset("decoupled_seq_is_rs"),
                                  temperature=config.rollout_temperature, model_forward=policy.forward,
                                  loss_terms=LossTermsConfig(kl_loss_coef=0.1), ref_model=policy.reference)
-    shard = rollout_shards(samples, config.n_samples_per_prompt, 1, 1)[0]
-    batches = build_micro_batches(shard, micro_batch_size, step, pad_token_id=policy.pad_token_id)
+    shard = rollout_shards(samples, config.n_samples_per_prompt, 1, 1, micro_batch_size=micro_batch_size)[0]
+    batches = [b for per_step in build_micro_batches(shard, step, pad_token_id=policy.pad_token_id) for b in per_step]
     hook.prepare_rollout(policy.model, batches)
     pick = [(b["loss_mask"] > 0) for b in batches]
     return [torch.cat([b[k][m] for b, m in zip(batches, pick, strict=True)]).double()
