@@ -33,10 +33,10 @@ import aiohttp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import slime_corr.rollout.client as client_mod  # noqa: E402
+from slime_corr.engines.embedded.model import create_tiny_checkpoint, load_tiny_lm, save_checkpoint  # noqa: E402
+from slime_corr.engines.group import spawn_local_engine  # noqa: E402
 from slime_corr.rollout import protocol  # noqa: E402
 from slime_corr.rollout.client import SGLangClient  # noqa: E402
-from slime_corr.rollout.engine_group import spawn_local_engine  # noqa: E402
-from slime_corr.rollout.engine_model import create_tiny_checkpoint, load_tiny_lm, save_checkpoint  # noqa: E402
 from slime_corr.rollout.weight_sync import DistributedWeightSync, sync_weights_from_disk  # noqa: E402
 
 PROMPT = list(b"The quick brown fox ")

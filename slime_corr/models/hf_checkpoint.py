@@ -158,7 +158,7 @@ def load_hf_causal_lm(
 
 
 def load_engine_module(checkpoint_dir: str) -> nn.Module:
-    """Factory for the local engine (`rollout.engine_model.TorchEngineModel(checkpoint_dir,
+    """Factory for the local engine (`engines.embedded.model.TorchEngineModel(checkpoint_dir,
     factory=load_engine_module)`): the checkpoint's HF causal LM in fp32 (the engine casts it to its dtype), without
     KV cache (the engine recomputes each sequence), its config giving `vocab_size`, `eos_token_id` and
     `max_position_embeddings`; its weight names are the checkpoint's, as the trainer's export names them."""

@@ -24,8 +24,13 @@ import torch
 
 from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.control import ControlError
-from slime_corr.rollout.router import free_port
-from slime_corr.rollout.weight_group import FLATTENED_BUCKET, Bucket, WeightUpdateGroup, make_buckets
+from slime_corr.rollout.weight_group import (
+    FLATTENED_BUCKET,
+    Bucket,
+    WeightUpdateGroup,
+    free_port,
+    make_buckets,
+)
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2  # slime's --update-weight-buffer-size default
 

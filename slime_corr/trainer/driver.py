@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from slime_corr.engines.embedded.engine import start_local_engine
+from slime_corr.engines.embedded.model import ByteTokenizer, Tokenizer, TorchEngineModel
+from slime_corr.engines.group import start_engine_group
 from slime_corr.monitoring.progress import ProgressSampleBuffer, RolloutProgress
 from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.data_iterator import background_event_loop
-from slime_corr.rollout.engine_group import start_engine_group
-from slime_corr.rollout.engine_model import ByteTokenizer, Tokenizer, TorchEngineModel
-from slime_corr.rollout.local_engine import start_local_engine
 from slime_corr.rollout.rollout import RolloutReport, generate_group_samples, rollout_report
 from slime_corr.rollout.sample import Sample
 from slime_corr.rollout.sampling import mix_seed

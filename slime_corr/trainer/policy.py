@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from slime_corr.rollout.engine_model import ByteTokenizer, Tokenizer
+from slime_corr.engines.embedded.model import ByteTokenizer, Tokenizer
 from slime_corr.trainer.config import TrainerConfig
 
 WEIGHTS_FILE = "model.pt"

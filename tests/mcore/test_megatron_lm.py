@@ -400,10 +400,10 @@ def _check_example(tmp_dir: str) -> None:
     from megatron.training.training import train_step
 
     from slime_corr.arguments import config_from_args
+    from slime_corr.engines.embedded.engine import start_local_engine
+    from slime_corr.engines.embedded.model import create_tiny_checkpoint
     from slime_corr.mcore.compat import get_forward_backward_func
     from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
-    from slime_corr.rollout.engine_model import create_tiny_checkpoint
-    from slime_corr.rollout.local_engine import start_local_engine
 
     example = _load_example()
     prompts = f"{tmp_dir}/prompts.txt"

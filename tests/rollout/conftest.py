@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from slime_corr.rollout.engine_model import create_tiny_checkpoint
-from slime_corr.rollout.local_engine import start_local_engine
-from slime_corr.rollout.router import router_available
+from slime_corr.engines.embedded.engine import start_local_engine
+from slime_corr.engines.embedded.model import create_tiny_checkpoint
+from slime_corr.engines.router import router_available
 
 SGLANG_VERSION = "0.5.23"
 API_TYPES = "sglang/api/v1/api_types.py"

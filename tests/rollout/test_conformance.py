@@ -11,8 +11,8 @@ import json
 import aiohttp
 import pytest
 
+from slime_corr.engines.embedded.engine import start_local_engine
 from slime_corr.rollout.client import SGLangClient
-from slime_corr.rollout.local_engine import start_local_engine
 from slime_corr.rollout.protocol import SAMPLING_KEYS, build_generate_request
 
 from .fault_server import CODE, run_fault_server

@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
+from slime_corr.engines.embedded.model import load_tiny_lm, teacher_forced_logprobs
+from slime_corr.engines.group import spawn_local_engine, start_engine_group, use_router
 from slime_corr.rollout.client import SGLangClient
-from slime_corr.rollout.engine_group import spawn_local_engine, start_engine_group, use_router
-from slime_corr.rollout.engine_model import load_tiny_lm, teacher_forced_logprobs
 from slime_corr.rollout.rollout import generate_group_samples, rollout_report
 from slime_corr.rollout.sample import SampleStatus
 

@@ -12,17 +12,17 @@ import aiohttp
 import pytest
 import torch
 
-from slime_corr.rollout.client import GenerationError, SGLangClient
-from slime_corr.rollout.engine_model import (
+from slime_corr.engines.embedded.engine import start_local_engine
+from slime_corr.engines.embedded.model import (
     EngineModel,
     TorchEngineModel,
     load_tiny_lm,
     teacher_forced_logprobs,
 )
-from slime_corr.rollout.local_engine import start_local_engine
+from slime_corr.engines.embedded.sampling import sample_next_token
+from slime_corr.rollout.client import GenerationError, SGLangClient
 from slime_corr.rollout.rollout import generate_sample
 from slime_corr.rollout.sample import Sample, SampleStatus
-from slime_corr.rollout.sampling import sample_next_token
 
 PROMPT = [72, 101, 108, 108, 111, 32]
 
@@ -207,7 +207,7 @@ def test_client_disconnect_aborts_the_request(tiny_ckpt):
 def test_real_server_killed_mid_stream_samples_move_to_the_other_server(tiny_ckpt):
     """A real engine process is SIGKILLed while streaming: its samples are regenerated on the other server
     with new rids; every sample ends exactly once, complete, with a single consistent set of log-probs."""
-    cmd = [sys.executable, "-m", "slime_corr.rollout.local_engine", "--checkpoint", tiny_ckpt, "--fp32",
+    cmd = [sys.executable, "-m", "slime_corr.engines.embedded.engine", "--checkpoint", tiny_ckpt, "--fp32",
            "--step-delay", "0.05", "--threads", "1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:

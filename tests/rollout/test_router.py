@@ -14,11 +14,11 @@ import urllib.request
 import pytest
 import torch
 
+from slime_corr.engines.embedded.engine import start_local_engine
+from slime_corr.engines.embedded.model import load_tiny_lm, teacher_forced_logprobs
+from slime_corr.engines.group import start_engine_group
 from slime_corr.rollout.client import GenerationError, RetryPolicy, SGLangClient
 from slime_corr.rollout.control import ControlError
-from slime_corr.rollout.engine_group import start_engine_group
-from slime_corr.rollout.engine_model import load_tiny_lm, teacher_forced_logprobs
-from slime_corr.rollout.local_engine import start_local_engine
 from slime_corr.rollout.rollout import PausePolicy, generate_sample
 from slime_corr.rollout.sample import Sample, SampleStatus
 

@@ -13,12 +13,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from slime_corr.engines.embedded.engine import start_local_engine
+from slime_corr.engines.embedded.model import load_tiny_lm, save_checkpoint, teacher_forced_logprobs
 from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.control import ControlError
-from slime_corr.rollout.engine_model import load_tiny_lm, save_checkpoint, teacher_forced_logprobs
-from slime_corr.rollout.local_engine import start_local_engine
-from slime_corr.rollout.router import free_port
-from slime_corr.rollout.weight_group import FLATTENED_BUCKET, WeightUpdateGroup, bucket_layout, make_buckets
+from slime_corr.rollout.weight_group import (
+    FLATTENED_BUCKET,
+    WeightUpdateGroup,
+    bucket_layout,
+    free_port,
+    make_buckets,
+)
 from slime_corr.rollout.weight_sync import DistributedWeightSync
 
 PROMPT = [72, 101, 108, 108, 111, 32]

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
+from slime_corr.engines.embedded.model import ByteTokenizer
 from slime_corr.main import main, parse_run_config
-from slime_corr.rollout.engine_model import ByteTokenizer
 from slime_corr.trainer.config import PRETRAINED_LR
 from slime_corr.trainer.task import (
     ARITHMETIC_SYSTEM,

@@ -29,7 +29,6 @@ import contextlib
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,19 +38,14 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from slime_corr.rollout.weight_group import free_port
+
 ROUTER_MODULE = "sglang_router.launch_router"
 
 
 def router_available() -> bool:
     """sglang-router is installed (``pip install sglang-router``, in the ``dev`` and ``sglang`` extras)."""
     return importlib.util.find_spec("sglang_router") is not None
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

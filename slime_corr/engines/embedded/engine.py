@@ -2,9 +2,9 @@
 
 Used when no SGLang URL is given (laptops, CI). ``/generate`` (POST or PUT) takes token ids or ``text`` (encoded
 by the engine's tokenizer, byte-level by default), returns log-probs, streams SSE cumulative or incremental, and
-serves batches of prompts (the wire format: :mod:`.engine_requests`); the control endpoints (abort, pause /
+serves batches of prompts (the wire format: :mod:`.requests`); the control endpoints (abort, pause /
 continue, flush, weight updates from disk or over a process group, load / metrics / readiness for
-sglang-router) live in :mod:`.engine_control`.
+sglang-router) live in :mod:`.control`.
 
 Scheduling: every active request advances one token per step; a step runs the model on the batch (right-padded,
 no KV cache: the tiny model recomputes the prefix) in a worker thread. A request with ``sampling_seed`` is
@@ -30,13 +30,13 @@ from dataclasses import dataclass
 import torch
 from aiohttp import web
 
-from slime_corr.rollout.engine_control import (
+from slime_corr.engines.embedded.control import (
     HOLD_PAUSE,
     BadRequest,
     EngineControl,
     add_control_routes,
 )
-from slime_corr.rollout.engine_model import (
+from slime_corr.engines.embedded.model import (
     ByteTokenizer,
     EngineModel,
     Tokenizer,
@@ -44,8 +44,8 @@ from slime_corr.rollout.engine_model import (
     create_tiny_checkpoint,
     eos_ids,
 )
-from slime_corr.rollout.engine_requests import EngineRequest, EngineStats, parse_generate, response_payload
-from slime_corr.rollout.sampling import position_generator, sample_next_token
+from slime_corr.engines.embedded.requests import EngineRequest, EngineStats, parse_generate, response_payload
+from slime_corr.engines.embedded.sampling import position_generator, sample_next_token
 
 
 class LocalEngine:
@@ -384,7 +384,7 @@ def start_local_engine(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m slime_corr.rollout.local_engine [--checkpoint DIR] [--fp32]``: serve until interrupted.
+    """``python -m slime_corr.engines.embedded.engine [--checkpoint DIR] [--fp32]``: serve until interrupted.
 
     Prints ``READY <url>`` on stdout once listening on 127.0.0.1.
     """

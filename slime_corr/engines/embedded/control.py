@@ -26,7 +26,7 @@ from aiohttp import web
 from slime_corr.rollout.weight_group import FLATTENED_BUCKET, WeightUpdateGroup, dtype_from_name
 
 if TYPE_CHECKING:
-    from slime_corr.rollout.local_engine import LocalEngine
+    from slime_corr.engines.embedded.engine import LocalEngine
 
 VERSION = "0.5.23-slime-corr-local"
 HOLD_PAUSE, HOLD_MEMORY = "pause", "memory"  # why new requests are held (not admitted)

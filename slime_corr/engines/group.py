@@ -2,7 +2,7 @@
 balancing over the engines' URLs.
 
 :func:`start_engine_group` starts ``N`` engines with a factory (in-process engines from
-:func:`~slime_corr.rollout.local_engine.start_local_engine`, or engine processes from
+:func:`~slime_corr.engines.embedded.engine.start_local_engine`, or engine processes from
 :func:`spawn_local_engine`) and, when asked, a router in front of them. The trainer then talks to
 :attr:`EngineGroup.urls` with one :class:`~slime_corr.rollout.client.SGLangClient`: generation goes through the
 router (or is balanced by the client), control calls and weight updates reach every engine, and an engine that
@@ -23,7 +23,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from slime_corr.rollout.router import RouterHandle, router_available, start_router, stop_process
+from slime_corr.engines.router import RouterHandle, router_available, start_router, stop_process
 
 RouterChoice = Literal["auto", "on", "off"]
 
@@ -34,7 +34,7 @@ class _HasUrl(Protocol):
 
 @dataclass
 class EngineProcess:
-    """An engine in its own process (``python -m slime_corr.rollout.local_engine``): ``url``, ``proc``."""
+    """An engine in its own process (``python -m slime_corr.engines.embedded.engine``): ``url``, ``proc``."""
 
     url: str
     proc: subprocess.Popen
@@ -54,7 +54,7 @@ def spawn_local_engine(checkpoint_dir: str | None = None, *, fp32: bool = False,
 
     Stopped by its PID on exit (terminate, then kill).
     """
-    cmd = [sys.executable, "-m", "slime_corr.rollout.local_engine", "--threads", str(threads),
+    cmd = [sys.executable, "-m", "slime_corr.engines.embedded.engine", "--threads", str(threads),
            "--step-delay", str(step_delay), "--seed", str(seed), "--weight-version", weight_version, *extra_args]
     if checkpoint_dir is not None:
         cmd += ["--checkpoint", checkpoint_dir]

@@ -11,10 +11,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from slime_corr.rollout.engine_control import BadRequest
-from slime_corr.rollout.engine_model import EngineModel, Tokenizer
+from slime_corr.engines.embedded.control import BadRequest
+from slime_corr.engines.embedded.model import EngineModel, Tokenizer
+from slime_corr.engines.embedded.sampling import request_seed
 from slime_corr.rollout.protocol import SAMPLING_KEYS
-from slime_corr.rollout.sampling import request_seed
 
 # Accepted by the schema but not implemented by this engine: a request using them gets a 400, never a silent no-op.
 _UNSUPPORTED = ("stop_regex", "json_schema", "regex", "ebnf", "structural_tag", "beam_width", "watermark", "choice")

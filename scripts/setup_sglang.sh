@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Install the real SGLang server (sglang 0.5.23, from PyPI only) for CPU into its own environment, .venv-sglang/
+# (git-ignored; skipped when up to date), and print that environment's python. The trainer starts the servers with
+# it (`--rollout-engine sglang`); the CPU stand-ins it needs beyond PyPI live in slime_corr/engines/sglang_cpu/.
+#   bash scripts/setup_sglang.sh            # VENV=... to put it elsewhere
+# Why by hand: sglang pins torch==2.14.1, a CUDA build on PyPI. torch 2.13.0 (the CPU wheel) goes first, sglang
+# itself with --no-deps, then the pure-Python packages its server imports (measured in SGLANG_ON_CPU.md). Its GPU-only
+# dependencies (flashinfer, sgl-kernel, cuda-python, nvidia-*, flash-attn, torchvision, ...) are left out.
+# On a GPU machine use your own sglang install instead: `--sglang-python /path/to/python`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv-sglang}
+PY=${PYTHON:-python3}
+SGLANG_VERSION=0.5.23
+STAMP="$VENV/.slime_corr_sglang"
+PACKAGES=(
+  aiohttp anthropic blobfile build distro easydict einops fastapi gguf interegular IPython "llguidance>=1.7.6,<2"
+  "mistral_common>=1.11.5" msgspec ninja numpy openai==2.8.0 openai-harmony==0.0.4 orjson packaging
+  partial_json_parser pillow "prometheus-client>=0.20" psutil pybase64 pydantic "python-dateutil<3" python-multipart
+  "pyzmq>=25.1.2" regex requests scipy sentencepiece==0.2.1 setproctitle tiktoken tokenizers==0.23.2 tqdm
+  transformers==5.19.0 "uvicorn>=0.51" uvloop watchfiles xxhash zstandard triton==3.9.0 dill apache-tvm-ffi==0.1.11
+  compressed-tensors==0.18.0 xgrammar==0.2.7 soundfile==0.13.1 accelerate safetensors
+)
+stamp_id=$(printf '%s\n' "sglang==$SGLANG_VERSION" "${PACKAGES[@]}" | sha256sum | cut -d' ' -f1)
+if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$stamp_id" ]; then
+  echo "$VENV/bin/python"
+  exit 0
+fi
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip >&2 || true
+if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  "$VENV/bin/python" -m pip install -q "torch==2.13.0" >&2
+fi
+"$VENV/bin/python" -m pip install -q --no-deps "sglang==$SGLANG_VERSION" >&2
+"$VENV/bin/python" -m pip install -q "torch==2.13.0" "${PACKAGES[@]}" >&2
+echo "$stamp_id" > "$STAMP"
+echo "$VENV/bin/python"

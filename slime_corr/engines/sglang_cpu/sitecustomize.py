@@ -1,0 +1,49 @@
+"""What the real SGLang server (0.5.23) needs on a CPU-only machine beyond PyPI, in one place.
+
+This folder is put first on ``PYTHONPATH`` of the server by ``slime_corr.engines.sglang_server`` when it runs with
+``--device cpu``, so every process sglang starts (the HTTP server, the scheduler and the detokenizer it spawns)
+imports this file at start-up. No file of sglang is edited. It holds:
+
+- ``sgl_kernel/``: a stand-in for sglang's kernel package, whose CPU build is not on PyPI (PyPI's is CUDA-only). A
+  few sglang modules import CPU ops from it at module level and then take the torch path; the stand-in registers
+  no op, so ``cpu_has_amx_support()`` is False and every layer runs ``forward_native``. Calling an op raises.
+- ``torchvision/``: imported at module level by a vision-language config (``multimodal/internvl_utils.py``) that
+  text models never use; PyPI's torchvision is a CUDA build that fails to import beside CPU torch.
+- below: a "cpu" entry in ``sglang.srt.mem_cache.pool_host.common.ALLOC_MEMORY_FUNCS`` (host buffers, e.g. the
+  routed-experts capturer of ``--enable-return-routed-experts``), which otherwise falls back to pinning memory with
+  ``cudaHostRegister``. On CPU the buffer is plain host memory.
+"""
+
+import importlib.abc
+import importlib.machinery
+import sys
+
+_ALLOC_MODULE = "sglang.srt.mem_cache.pool_host.common"
+
+
+def _alloc_plain(dims, dtype, device, pin_memory=False, allocator=None, registration_granularity_bytes=None):
+    import torch
+
+    return torch.empty(dims, dtype=dtype, device="cpu")
+
+
+class _RegisterCpuAllocator(importlib.abc.MetaPathFinder):
+    """Adds the "cpu" allocator entry right after sglang's host-pool module is imported."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _ALLOC_MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_register(module):
+            exec_module(module)
+            module.ALLOC_MEMORY_FUNCS.setdefault("cpu", _alloc_plain)
+
+        spec.loader.exec_module = exec_and_register
+        return spec
+
+
+sys.meta_path.insert(0, _RegisterCpuAllocator())
