@@ -26,9 +26,10 @@ from collections.abc import Sequence
 
 from slime_corr.arguments import add_rollout_correction_args, parse_rollout_correction_config
 from slime_corr.config import ConfigError
+from slime_corr.engines.sglang_server import server_args
 from slime_corr.loss_terms import LossTermsConfig, add_loss_terms_args
 from slime_corr.monitoring.config import MonitoringConfig, add_monitoring_args
-from slime_corr.trainer.config import TrainerConfig, add_trainer_args
+from slime_corr.trainer.config import TrainerConfig, add_trainer_args, split_sglang_passthrough
 
 # megatron-core warns on every rank, at import, that TransformerEngine and apex are missing (expected on CPU)
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")
@@ -56,7 +57,9 @@ def parse_run_config(argv: Sequence[str] | None = None, *, check_urls: bool = Tr
     from slime_corr.trainer.loop import RunConfig
 
     parser = build_parser()
-    args, correction = parse_rollout_correction_config(parser, argv)
+    own, passthrough = split_sglang_passthrough(sys.argv[1:] if argv is None else argv)
+    args, correction = parse_rollout_correction_config(parser, own)
+    args.sglang_server_args = server_args(passthrough)
     try:
         trainer = TrainerConfig.from_args(args)
         loss_terms = LossTermsConfig.from_args(args)

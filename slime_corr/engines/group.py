@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from slime_corr.engines.router import RouterHandle, router_available, start_router, stop_process
@@ -34,15 +35,21 @@ class _HasUrl(Protocol):
 
 @dataclass
 class EngineProcess:
-    """An engine in its own process (``python -m slime_corr.engines.embedded.engine``): ``url``, ``proc``."""
+    """An engine in its own process (the embedded engine's ``python -m slime_corr.engines.embedded.engine``, or a
+    real SGLang server): ``url``, ``proc``, and where its output goes (``log_path``, None: inherited)."""
 
     url: str
     proc: subprocess.Popen
+    log_path: Path | None = None
 
     def kill(self) -> None:
-        """SIGKILL the engine (a crash: no goodbye to its clients), and reap it."""
+        """SIGKILL the engine and the processes of its group (a crash: no goodbye to its clients), and reap it."""
         if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                if os.getpgid(self.proc.pid) == self.proc.pid:  # it leads its own group (an SGLang server)
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                else:
+                    os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(30)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +37,8 @@ from slime_corr.models.hf_checkpoint import CheckpointError, check_tensor_parall
 from slime_corr.models.selection import ModelSource
 from slime_corr.trainer.task import TASKS
 
+ENGINE_KINDS = ("sglang", "embedded")  # slime_corr.engines.launch.ENGINE_KINDS (not imported: no engine code here)
+SGLANG_DTYPES = ("bfloat16", "float32")
 WEIGHT_SYNC_MODES = ("disk", "distributed")
 ROUTER_CHOICES = ("auto", "on", "off")
 ENGINE_DTYPES = ("bfloat16", "float32", "float64")
@@ -69,6 +72,9 @@ class TrainerConfig:
     rollout_temperature: float = 1.0
     async_rollout: bool = False
     sglang_url: tuple[str, ...] = ()
+    rollout_engine: str = "sglang"
+    sglang_python: str | None = None
+    sglang_server_args: tuple[str, ...] = ()  # slime's --sglang-X pass-through, as SGLang's own --X
     rollout_num_engines: int = 1
     rollout_router: str = "auto"
     rollout_weight_sync: str = "disk"
@@ -95,6 +101,7 @@ class TrainerConfig:
         if self.global_batch_size is None and self.rollout_batch_size > 0 and self.num_steps_per_rollout > 0:
             object.__setattr__(self, "global_batch_size", self.samples_per_rollout // self.num_steps_per_rollout)
         object.__setattr__(self, "sglang_url", tuple(self.sglang_url))
+        object.__setattr__(self, "sglang_server_args", tuple(self.sglang_server_args))
         self._validate()
 
     # ------------------------------------------------------------------ derived values
@@ -177,7 +184,8 @@ class TrainerConfig:
             if getattr(self, name) not in choices:
                 fail(f"--{_flag(name)} {getattr(self, name)!r} is not one of {', '.join(choices)}.")
         if self.sglang_url and self.rollout_num_engines != 1:
-            fail("--rollout-num-engines starts embedded engines; with --sglang-url the engines are yours: drop one.")
+            fail("--rollout-num-engines starts engines; with --sglang-url the engines are yours: drop one.")
+        self._check_engine()
         if self.task not in TASKS:
             fail(f"--task {self.task!r} is not one of {', '.join(TASKS)}.")
         if self.model_source.is_pretrained:
@@ -194,6 +202,24 @@ class TrainerConfig:
             fail("--ckpt-step selects a checkpoint of --load DIR: add --load.")
         if self.load:
             self._check_load()
+
+    def _check_engine(self) -> None:
+        if self.rollout_engine not in ENGINE_KINDS:
+            raise ConfigError(f"--rollout-engine {self.rollout_engine!r} is not one of {', '.join(ENGINE_KINDS)}.")
+        launched = not self.sglang_url and self.rollout_engine == "sglang"
+        passthrough = " ".join(self.sglang_server_args)
+        if self.sglang_url and (self.sglang_server_args or self.sglang_python):
+            what = passthrough or f"--sglang-python {self.sglang_python}"
+            raise ConfigError(f"{what}: these configure the SGLang servers the trainer launches; with --sglang-url "
+                              "the servers are yours (give them their flags when you start them): drop one.")
+        if not self.sglang_url and self.rollout_engine == "embedded" and (self.sglang_server_args
+                                                                           or self.sglang_python):
+            what = passthrough or f"--sglang-python {self.sglang_python}"
+            raise ConfigError(f"{what}: SGLang server flags, but --rollout-engine embedded starts no SGLang server; "
+                              "use --rollout-engine sglang, or drop them.")
+        if launched and self.engine_dtype not in SGLANG_DTYPES:
+            raise ConfigError(f"--engine-dtype {self.engine_dtype}: the SGLang server serves "
+                              f"{' or '.join(SGLANG_DTYPES)}; use --rollout-engine embedded for {self.engine_dtype}.")
 
     def _check_tiny_model(self) -> None:
         m = self.model
@@ -291,7 +317,7 @@ class TrainerConfig:
         defaults to WORLD_SIZE. `--task` and `--lr` default to the model's: lowercase and 1e-2 for the tiny one,
         arithmetic and PRETRAINED_LR for a pretrained one."""
         names = [f for f in cls.__dataclass_fields__ if f not in ("world_size", "model", "sglang_url", "model_source",
-                                                                  "task", "lr")]
+                                                                  "task", "lr", "sglang_server_args")]
         values = {n: getattr(args, n) for n in names}
         model = TinyGPTArgs(num_layers=args.num_layers, hidden_size=args.hidden_size,
                             num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size,
@@ -305,7 +331,8 @@ class TrainerConfig:
         task = args.task or ("arithmetic" if source.is_pretrained else "lowercase")
         lr = args.lr if args.lr is not None else PRETRAINED_LR if source.is_pretrained else cls.lr
         return cls(**values, world_size=world, sglang_url=tuple(args.sglang_url or ()), model=model,
-                   model_source=source, task=task, lr=lr)
+                   model_source=source, task=task, lr=lr,
+                   sglang_server_args=tuple(getattr(args, "sglang_server_args", None) or ()))
 
 
 def _flag(name: str) -> str:
@@ -365,8 +392,19 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="SGLang server or router URL (repeatable), checked at start-up. Default: embedded engines.")
 
     e = parser.add_argument_group(title="rollout engines")
+    e.add_argument("--rollout-engine", choices=ENGINE_KINDS, default=d.rollout_engine,
+                   help="Engines the trainer starts when no --sglang-url is given. sglang (default): real SGLang "
+                        "servers (installed by scripts/run.sh on CPU; a GPU machine's own sglang), sampling_seed "
+                        "honoured only under SGLang's deterministic inference (not on CPU), so two runs differ. "
+                        "embedded: this package's engine, bit-reproducible (the same command logs the same "
+                        "metrics), for tests and runs without SGLang.")
+    e.add_argument("--sglang-python", default=None,
+                   help="The Python that runs the SGLang servers (default: this one if it has sglang, else "
+                        ".venv-sglang/ from scripts/setup_sglang.sh).")
     e.add_argument("--rollout-num-engines", type=int, default=d.rollout_num_engines,
-                   help="Embedded engines to start (no --sglang-url); several sit behind sglang-router.")
+                   help="Engines to start (no --sglang-url); several sit behind sglang-router. Any other "
+                        "--sglang-X [VALUE] flag is passed to every SGLang server as its --X [VALUE] (slime's "
+                        "pass-through), e.g. --sglang-mem-fraction-static 0.5, --sglang-max-total-tokens 32768.")
     e.add_argument("--rollout-router", choices=ROUTER_CHOICES, default=d.rollout_router,
                    help="sglang-router in front of several engines: auto = when installed.")
     e.add_argument("--rollout-weight-sync", choices=WEIGHT_SYNC_MODES, default=d.rollout_weight_sync,
@@ -375,10 +413,35 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     e.add_argument("--update-weight-buffer-size", type=int, default=d.update_weight_buffer_size,
                    help="Bytes per bucket of the distributed weight sync.")
     e.add_argument("--engine-dtype", choices=ENGINE_DTYPES, default=d.engine_dtype,
-                   help="Numeric path of the embedded engines (bfloat16 gives a real mismatch with the trainer).")
+                   help="Dtype the engines serve in (SGLang's --dtype; bfloat16 gives a real mismatch with the fp32 "
+                        "trainer, float32 about 1e-5).")
     e.add_argument("--work-dir", default=None,
                    help="Where the engines' weight files go (default: a temporary folder).")
     return parser
 
 
-__all__ = ["TrainerConfig", "add_trainer_args"]
+KNOWN_SGLANG_FLAGS = ("--sglang-url", "--sglang-python")
+
+
+def split_sglang_passthrough(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(the trainer's own flags, slime's `--sglang-X [VALUE]` pass-through flags) of `argv`. A pass-through
+    flag's value is the next word unless that starts with `--` or the flag has `=VALUE`."""
+    own: list[str] = []
+    passthrough: list[str] = []
+    words = list(argv)
+    i = 0
+    while i < len(words):
+        word = words[i]
+        name = word.split("=", 1)[0]
+        if word.startswith("--sglang-") and name not in KNOWN_SGLANG_FLAGS:
+            passthrough.append(word)
+            if "=" not in word and i + 1 < len(words) and not words[i + 1].startswith("--"):
+                passthrough.append(words[i + 1])
+                i += 1
+        else:
+            own.append(word)
+        i += 1
+    return own, passthrough
+
+
+__all__ = ["TrainerConfig", "add_trainer_args", "split_sglang_passthrough"]

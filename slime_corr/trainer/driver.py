@@ -19,12 +19,10 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
 
-from slime_corr.engines.embedded.engine import start_local_engine
-from slime_corr.engines.embedded.model import ByteTokenizer, Tokenizer, TorchEngineModel
-from slime_corr.engines.group import start_engine_group
+from slime_corr.engines.embedded.model import ByteTokenizer, Tokenizer
+from slime_corr.engines.launch import EngineSpec, engine_device, start_engines
 from slime_corr.monitoring.progress import ProgressSampleBuffer, RolloutProgress
 from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.data_iterator import background_event_loop
@@ -46,7 +44,7 @@ class RolloutDriver:
 
     def __init__(self, config: TrainerConfig, engine_module: Callable[[str], Any], weights_dir: Path,
                  progress_mode: str = "auto", *, tokenizer: Any = None, engine_tokenizer: Tokenizer | None = None,
-                 served_model_name: str = "slime-corr-tiny") -> None:
+                 served_model_name: str = "slime-corr-tiny", log_dir: Path | None = None) -> None:
         self.config = config
         self.engine_module = engine_module
         self.task = TASKS[config.task]
@@ -54,6 +52,7 @@ class RolloutDriver:
         self.engine_tokenizer = engine_tokenizer
         self.served_model_name = served_model_name
         self.weights_dir = weights_dir
+        self.log_dir = log_dir if log_dir is not None else weights_dir.parent / "engine_logs"
         self.progress_mode = progress_mode
         self._stack = contextlib.ExitStack()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -79,19 +78,16 @@ class RolloutDriver:
             urls = list(cfg.sglang_url)
             self.description = f"SGLang at {', '.join(urls)}"
         else:
-            ckpt = save(weights, self.weights_dir / version)
-            dtype = getattr(torch, cfg.engine_dtype)
-
-            def make_engine(i: int) -> Any:
-                model = TorchEngineModel(ckpt, factory=self.engine_module, dtype=dtype)
-                return start_local_engine(ckpt, model=model, weight_version=version, tokenizer=self.engine_tokenizer,
-                                          served_model_name=self.served_model_name)
-
-            group = self._stack.enter_context(start_engine_group(cfg.rollout_num_engines, make_engine,
-                                                                 router=cfg.rollout_router))
+            spec = EngineSpec(kind=cfg.rollout_engine, num_engines=cfg.rollout_num_engines, router=cfg.rollout_router,
+                              dtype=cfg.engine_dtype, served_model_name=self.served_model_name, seed=cfg.seed,
+                              log_dir=self.log_dir, sglang_python=cfg.sglang_python, sglang_args=cfg.sglang_server_args,
+                              skip_tokenizer_init=self.engine_tokenizer is None, device=engine_device(),
+                              embedded_module=self.engine_module, tokenizer=self.engine_tokenizer)
+            group = self._stack.enter_context(start_engines(spec, save(weights, self.weights_dir / version), version))
             urls = group.urls
-            self.description = f"embedded engines ({cfg.engine_dtype}; trainer in {cfg.params_dtype}): " \
-                               f"{group.describe()}"
+            kind = "SGLang servers" if cfg.rollout_engine == "sglang" else "embedded engines"
+            logs = f"; logs in {self.log_dir}" if cfg.rollout_engine == "sglang" else ""
+            self.description = f"{kind} ({cfg.engine_dtype}; trainer in {cfg.params_dtype}): {group.describe()}{logs}"
         self.loop = self._stack.enter_context(background_event_loop())
         self.client = self._run(_open_client(urls))
         self._stack.callback(lambda: self._run(self.client.close()))  # type: ignore[union-attr]

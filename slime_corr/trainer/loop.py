@@ -142,7 +142,8 @@ class _Job:
             self.driver = stack.enter_context(RolloutDriver(
                 cfg, self.policy.engine_module, weights_dir, monitoring.rollout_progress,
                 tokenizer=self.policy.tokenizer, engine_tokenizer=self.policy.engine_tokenizer,
-                served_model_name=self.policy.name))
+                served_model_name=self.policy.name,
+                log_dir=self.logger.run_dir / "engine_logs" if self.logger.run_dir else None))
         self.say(f"metrics: {self.logger.run_dir / 'metrics.jsonl'}" if self.logger.run_dir else "")
         self.say(f"parallel: TP={cfg.tensor_model_parallel_size} CP={cfg.context_parallel_size} "
                  f"PP={cfg.pipeline_model_parallel_size} DP={cfg.data_parallel_size} ({cfg.world_size} process(es)); "

@@ -2,8 +2,9 @@
 the frozen reference policy (KL term), how to run it on a micro-batch, its tokenizer, and how the rollout engines
 serve it (the module, the weights they receive and the files they load them from).
 
-- The tiny Megatron GPTModel (`slime_corr.mcore.model`), byte tokens: the engines serve the same architecture
-  (`EngineGPT`), weights under the trainer's names in one `model.pt`.
+- The tiny Megatron GPTModel (`slime_corr.mcore.model`), byte tokens: the embedded engines serve the same
+  architecture (`EngineGPT`), weights under the trainer's names in one `model.pt`; SGLang serves it as the HF OPT
+  checkpoint it equals (`models.tiny_opt`: OPT names on disk and over the distributed sync).
 - A pretrained model (`--model smollm2-135m`, `--hf-checkpoint PATH`; `slime_corr.models`): mbridge builds the
   Megatron GPTModel from the HF checkpoint and exports its weights under HF names (TP shards gathered); the engines
   serve the HF model itself (`models.load_engine_module`) with the checkpoint's tokenizer and chat template, and
@@ -121,6 +122,14 @@ def build_policy(config: TrainerConfig, *, with_reference: bool) -> Policy:
         reference.requires_grad_(False)
     single_rank_groups()
     engine_args = dataclasses.replace(args, params_dtype=torch.float32)  # the engine casts to --engine-dtype
+    if config.rollout_engine == "sglang":  # SGLang serves it as an HF OPT checkpoint (models.tiny_opt)
+        from slime_corr.models.tiny_opt import opt_weights, write_opt_checkpoint
+
+        return Policy(model=model, reference=reference, forward=forward,
+                      engine_module=lambda directory: EngineGPT(engine_args, directory),
+                      export_weights=lambda: opt_weights(full_named_tensors(model.module), args.num_attention_heads),
+                      save_engine_checkpoint=lambda weights, directory: write_opt_checkpoint(weights, args,
+                                                                                             directory))
     return Policy(model=model, reference=reference, forward=forward,
                   engine_module=lambda directory: EngineGPT(engine_args, directory),
                   export_weights=lambda: full_named_tensors(model.module),

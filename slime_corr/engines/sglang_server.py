@@ -1,0 +1,193 @@
+"""The real SGLang server as a rollout engine: launched, health-checked, logged and stopped by the trainer.
+
+`launch_sglang_server` starts ``python -m sglang.launch_server`` on 127.0.0.1 at a free port, with its output in a
+log file, waits (bounded) until ``/health`` answers 200 and one warm-up ``/generate`` has run (the first request
+of a server pays its lazy initialisation: 8-25 s on CPU), and on exit, whatever the exit path, stops the server's
+whole process group (the HTTP server, scheduler and detokenizer) by its PID: SIGTERM, then SIGKILL after a grace
+period.
+
+Which SGLang (`sglang_python`): ``--sglang-python PATH``, else this interpreter when it has sglang (a GPU
+machine's own install), else the CPU install that ``scripts/setup_sglang.sh`` makes in ``.venv-sglang/``.
+On CPU (``--device cpu``) the server runs with what SGLANG_ON_CPU.md measured: ``SGLANG_USE_CPU_ENGINE=1``, the
+stand-ins of ``sglang_cpu/`` first on PYTHONPATH (see its sitecustomize.py), torch-native attention, no overlap
+schedule, no server warm-up, a capped KV cache. Extra server flags (slime's ``--sglang-*`` pass-through) come last
+and win.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from slime_corr.engines.group import EngineProcess
+from slime_corr.rollout.weight_group import free_port
+
+CPU_STAND_INS = Path(__file__).resolve().parent / "sglang_cpu"
+CPU_SERVER_ARGS = ("--attention-backend", "torch_native", "--disable-overlap-schedule", "--skip-server-warmup",
+                   "--max-total-tokens", "16384")
+SETUP_HINT = ("install it with `bash scripts/setup_sglang.sh` (CPU; into .venv-sglang/), or point --sglang-python "
+              "at a Python that has sglang (GPU machines: pip install 'sglang[srt]'), or use --rollout-engine "
+              "embedded")
+STOP_GRACE_S = 5.0
+
+
+class SGLangLaunchError(RuntimeError):
+    """The SGLang server could not be started: the message names why and where its log is."""
+
+
+@dataclass(frozen=True)
+class SGLangServerConfig:
+    """How one server is launched. `extra_args` are SGLang's own flags (appended last)."""
+
+    model_path: str
+    python: str
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    skip_tokenizer_init: bool = False
+    served_model_name: str | None = None
+    weight_version: str = "default"
+    random_seed: int | None = None
+    extra_args: tuple[str, ...] = ()
+    log_dir: Path = field(default_factory=lambda: Path("."))
+    startup_timeout: float = 600.0
+
+    def command(self, port: int) -> list[str]:
+        cmd = [self.python, "-m", "sglang.launch_server", "--model-path", self.model_path, "--host", "127.0.0.1",
+               "--port", str(port), "--dtype", self.dtype, "--device", self.device,
+               "--weight-version", self.weight_version]
+        if self.skip_tokenizer_init:
+            cmd.append("--skip-tokenizer-init")
+        if self.served_model_name:
+            cmd += ["--served-model-name", self.served_model_name]
+        if self.random_seed is not None:
+            cmd += ["--random-seed", str(self.random_seed)]
+        if self.device == "cpu":
+            cmd += CPU_SERVER_ARGS
+        return cmd + list(self.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.device == "cpu":
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_STAND_INS), env.get("PYTHONPATH")) if p)
+        return env
+
+
+def sglang_python(explicit: str | None = None) -> str:
+    """The interpreter that runs the server (see the module doc); raises SGLangLaunchError with the fix."""
+    if explicit:
+        if not _has_sglang(explicit):
+            raise SGLangLaunchError(f"--sglang-python {explicit}: cannot import sglang with it; {SETUP_HINT}.")
+        return explicit
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is not None:
+        return sys.executable
+    bundled = Path(__file__).resolve().parents[2] / ".venv-sglang" / "bin" / "python"
+    if bundled.is_file() and _has_sglang(str(bundled)):
+        return str(bundled)
+    raise SGLangLaunchError(f"--rollout-engine sglang: no SGLang server found ({bundled} does not exist); "
+                            f"{SETUP_HINT}.")
+
+
+def _has_sglang(python: str) -> bool:
+    try:
+        return subprocess.run([python, "-c", "import importlib.util as u, sys; "
+                               "sys.exit(u.find_spec('sglang') is None)"], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@contextlib.contextmanager
+def launch_sglang_server(config: SGLangServerConfig, *, name: str = "sglang") -> Iterator[EngineProcess]:
+    """Start one server (see the module doc); yields its handle once it serves. Stopped on exit."""
+    port = free_port()
+    config.log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = config.log_dir / f"{name}-{port}.log"
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "wb") as log:
+        log.write(("$ " + " ".join(config.command(port)) + "\n").encode())
+        log.flush()
+        proc = subprocess.Popen(config.command(port), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=config.environment(), start_new_session=True)  # its own process group
+    try:
+        _wait_until_serving(url, proc, log_path, config.startup_timeout)
+        yield EngineProcess(url, proc, log_path=log_path)
+    finally:
+        stop_process_group(proc)
+
+
+def _wait_until_serving(url: str, proc: subprocess.Popen, log_path: Path, timeout: float) -> None:
+    """Poll /health (bounded by `timeout`), then one warm-up /generate of one token."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise SGLangLaunchError(f"the SGLang server for {url} exited with code {proc.returncode} while starting; "
+                                    f"its log ({log_path}) ends with:\n{_tail(log_path)}")
+        if _get(url + "/health", timeout=5) == 200:
+            break
+        if time.monotonic() > deadline:
+            raise SGLangLaunchError(f"the SGLang server for {url} did not answer /health within {timeout:.0f} s; its "
+                                    f"log ({log_path}) ends with:\n{_tail(log_path)}")
+        time.sleep(0.5)
+    body = json.dumps({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}).encode()
+    request = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=max(10.0, deadline - time.monotonic())) as r:
+            r.read()
+    except (urllib.error.URLError, TimeoutError, OSError) as e:
+        raise SGLangLaunchError(f"the SGLang server at {url} failed its warm-up /generate ({e}); its log "
+                                f"({log_path}) ends with:\n{_tail(log_path)}") from None
+
+
+def _get(url: str, timeout: float) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, TimeoutError, OSError):
+        return None
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def stop_process_group(proc: subprocess.Popen, grace: float = STOP_GRACE_S) -> None:
+    """SIGTERM the process group led by `proc` (its PID), SIGKILL it after `grace` seconds; reap the leader."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 30.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(wait)
+            with contextlib.suppress(ProcessLookupError):  # children that outlived the leader
+                os.killpg(proc.pid, signal.SIGKILL)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def server_args(pairs: Sequence[str]) -> tuple[str, ...]:
+    """slime's ``--sglang-X [value]`` pass-through flags as SGLang's own ``--X [value]``."""
+    out = []
+    for token in pairs:
+        out.append("--" + token.removeprefix("--sglang-") if token.startswith("--sglang-") else token)
+    return tuple(out)
+
+
+__all__ = ["CPU_STAND_INS", "SGLangLaunchError", "SGLangServerConfig", "launch_sglang_server", "server_args",
+           "sglang_python", "stop_process_group"]
