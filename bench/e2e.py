@@ -1,6 +1,6 @@
 """End-to-end benchmark of the main job (not part of the test suite).
 
-    python bench/e2e.py [--repeats 3] [--num-rollout 5] [--nproc 1] [-- extra main-job flags]
+    python bench/e2e.py [--repeats 3] [--num-rollout 5] [--nproc 1] [--rollout-engine sglang] [-- main-job flags]
 
 Runs the real trainer (`python -m slime_corr.main`, or torchrun with `--nproc` processes) in four variants,
 interleaved `--repeats` times: decoupled PPO with sequence IS + RS (`decoupled_seq_is_rs`) and bypass PPO
@@ -16,7 +16,9 @@ pipeline has nothing left to generate there):
   loss share   the loss functions' forward (log-probs from logits, correction, policy loss), as a share of the
                training time and of the whole iteration
 
-and prints medians over runs (seconds per rollout), then ratios in the same run: bypass / decoupled and
+The engines are real SGLang servers launched by the trainer (`--rollout-engine sglang`, the default; their start-up
+is outside the measured rollouts) or the embedded engine. It prints medians over runs (seconds per rollout), each
+part's share of the wall time per rollout, then ratios in the same run: bypass / decoupled and
 async / sync of the wall time per rollout, and decoupled / bypass of the training part (what the extra pass costs).
 """
 
@@ -44,7 +46,8 @@ PARTS = ("rollout", "lp_old/ref", "train", "weight sync", "other", "wall")
 def run_variant(flags: list[str], args: argparse.Namespace, work: Path) -> dict[str, float]:
     """One trainer run; the per-rollout medians of each part, and the loss share of training."""
     main = ["-m", "slime_corr.main", "--num-rollout", str(args.num_rollout), "--rollout-progress", "none",
-            "--no-log-mismatch-diagnostics", "--work-dir", str(work), *flags, *args.extra]
+            "--no-log-mismatch-diagnostics", "--work-dir", str(work), "--rollout-engine", args.rollout_engine, *flags,
+            *args.extra]
     if args.nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
                *main]
@@ -78,6 +81,8 @@ def main() -> None:
     ap.add_argument("--num-rollout", type=int, default=6, help="Rollouts per run (the first and last are not "
                                                                 "measured).")
     ap.add_argument("--nproc", type=int, default=1, help="Processes per run (torchrun when > 1).")
+    ap.add_argument("--rollout-engine", choices=("sglang", "embedded"), default="sglang",
+                    help="The engines the trainer launches (real SGLang servers, or the embedded engine).")
     ap.add_argument("extra", nargs="*", help="Flags for every run (after --), e.g. -- --rollout-batch-size 8.")
     args = ap.parse_args()
     if args.num_rollout < 3:
@@ -90,11 +95,15 @@ def main() -> None:
                 print(f"repeat {rep + 1}/{args.repeats}: {name} done", file=sys.stderr, flush=True)
     med = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in results.items()}
     print(f"seconds per rollout (median of {args.repeats} runs × {args.num_rollout - 2} rollouts; "
-          f"{args.nproc} process(es)); extra flags: {' '.join(args.extra) or 'none'}")
+          f"{args.nproc} process(es); engine: {args.rollout_engine}); extra flags: {' '.join(args.extra) or 'none'}")
     print(f"{'variant':<18}" + "".join(f"{p:>13}" for p in PARTS) + f"{'loss/train':>12}{'loss/wall':>11}")
     for name, m in med.items():
         print(f"{name:<18}" + "".join(f"{m[p]:>13.4f}" for p in PARTS)
               + f"{m['loss share']:>11.1%}{m['loss/wall']:>11.1%}")
+    print("share of the wall time per rollout:")
+    for name, m in med.items():
+        print(f"  {name:<16}" + "   ".join(f"{p} {m[p] / m['wall']:.1%}" for p in PARTS[:-1])
+              + f"   (the correction's loss {m['loss/wall']:.1%})")
     print("ratios (same run):")
     for mode in ("sync", "async"):
         d, b = med[f"decoupled {mode}"], med[f"bypass {mode}"]

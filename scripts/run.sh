@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Install slime_corr into .venv (skipped when it is up to date) and run the main job: GRPO on the toy task with the
-# tiny model on CPU, the decoupled_seq_is_rs preset, reward rising within about a minute on 2 cores.
+# Install slime_corr into .venv and the real SGLang server into .venv-sglang (each skipped when up to date) and run
+# the main job: GRPO on the toy task with the tiny model on CPU, sampled by a real SGLang server (bf16), the
+# decoupled_seq_is_rs preset. `--rollout-engine embedded` samples with this package's engine instead (no SGLang
+# install; bit-reproducible).
 # Flags given are applied on top of that preset (a later --rollout-correction-preset replaces it):
 #   bash scripts/run.sh --num-rollout 4 --async-rollout
 # SmolLM2-135M-Instruct on the arithmetic task instead (README, "Pretrained models"):
@@ -12,4 +14,5 @@ case " $* " in  # a pretrained model needs the `model` extra (transformers, mbri
   *" --model "*|*" --model="*|*" --hf-checkpoint "*|*" --hf-checkpoint="*) export EXTRAS=${EXTRAS:-model} ;;
 esac
 PY=$(bash scripts/setup_env.sh)
+MAIN_PY=$PY bash scripts/setup_sglang.sh --for-run "$@" >/dev/null  # the real SGLang server, when the run needs it
 exec "$PY" -m slime_corr.main --rollout-correction-preset decoupled_seq_is_rs "$@"

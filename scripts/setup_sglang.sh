@@ -7,8 +7,20 @@
 # itself with --no-deps, then the pure-Python packages its server imports (measured in SGLANG_ON_CPU.md). Its GPU-only
 # dependencies (flashinfer, sgl-kernel, cuda-python, nvidia-*, flash-attn, torchvision, ...) are left out.
 # On a GPU machine use your own sglang install instead: `--sglang-python /path/to/python`.
+#   bash scripts/setup_sglang.sh --for-run FLAGS...   # only when a main-job run with FLAGS launches SGLang servers
+#       itself and MAIN_PY (the job's python) has no sglang of its own (scripts/run.sh, launch_torchrun.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--for-run" ]; then
+  shift
+  case " $* " in
+    *" --rollout-engine embedded "*|*" --rollout-engine=embedded "*|*" --sglang-url"*|*" --sglang-python"*) exit 0 ;;
+  esac
+  if [ -n "${MAIN_PY:-}" ] && "$MAIN_PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('sglang') is None)" \
+      2>/dev/null; then
+    exit 0
+  fi
+fi
 VENV=${VENV:-.venv-sglang}
 PY=${PYTHON:-python3}
 SGLANG_VERSION=0.5.23

@@ -9,7 +9,8 @@ import sys
 def run_main(tmp_path, *extra):
     cmd = [sys.executable, "-m", "slime_corr.main", "--num-rollout", "2", "--num-steps-per-rollout", "1",
            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--micro-batch-size", "4",
-           "--rollout-max-response-len", "8", "--rollout-progress", "none", "--work-dir", str(tmp_path), *extra]
+           "--rollout-max-response-len", "8", "--rollout-progress", "none", "--work-dir", str(tmp_path),
+           "--rollout-engine", "embedded", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = re.findall(r"^step (\d+): samples=(\d+) .*train_rollout_logprob_abs_diff=(\S+)", proc.stdout, re.M)

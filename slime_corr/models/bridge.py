@@ -16,6 +16,7 @@ All TP ranks call `load_weights` / `export_weights` together (scatter / all-gath
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Iterator
@@ -172,10 +173,23 @@ def write_hf_checkpoint(weights: dict[str, torch.Tensor], source_dir: str | os.P
     for f in Path(source_dir).iterdir():
         if f.is_file() and not f.name.endswith(".safetensors") and f.name not in (WEIGHTS_INDEX, MARKER):
             shutil.copy2(f, out / f.name)
+    _name_architecture(out / "config.json")
     tmp = out / (WEIGHTS_FILE + ".tmp")
     save_file({name: t.contiguous() for name, t in weights.items()}, str(tmp), metadata={"format": "pt"})
     tmp.replace(out / WEIGHTS_FILE)
     return out
+
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}  # the model types we accept
+
+
+def _name_architecture(config_path: Path) -> None:
+    """Add `architectures` to a config.json that lacks it: SGLang chooses its model class by it (a config without
+    it fails to load there)."""
+    cfg = json.loads(config_path.read_text())
+    if not cfg.get("architectures") and cfg.get("model_type") in ARCHITECTURES:
+        cfg["architectures"] = [ARCHITECTURES[cfg["model_type"]]]
+        config_path.write_text(json.dumps(cfg, indent=2))
 
 
 def build_gpt_from_hf(hf_dir: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32, ddp: bool = False,

@@ -31,7 +31,7 @@ from slime_corr.models.hf_checkpoint import MODEL_EXTRA_HINT, CheckpointError
 
 CACHE_ENV = "SLIME_CORR_CACHE_DIR"
 MARKER = "slime_corr_source.json"
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: config.json names its architecture (SGLang needs `architectures`)
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,7 @@ def dequantize_gguf_to_hf(gguf: Path, out_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name, local_files_only=True)
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)  # the weights we write are plain fp32
+    cfg["architectures"] = [type(model).__name__]  # SGLang picks its model class by it (GGUF configs lack it)
     config = type(model.config).from_dict(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out_dir)

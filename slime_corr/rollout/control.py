@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -49,6 +50,19 @@ def _is_success(status: int, body: Any) -> str | None:
     if isinstance(body, dict) and body.get("success") is False:
         return f"success=false: {body.get('message')}"
     return None
+
+
+SYNC_PAUSE_MODES = ("abort", "retract")
+
+
+def check_sync_pause_mode(mode: str) -> None:
+    """A weight sync pauses with ``abort`` or ``retract``. ``in_place`` is refused: it keeps the running requests'
+    KV cache, so SGLang answers every ``/flush_cache`` with 400 until they finish (the sync could never complete),
+    and a pause held past the server's watchdog (300 s) makes it shut down."""
+    if mode not in SYNC_PAUSE_MODES:
+        raise ValueError(f"pause_mode {mode!r}: a weight sync pauses with 'abort' (running requests come back "
+                         "aborted and are resumed) or 'retract' (held, finished under the new weights); 'in_place' "
+                         "keeps their KV cache, and SGLang refuses to flush it (/flush_cache answers 400).")
 
 
 class ControlPlane:
@@ -329,7 +343,14 @@ class ControlPlane:
         self, model_path: str, weight_version: str | None = None, flush_cache: bool = True,
         load_format: str | None = None,
     ) -> None:
-        """``POST /update_weights_from_disk`` on every live worker; raises unless all report success."""
+        """``POST /update_weights_from_disk`` on every live worker; raises unless all report success.
+
+        ``model_path`` must be a folder here (the servers share this file system for disk sync): SGLang takes a
+        path it cannot find for a Hugging Face Hub name and answers 400 "Name or service not known"."""
+        if not os.path.isdir(model_path):
+            raise FileNotFoundError(f"update_weights_from_disk: model_path {model_path!r} is not a folder on this "
+                                    "machine; write the checkpoint there first (SGLang would take the path for a "
+                                    "Hub model name).")
         payload: dict[str, Any] = {"model_path": model_path, "flush_cache": flush_cache}
         if weight_version is not None:
             payload["weight_version"] = weight_version
@@ -339,6 +360,8 @@ class ControlPlane:
 
     async def sync_weights_from_disk(self, model_path: str, weight_version: str, pause_mode: str = "abort") -> None:
         """The usual sequence: pause -> update from disk -> flush_cache (retried) -> continue (always)."""
+        check_sync_pause_mode(pause_mode)
+
         async def update() -> None:
             await self.update_weights_from_disk(model_path, weight_version, flush_cache=False)
             await self.flush_cache()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from slime_corr.rollout.client import SGLangClient
-from slime_corr.rollout.control import ControlError
+from slime_corr.rollout.control import ControlError, check_sync_pause_mode
 from slime_corr.rollout.weight_group import (
     FLATTENED_BUCKET,
     Bucket,
@@ -82,6 +82,7 @@ class DistributedWeightSync:
     async def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str,
                    pause_mode: str = "abort") -> SyncReport:
         """Pause, send every tensor bucket by bucket, flush, continue; the engines report ``weight_version``."""
+        check_sync_pause_mode(pause_mode)
         t0 = time.perf_counter()
         if self.group is None or set(self.workers) != set(await self.client.workers()):
             await self.connect()

@@ -56,7 +56,8 @@ def run(tmp_path_factory):
            "--micro-batch-size", "4",
            "--rollout-max-response-len", "8", "--rollout-correction-preset",
            "decoupled_seq_is_rs", "--rs-veto-threshold", "1e-4", "--tis-batch-normalize", "--work-dir", str(d / "run"),
-           "--tensorboard-dir", str(d / "tb"), "--wandb-project", "slime-corr-test", "--wandb-mode", "offline"]
+           "--tensorboard-dir", str(d / "tb"), "--wandb-project", "slime-corr-test", "--wandb-mode", "offline",
+           "--rollout-engine", "embedded"]
     traced = _strace_works()
     if traced:
         cmd = ["strace", "--seccomp-bpf", "-f", "-qq", "-s", "512", "-e", "trace=connect,sendto,sendmmsg", "-o",
@@ -260,7 +261,8 @@ def test_a_custom_functions_metrics_reach_the_jsonl_through_the_trainer(tmp_path
         [sys.executable, "-m", "slime_corr.main", "--num-rollout", "1", "--num-steps-per-rollout", "1",
          "--rollout-batch-size", "1", "--n-samples-per-prompt", "4", "--micro-batch-size", "4",
          "--rollout-max-response-len", "4", "--use-tis", "--custom-tis-function-path",
-         "examples/custom_tis.py:length_aware_geometric_is", "--work-dir", str(tmp_path)],
+         "examples/custom_tis.py:length_aware_geometric_is", "--work-dir", str(tmp_path),
+         "--rollout-engine", "embedded"],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (record,) = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

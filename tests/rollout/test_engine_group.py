@@ -74,7 +74,8 @@ def test_main_job_with_two_engines_and_distributed_weight_sync(tmp_path):
            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--micro-batch-size", "4",
            "--rollout-max-response-len", "8", "--rollout-progress", "none", "--work-dir", str(tmp_path),
            "--rollout-num-engines", "2", "--rollout-weight-sync", "distributed", "--engine-dtype", "float32",
-           "--update-weight-buffer-size", "65536", "--rollout-correction-preset", "decoupled_token_is"]
+           "--update-weight-buffer-size", "65536", "--rollout-correction-preset", "decoupled_token_is",
+           "--rollout-engine", "embedded"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout

@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SHORT = ["--model", "smollm2-135m", "--rollout-correction-preset", "decoupled_seq_is_rs", "--rollout-batch-size", "2",
          "--n-samples-per-prompt", "4", "--num-steps-per-rollout", "1", "--micro-batch-size", "2",
          "--rollout-max-response-len", "8", "--rollout-temperature", "0.7", "--lr", "2e-5", "--num-rollout", "2",
-         "--entropy-coef", "1e-3", "--rollout-progress", "none", "--seed", "11"]  # entropy: every step updates
+         "--entropy-coef", "1e-3", "--rollout-progress", "none", "--seed", "11",  # entropy: every step updates
+         "--rollout-engine", "embedded"]
 # the README's run: reward rises within a few minutes on 2 cores
 README_RUN = ["--model", "smollm2-135m", "--rollout-correction-preset", "decoupled_seq_is_rs", "--rollout-batch-size",
               "4", "--n-samples-per-prompt", "8", "--num-steps-per-rollout", "2", "--micro-batch-size", "8",
@@ -118,7 +119,7 @@ def test_a_local_hf_checkpoint_trains_under_tp2_as_one_process(tmp_path):
     flags = ["--hf-checkpoint", str(ckpt), "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
              "--num-steps-per-rollout", "2", "--micro-batch-size", "1", "--rollout-max-response-len", "6",
              "--num-rollout", "2", "--params-dtype", "float64", "--engine-dtype", "float32", "--entropy-coef", "1e-2",
-             "--lr", "1e-3", "--rollout-progress", "none", "--seed", "3"]
+             "--lr", "1e-3", "--rollout-progress", "none", "--seed", "3", "--rollout-engine", "embedded"]
     one = launch(tmp_path / "one", flags)
     tp2 = launch(tmp_path / "tp2", [*flags, "--tensor-model-parallel-size", "2"], nproc=2)
     print(tp2["out"][tp2["out"].index("parallel:"):])

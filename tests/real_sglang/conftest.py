@@ -1,0 +1,91 @@
+"""Fixtures for the tests against the REAL SGLang server (sglang 0.5.23 on CPU, installed by
+scripts/setup_sglang.sh into .venv-sglang/; scripts/test.sh installs it before the tests).
+
+Servers are shared per test module (each takes ~3 GB and 20-40 s to start on 2 cores) and stopped by their PID.
+Without an SGLang install the tests skip with the reason on a developer machine, and FAIL under CI (CI=true): CI
+must run them.
+
+The tiny model's checkpoints are written the way the trainer writes them: the Megatron GPTModel of a seed, exported
+as the HF OPT checkpoint it equals (`slime_corr.models.tiny_opt`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from sglang_helpers import ServerSpec
+
+from slime_corr.engines.sglang_server import (
+    SGLangLaunchError,
+    SGLangServerConfig,
+    launch_sglang_server,
+    sglang_python,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mcore"))  # mcore_helpers (run_in_process)
+SEEDS = {"v0": 1234, "v1": 4321}
+
+
+def _unavailable(msg: str) -> None:
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"{msg} (CI must run the real-SGLang tests: scripts/test.sh installs the server)")
+    pytest.skip(msg)
+
+
+@pytest.fixture(scope="session")
+def sglang_py() -> str:
+    try:
+        return sglang_python()
+    except SGLangLaunchError as e:
+        _unavailable(str(e))
+        raise
+
+
+def _export_tiny(rank: int, world: int, out: Path) -> None:
+    from mcore_helpers import init_layout
+
+    from slime_corr.mcore.model import TinyGPTArgs, build_tiny_gpt
+    from slime_corr.mcore.params import full_named_tensors
+    from slime_corr.models.tiny_opt import opt_weights, write_opt_checkpoint
+
+    init_layout(1, 1)
+    for version, seed in SEEDS.items():
+        args = TinyGPTArgs(vocab_size=256, seed=seed)
+        named = dict(full_named_tensors(build_tiny_gpt(args, ddp=False)))
+        write_opt_checkpoint(dict(opt_weights(named.items(), args.num_attention_heads)), args, out / version)
+        torch.save(named, out / version / "megatron.pt")
+
+
+@pytest.fixture(scope="session")
+def tiny_opt(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """{version: OPT checkpoint dir} of the tiny model at two seeds (v0, v1), with the Megatron weights beside."""
+    from mcore_helpers import run_in_process
+
+    out = tmp_path_factory.mktemp("tiny_opt")
+    run_in_process(_export_tiny, out)
+    return {v: str(out / v) for v in SEEDS}
+
+
+@pytest.fixture(scope="module")
+def launch(sglang_py: str, tmp_path_factory: pytest.TempPathFactory):
+    """`launch(ServerSpec(...), ...)` -> running real SGLang servers, started concurrently, stopped (by PID) at
+    the end of the module."""
+    import contextlib
+
+    from slime_corr.engines.group import _enter_all
+
+    with contextlib.ExitStack() as stack:
+        logs = tmp_path_factory.mktemp("sglang_logs")
+
+        def start(*specs: ServerSpec) -> list:
+            managers = [launch_sglang_server(SGLangServerConfig(
+                model_path=s.model_path, python=sglang_py, dtype=s.dtype, device="cpu", skip_tokenizer_init=True,
+                weight_version="v0", extra_args=s.extra_args, log_dir=logs, startup_timeout=600), name=s.name)
+                for s in specs]
+            return _enter_all(stack, managers)
+
+        yield start

@@ -1,0 +1,171 @@
+"""Every endpoint the client uses, against the REAL SGLang 0.5.23 server on CPU (two fp32 servers for the module:
+A streams cumulatively, SGLang's default; B with --incremental-streaming-output), serving the trainer's tiny model
+as its OPT checkpoint. Log-probs are checked against the trainer's own teacher-forced log-probs (Megatron GPTModel,
+fp32, `vocab_parallel_log_probs`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+from conftest import ServerSpec
+from safetensors.torch import load_file
+from sglang_helpers import megatron_logprobs
+
+from slime_corr.rollout.client import SGLangClient
+from slime_corr.rollout.rollout import generate_sample
+from slime_corr.rollout.sample import Sample, SampleStatus
+from slime_corr.rollout.weight_sync import DistributedWeightSync
+
+PROMPTS = [list(b"spell 42: "), list(b"spell 7: "), list(b"hello"), list(b"x")]
+LOGPROB_TOL = 1e-4  # fp32 server vs fp32 trainer (SGLANG_ON_CPU.md: 1.0-1.8e-5 measured)
+
+
+@pytest.fixture(scope="module")
+def servers(launch, tiny_opt):
+    a, b = launch(ServerSpec(tiny_opt["v0"], name="cumulative"),
+                  ServerSpec(tiny_opt["v0"], extra_args=("--incremental-streaming-output",), name="incremental"))
+    return a.url, b.url
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+async def _samples(url: str, stream: bool, temperature: float, max_new_tokens: int = 12) -> list[Sample]:
+    params = {"max_new_tokens": max_new_tokens, "temperature": temperature}
+    async with SGLangClient(url) as c:
+        return list(await asyncio.gather(*(generate_sample(c, Sample(prompt_tokens=list(p)), params, stream=stream)
+                                           for p in PROMPTS)))
+
+
+def _check_against_trainer(version_dir: str, samples: list[Sample], temperature: float) -> float:
+    ref = megatron_logprobs(version_dir, [(s.prompt_tokens, s.response_tokens) for s in samples], temperature)
+    worst = 0.0
+    for s, r in zip(samples, ref, strict=True):
+        assert s.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED), s.failure_reason
+        assert len(s.response_tokens) == len(s.rollout_log_probs) == len(r) > 0
+        worst = max(worst, float((s.rollout_log_probs - r.float()).abs().max()))
+    assert worst <= LOGPROB_TOL, worst
+    return worst
+
+
+def test_generate_plain_and_both_streaming_modes_match_the_trainer(servers, tiny_opt):
+    a, b = servers
+    for temperature in (1.0, 0.7):
+        plain = _run(_samples(a, stream=False, temperature=temperature))
+        cumulative = _run(_samples(a, stream=True, temperature=temperature))
+        incremental = _run(_samples(b, stream=True, temperature=temperature))
+        worst = _check_against_trainer(tiny_opt["v0"], plain + cumulative + incremental, temperature)
+        print(f"T={temperature}: max |lp_server - lp_trainer| = {worst:.2e} over "
+              f"{sum(len(s.response_tokens) for s in plain + cumulative + incremental)} tokens")
+        assert all(s.weight_versions == [("v0", 0, len(s.response_tokens))] for s in plain + incremental)
+
+
+def test_abort_by_rid_and_abort_all(servers):
+    a, _ = servers
+    long = {"max_new_tokens": 200, "temperature": 1.0, "ignore_eos": True}
+
+    async def go():
+        async with SGLangClient(a) as c:
+            jobs = [asyncio.create_task(c.generate(list(p), long, stream=True)) for p in PROMPTS[:2]]
+            for _ in range(200):  # bounded: until both are running on the server
+                if len(c._inflight) == 2:
+                    break
+                await asyncio.sleep(0.02)
+            first_rid = sorted(c._inflight)[0]
+            await asyncio.sleep(0.3)
+            await c.abort(rid=first_rid)
+            await asyncio.sleep(0.3)
+            await c.abort(abort_all=True)
+            return await asyncio.gather(*jobs)
+
+    first, second = _run(go())
+    for out in (first, second):
+        assert out.finish_type == "abort", out.finish_reason
+        assert 0 < len(out.output_ids) < 200 and len(out.log_probs) == len(out.output_ids)
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
+def test_pause_modes_then_continue(servers, mode):
+    """abort: the running request comes back aborted and the sample resumes after continue (2 attempts); retract:
+    held and finished after continue; in_place: kept in place, and /flush_cache answers 400 until continue (which
+    is why a weight sync refuses in_place)."""
+    a, _ = servers
+    params = {"max_new_tokens": 150, "temperature": 1.0, "ignore_eos": True}
+
+    async def go():
+        async with SGLangClient(a) as c:
+            sample = Sample(prompt_tokens=list(PROMPTS[0]))
+            task = asyncio.create_task(generate_sample(c, sample, params, stream=True))
+            for _ in range(200):
+                if c._inflight:
+                    break
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.3)
+            await c.pause(mode)
+            flush_status = _post(a, "/flush_cache", {}) if mode == "in_place" else None
+            await asyncio.sleep(0.3)
+            await c.continue_generation()
+            return await task, flush_status
+
+    sample, flush_status = _run(go())
+    assert sample.status == SampleStatus.TRUNCATED and len(sample.response_tokens) == 150, sample.failure_reason
+    assert sample.attempts == (2 if mode == "abort" else 1)
+    if mode == "in_place":
+        assert flush_status == 400
+    assert _post(a, "/flush_cache", {}) == 200  # idle: flushes
+
+
+def _post(url: str, path: str, body: dict) -> int:
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_update_weights_from_disk_reports_versions_and_serves_them(servers, tiny_opt):
+    a, _ = servers
+
+    async def go():
+        async with SGLangClient(a) as c:
+            await c.sync_weights_from_disk(tiny_opt["v1"], "v1")
+            versions = await c.weight_versions()
+            info = await c.model_info()
+            return versions, info
+
+    versions, info = _run(go())
+    assert versions == {a: "v1"}, versions
+    assert info.get("weight_version") == "v1", info
+    samples = _run(_samples(a, stream=True, temperature=1.0))
+    assert all(s.weight_version == "v1" for s in samples)
+    _check_against_trainer(tiny_opt["v1"], samples, 1.0)
+
+
+def test_distributed_weight_update_over_gloo(servers, tiny_opt):
+    """Both servers join a gloo group with the trainer, receive v1's weights bucket by bucket (flattened buckets,
+    several of them) and serve them: log-probs equal the trainer's under v1."""
+    a, b = servers
+    weights = load_file(f"{tiny_opt['v1']}/model.safetensors")
+
+    async def go():
+        async with SGLangClient([a, b]) as c:
+            sync = DistributedWeightSync(c, bucket_bytes=64 * 1024)
+            try:
+                report = await sync.sync(weights.items(), "v1-dist")
+            finally:
+                sync.close()
+            return report, await c.weight_versions()
+
+    report, versions = _run(go())
+    assert report.buckets > 1 and set(report.workers) == {a, b}
+    assert versions == {a: "v1-dist", b: "v1-dist"}, versions
+    samples = _run(_samples(b, stream=True, temperature=1.0)) + _run(_samples(a, stream=False, temperature=1.0))
+    _check_against_trainer(tiny_opt["v1"], samples, 1.0)
+    assert torch.cat([s.rollout_log_probs for s in samples]).isfinite().all()

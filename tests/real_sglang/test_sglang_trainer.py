@@ -1,0 +1,131 @@
+"""The trainer end to end on the REAL SGLang server (bf16, CPU): decoupled and bypass mode, disk and distributed
+weight sync, two engines behind the real sglang-router, servers the trainer launches itself
+(`--rollout-engine sglang`), and a server killed mid-run. Each run goes through `python -m slime_corr.main`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from sglang_helpers import ServerSpec
+
+from slime_corr.rollout.client import SGLangClient
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
+         "--num-steps-per-rollout", "2", "--micro-batch-size", "4", "--rollout-max-response-len", "8"]
+RUN_TIMEOUT = 600
+
+
+@pytest.fixture(scope="module")
+def servers(launch, tiny_opt):
+    a, b = launch(ServerSpec(tiny_opt["v0"], dtype="bfloat16", name="bf16-a"),
+                  ServerSpec(tiny_opt["v0"], dtype="bfloat16", name="bf16-b"))
+    return a, b
+
+
+@pytest.fixture(scope="module")
+def router(servers):
+    from slime_corr.engines.router import start_router
+
+    with start_router([s.url for s in servers]) as handle:
+        yield handle.url
+
+
+def main(run_dir: Path, *args: str, timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "slime_corr.main", *SMALL, "--run-dir", str(run_dir), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def versions(urls: list[str]) -> dict[str, str | None]:
+    async def go():
+        async with SGLangClient(urls) as c:
+            return await c.weight_versions()
+
+    return asyncio.run(go())
+
+
+def test_decoupled_disk_sync(servers, tmp_path):
+    a, _ = servers
+    out = main(tmp_path, "--sglang-url", a.url, "--rollout-correction-preset", "decoupled_seq_is_rs",
+               "--rollout-weight-sync", "disk")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    k3 = [r["rollout_corr/mismatch_k3_kl"] for r in rows]
+    assert all(0 < x < 0.1 for x in k3), k3  # bf16 server vs fp32 trainer: a real, small mismatch
+    assert all(r["train/pg_clipfrac"] == 0 for r in rows[::2])  # decoupled: π_θ = π_old at a rollout's first step
+    assert versions([a.url])[a.url] == "step-2"  # pushed after rollout 0 (the last rollout needs no push)
+
+
+def test_bypass_distributed_sync_two_engines_behind_the_router(servers, router, tmp_path):
+    out = main(tmp_path, "--sglang-url", router, "--rollout-correction-preset", "ppo_is_bypass",
+               "--rollout-weight-sync", "distributed")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = metrics(tmp_path)
+    assert len(rows) == 4 and all(r["rollout_corr/mismatch_k3_kl"] > 0 for r in rows)
+    assert set(versions([s.url for s in servers]).values()) == {"step-2"}  # both engines got the weights
+
+
+def test_trainer_launches_two_servers_behind_the_router_and_stops_them(sglang_py, tmp_path):
+    out = main(tmp_path, "--rollout-engine", "sglang", "--rollout-num-engines", "2", "--rollout-weight-sync",
+               "distributed", "--rollout-correction-preset", "decoupled_token_is")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "SGLang servers (bfloat16" in out.stdout and "sglang-router" in out.stdout, out.stdout[:2000]
+    logs = sorted((tmp_path / "engine_logs").glob("sglang-*.log"))
+    assert len(logs) == 2
+    for log in logs:  # each server's first line is its command: its port no longer answers
+        port = log.read_text().split("--port ", 1)[1].split()[0]
+        with pytest.raises(OSError):
+            import socket
+
+            socket.create_connection(("127.0.0.1", int(port)), timeout=2).close()
+    assert len(metrics(tmp_path)) == 4
+
+
+def test_a_server_killed_mid_run_ends_the_run_with_its_name(servers, tmp_path):
+    """Runs last in this module: it kills server B (SIGKILL to its process group) after the first step."""
+    _, b = servers
+    cmd = [sys.executable, "-m", "slime_corr.main", *SMALL, "--num-rollout", "6", "--run-dir", str(tmp_path),
+           "--sglang-url", b.url, "--rollout-correction-preset", "decoupled_token_is"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env=dict(os.environ))
+    lines: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        lines.extend(proc.stdout)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not any(line.startswith("step 1:") for line in lines) and time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    assert any(line.startswith("step 1:") for line in lines), "".join(lines)[-3000:]
+    killed_at = time.monotonic()
+    b.kill()
+    try:
+        code = proc.wait(300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(10)
+    took = time.monotonic() - killed_at
+    text = "".join(lines)
+    assert code != 0, text[-3000:]
+    assert b.url.split("//")[1] in text, text[-3000:]  # the error names the server
+    assert "Traceback" not in text, text[-3000:]
+    print(f"killed server: exit {code} after {took:.1f} s; last lines:\n" + "\n".join(text.splitlines()[-4:]))
