@@ -1,0 +1,30 @@
+"""Drop-in for slime users: slime's `--custom-tis-function-path` hook, its YAML semantics, its metric names.
+
+    --custom-tis-function-path slime_corr.integrations.slime.compute_mis_weights_with_cp   # full correction
+    --custom-tis-function-path slime_corr.integrations.slime.vanilla_tis_function          # slime's default TIS
+    --custom-tis-function-path slime_corr.integrations.slime.icepop_function               # slime's IcePop
+
+`hook.py` (the functions), `config.py` (slime's settings -> `RolloutCorrectionConfig`), `layout.py` (slime's CP
+layout), `names.py` (slime's metric names).
+"""
+
+from slime_corr.integrations.slime.config import config_from_slime_args
+from slime_corr.integrations.slime.hook import (
+    compute_mis_weights_with_cp,
+    icepop_function,
+    tis_function,
+    vanilla_tis_function,
+)
+from slime_corr.integrations.slime.names import LOGGED_NAMES, METRIC_NAMINGS, MIS_NAMES, slime_named
+
+__all__ = [
+    "LOGGED_NAMES",
+    "METRIC_NAMINGS",
+    "MIS_NAMES",
+    "compute_mis_weights_with_cp",
+    "config_from_slime_args",
+    "icepop_function",
+    "slime_named",
+    "tis_function",
+    "vanilla_tis_function",
+]
