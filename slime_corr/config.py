@@ -306,7 +306,14 @@ class RolloutCorrectionConfig:
         if isinstance(args, Mapping) or not hasattr(args, "__dict__"):
             raise ConfigError(f"from_args expects an argparse.Namespace, got {type(args).__name__}; use "
                               "RolloutCorrectionConfig.from_dict for a mapping.")
-        given = {n: getattr(args, n) for n in cls.field_names() if hasattr(args, n)}
+        given = {n: getattr(args, n) for n in cls.field_names() if hasattr(args, n) and n != "loss_type"}
+        # --policy-loss-type's attribute (a host parser such as slime's owns `loss_type`); a hand-made namespace
+        # may still carry `loss_type`
+        loss_type = getattr(args, "policy_loss_type", None)
+        if loss_type is None and getattr(args, "loss_type", None) in LOSS_TYPES:
+            loss_type = args.loss_type
+        if loss_type is not None:
+            given["loss_type"] = loss_type
         if explicit is None:
             explicit = getattr(args, "_rollout_correction_explicit", None)
         if explicit is None:
@@ -339,6 +346,8 @@ class RolloutCorrectionConfig:
             raise ConfigError(f"{preset_source} {preset!r} is unknown; choose one of {', '.join(PRESETS)}.")
         preset_values = dict(PRESETS.get(preset or "", {}))
         merged = {**preset_values, **yaml_values, **overrides}
+        if yaml_values:
+            _slime_yaml_meaning(merged, yaml_values, overrides, str(yaml_path))
         for switch, keys in _BOUNDS_OF.items():  # a preset's bounds go when its switch is turned off
             if not merged.get(switch):
                 for key in keys:
@@ -377,6 +386,25 @@ def _check_bounds(fail: Callable[[str], None], prefix: str, lower: float | None,
     if lower is None and u < 1.0:
         fail(f"{up} {u} is below 1, so the default lower bound 1/U = {1.0 / u:g} is above it; give {lo} "
              f"(<= {u}) explicitly, or an upper bound >= 1.")
+
+
+def _slime_yaml_meaning(merged: dict[str, Any], yaml_values: Mapping[str, Any], overrides: Mapping[str, Any],
+                        path: str) -> None:
+    """slime's meaning of its YAML keys (its `mis.yaml`): `rs_lower_bound: null` / `rs_upper_bound: null` with
+    `use_rs` reuse the IS bounds (`tis_lower_bound` as given, else 1/U; U); a `tis_lower_bound` that
+    `tis_mode: truncate` ignores is dropped with a notice. A flag given on the command line keeps its meaning."""
+    import warnings
+
+    upper = merged.get("tis_upper_bound") or DEFAULT_TIS_UPPER_BOUND
+    lower = merged.get("tis_lower_bound") or 1.0 / upper
+    if merged.get("use_rs"):
+        for key, bound in (("rs_upper_bound", upper), ("rs_lower_bound", lower)):
+            if key in yaml_values and yaml_values[key] is None and merged.get(key) is None:
+                merged[key] = bound
+    if (merged.get("tis_mode", "truncate") == "truncate" and yaml_values.get("tis_lower_bound") is not None
+            and "tis_lower_bound" not in overrides):
+        warnings.warn(f"--custom-config-path {path}: tis_lower_bound {merged.pop('tis_lower_bound')} is ignored by "
+                      "tis_mode truncate (as in slime).", stacklevel=4)
 
 
 def _check_keys(values: Mapping[str, Any], source: str) -> None:

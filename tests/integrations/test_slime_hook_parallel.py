@@ -14,7 +14,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from mcore_helpers import init_layout, spawn
-from slime_reference import cp_slice, icepop_reference, make_batch, mis_reference, slime_args, sum_of_sample_mean
+from slime_reference import (
+    cp_slice,
+    icepop_reference,
+    make_batch,
+    mis_reference,
+    slime_args,
+    sum_of_sample_mean,
+)
 
 N = 8
 LAYOUTS = ((2, 2), (4, 1))
