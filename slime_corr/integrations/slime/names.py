@@ -42,16 +42,16 @@ MIS_NAMES: dict[str, str] = {
 TIS_FRACTIONS = ("mis_truncate_fraction", "mis_clip_fraction_low", "mis_clip_fraction_high",
                  "mis_mask_fraction_low", "mis_mask_fraction_high")
 
-# slime_corr's logged key (with prefix) -> slime's logged key
-LOGGED_NAMES: dict[str, str] = {
-    "rollout_corr/train_rollout_logprob_abs_diff": "train/train_rollout_logprob_abs_diff",
-    "rollout_corr/ois": "train/ois",
-    "rollout_corr/mis_mean_is_weight_before_clip": "train/tis",
-    "train/entropy": "train/entropy_loss",
-    "rollout/reward_mean": "rollout/raw_reward",
-    "rollout/response_length_mean": "rollout/response_len/mean",
-    "rollout/truncated_fraction": "rollout/truncated_ratio",
-    **{f"rollout_corr/{ours}": f"train/{theirs}" for ours, theirs in MIS_NAMES.items()},
+# slime_corr's logged key (with prefix) -> slime's logged keys
+LOGGED_NAMES: dict[str, tuple[str, ...]] = {
+    **{f"rollout_corr/{ours}": (f"train/{theirs}",) for ours, theirs in MIS_NAMES.items()},
+    "rollout_corr/train_rollout_logprob_abs_diff": ("train/train_rollout_logprob_abs_diff",),
+    "rollout_corr/ois": ("train/ois",),
+    "rollout_corr/mis_mean_is_weight_before_clip": ("train/tis", "train/mis_tis_weight_before_bound"),
+    "train/entropy": ("train/entropy_loss",),
+    "rollout/reward_mean": ("rollout/raw_reward",),
+    "rollout/response_length_mean": ("rollout/response_len/mean",),
+    "rollout/truncated_fraction": ("rollout/truncated_ratio",),
 }
 
 
@@ -68,7 +68,7 @@ def slime_named(metrics: Mapping[str, float], naming: str = "both") -> dict[str,
         raise ValueError(f"--metric-names {naming!r} is not one of {', '.join(METRIC_NAMINGS)}.")
     if naming == "slime_corr":
         return dict(metrics)
-    aliases = {LOGGED_NAMES[k]: v for k, v in metrics.items() if k in LOGGED_NAMES}
+    aliases = {alias: v for k, v in metrics.items() for alias in LOGGED_NAMES.get(k, ())}
     clipfrac = tis_clipfrac(metrics, "rollout_corr/")
     if clipfrac is not None:
         aliases["train/tis_clipfrac"] = clipfrac
