@@ -45,7 +45,13 @@ def slime_parser() -> argparse.ArgumentParser:
 
 
 def megatron_parser() -> argparse.ArgumentParser:
+    """Megatron-LM's parser (`add_megatron_arguments`, megatron-core >= 0.19), else its flags that meet ours."""
+    from slime_corr.mcore.compat import has_megatron_training, import_megatron_training
+
     try:
+        if not has_megatron_training():
+            raise ImportError("megatron.training")
+        import_megatron_training()
         from megatron.training.arguments import add_megatron_arguments
     except ImportError:  # megatron-core < 0.19: the flags that matter here, restated
         p = argparse.ArgumentParser(allow_abbrev=False)
