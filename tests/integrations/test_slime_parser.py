@@ -100,6 +100,13 @@ def test_extension_adds_only_what_slime_lacks():
         setattr(args, k, v)
     config, _ = config_from_slime_args(args)
     assert config.use_tis and config.use_rs and config.rs_bounds == (0.5, 2.0) and config.tis_batch_normalize
+    # slime_corr's flags on slime's parser are read by the hook like YAML keys; at their defaults, slime's
+    # --tis-clip / --tis-clip-low keep their meaning (slime's default TIS)
+    config, _ = config_from_slime_args(parser.parse_args(["--use-tis", "--tis-clip", "1.5", "--tis-clip-low", "0.5"]))
+    assert config.effective_tis_mode == "clip" and config.tis_bounds == (0.5, 1.5)
+    config, _ = config_from_slime_args(parser.parse_args(["--use-tis", "--tis-mode", "mask", "--tis-level",
+                                                          "geometric", "--tis-upper-bound", "1.1"]))
+    assert config.tis_mode == "mask" and config.tis_level == "geometric" and config.tis_bounds == (1 / 1.1, 1.1)
 
 
 def test_slime_flags_configure_slime_corr_on_slime_parser():

@@ -38,8 +38,9 @@ def _get(args: Any, name: str, default: Any = None) -> Any:
 
 
 def uses_mis_keys(args: Any) -> bool:
-    """Whether `args` carries mis.py's settings (from the YAML, or from slime_corr's flags on slime's parser)."""
-    return any(getattr(args, k, None) is not None for k in MIS_KEYS)
+    """Whether `args` carries mis.py's settings (from the YAML, or slime_corr's flags on slime's parser set to
+    something other than their defaults)."""
+    return any(getattr(args, k, None) not in (None, False, _DEFAULTS.get(k)) for k in MIS_KEYS)
 
 
 def slime_settings(args: Any, kind: str = "mis") -> tuple[dict[str, Any], list[str]]:
@@ -53,6 +54,7 @@ def slime_settings(args: Any, kind: str = "mis") -> tuple[dict[str, Any], list[s
     if kind == "mis" and not uses_mis_keys(args):
         kind = "vanilla" if getattr(args, "use_tis", False) else "metrics"
     if kind in ("vanilla", "icepop"):  # slime applies these whenever it calls them
+        values["use_rollout_logprobs"] = bool(getattr(args, "use_rollout_logprobs", False))  # refused with IS
         upper = float(_get(args, "tis_clip", DEFAULT_TIS_UPPER_BOUND))
         lower = float(_get(args, "tis_clip_low", 0.0))
         if kind == "vanilla":
