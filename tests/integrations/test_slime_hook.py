@@ -146,7 +146,8 @@ def test_vanilla_and_icepop_equal_slime():
     args = slime_args(use_tis=True, tis_clip=1.5, tis_clip_low=0.8)
     batch = make_batch(seed=12, noise=0.5)
     w = vanilla_reference(args, batch[0], batch[1])[0]
-    pg_loss, _, _ = call_like_slime(load_function("slime_corr.integrations.slime.tis_function"), args, batch)
+    pg_loss, _, metrics = call_like_slime(load_function("slime_corr.integrations.slime.tis_function"), args, batch)
+    assert {"tis", "tis_clipfrac", "tis_abs"} <= set(metrics)  # slime's default TIS keys
     m = torch.cat(batch[2])  # equal where the loss reads it (slime_corr's weights are 0 outside the mask)
     torch.testing.assert_close(pg_loss * m, torch.cat(batch[3]) * w * m, atol=1e-12, rtol=1e-9)
 

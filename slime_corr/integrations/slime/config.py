@@ -43,16 +43,23 @@ def uses_mis_keys(args: Any) -> bool:
     return any(getattr(args, k, None) not in (None, False, _DEFAULTS.get(k)) for k in MIS_KEYS)
 
 
-def slime_settings(args: Any, kind: str = "mis") -> tuple[dict[str, Any], list[str]]:
-    """(`RolloutCorrectionConfig` fields, notices) of slime's `args` for hook `kind` (mis, vanilla, icepop)."""
+def effective_kind(args: Any, kind: str) -> str:
+    """What hook `kind` computes for `args`: "mis" without mis.py settings is slime's default TIS ("vanilla") with
+    --use-tis, else metrics only ("metrics")."""
     if kind not in KINDS:
         raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
+    if kind == "mis" and not uses_mis_keys(args):
+        return "vanilla" if getattr(args, "use_tis", False) else "metrics"
+    return kind
+
+
+def slime_settings(args: Any, kind: str = "mis") -> tuple[dict[str, Any], list[str]]:
+    """(`RolloutCorrectionConfig` fields, notices) of slime's `args` for hook `kind` (mis, vanilla, icepop)."""
+    kind = effective_kind(args, kind)
     notices: list[str] = []
     values: dict[str, Any] = dict(get_mismatch_metrics=True)
     if getattr(args, "rollout_correction_compile", False):
         values["rollout_correction_compile"] = True
-    if kind == "mis" and not uses_mis_keys(args):
-        kind = "vanilla" if getattr(args, "use_tis", False) else "metrics"
     if kind in ("vanilla", "icepop"):  # slime applies these whenever it calls them
         values["use_rollout_logprobs"] = bool(getattr(args, "use_rollout_logprobs", False))  # refused with IS
         upper = float(_get(args, "tis_clip", DEFAULT_TIS_UPPER_BOUND))
@@ -106,4 +113,4 @@ def config_from_slime_args(args: Any, kind: str = "mis") -> tuple[RolloutCorrect
     return RolloutCorrectionConfig(**values), notices
 
 
-__all__ = ["KINDS", "MIS_KEYS", "config_from_slime_args", "slime_settings", "uses_mis_keys"]
+__all__ = ["KINDS", "MIS_KEYS", "config_from_slime_args", "effective_kind", "slime_settings", "uses_mis_keys"]

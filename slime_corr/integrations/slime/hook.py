@@ -31,20 +31,20 @@ from torch import Tensor
 
 from slime_corr.config import ConfigError, RolloutCorrectionConfig
 from slime_corr.correction import Segments, compute_rollout_correction
-from slime_corr.integrations.slime.config import MIS_KEYS, config_from_slime_args
+from slime_corr.integrations.slime.config import MIS_KEYS, config_from_slime_args, effective_kind
 from slime_corr.integrations.slime.layout import gather_whole, local_part, local_response_ranges
 from slime_corr.integrations.slime.names import METRIC_NAMINGS, MIS_NAMES
 
 logger = logging.getLogger(__name__)
 SLIME_OWN_KEYS = frozenset({"train_rollout_logprob_abs_diff"})
-_CONFIGS: dict[tuple, tuple[RolloutCorrectionConfig, str]] = {}
+_CONFIGS: dict[tuple, tuple[RolloutCorrectionConfig, str, str]] = {}
 _ARG_NAMES = ("use_tis", "tis_clip", "tis_clip_low", "use_rollout_logprobs", "rollout_correction_compile",
               "metric_names", *MIS_KEYS)
 
 
-def hook_config(args: Any, kind: str = "mis") -> tuple[RolloutCorrectionConfig, str]:
-    """(config, metric naming) of slime's `args`, built once per distinct setting; notices are logged once.
-    A bad setting raises `ConfigError` naming the YAML key / flag."""
+def hook_config(args: Any, kind: str = "mis") -> tuple[RolloutCorrectionConfig, str, str]:
+    """(config, metric naming, effective kind) of slime's `args`, built once per distinct setting; notices are
+    logged once. A bad setting raises `ConfigError` naming the YAML key / flag."""
     key = (kind, *(repr(getattr(args, n, None)) for n in _ARG_NAMES))
     if key not in _CONFIGS:
         try:
@@ -57,7 +57,7 @@ def hook_config(args: Any, kind: str = "mis") -> tuple[RolloutCorrectionConfig, 
         naming = getattr(args, "metric_names", None) or "both"
         if naming not in METRIC_NAMINGS:
             raise ConfigError(f"metric_names {naming!r} is not one of {', '.join(METRIC_NAMINGS)}.")
-        _CONFIGS[key] = (config, naming)
+        _CONFIGS[key] = (config, naming, effective_kind(args, kind))
     return _CONFIGS[key]
 
 
@@ -95,7 +95,7 @@ def _apply(kind: str, args: Any, *, pg_loss: Tensor, train_log_probs: Sequence[T
            rollout_log_probs: Sequence[Tensor], loss_masks: Sequence[Tensor], total_lengths: Sequence[int],
            response_lengths: Sequence[int], cp_group: dist.ProcessGroup | None = None,
            dp_group: dist.ProcessGroup | None = None) -> tuple[Tensor, list[Tensor], dict[str, Tensor]]:
-    config, naming = hook_config(args, kind)
+    config, naming, kind = hook_config(args, kind)
     if cp_group is None and dp_group is None:
         cp_group, dp_group = parallel_groups()
     cp_rank, cp_size = (dist.get_rank(cp_group), dist.get_world_size(cp_group)) if cp_group else (0, 1)
@@ -127,7 +127,7 @@ def _apply(kind: str, args: Any, *, pg_loss: Tensor, train_log_probs: Sequence[T
         metrics.update(_per_token({k: v for k, v in result.metrics.items() if k not in SLIME_OWN_KEYS}, n_tok,
                                   dtype))
     if naming != "slime_corr":
-        if kind == "mis":
+        if kind in ("mis", "metrics"):
             metrics.update(_per_token({MIS_NAMES[k]: v for k, v in result.metrics.items() if k in MIS_NAMES},
                                       n_tok, dtype))
         else:  # slime's vanilla_tis_function / icepop_function keys, per token
