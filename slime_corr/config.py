@@ -40,8 +40,8 @@ class ConfigError(ValueError):
 
 
 def flag(name: str) -> str:
-    """Field name -> command-line flag (`tis_mode` -> `--tis-mode`)."""
-    return "--" + name.replace("_", "-")
+    """Field name -> command-line flag (`tis_mode` -> `--tis-mode`; `loss_type` -> `--policy-loss-type`)."""
+    return "--policy-loss-type" if name == "loss_type" else "--" + name.replace("_", "-")
 
 
 @dataclass(frozen=True)
@@ -241,14 +241,14 @@ class RolloutCorrectionConfig:
 
         if self.loss_type == "reinforce" and not self.use_rollout_logprobs:
             fail(
-                "--loss-type reinforce is pure policy gradient on rollout data and needs --use-rollout-logprobs "
-                "(bypass mode); for a recomputed pi_old use --loss-type ppo."
+                "--policy-loss-type reinforce is pure policy gradient on rollout data and needs --use-rollout-logprobs "
+                "(bypass mode); for a recomputed pi_old use --policy-loss-type ppo."
             )
         if self.loss_type == "ppo" and self.use_rollout_logprobs and self.use_tis:
             fail(
-                "--use-tis with --use-rollout-logprobs and --loss-type ppo corrects twice: the PPO ratio is "
+                "--use-tis with --use-rollout-logprobs and --policy-loss-type ppo corrects twice: the PPO ratio is "
                 "already pi_theta/pi_rollout. Drop --use-tis (keep --use-rs if wanted), or use "
-                "--loss-type reinforce for pg_is."
+                "--policy-loss-type reinforce for pg_is."
             )
 
         if not (math.isfinite(self.eps_clip) and 0.0 < self.eps_clip < 1.0):
@@ -258,7 +258,7 @@ class RolloutCorrectionConfig:
         if self.eps_clip_c is not None and not (math.isfinite(self.eps_clip_c) and self.eps_clip_c > 1.0):
             fail(f"--eps-clip-c={self.eps_clip_c} must be > 1 (dual clip lower bound on -A*ratio).")
         if self.loss_type == "reinforce" and self.eps_clip_c is not None:
-            fail("--eps-clip-c (dual clip) applies to the PPO loss only; drop it with --loss-type reinforce.")
+            fail("--eps-clip-c (dual clip) applies to the PPO loss only; drop it with --policy-loss-type reinforce.")
 
         if self.rollout_correction_preset is not None and self.rollout_correction_preset not in PRESETS:
             fail(
