@@ -5,11 +5,18 @@
 
 Flags record which of them were given explicitly, so `RolloutCorrectionConfig.from_args` can apply the
 precedence explicit flag > YAML (`--custom-config-path`) > preset (`--rollout-correction-preset`) > default.
+
+Composition with a host parser (slime's, Megatron-LM's): only the flags the host lacks are added. A flag the host
+already defines is reused when its meaning is slime_corr's (`SHARED_FLAGS`, slime's names, or the same choices /
+type), else adding the extension fails naming both definitions. The REINFORCE/PPO choice is `--policy-loss-type`
+(slime's `--loss-type` picks policy/sft/custom loss); `--loss-type ppo|reinforce` still works, with a deprecation
+note, on a parser that does not define `--loss-type`.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +31,17 @@ from slime_corr.config import (
 )
 
 EXPLICIT_ATTR = "_rollout_correction_explicit"
+HOST_FLAGS_ATTR = "_rollout_correction_host_flags"  # {dest: the host's default} of the reused host flags
+# Flags slime defines with slime_corr's meaning (slime/utils/arguments.py); a host's definition is reused.
+SHARED_FLAGS = frozenset({
+    "--use-tis", "--tis-clip", "--tis-clip-low", "--custom-tis-function-path", "--custom-config-path",
+    "--use-rollout-logprobs", "--get-mismatch-metrics", "--eps-clip", "--eps-clip-high", "--eps-clip-c",
+    "--use-kl-loss", "--kl-loss-coef", "--kl-coef", "--kl-loss-type", "--entropy-coef",
+})
+# A host's --custom-tis-function-path has the host's signature (slime's: `slime_corr.integrations.slime`), not a
+# slime_corr weighting function's: it does not configure `config_from_args`.
+_HOST_SIGNATURE_FIELDS = frozenset({"custom_tis_function_path"})
+_FIELD_OF_DEST = {"policy_loss_type": "loss_type"}
 _DEFAULTS = {f: getattr(RolloutCorrectionConfig, f, None) for f in RolloutCorrectionConfig.field_names()}
 
 
@@ -32,7 +50,7 @@ def _record(namespace: argparse.Namespace, dest: str) -> None:
     if explicit is None:
         explicit = set()
         setattr(namespace, EXPLICIT_ATTR, explicit)
-    explicit.add(dest)
+    explicit.add(_FIELD_OF_DEST.get(dest, dest))
 
 
 class _Store(argparse._StoreAction):
@@ -47,16 +65,56 @@ class _StoreTrue(argparse._StoreTrueAction):
         _record(namespace, self.dest)
 
 
+class _DeprecatedLossType(_Store):
+    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]
+        print(f"slime_corr: --loss-type {values} is deprecated: use --policy-loss-type {values} (slime's "
+              "--loss-type chooses policy_loss / sft_loss / custom_loss).", file=sys.stderr)
+        super().__call__(parser, namespace, values, option_string)
+
+
+def _same_shape(host: argparse.Action, kw: dict[str, Any]) -> bool:
+    """Whether the host's flag takes the same values as ours (then it is one flag defined twice)."""
+    ours_switch = kw.get("action") in (_StoreTrue, "store_true")
+    host_switch = isinstance(host, argparse._StoreTrueAction)
+    return ours_switch == host_switch and (ours_switch or (
+        kw.get("type") == host.type and list(kw.get("choices") or []) == list(host.choices or [])))
+
+
+def _describe(action: argparse.Action) -> str:
+    what = "a switch" if isinstance(action, argparse._StoreTrueAction) else (
+        f"choices {list(action.choices)}" if action.choices else f"type {getattr(action.type, '__name__', 'str')}")
+    return f"{what}, default {action.default!r}: {action.help or 'no help'}"
+
+
+def compose_flag(parser: argparse.ArgumentParser, group: Any, option: str, **kw: Any) -> bool:
+    """Add `option` to `group`, or reuse the host parser's definition when it means the same (`SHARED_FLAGS`, or the
+    same values); where meanings differ, raise `ConfigError` naming both. Returns whether it was added."""
+    host = parser._option_string_actions.get(option)
+    if host is None:
+        group.add_argument(option, **kw)
+        return True
+    if option not in SHARED_FLAGS and not _same_shape(host, kw):
+        raise ConfigError(
+            f"{option} is defined twice with different meanings: the parser's ({_describe(host)}) and "
+            f"slime_corr's ({kw.get('help')}). Rename one of them; slime_corr does not redefine a host flag.")
+    hosted = dict(parser._defaults.get(HOST_FLAGS_ATTR, {}))
+    hosted[host.dest] = host.default
+    parser.set_defaults(**{HOST_FLAGS_ATTR: hosted})
+    return False
+
+
 def add_rollout_correction_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the rollout-correction flags (a Megatron `extra_args_provider`). Returns the parser."""
+    """Add the rollout-correction flags (a Megatron `extra_args_provider`; only those the parser lacks, see the
+    module doc). Returns the parser."""
     g = parser.add_argument_group(title="rollout correction (slime_corr)")
 
     def switch(name: str, help: str) -> None:
-        g.add_argument(name, action=_StoreTrue, default=False, help=help)
+        compose_flag(parser, g, name, action=_StoreTrue, default=False, help=help)
 
     def value(name: str, help: str, **kw: Any) -> None:
-        dest = name[2:].replace("-", "_")
-        g.add_argument(name, action=_Store, default=_DEFAULTS[dest], help=help, **kw)
+        dest = kw.pop("dest", name[2:].replace("-", "_"))
+        compose_flag(parser, g, name, action=kw.pop("action", _Store), dest=dest,
+                     default=_DEFAULTS[_FIELD_OF_DEST.get(dest, dest)], help=help, **kw)
 
     switch("--use-tis", "Multiply the policy loss by importance-sampling weights pi_train/pi_rollout.")
     value("--tis-mode", "How IS weights are bounded: truncate (min(w,U)), clip (clamp to [L,U]), mask (0 outside).",
@@ -85,8 +143,11 @@ def add_rollout_correction_args(parser: argparse.ArgumentParser) -> argparse.Arg
     switch("--use-rollout-correction",
            "Apply the configured IS/RS to the loss (implied by --use-tis, --use-rs, --rs-veto-threshold).")
     switch("--get-mismatch-metrics", "Log mismatch metrics without changing the loss.")
-    value("--loss-type", "Policy loss: ppo (clipped surrogate) or reinforce (pure policy gradient, bypass only).",
-          choices=LOSS_TYPES)
+    value("--policy-loss-type", "Policy loss: ppo (clipped surrogate) or reinforce (pure policy gradient, bypass "
+          "only).", choices=LOSS_TYPES, dest="policy_loss_type")
+    if "--loss-type" not in parser._option_string_actions:  # slime's parser has its own --loss-type
+        value("--loss-type", "Deprecated spelling of --policy-loss-type.", choices=LOSS_TYPES,
+              dest="policy_loss_type", action=_DeprecatedLossType)
     value("--eps-clip", "PPO clip epsilon: ratio clipped to [1-eps, 1+eps_high].", type=float)
     value("--eps-clip-high", "PPO upper clip epsilon (default: --eps-clip).", type=float)
     value("--eps-clip-c", "Dual-clip constant c > 1 capping negative-advantage token losses at -A*c.",
@@ -115,11 +176,24 @@ def parse_rollout_correction_config(
     return args, config
 
 
+def explicit_fields(args: argparse.Namespace) -> set[str] | None:
+    """The fields given on the command line: recorded by slime_corr's flags, plus the reused host flags whose value
+    differs from the host's default (None: the namespace was not made by `add_rollout_correction_args`)."""
+    recorded = getattr(args, EXPLICIT_ATTR, None)
+    hosted = getattr(args, HOST_FLAGS_ATTR, None)
+    if recorded is None and hosted is None:
+        return None
+    explicit = set(recorded or ())
+    explicit.update(dest for dest, default in (hosted or {}).items()
+                    if dest in _DEFAULTS and dest not in _HOST_SIGNATURE_FIELDS and getattr(args, dest, default) != default)
+    return explicit
+
+
 def config_from_args(args: argparse.Namespace) -> RolloutCorrectionConfig:
     """Build the config and load the custom weighting function now, so a bad path fails at start-up."""
     from slime_corr.mcore.megatron_lm import check_megatron_lm_rl_flags
 
-    config = RolloutCorrectionConfig.from_args(args)
+    config = RolloutCorrectionConfig.from_args(args, explicit=explicit_fields(args))
     check_megatron_lm_rl_flags(args, config)  # Megatron-LM's own IS flags, when its parser is used
     if config.custom_tis_function_path:
         import slime_corr.correction  # noqa: F401  (registers the built-in weighting functions)

@@ -40,8 +40,8 @@ class ConfigError(ValueError):
 
 
 def flag(name: str) -> str:
-    """Field name -> command-line flag (`tis_mode` -> `--tis-mode`)."""
-    return "--" + name.replace("_", "-")
+    """Field name -> command-line flag (`tis_mode` -> `--tis-mode`; `loss_type` -> `--policy-loss-type`)."""
+    return "--policy-loss-type" if name == "loss_type" else "--" + name.replace("_", "-")
 
 
 @dataclass(frozen=True)
@@ -241,14 +241,14 @@ class RolloutCorrectionConfig:
 
         if self.loss_type == "reinforce" and not self.use_rollout_logprobs:
             fail(
-                "--loss-type reinforce is pure policy gradient on rollout data and needs --use-rollout-logprobs "
-                "(bypass mode); for a recomputed pi_old use --loss-type ppo."
+                "--policy-loss-type reinforce is pure policy gradient on rollout data and needs --use-rollout-logprobs "
+                "(bypass mode); for a recomputed pi_old use --policy-loss-type ppo."
             )
         if self.loss_type == "ppo" and self.use_rollout_logprobs and self.use_tis:
             fail(
-                "--use-tis with --use-rollout-logprobs and --loss-type ppo corrects twice: the PPO ratio is "
+                "--use-tis with --use-rollout-logprobs and --policy-loss-type ppo corrects twice: the PPO ratio is "
                 "already pi_theta/pi_rollout. Drop --use-tis (keep --use-rs if wanted), or use "
-                "--loss-type reinforce for pg_is."
+                "--policy-loss-type reinforce for pg_is."
             )
 
         if not (math.isfinite(self.eps_clip) and 0.0 < self.eps_clip < 1.0):
@@ -258,7 +258,7 @@ class RolloutCorrectionConfig:
         if self.eps_clip_c is not None and not (math.isfinite(self.eps_clip_c) and self.eps_clip_c > 1.0):
             fail(f"--eps-clip-c={self.eps_clip_c} must be > 1 (dual clip lower bound on -A*ratio).")
         if self.loss_type == "reinforce" and self.eps_clip_c is not None:
-            fail("--eps-clip-c (dual clip) applies to the PPO loss only; drop it with --loss-type reinforce.")
+            fail("--eps-clip-c (dual clip) applies to the PPO loss only; drop it with --policy-loss-type reinforce.")
 
         if self.rollout_correction_preset is not None and self.rollout_correction_preset not in PRESETS:
             fail(
@@ -306,7 +306,14 @@ class RolloutCorrectionConfig:
         if isinstance(args, Mapping) or not hasattr(args, "__dict__"):
             raise ConfigError(f"from_args expects an argparse.Namespace, got {type(args).__name__}; use "
                               "RolloutCorrectionConfig.from_dict for a mapping.")
-        given = {n: getattr(args, n) for n in cls.field_names() if hasattr(args, n)}
+        given = {n: getattr(args, n) for n in cls.field_names() if hasattr(args, n) and n != "loss_type"}
+        # --policy-loss-type's attribute (a host parser such as slime's owns `loss_type`); a hand-made namespace
+        # may still carry `loss_type`
+        loss_type = getattr(args, "policy_loss_type", None)
+        if loss_type is None and getattr(args, "loss_type", None) in LOSS_TYPES:
+            loss_type = args.loss_type
+        if loss_type is not None:
+            given["loss_type"] = loss_type
         if explicit is None:
             explicit = getattr(args, "_rollout_correction_explicit", None)
         if explicit is None:
@@ -339,6 +346,8 @@ class RolloutCorrectionConfig:
             raise ConfigError(f"{preset_source} {preset!r} is unknown; choose one of {', '.join(PRESETS)}.")
         preset_values = dict(PRESETS.get(preset or "", {}))
         merged = {**preset_values, **yaml_values, **overrides}
+        if yaml_values:
+            _slime_yaml_meaning(merged, yaml_values, overrides, str(yaml_path))
         for switch, keys in _BOUNDS_OF.items():  # a preset's bounds go when its switch is turned off
             if not merged.get(switch):
                 for key in keys:
@@ -377,6 +386,25 @@ def _check_bounds(fail: Callable[[str], None], prefix: str, lower: float | None,
     if lower is None and u < 1.0:
         fail(f"{up} {u} is below 1, so the default lower bound 1/U = {1.0 / u:g} is above it; give {lo} "
              f"(<= {u}) explicitly, or an upper bound >= 1.")
+
+
+def _slime_yaml_meaning(merged: dict[str, Any], yaml_values: Mapping[str, Any], overrides: Mapping[str, Any],
+                        path: str) -> None:
+    """slime's meaning of its YAML keys (its `mis.yaml`): `rs_lower_bound: null` / `rs_upper_bound: null` with
+    `use_rs` reuse the IS bounds (`tis_lower_bound` as given, else 1/U; U); a `tis_lower_bound` that
+    `tis_mode: truncate` ignores is dropped with a notice. A flag given on the command line keeps its meaning."""
+    import warnings
+
+    upper = merged.get("tis_upper_bound") or DEFAULT_TIS_UPPER_BOUND
+    lower = merged.get("tis_lower_bound") or 1.0 / upper
+    if merged.get("use_rs"):
+        for key, bound in (("rs_upper_bound", upper), ("rs_lower_bound", lower)):
+            if key in yaml_values and yaml_values[key] is None and merged.get(key) is None:
+                merged[key] = bound
+    if (merged.get("tis_mode", "truncate") == "truncate" and yaml_values.get("tis_lower_bound") is not None
+            and "tis_lower_bound" not in overrides):
+        warnings.warn(f"--custom-config-path {path}: tis_lower_bound {merged.pop('tis_lower_bound')} is ignored by "
+                      "tis_mode truncate (as in slime).", stacklevel=4)
 
 
 def _check_keys(values: Mapping[str, Any], source: str) -> None:

@@ -8,9 +8,10 @@ Per valid token, with lp = log π_θ, lp_ref = log π_ref and H the entropy of �
     l = l_policy + kl_loss_coef · KL_type(lp, lp_ref) − entropy_coef · H
 
 aggregated with the policy loss's own `--loss-agg-mode` and denominator. Flags are slime's: `--use-kl-loss`,
-`--kl-loss-coef`, `--kl-loss-type` (k1, k2, k3, low_var_kl), `--entropy-coef`. `--kl-coef` is accepted as another
-name of `--kl-loss-coef`: in slime it is a different knob (a KL penalty on the reward, which its GRPO advantage does
-not use), which slime_corr does not implement.
+`--kl-loss-coef`, `--kl-loss-type` (k1, k2, k3, low_var_kl), `--entropy-coef`. `--kl-coef` has slime's meaning, a
+KL penalty on the reward applied before the advantages, which slime_corr's trainer does not implement: a non-zero
+value is refused at parse time (0, slime's default, is accepted). On slime's parser the flags slime defines are
+reused (`slime_corr.arguments.compose_flag`).
 """
 
 from __future__ import annotations
@@ -63,23 +64,36 @@ class LossTermsConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> LossTermsConfig:
         values: dict[str, Any] = {k: getattr(args, k) for k in cls.__dataclass_fields__ if hasattr(args, k)}
+        kl_coef = getattr(args, "kl_coef", None) or 0.0
+        if kl_coef and values.get("kl_loss_coef"):
+            raise ConfigError(f"--kl-coef {kl_coef} and --kl-loss-coef {values['kl_loss_coef']}: only one of them can "
+                              "be set (as in slime).")
+        if kl_coef:
+            raise ConfigError(f"--kl-coef {kl_coef} is slime's KL penalty on the reward (applied before the "
+                              "advantages), which slime_corr's trainer does not implement. For a KL term in the loss "
+                              f"use --use-kl-loss --kl-loss-coef {kl_coef}.")
         return cls(**values)
 
 
 def add_loss_terms_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """slime's KL-loss and entropy flags (see the module doc). Returns the parser."""
+    from slime_corr.arguments import compose_flag
+
     g = parser.add_argument_group(title="KL and entropy loss terms (slime's flags)")
     d = LossTermsConfig()
-    g.add_argument("--use-kl-loss", action="store_true", default=d.use_kl_loss,
-                   help="KL to a frozen reference policy (the initial model); logged as kl_loss, added to the loss "
-                        "with --kl-loss-coef.")
-    g.add_argument("--kl-loss-coef", "--kl-coef", dest="kl_loss_coef", type=float, default=d.kl_loss_coef,
-                   help="Coefficient of the KL loss (> 0 implies --use-kl-loss). --kl-coef is the same flag.")
-    g.add_argument("--kl-loss-type", choices=KL_LOSS_TYPES, default=d.kl_loss_type,
-                   help="KL estimator per token, x = lp - lp_ref: k1 = x, k2 = x^2/2, k3 = exp(-x) - 1 + x, "
-                        "low_var_kl = k3 clamped to [-10, 10].")
-    g.add_argument("--entropy-coef", type=float, default=d.entropy_coef,
-                   help="Entropy bonus: loss -= coef * entropy of the policy (token level).")
+    compose_flag(parser, g, "--use-kl-loss", action="store_true", default=d.use_kl_loss,
+                 help="KL to a frozen reference policy (the initial model); logged as kl_loss, added to the loss "
+                      "with --kl-loss-coef.")
+    compose_flag(parser, g, "--kl-loss-coef", type=float, default=d.kl_loss_coef,
+                 help="Coefficient of the KL loss (> 0 implies --use-kl-loss).")
+    compose_flag(parser, g, "--kl-coef", type=float, default=0.0,
+                 help="slime's KL penalty on the reward (before the advantages): not implemented by slime_corr's "
+                      "trainer, so only 0 is accepted; use --kl-loss-coef for a KL term in the loss.")
+    compose_flag(parser, g, "--kl-loss-type", choices=KL_LOSS_TYPES, default=d.kl_loss_type,
+                 help="KL estimator per token, x = lp - lp_ref: k1 = x, k2 = x^2/2, k3 = exp(-x) - 1 + x, "
+                      "low_var_kl = k3 clamped to [-10, 10].")
+    compose_flag(parser, g, "--entropy-coef", type=float, default=d.entropy_coef,
+                 help="Entropy bonus: loss -= coef * entropy of the policy (token level).")
     return parser
 
 

@@ -259,7 +259,7 @@ def compute_policy_loss(
         None if weights is None else weights.detach().to(dtype))
     inputs = LossInputs(raw_log_probs=log_probs, old_log_probs=old_s, rollout_log_probs=rollout_log_probs,
                         advantages=adv_s, token_mask=okf, weights=w_s, count=count)
-    fn = loss_fn if callable(loss_fn) else LOSS_FUNCTIONS.get(loss_fn or config.loss_type, flag="--loss-type")
+    fn = loss_fn if callable(loss_fn) else LOSS_FUNCTIONS.get(loss_fn or config.loss_type, flag="--policy-loss-type")
     token_loss = fn(inputs, config)
     zero = torch.zeros((), dtype=dtype, device=log_probs.device)
     masked = token_loss if fn in BUILTIN_LOSSES else torch.where(inputs.loss_mask, token_loss, zero)

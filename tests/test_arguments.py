@@ -41,7 +41,8 @@ FLAG_CASES = [
     (["--use-rollout-logprobs"], "use_rollout_logprobs", True),
     (["--use-tis", "--use-rollout-correction"], "use_rollout_correction", True),
     (["--get-mismatch-metrics"], "get_mismatch_metrics", True),
-    (["--use-rollout-logprobs", "--loss-type", "reinforce"], "loss_type", "reinforce"),
+    (["--use-rollout-logprobs", "--policy-loss-type", "reinforce"], "loss_type", "reinforce"),
+    (["--use-rollout-logprobs", "--loss-type", "reinforce"], "loss_type", "reinforce"),  # deprecated spelling
     (["--eps-clip", "0.1"], "eps_clip", 0.1),
     (["--eps-clip-high", "0.28"], "eps_clip_high", 0.28),
     (["--eps-clip-c", "3"], "eps_clip_c", 3.0),
@@ -53,14 +54,14 @@ FLAG_CASES = [
 @pytest.mark.parametrize("argv, field, value", FLAG_CASES, ids=[c[1] for c in FLAG_CASES])
 def test_each_flag_sets_its_field(argv, field, value):
     args, c = parse(argv)
-    assert getattr(args, field) == value
+    assert getattr(args, {"loss_type": "policy_loss_type"}.get(field, field)) == value  # slime owns `loss_type`
     assert getattr(c, field) == value
 
 
 def test_every_config_field_has_a_flag():
     parser = add_rollout_correction_args(argparse.ArgumentParser())
     dests = {a.dest for a in parser._actions}
-    assert set(RolloutCorrectionConfig.field_names()) <= dests
+    assert set(RolloutCorrectionConfig.field_names()) - {"loss_type"} <= dests and "policy_loss_type" in dests
     for action in parser._actions:
         if action.dest in RolloutCorrectionConfig.field_names():
             assert action.help and len(action.help) > 20, action.dest

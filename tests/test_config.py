@@ -122,8 +122,8 @@ def test_empty_yaml_file_gives_defaults(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(use_tis=True, use_rollout_logprobs=True), "--use-tis with --use-rollout-logprobs and --loss-type ppo corrects twice"),
-        (dict(loss_type="reinforce"), "--loss-type reinforce is pure policy gradient on rollout data and needs --use-rollout-logprobs"),
+        (dict(use_tis=True, use_rollout_logprobs=True), "--use-tis with --use-rollout-logprobs and --policy-loss-type ppo corrects twice"),
+        (dict(loss_type="reinforce"), "--policy-loss-type reinforce is pure policy gradient on rollout data and needs --use-rollout-logprobs"),
         (dict(use_rs=True), "--use-rs needs --rs-upper-bound"),
         (dict(use_rs=True, rs_upper_bound=2.0, rs_lower_bound=3.0), "--rs-lower-bound 3.0 > --rs-upper-bound 2.0; give --rs-lower-bound <= --rs-upper-bound"),
         (dict(use_tis=True, tis_mode="clip", tis_lower_bound=3.0, tis_upper_bound=2.0), "--tis-lower-bound 3.0 > --tis-upper-bound 2.0"),
@@ -163,7 +163,7 @@ def test_empty_yaml_file_gives_defaults(tmp_path):
         (dict(tis_mode="nope"), "--tis-mode='nope' is not one of truncate, clip, mask"),
         (dict(tis_level="word"), "--tis-level='word' is not one of token, sequence, geometric"),
         (dict(rs_level="word"), "--rs-level='word' is not one of token, sequence, geometric"),
-        (dict(loss_type="dpo"), "--loss-type='dpo' is not one of ppo, reinforce"),
+        (dict(loss_type="dpo"), "--policy-loss-type='dpo' is not one of ppo, reinforce"),
         (dict(loss_agg_mode="mean"), "--loss-agg-mode='mean' is not one of token-mean"),
         (dict(eps_clip=0.0), "--eps-clip=0.0 must be in (0, 1)"),
         (dict(eps_clip_high=-0.1), "--eps-clip-high=-0.1 must be a finite number > 0"),

@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from slime_corr.config import ConfigError
+from slime_corr.integrations.slime.names import METRIC_NAMINGS
 
 WANDB_MODES = ("online", "offline", "disabled")
 PROGRESS_MODES = ("auto", "bar", "lines", "none")
@@ -34,6 +35,9 @@ class MonitoringConfig:
     never touches the network. rollout_progress: "auto" = a tqdm bar on a terminal, plain lines otherwise.
     log_mismatch_diagnostics: the bucketed mismatch views (`slime_corr.correction.diagnostics`);
     log_top_mismatch_samples: how many of the step's sequences with the largest |Σ lr| to record (0 = none).
+    metric_names: "both" (default) logs slime's names of the metrics slime has beside slime_corr's, "slime" only
+    slime's for those, "slime_corr" none (`slime_corr.integrations.slime.names`; the console line keeps
+    slime_corr's names).
     """
 
     run_dir: str | None = None
@@ -49,6 +53,7 @@ class MonitoringConfig:
     rollout_progress: str = "auto"
     log_mismatch_diagnostics: bool = True
     log_top_mismatch_samples: int = 4
+    metric_names: str = "both"
 
     def __post_init__(self) -> None:
         for name in ("log_interval", "tensorboard_log_interval", "tensorboard_queue_size"):
@@ -60,6 +65,8 @@ class MonitoringConfig:
                               f"{self.log_top_mismatch_samples!r}.")
         if self.wandb_mode is not None and self.wandb_mode not in WANDB_MODES:
             raise ConfigError(f"--wandb-mode must be one of {', '.join(WANDB_MODES)}, got {self.wandb_mode!r}.")
+        if self.metric_names not in METRIC_NAMINGS:
+            raise ConfigError(f"--metric-names must be one of {', '.join(METRIC_NAMINGS)}, got {self.metric_names!r}.")
         if self.rollout_progress not in PROGRESS_MODES:
             raise ConfigError(f"--rollout-progress must be one of {', '.join(PROGRESS_MODES)}, got "
                               f"{self.rollout_progress!r}.")
@@ -127,6 +134,9 @@ def add_monitoring_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
              "drift split (when mismatch metrics are on).")
     add("--log-top-mismatch-samples", type=int, default=d.log_top_mismatch_samples,
         help="Record the N sequences of each step with the largest |sum of log-ratios| (with their text).")
+    add("--metric-names", type=str, choices=METRIC_NAMINGS, default=d.metric_names,
+        help="Metric key names in the logs: both (slime_corr's, plus slime's for the metrics slime logs: "
+             "train/train_rollout_logprob_abs_diff, train/tis, rollout/raw_reward, ...), slime, or slime_corr.")
     return parser
 
 

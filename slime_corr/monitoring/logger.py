@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
+from slime_corr.integrations.slime.names import slime_named
 from slime_corr.monitoring.config import MonitoringConfig
 from slime_corr.monitoring.keys import CONSOLE_KEYS
 
@@ -213,8 +214,9 @@ class MetricsLogger:
                 values[key] = float(value)
             except (TypeError, ValueError):
                 raise TypeError(f"metric {key!r}: expected a number, got {type(value).__name__} {value!r}") from None
+        named = slime_named(values, self.config.metric_names)  # slime's names too (--metric-names)
         for sink in self.sinks:
-            sink.write(step, values)
+            sink.write(step, values if isinstance(sink, ConsoleSink) else named)
 
     def log_samples(self, step: int, records: Sequence[Mapping[str, Any]]) -> None:
         """Per-sample records of the step (e.g. the sequences with the largest mismatch, with text)."""
