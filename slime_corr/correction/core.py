@@ -222,15 +222,15 @@ def compute_rollout_correction(
                 w_seq = w_out.squeeze(-1)
                 M.add_raw_weight_stats(stats, raw_out.squeeze(-1), seq_ok.to(dtype) * cp0, lower, upper)
             n_fn = _zero_where(seq_bad, seq[:, k0 - 1]) if token_rs else n_seq
-            if div is not None and div.keep is not None:  # token-level divergence filter (and token RS)
-                tok_f = div.keep
-                n_fn = _zero_where(seq_bad, seq[:, k0 + 1])
             if token_rs:
                 tok_f = keep_tok
             elif config.use_rs:
                 keep = rs_keep(inputs, config).squeeze(-1)
                 row_f = row_f * keep
                 n_fn = n_fn * keep
+            if div is not None and div.keep is not None:  # token-level divergence filter (and token RS)
+                tok_f = div.keep
+                n_fn = _zero_where(seq_bad, seq[:, k0 + 1]) * (n_fn > 0)
         else:  # a custom mask is arbitrary: one extra CP collective for its per-sequence counts
             tok_f, weights, n_fn = _custom(fn, stats, fn_metrics, lr, valid if div is None or div.keep is None
                                            else div.keep, good, s_lr, n_seq, seg, cp_group, dp_group, config, dtype)
