@@ -254,7 +254,7 @@ class RolloutCorrectionConfig:
             )
         if self.rs_keep_loss_denominator and not (self.use_rs or self.rs_veto_threshold is not None
                                                   or self.rejects_divergence):
-            fail("--rs-keep-loss-denominator needs --use-rs, --rs-metric k2|k3 or --rs-veto-threshold.")
+            fail("--rs-keep-loss-denominator needs --use-rs or --rs-veto-threshold (or --rs-metric k2|k3).")
 
         if self.use_rollout_correction and not self.requests_correction:
             fail(
