@@ -262,3 +262,15 @@ def test_flags_and_yaml(tmp_path):
                  "rs_agg: token\nrs_divergence_budget: 1e-3\n")
     c = C.from_yaml(f)
     assert c.tis_ess_target == 0.9 and c.rs_divergence_budget == 1e-3 and c.rs_agg == "token"
+
+
+def test_the_report_suggests_budgets_from_the_run():
+    from slime_corr.monitoring.recommend import recommend
+    records = [{"rollout_corr/mismatch_k3_kl": k3, "rollout_corr/mis_ess": ess}
+               for k3, ess in ((0.01, 0.97), (0.02, 0.95), (0.03, 0.93), (0.5, 0.4))]
+    hint = [h for h in recommend(records).hints if h.startswith("budgets")]
+    assert len(hint) == 1
+    assert "--rs-divergence-budget 0.025" in hint[0] and "--tis-ess-target 0.94" in hint[0]
+    C(rs_metric="k3", rs_agg="token", rs_divergence_budget=0.025, use_tis=True, tis_ess_target=0.94)  # valid
+    only_k3 = recommend([{"rollout_corr/mismatch_k3_kl": 1e-4}]).hints
+    assert any("--rs-divergence-budget 0.0001" in h and "--tis-ess-target" not in h for h in only_k3)
