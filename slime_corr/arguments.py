@@ -84,8 +84,8 @@ def add_rollout_correction_args(parser: argparse.ArgumentParser) -> argparse.Arg
     switch("--rs-keep-loss-denominator", "Rejected tokens still count in the loss denominator.")
     value("--rs-metric", "Divergence rejection: k2 = lr^2/2 or k3 = exp(lr)-1-lr per token, rejected above "
           "--rs-divergence-bound (with --use-rs, the veto and IS); ratio (default): none.", choices=RS_METRICS)
-    value("--rs-agg", "Divergence rejection level: token (each token), or mean / max over the sequence (rejects the "
-          "sequence).", choices=RS_AGGS)
+    value("--rs-agg", "Divergence rejection level: token (each token), or mean / sum / max over the sequence (rejects "
+          "the sequence).", choices=RS_AGGS)
     value("--rs-divergence-bound", "Upper bound on the --rs-metric divergence, in its own units (e.g. k3 0.005).",
           type=float)
     value("--rs-divergence-budget", "Instead of a fixed bound: each call's bound is the largest that keeps the mean "

@@ -23,7 +23,7 @@ TISMode = Literal["truncate", "clip", "mask"]
 LossType = Literal["ppo", "reinforce"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 RSMetric = Literal["ratio", "k2", "k3"]
-RSAgg = Literal["token", "mean", "max"]
+RSAgg = Literal["token", "mean", "sum", "max"]
 RatioLevel = Literal["token", "sequence"]
 
 LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
@@ -36,7 +36,7 @@ LOSS_AGG_MODES: tuple[str, ...] = (
     "seq-mean-token-sum-norm",
 )
 RS_METRICS: tuple[str, ...] = ("ratio", "k2", "k3")
-RS_AGGS: tuple[str, ...] = ("token", "mean", "max")
+RS_AGGS: tuple[str, ...] = ("token", "mean", "sum", "max")
 POLICY_RATIO_LEVELS: tuple[str, ...] = ("token", "sequence")
 DEFAULT_TIS_UPPER_BOUND = 2.0
 
@@ -78,7 +78,7 @@ class RolloutCorrectionConfig:
 
     # --- divergence rejection (`divergence.py`): k2 = lr²/2, k3 = exp(lr) - 1 - lr, an upper bound only ---
     rs_metric: RSMetric = "ratio"  # ratio: only --use-rs's bounds; k2/k3: reject where the divergence is too high
-    rs_agg: RSAgg | None = None  # token: each token; mean/max: the sequence's mean/max token divergence
+    rs_agg: RSAgg | None = None  # token: each token; mean/sum/max: of the sequence's token divergences
     rs_divergence_bound: float | None = None  # the upper bound, in the metric's own units
     rs_divergence_budget: float | None = None  # or: the bound of each call, so the kept units' mean is <= this
     tis_ess_target: float | None = None  # truncate: U of each call, the largest with ESS(min(w, U)) >= this
@@ -310,14 +310,14 @@ class RolloutCorrectionConfig:
                 fail(f"{flag(name)}={value} must be a finite number > 0 (an upper bound on a divergence >= 0).")
         if self.rejects_divergence:
             if self.rs_agg is None:
-                fail(f"--rs-metric {self.rs_metric} needs --rs-agg: token (each token on its own), mean or max "
-                     "(the sequence's mean or max token divergence; the whole sequence is rejected).")
+                fail(f"--rs-metric {self.rs_metric} needs --rs-agg: token (each token on its own), mean, sum or "
+                     "max (of the sequence's token divergences; the whole sequence is rejected).")
             if (self.rs_divergence_bound is None) == (self.rs_divergence_budget is None):
                 fail(f"--rs-metric {self.rs_metric} needs exactly one of --rs-divergence-bound (a fixed upper bound "
                      f"in {self.rs_metric} units, e.g. 0.005 for k3 with --rs-agg mean) and --rs-divergence-budget "
                      "(the bound of each call is set so that the mean of the kept units is at most this).")
             if self.rs_divergence_budget is not None and self.rs_agg == "max":
-                fail("--rs-divergence-budget works with --rs-agg token or mean: a sequence's max divergence over "
+                fail("--rs-divergence-budget works with --rs-agg token, mean or sum: a sequence's max over "
                      "context-parallel ranks is not a sum; give --rs-divergence-bound with --rs-agg max.")
         if self.tis_ess_target is not None:
             t = self.tis_ess_target

@@ -38,7 +38,7 @@ def ref_divergence_keep(lp_t, lp_r, mask, metric: str, agg: str, bound: float):
         if agg == "token":
             k = [v <= bound for v in d]
         else:
-            stat = sum(d) / len(d) if agg == "mean" else max(d)
+            stat = {"mean": sum(d) / len(d), "sum": sum(d), "max": max(d)}[agg]
             k = [stat <= bound] * len(d)
         for t, kk in zip(idx, k, strict=True):
             keep[i, t] = float(kk)
@@ -59,7 +59,7 @@ def _inputs(seed=0, B=6, S=20, scale=0.4):
 
 
 @pytest.mark.parametrize("metric", ["k2", "k3"])
-@pytest.mark.parametrize("agg,bound", [("token", 0.02), ("mean", 0.05), ("max", 0.3)])
+@pytest.mark.parametrize("agg,bound", [("token", 0.02), ("mean", 0.05), ("sum", 0.4), ("max", 0.3)])
 def test_divergence_rejection_matches_loop_reference(metric, agg, bound):
     lp_t, lp_r, mask = _inputs()
     cfg = C(rs_metric=metric, rs_agg=agg, rs_divergence_bound=bound)
@@ -76,12 +76,12 @@ def test_divergence_rejection_matches_loop_reference(metric, agg, bound):
     assert m["mis_rejected_token_fraction"] == pytest.approx(1 - keep.sum().item() / mask.sum().item())
 
 
-@pytest.mark.parametrize("agg", ["token", "mean", "max"])
+@pytest.mark.parametrize("agg", ["token", "mean", "sum", "max"])
 def test_divergence_combines_with_ratio_rs_veto_and_is(agg):
     """The final mask is the ratio-RS/veto reference's mask times the divergence filter's; the IS weights are the
     reference's on the kept tokens."""
     lp_t, lp_r, mask = _inputs(seed=1)
-    bound = {"token": 0.05, "mean": 0.08, "max": 0.5}[agg]
+    bound = {"token": 0.05, "mean": 0.08, "sum": 0.8, "max": 0.5}[agg]
     for base in (C(use_tis=True, use_rs=True, rs_level="token", rs_upper_bound=3.0, rs_veto_threshold=0.2),
                  C(use_tis=True, tis_level="sequence", tis_upper_bound=5.0, use_rs=True, rs_level="sequence",
                    rs_lower_bound=0.05, rs_upper_bound=20.0),
@@ -213,7 +213,7 @@ def test_divergence_budget_in_the_core_keeps_its_mean():
     ok = mask.clone()
     ok[4] = False  # the non-finite sequence
     ok[1, 2] = False  # the extreme token (its sequence stays at token level)
-    for agg, budget in (("token", 0.01), ("mean", 0.02)):
+    for agg, budget in (("token", 0.01), ("mean", 0.02), ("sum", 0.2)):
         cfg = C(rs_metric="k3", rs_agg=agg, rs_divergence_budget=budget)
         out = compute_rollout_correction(lp_t, lp_r, mask, cfg)
         d = torch.expm1(lp_t - lp_r) - (lp_t - lp_r)
@@ -221,8 +221,9 @@ def test_divergence_budget_in_the_core_keeps_its_mean():
         if agg == "token":
             assert d[kept].mean() <= budget
         else:
-            seq_mean = torch.where(mask, d.nan_to_num(0.0), 0.0).sum(-1) / mask.sum(-1).clamp_min(1)
-            assert seq_mean[kept.any(-1)].mean() <= budget
+            seq_stat = torch.where(mask, d.nan_to_num(0.0), 0.0).sum(-1)
+            seq_stat = seq_stat / mask.sum(-1).clamp_min(1) if agg == "mean" else seq_stat
+            assert seq_stat[kept.any(-1)].mean() <= budget
         m = metrics_to_host(out.metrics)
         assert 0 < m["mis_div_rejected_token_fraction"] < 1 and m["mis_rs_divergence_bound"] > 0
 
