@@ -10,15 +10,16 @@ together (the sets differ from a sort-based cut only at exact ties of logits):
     lp_trunc(y) = z_y − log Σ_{v ∈ N} e^{z_v}   if y ∈ N,  −inf otherwise
 
 τ_k and τ_p are found exactly by binary search on the float32 bit patterns of z (order-preserving integer keys):
-32 steps each, one small SUM all_reduce over the tensor-parallel group per step ([chunk] counts or masses, in
-float64), so every TP rank gets the same thresholds without gathering the vocabulary. The log-softmax over N then
+each rank sorts its keys once, then 32 steps each, a `searchsorted` per row and one small SUM all_reduce over the
+tensor-parallel group per step ([chunk] counts or masses, in float64), so every TP rank gets the same thresholds
+without gathering the vocabulary. The log-softmax over N then
 reuses `logprobs._chunk_stats` (one MAX and one SUM all_reduce), chunked and recomputed in backward like
 `vocab_parallel_log_probs`; gradients flow to the logits of N only (the sets are piecewise constant).
 
 `in_nucleus` says whether the sampled token lies in the trainer's N. Tokens the engine sampled outside it have
 lp_trunc = −inf: the caller decides (drop them from the loss mask, or let the correction core reject their
 sequence, which it does for any non-finite log-prob). `nucleus_disagreement` is their share of the valid tokens.
-Cost: 64 extra passes over each [chunk, V/TP] logit block when both top_k and top_p are set (32 for one).
+Cost: one sort of each [chunk, V/TP] key block, then 32 (or 64 with both) cheap search steps, each a collective.
 """
 
 from __future__ import annotations
@@ -61,28 +62,36 @@ def _search(pred, rows: int, device: torch.device) -> Tensor:
 
 def nucleus_keep(z: Tensor, top_k: int, top_p: float, vocab: int, group: ProcessGroup) -> Tensor:
     """Bool [N, V_local]: the local logits in SGLang's top-k then top-p set of each row of `z` [N, V_local]
-    (temperature applied, detached). `vocab` is the global vocabulary size."""
+    (temperature applied, detached). `vocab` is the global vocabulary size. Each rank sorts its keys once; every
+    search step is then a `searchsorted` per row and one SUM of [N] counts or masses over the TP group."""
     keys = float_keys(z)
-    keep = torch.ones_like(z, dtype=torch.bool)
-    rows = z.shape[0]
-    if 0 < top_k < vocab:  # τ_k: the largest t with #{z ≥ t} ≥ k, i.e. the smallest t with #{z > t} < k
-        def fewer_than_k_above(t: Tensor) -> Tensor:
-            above = (keys > t[:, None]).sum(-1, dtype=torch.float64)
-            return _sum(above, group) < top_k
-        t_k = _search(fewer_than_k_above, rows, z.device)
-        keep = keys >= t_k[:, None]
-    if top_p < 1.0:
+    rows, width = z.shape
+    use_k, use_p = 0 < top_k < vocab, top_p < 1.0
+    if not (use_k or use_p):
+        return torch.ones_like(z, dtype=torch.bool)
+    sorted_keys, order = keys.sort(-1)  # ascending: #{keys > t} = width - searchsorted(t, right)
+
+    def first_above(t: Tensor) -> Tensor:
+        return torch.searchsorted(sorted_keys, t[:, None], right=True)  # [N, 1]
+
+    t_k = torch.full((rows,), _KEY_LOW, dtype=torch.int64, device=z.device)
+    if use_k:  # τ_k: the smallest t with #{z > t} < k (the k-th largest key)
+        t_k = _search(lambda t: _sum((width - first_above(t)).squeeze(-1).to(torch.float64), group) < top_k, rows,
+                      z.device)
+    if use_p:
         zmax = z.amax(-1)
         if _tp_size(group) > 1:
             dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)
-        mass = torch.where(keep, (z - zmax[:, None]).to(torch.float64).exp(), 0.0)
-        budget = _sum(mass.sum(-1), group) * top_p
+        mass = (z - zmax[:, None]).to(torch.float64).exp().gather(-1, order)
+        above = torch.cat([mass.flip(-1).cumsum(-1).flip(-1), mass.new_zeros(rows, 1)], -1)  # above[j] = Σ_{i≥j}
 
-        def mass_above_within(t: Tensor) -> Tensor:  # Σ_K e^z over z > t is ≤ top_p · Z_K
-            return _sum(torch.where(keys > t[:, None], mass, 0.0).sum(-1), group) <= budget
-        t_p = _search(mass_above_within, rows, z.device)
-        keep = keep & (keys >= t_p[:, None])
-    return keep
+        def mass_above(t: Tensor) -> Tensor:  # Σ e^z over keys > t, within K (keys ≥ t_k)
+            return above.gather(-1, first_above(torch.maximum(t, t_k - 1))).squeeze(-1)
+
+        budget = _sum(mass_above(t_k - 1), group) * top_p
+        t_p = _search(lambda t: _sum(mass_above(t), group) <= budget, rows, z.device)  # τ_p ≥ τ_k
+        return keys >= t_p[:, None]
+    return keys >= t_k[:, None]
 
 
 def _truncated_chunk(logits: Tensor, labels: Tensor, temperature: float, vocab_start: int, group: ProcessGroup,
