@@ -30,15 +30,15 @@ NO_WEIGHT_BOUND = 2.0  # U when a call has no weight at all (nothing is truncate
 def bin_sums(values: Tensor, unit: Tensor, moments: int, groups: list[dist.ProcessGroup]) -> Tensor:
     """[moments + 1, bins] float64: Σ u·v^p per level-1 bin of `values` (≥ 0) for p = 0..moments, summed over
     `groups` in one all_reduce. `unit` is 0 where a value does not count."""
-    key = Q.level1_keys(values)
+    key = Q.level1_keys(values).reshape(-1)
     u = unit.to(torch.float64).expand_as(values).reshape(-1)
-    v = values.to(torch.float64).reshape(-1)
+    v = torch.where(u > 0, values.to(torch.float64).reshape(-1), 0.0)  # an inf where u = 0 stays out
     rows = [u]
     for _ in range(moments):
         rows.append(rows[-1] * v)
-    weights = torch.stack([torch.where(u > 0, r, torch.zeros_like(r)) for r in rows])  # an inf outside stays out
-    out = torch.zeros(len(rows), Q.LEVEL1_BINS, dtype=torch.float64, device=values.device)
-    out.index_add_(1, key.reshape(-1), weights)
+    index = torch.cat([key + i * Q.LEVEL1_BINS for i in range(len(rows))])  # one flat index addition
+    out = torch.zeros(len(rows) * Q.LEVEL1_BINS, dtype=torch.float64, device=values.device)
+    out = out.index_add_(0, index, torch.cat(rows)).view(len(rows), Q.LEVEL1_BINS)
     for g in groups:
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=g)
     return out
