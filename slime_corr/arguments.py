@@ -24,7 +24,10 @@ from slime_corr.config import (
     LEVELS,
     LOSS_AGG_MODES,
     LOSS_TYPES,
+    POLICY_RATIO_LEVELS,
     PRESETS,
+    RS_AGGS,
+    RS_METRICS,
     TIS_MODES,
     ConfigError,
     RolloutCorrectionConfig,
@@ -137,6 +140,16 @@ def add_rollout_correction_args(parser: argparse.ArgumentParser) -> argparse.Arg
           "Veto: reject a whole sequence if any token ratio is below this (0<C<1, e.g. 1e-4).",
           type=float)
     switch("--rs-keep-loss-denominator", "Rejected tokens still count in the loss denominator.")
+    value("--rs-metric", "Divergence rejection: k2 = lr^2/2 or k3 = exp(lr)-1-lr per token, rejected above "
+          "--rs-divergence-bound (with --use-rs, the veto and IS); ratio (default): none.", choices=RS_METRICS)
+    value("--rs-agg", "Divergence rejection level: token (each token), or mean / sum / max over the sequence (rejects "
+          "the sequence).", choices=RS_AGGS)
+    value("--rs-divergence-bound", "Upper bound on the --rs-metric divergence, in its own units (e.g. k3 0.005).",
+          type=float)
+    value("--rs-divergence-budget", "Instead of a fixed bound: each call's bound is the largest that keeps the mean "
+          "divergence of the kept units <= this (M2PO's second-moment budget with k2).", type=float)
+    value("--tis-ess-target", "Instead of --tis-upper-bound: each call's truncation bound U is the largest that keeps "
+          "the effective sample size of min(w, U) >= this fraction (0, 1].", type=float)
 
     switch("--use-rollout-logprobs",
            "Bypass: use the rollout engine's log-probs as pi_old (no recompute forward pass).")
@@ -153,6 +166,9 @@ def add_rollout_correction_args(parser: argparse.ArgumentParser) -> argparse.Arg
     value("--eps-clip-c", "Dual-clip constant c > 1 capping negative-advantage token losses at -A*c.",
           type=float)
     value("--loss-agg-mode", "How token losses are averaged into the micro-batch loss.", choices=LOSS_AGG_MODES)
+    value("--policy-ratio-level", "PPO ratio per token, or sequence: GSPO's exp(mean_t(lp - lp_old)) (slime's "
+          "--advantage-estimator gspo, verl's loss_mode gspo); set --eps-clip in its units, e.g. 3e-4.",
+          choices=POLICY_RATIO_LEVELS)
 
     switch("--rollout-correction-compile",
            "torch.compile the per-token work of correction + loss (fused kernels; the first step compiles).")

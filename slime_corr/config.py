@@ -22,6 +22,9 @@ Level = Literal["token", "sequence", "geometric"]
 TISMode = Literal["truncate", "clip", "mask"]
 LossType = Literal["ppo", "reinforce"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+RSMetric = Literal["ratio", "k2", "k3"]
+RSAgg = Literal["token", "mean", "sum", "max"]
+RatioLevel = Literal["token", "sequence"]
 
 LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
 TIS_MODES: tuple[str, ...] = ("truncate", "clip", "mask")
@@ -32,6 +35,9 @@ LOSS_AGG_MODES: tuple[str, ...] = (
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
 )
+RS_METRICS: tuple[str, ...] = ("ratio", "k2", "k3")
+RS_AGGS: tuple[str, ...] = ("token", "mean", "sum", "max")
+POLICY_RATIO_LEVELS: tuple[str, ...] = ("token", "sequence")
 DEFAULT_TIS_UPPER_BOUND = 2.0
 
 
@@ -70,6 +76,13 @@ class RolloutCorrectionConfig:
     rs_veto_threshold: float | None = None  # in (0, 1); works with or without use_rs
     rs_keep_loss_denominator: bool = False  # rejected tokens still count in loss denominators
 
+    # --- divergence rejection (`divergence.py`): k2 = lr²/2, k3 = exp(lr) - 1 - lr, an upper bound only ---
+    rs_metric: RSMetric = "ratio"  # ratio: only --use-rs's bounds; k2/k3: reject where the divergence is too high
+    rs_agg: RSAgg | None = None  # token: each token; mean/sum/max: of the sequence's token divergences
+    rs_divergence_bound: float | None = None  # the upper bound, in the metric's own units
+    rs_divergence_budget: float | None = None  # or: the bound of each call, so the kept units' mean is <= this
+    tis_ess_target: float | None = None  # truncate: U of each call, the largest with ESS(min(w, U)) >= this
+
     # --- which policy the loss anchors on, and the loss ---
     use_rollout_logprobs: bool = False  # bypass: lp_old := lp_rollout, no recompute forward
     use_rollout_correction: bool = False  # apply IS/RS to the loss; implied by use_tis / use_rs / veto
@@ -79,6 +92,7 @@ class RolloutCorrectionConfig:
     eps_clip_high: float | None = None  # defaults to eps_clip
     eps_clip_c: float | None = None  # dual clip, > 1; off by default
     loss_agg_mode: LossAggMode = "token-mean"
+    policy_ratio_level: RatioLevel = "token"  # sequence: GSPO's ratio exp(mean_t(lp - lp_old)), per token
 
     # --- where settings and custom code come from ---
     rollout_correction_preset: str | None = None
@@ -100,7 +114,12 @@ class RolloutCorrectionConfig:
     @property
     def requests_correction(self) -> bool:
         """Whether any correction is asked for (IS, RS or veto); `use_rollout_correction` follows it."""
-        return self.use_tis or self.use_rs or self.rs_veto_threshold is not None
+        return self.use_tis or self.use_rs or self.rs_veto_threshold is not None or self.rejects_divergence
+
+    @property
+    def rejects_divergence(self) -> bool:
+        """Whether the divergence filter (`--rs-metric k2|k3`) is on."""
+        return self.rs_metric != "ratio"
 
     @property
     def tis_bounds(self) -> tuple[float, float]:
@@ -178,6 +197,10 @@ class RolloutCorrectionConfig:
         check_choice("rs_level", LEVELS)
         check_choice("loss_type", LOSS_TYPES)
         check_choice("loss_agg_mode", LOSS_AGG_MODES)
+        check_choice("rs_metric", RS_METRICS)
+        check_choice("policy_ratio_level", POLICY_RATIO_LEVELS)
+        if self.rs_agg is not None:
+            check_choice("rs_agg", RS_AGGS)
 
         for name in ("tis_lower_bound", "tis_upper_bound", "tis_clip", "rs_lower_bound", "rs_upper_bound"):
             value = getattr(self, name)
@@ -217,15 +240,21 @@ class RolloutCorrectionConfig:
             fail("--use-rs needs --rs-upper-bound (e.g. 2.0 for token/sequence, 1.001 for geometric).")
         if not self.use_rs and (self.rs_upper_bound is not None or self.rs_lower_bound is not None):
             fail("--rs-upper-bound/--rs-lower-bound are set but --use-rs is not; add --use-rs or drop them.")
+        self._validate_budgets(fail)
         if self.rs_upper_bound is not None:
+            if self.rejects_divergence and self.rs_upper_bound < 1.0 and self.rs_lower_bound is None:
+                fail(f"--rs-upper-bound {self.rs_upper_bound} is the ratio filter's (--use-rs) bound, below 1; "
+                     f"the --rs-metric {self.rs_metric} bound is --rs-divergence-bound. Drop --use-rs and give "
+                     f"--rs-divergence-bound {self.rs_upper_bound}, or give the ratio bounds you meant.")
             _check_bounds(fail, "rs", self.rs_lower_bound, self.rs_upper_bound, None)
         if self.rs_veto_threshold is not None and not (0.0 < self.rs_veto_threshold < 1.0):
             fail(
                 f"--rs-veto-threshold={self.rs_veto_threshold} must be in (0, 1): it is the smallest allowed "
                 "token ratio pi_train/pi_rollout (typical 1e-4 to 1e-6)."
             )
-        if self.rs_keep_loss_denominator and not (self.use_rs or self.rs_veto_threshold is not None):
-            fail("--rs-keep-loss-denominator needs --use-rs or --rs-veto-threshold.")
+        if self.rs_keep_loss_denominator and not (self.use_rs or self.rs_veto_threshold is not None
+                                                  or self.rejects_divergence):
+            fail("--rs-keep-loss-denominator needs --use-rs or --rs-veto-threshold (or --rs-metric k2|k3).")
 
         if self.use_rollout_correction and not self.requests_correction:
             fail(
@@ -259,12 +288,49 @@ class RolloutCorrectionConfig:
             fail(f"--eps-clip-c={self.eps_clip_c} must be > 1 (dual clip lower bound on -A*ratio).")
         if self.loss_type == "reinforce" and self.eps_clip_c is not None:
             fail("--eps-clip-c (dual clip) applies to the PPO loss only; drop it with --policy-loss-type reinforce.")
+        if self.policy_ratio_level == "sequence" and self.loss_type != "ppo":
+            fail("--policy-ratio-level sequence (GSPO) is a PPO ratio; it needs --policy-loss-type ppo (REINFORCE has "
+                 "no ratio).")
 
         if self.rollout_correction_preset is not None and self.rollout_correction_preset not in PRESETS:
             fail(
                 f"--rollout-correction-preset {self.rollout_correction_preset!r} is unknown; choose one of "
                 f"{', '.join(PRESETS)}."
             )
+
+    def _validate_budgets(self, fail: Callable[[str], None]) -> None:
+        """The divergence filter (--rs-metric, --rs-agg, --rs-divergence-bound/-budget) and --tis-ess-target."""
+        div_given = [n for n in ("rs_agg", "rs_divergence_bound", "rs_divergence_budget") if getattr(self, n) is not None]
+        if not self.rejects_divergence and div_given:
+            fail(f"{', '.join(flag(n) for n in div_given)} set but --rs-metric is ratio; add --rs-metric k2 or k3 "
+                 f"(a divergence filter), or drop {'it' if len(div_given) == 1 else 'them'}.")
+        for name in ("rs_divergence_bound", "rs_divergence_budget"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                fail(f"{flag(name)}={value} must be a finite number > 0 (an upper bound on a divergence >= 0).")
+        if self.rejects_divergence:
+            if self.rs_agg is None:
+                fail(f"--rs-metric {self.rs_metric} needs --rs-agg: token (each token on its own), mean, sum or "
+                     "max (of the sequence's token divergences; the whole sequence is rejected).")
+            if (self.rs_divergence_bound is None) == (self.rs_divergence_budget is None):
+                fail(f"--rs-metric {self.rs_metric} needs exactly one of --rs-divergence-bound (a fixed upper bound "
+                     f"in {self.rs_metric} units, e.g. 0.005 for k3 with --rs-agg mean) and --rs-divergence-budget "
+                     "(the bound of each call is set so that the mean of the kept units is at most this).")
+            if self.rs_divergence_budget is not None and self.rs_agg == "max":
+                fail("--rs-divergence-budget works with --rs-agg token, mean or sum: a sequence's max over "
+                     "context-parallel ranks is not a sum; give --rs-divergence-bound with --rs-agg max.")
+        if self.tis_ess_target is not None:
+            t = self.tis_ess_target
+            if not (math.isfinite(t) and 0.0 < t <= 1.0):
+                fail(f"--tis-ess-target={t} must be in (0, 1]: the normalized effective sample size "
+                     "(sum w)^2 / (N sum w^2) the truncated weights must keep (e.g. 0.9).")
+            if not self.use_tis:
+                fail("--tis-ess-target needs --use-tis.")
+            if self.effective_tis_mode != "truncate" or self.tis_upper_bound is not None or self.tis_clip is not None:
+                fail("--tis-ess-target sets the truncation bound U of each call: it needs --tis-mode truncate and "
+                     "no --tis-upper-bound/--tis-clip.")
+            if self.custom_tis_function_path:
+                fail("--tis-ess-target bounds the built-in weights; a --custom-tis-function-path makes its own.")
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -349,7 +415,7 @@ class RolloutCorrectionConfig:
         if yaml_values:
             _slime_yaml_meaning(merged, yaml_values, overrides, str(yaml_path))
         for switch, keys in _BOUNDS_OF.items():  # a preset's bounds go when its switch is turned off
-            if not merged.get(switch):
+            if not merged.get(switch) or merged.get(switch) == "ratio":
                 for key in keys:
                     if key in preset_values and key not in yaml_values and key not in overrides:
                         merged.pop(key)
@@ -467,16 +533,20 @@ def _yaml_value(key: str, value: Any, path: str | Path) -> Any:
 
 
 _FLOAT_FIELDS = ("tis_lower_bound", "tis_upper_bound", "tis_clip", "tis_clip_low", "rs_lower_bound", "rs_upper_bound",
-                 "rs_veto_threshold", "eps_clip_high", "eps_clip_c")
+                 "rs_veto_threshold", "eps_clip_high", "eps_clip_c", "rs_divergence_bound", "rs_divergence_budget",
+                 "tis_ess_target")
 FIELD_KINDS: dict[str, str] = {  # the type of each field ("?": None allowed)
     **{f.name: "bool" for f in fields(RolloutCorrectionConfig) if isinstance(f.default, bool)},
-    **{name: "str" for name in ("tis_mode", "tis_level", "rs_level", "loss_type", "loss_agg_mode")},
-    **{name: "str?" for name in ("rollout_correction_preset", "custom_config_path", "custom_tis_function_path")},
+    **{name: "str" for name in ("tis_mode", "tis_level", "rs_level", "loss_type", "loss_agg_mode", "rs_metric",
+                                "policy_ratio_level")},
+    **{name: "str?" for name in ("rollout_correction_preset", "custom_config_path", "custom_tis_function_path",
+                                 "rs_agg")},
     **{name: "float?" for name in _FLOAT_FIELDS},
     "eps_clip": "float",
 }
 _BOUNDS_OF = {"use_tis": ("tis_lower_bound", "tis_upper_bound", "tis_clip", "tis_clip_low"),
-              "use_rs": ("rs_lower_bound", "rs_upper_bound")}
+              "use_rs": ("rs_lower_bound", "rs_upper_bound"),
+              "rs_metric": ("rs_agg", "rs_divergence_bound", "rs_divergence_budget")}
 
 # Presets of the references (000, "Preset Method" table). IS threshold 2.0; sequence RS [0.5, 2.0];
 # geometric RS [1/1.001, 1.001] (tight on purpose: the average per-token ratio) with veto 1e-4.
@@ -512,6 +582,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         rs_veto_threshold=1e-4,
     ),
     "disabled": dict(get_mismatch_metrics=True),
+    # divergence rejection (verl's k3 presets: seq_mean_k3 at 0.005; its seq_max_k2 spike filter at 2.5)
+    "decoupled_k3_rs": dict(rs_metric="k3", rs_agg="mean", rs_divergence_bound=0.005),
+    "decoupled_token_is_k3_rs": dict(use_tis=True, tis_level="token", tis_mode="truncate", tis_upper_bound=2.0,
+                                     rs_metric="k3", rs_agg="mean", rs_divergence_bound=0.005),
+    "decoupled_token_is_max_k2_rs": dict(use_tis=True, tis_level="token", tis_mode="truncate", tis_upper_bound=2.0,
+                                         rs_metric="k2", rs_agg="max", rs_divergence_bound=2.5),
+    "ppo_k3_rs_bypass": dict(use_rollout_logprobs=True, loss_type="ppo", rs_metric="k3", rs_agg="mean",
+                             rs_divergence_bound=0.005),
 }
 RolloutCorrectionConfig.PRESETS = PRESETS
 
@@ -532,6 +610,10 @@ decoupled_geo_rs = preset_constructor("decoupled_geo_rs")
 ppo_is_bypass = preset_constructor("ppo_is_bypass")
 pg_is = preset_constructor("pg_is")
 pg_rs = preset_constructor("pg_rs")
+decoupled_k3_rs = preset_constructor("decoupled_k3_rs")
+decoupled_token_is_k3_rs = preset_constructor("decoupled_token_is_k3_rs")
+decoupled_token_is_max_k2_rs = preset_constructor("decoupled_token_is_max_k2_rs")
+ppo_k3_rs_bypass = preset_constructor("ppo_k3_rs_bypass")
 disabled = preset_constructor("disabled")
 
 __all__ = [
@@ -542,4 +624,7 @@ __all__ = [
     "TIS_MODES",
     "LOSS_TYPES",
     "LOSS_AGG_MODES",
+    "RS_METRICS",
+    "RS_AGGS",
+    "POLICY_RATIO_LEVELS",
 ]

@@ -4,6 +4,9 @@ Per-token losses (registered in `slime_corr.registry.LOSS_FUNCTIONS`, signature 
 -> [B, S] tensor`):
 - "ppo": r = exp(clamp(lp - lp_old, -20, 20)); l = max(-A·r, -A·clip(r, 1-ε, 1+ε_high)); with dual clip
   (`eps_clip_c` = c) l = min(l, -A·c) where A < 0; times w when IS weights are present (decoupled).
+  `--policy-ratio-level sequence` (GSPO-token): r_t = sg(s_i)·π_θ(y_t)/sg(π_θ(y_t)) with
+  s_i = exp(clamp(Σ_t m·(lp - lp_old) / Σ_t m, ±20)) over the whole sequence: the value is s_i at every token, the
+  gradient dr_t/dlp_t = s_i (GSPO's sequence gradient under seq-mean-token-mean aggregation).
 - "reinforce": l = -A·lp·w (pg_is) or -A·lp (pg_rs / no IS).
 The two built-in losses are autograd Functions whose forward also computes dl/dlp in closed form, so the backward is
 one multiply (on CPU, autograd's bool masks for clamp/minimum/where cost more than the loss itself).
@@ -66,6 +69,8 @@ class LossInputs:
     weights: Tensor | None
     count: Tensor | None = None  # Σ token_mask (local)
     metrics: dict[str, Tensor] = field(default_factory=dict)
+    segments: Segments | None = None  # the sequences of the tokens (None: one per row)
+    cp_group: ProcessGroup = None  # for whole-sequence sums (the GSPO ratio)
 
     @cached_property
     def log_probs(self) -> Tensor:
@@ -111,14 +116,27 @@ def ppo_terms(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, weig
     return loss, grad, kl_sum, ois_sum, clip_sum
 
 
+def sequence_log_ratio(log_probs: Tensor, inputs: LossInputs) -> Tensor:
+    """GSPO's log s_i = Σ_t m·(lp - lp_old) / Σ_t m over the whole sequence (ONE CP all_reduce), at each of its
+    tokens (0 outside the token mask); `log_probs` detached and sanitized like `inputs.log_probs`."""
+    mask = inputs.token_mask
+    seg = inputs.segments or Segments.rows(*mask.shape)
+    diff = torch.nan_to_num(log_probs, 0.0, 0.0, 0.0).mul(mask).sub_(inputs.old_log_probs)
+    sums = seq_sums([seg.sum(diff), seg.sum(mask)], inputs.cp_group)
+    mean = sums[:, 0] / sums[:, 1].clamp_min(1)
+    return seg.expand(mean.to(diff.dtype)) * mask
+
+
 class _PPO(torch.autograd.Function):
     """Per-token clipped PPO (`ppo_terms`); the backward is one multiply by the saved gradient."""
 
     @staticmethod
     def forward(ctx: Any, log_probs: Tensor, inputs: LossInputs, config: RolloutCorrectionConfig) -> Tensor:
+        lp, old = log_probs.detach(), inputs.old_log_probs
+        if config.policy_ratio_level == "sequence":  # GSPO: ppo_terms sees lp - lp_old = log s_i exactly
+            lp, old = sequence_log_ratio(lp, inputs), torch.zeros_like(old)
         loss, grad, kl_sum, ois_sum, clip_sum = maybe_compiled(ppo_terms, config)(
-            log_probs.detach(), inputs.old_log_probs, inputs.advantages, inputs.weights, inputs.token_mask,
-            config.clip_range, config.eps_clip_c)
+            lp, old, inputs.advantages, inputs.weights, inputs.token_mask, config.clip_range, config.eps_clip_c)
         n = inputs.count.clamp_min(1)
         inputs.metrics["ppo_kl"] = kl_sum / n
         if not config.use_rollout_logprobs:  # decoupled: the on-policy ratio pi_theta / pi_old ("ois")
@@ -258,7 +276,7 @@ def compute_policy_loss(
         log_probs.detach(), old_log_probs.detach(), advantages.detach(), mask_f,
         None if weights is None else weights.detach().to(dtype))
     inputs = LossInputs(raw_log_probs=log_probs, old_log_probs=old_s, rollout_log_probs=rollout_log_probs,
-                        advantages=adv_s, token_mask=okf, weights=w_s, count=count)
+                        advantages=adv_s, token_mask=okf, weights=w_s, count=count, segments=seg, cp_group=cp_group)
     fn = loss_fn if callable(loss_fn) else LOSS_FUNCTIONS.get(loss_fn or config.loss_type, flag="--policy-loss-type")
     token_loss = fn(inputs, config)
     zero = torch.zeros((), dtype=dtype, device=log_probs.device)

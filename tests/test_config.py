@@ -30,6 +30,13 @@ EXPECTED_PRESETS = {
     "pg_is": dict(bypass=True, loss="reinforce", tis="sequence", rs=None, veto=None),
     "pg_rs": dict(bypass=True, loss="reinforce", tis=None, rs="geometric", veto=1e-4),
     "disabled": dict(bypass=False, loss="ppo", tis=None, rs=None, veto=None),
+    # divergence rejection (verl's k3 presets and its seq_max_k2 filter): `div` = (metric, agg, bound)
+    "decoupled_k3_rs": dict(bypass=False, loss="ppo", tis=None, rs=None, veto=None, div=("k3", "mean", 0.005)),
+    "decoupled_token_is_k3_rs": dict(bypass=False, loss="ppo", tis="token", rs=None, veto=None,
+                                     div=("k3", "mean", 0.005)),
+    "decoupled_token_is_max_k2_rs": dict(bypass=False, loss="ppo", tis="token", rs=None, veto=None,
+                                         div=("k2", "max", 2.5)),
+    "ppo_k3_rs_bypass": dict(bypass=True, loss="ppo", tis=None, rs=None, veto=None, div=("k3", "mean", 0.005)),
 }
 
 
@@ -43,6 +50,8 @@ def test_preset_table_matches_the_reference():
         assert (c.tis_level if c.use_tis else None) == want["tis"], name
         assert (c.rs_level if c.use_rs else None) == want["rs"], name
         assert c.rs_veto_threshold == want["veto"], name
+        div = (c.rs_metric, c.rs_agg, c.rs_divergence_bound) if c.rejects_divergence else None
+        assert div == want.get("div"), name
         assert c.computes_metrics, name
     assert not RolloutCorrectionConfig.preset("disabled").use_rollout_correction
     assert RolloutCorrectionConfig.preset("decoupled_seq_is_rs").rs_bounds == (0.5, 2.0)

@@ -23,6 +23,8 @@ import torch
 from torch import Tensor
 
 from slime_corr.config import RolloutCorrectionConfig
+from slime_corr.correction import budget as BG
+from slime_corr.correction import divergence as D
 from slime_corr.correction import metrics as M
 from slime_corr.correction import quantiles as Q
 from slime_corr.correction.checks import check_correction_inputs, check_weight_outputs
@@ -33,6 +35,7 @@ from slime_corr.correction.reductions import (
     compute_dtype,
     count_greater_,
     cp_first,
+    group_size,
     seq_sums,
     valid_float,
 )
@@ -166,6 +169,11 @@ def compute_rollout_correction(
     valid, lr, local, tok_rows, tok_d_max, keep_tok = maybe_compiled(_token_stage, config)(
         log_probs, rollout_log_probs, loss_mask, dtype, math.log(config.rs_veto_threshold) if veto else None,
         config.rs_bounds if token_rs else None, seg)
+    groups = active_groups(cp_group, dp_group)
+    k0 = local.shape[-1]  # the divergence filter's columns follow
+    div = D.token_stage(lr, valid, keep_tok, config, seg, groups) if correct and config.rejects_divergence else None
+    if div is not None:
+        local = torch.cat([local, div.columns.to(local.dtype)], -1)
     seq = seq_sums(list(local.unbind(-1)), cp_group)  # the one CP collective for sequence sums
 
     n_orig, n_bad, s_lr, s_lpt = seq[:, :4].unbind(-1)
@@ -195,6 +203,12 @@ def compute_rollout_correction(
     step_counts: dict[str, Tensor] = {}  # [n] per-sequence counts, summed into batch statistics at once below
     if correct:
         tok_f, row_f = valid, good  # token keep, [n] sequence keep (non-finite, RS, veto)
+        if is_default and config.tis_ess_target is not None:  # this call's U from the ESS target (one SUM)
+            ess_unit = valid * seg.expand(good) if config.tis_level == "token" else seq_ok.to(dtype) * cp0
+            ess_in = WeightInputs(log_ratio=lr, loss_mask=valid, seq_log_ratio_sum=s_lr, seq_token_count=n_seq)
+            u_bound = BG.ess_target_bound(ess_in, config, ess_unit, groups)
+            _add_call_value(stats, "tis_bound", u_bound, groups)
+            config = config.replace(tis_upper_bound=float(u_bound), tis_ess_target=None)  # one device->host read
         lower, upper = config.tis_bounds
         token_is = False
         if is_default:
@@ -207,16 +221,22 @@ def compute_rollout_correction(
                 w_out, raw_out, _ = default_weight_parts(inputs, config, rs=False)
                 w_seq = w_out.squeeze(-1)
                 M.add_raw_weight_stats(stats, raw_out.squeeze(-1), seq_ok.to(dtype) * cp0, lower, upper)
-            n_fn = _zero_where(seq_bad, seq[:, -1]) if token_rs else n_seq
+            n_fn = _zero_where(seq_bad, seq[:, k0 - 1]) if token_rs else n_seq
             if token_rs:
                 tok_f = keep_tok
             elif config.use_rs:
                 keep = rs_keep(inputs, config).squeeze(-1)
                 row_f = row_f * keep
                 n_fn = n_fn * keep
+            if div is not None and div.keep is not None:  # token-level divergence filter (and token RS)
+                tok_f = div.keep
+                n_fn = _zero_where(seq_bad, seq[:, k0 + 1]) * (n_fn > 0)
         else:  # a custom mask is arbitrary: one extra CP collective for its per-sequence counts
-            tok_f, weights, n_fn = _custom(fn, stats, fn_metrics, lr, valid, good, s_lr, n_seq, seg, cp_group,
-                                           dp_group, config, dtype)
+            tok_f, weights, n_fn = _custom(fn, stats, fn_metrics, lr, valid if div is None or div.keep is None
+                                           else div.keep, good, s_lr, n_seq, seg, cp_group, dp_group, config, dtype)
+        if div is not None:
+            row_f, n_fn = _divergence_rows(div, seq[:, k0:], n_seq, seq_ok, row_f, n_fn, config, cp0, groups, stats,
+                                           step_counts)
         n_final = n_fn
         if veto:
             vetoed = seq[:, 4] > 0
@@ -277,6 +297,33 @@ def compute_rollout_correction(
         function_metrics=fn_metrics,
         divisor=divisor,
     )
+
+
+def _add_call_value(stats: BatchStats, name: str, value: Tensor, groups: list) -> None:
+    """Logs a value every rank of the call holds (a budgeted bound) as (calls, Σ value) sums, divided by the ranks
+    so the batch SUM gives (1, value) per call and merged micro-batches their mean."""
+    share = 1.0
+    for g in groups:
+        share /= group_size(g)
+    stats.add_sums((f"{name}_calls", f"{name}_sum"), torch.stack([torch.ones_like(value), value]).double() * share)
+
+
+def _divergence_rows(div: D.TokenStage, columns: Tensor, n_seq: Tensor, seq_ok: Tensor, row_f: Tensor, n_fn: Tensor,
+                     config: RolloutCorrectionConfig, cp0: float, groups: list, stats: BatchStats,
+                     step_counts: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """The divergence filter after the sequence sums (`divergence.py`): the sequence-level decision applied to
+    (row_f, n_fn), its own rejection counts in `step_counts` and the budgeted bound in `stats`."""
+    bound = div.bound
+    if div.keep is None:  # mean / max: whole sequences
+        keep, bound = D.sequence_keep(columns, n_seq, seq_ok, config, cp0, groups)
+        row_f, n_fn = row_f * keep, n_fn * keep
+        step_counts.update(n_div_tok=n_seq * (1.0 - keep), n_div_seq=seq_ok & (keep == 0))
+    else:
+        kept = torch.where(seq_ok, columns[:, 0], torch.zeros_like(n_seq))
+        step_counts.update(n_div_tok=n_seq - kept, n_div_seq=seq_ok & (kept == 0))
+    if bound is not None:
+        _add_call_value(stats, "div_bound", bound, groups)
+    return row_f, n_fn
 
 
 def _custom(fn: Callable, stats: BatchStats, fn_metrics: dict[str, Tensor], lr: Tensor, valid: Tensor, good: Tensor,
@@ -358,6 +405,12 @@ def correction_metrics(
     metrics["mis_all_rejected"] = (r["n_final_tok"] == 0).to(torch.float64)
     if "n_fn_bad_w" in r:
         metrics["mis_custom_nonfinite_weight_count"] = r["n_fn_bad_w"]
+    if "n_div_tok" in r:  # the divergence filter on its own
+        metrics["mis_div_rejected_token_fraction"] = M._div(r["n_div_tok"], n_tok)
+        metrics["mis_div_rejected_seq_fraction"] = M._div(r["n_div_seq"], n_seqs)
+    for key, name in (("div_bound", "mis_rs_divergence_bound"), ("tis_bound", "mis_tis_ess_bound")):
+        if f"{key}_sum" in r:  # a budgeted bound: its mean over the calls of the step
+            metrics[name] = M._div(r[f"{key}_sum"], r[f"{key}_calls"])
     if "raw_u" in r:
         metrics.update(M.finalize_raw_weight(r, config.effective_tis_mode))
     if "w_u" in r:

@@ -37,6 +37,10 @@ With correction on (IS, RS or veto):
 | mis_contributing_token_count | tokens left in the loss mask |
 | mis_all_rejected | 1.0 when no token is left in the loss mask of the whole batch |
 | mis_custom_nonfinite_weight_count | a custom weighting function's NaN/inf weights: tokens rejected for them |
+With divergence rejection (`--rs-metric k2|k3`, `divergence.py`) and budgets (`budget.py`):
+| mis_div_rejected_token_fraction / _seq_fraction | finite valid tokens / sequences the divergence filter rejects |
+| mis_rs_divergence_bound | `--rs-divergence-budget`: the bound each call chose, mean over the step's calls |
+| mis_tis_ess_bound | `--tis-ess-target`: the truncation bound U each call chose, mean over the step's calls |
 """
 
 from __future__ import annotations

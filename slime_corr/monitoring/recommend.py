@@ -111,6 +111,7 @@ def recommend(records: Sequence[Mapping[str, float | None]], thresholds: Thresho
     regime = classify(stat, thresholds)
     rec = Recommendation(regime, PRESETS[regime], stat, quantile(values, 0.5), max(values), len(values), thresholds)
     rec.hints = _hints(records)
+    rec.hints.append(_budget_hint(values, records))
     if (hint := _sequence_rejection_hint(records, rec.preset)) is not None:
         rec.hints.insert(0, hint)
     return rec
@@ -147,6 +148,24 @@ def _sequence_rejection_hint(records: Sequence[Mapping[str, float | None]], pres
             f"steps of √(L·(2·k3 − kl²)), L = the mean response length): about {outside:.0%} of the sequences "
             f"would fall outside {preset}'s rejection bounds [{lower:g}, {upper:g}] and be dropped; "
             "decoupled_token_is (per-token weights) keeps every sequence, if that is too many.")
+
+
+def _budget_hint(k3: Sequence[float], records: Sequence[Mapping[str, float | None]]) -> str:
+    """Budgets instead of constant bounds (`correction/budget.py`), from this run's own statistics: the median
+    per-token k3 as the mean-divergence budget of token-level k3 rejection (a typical step keeps all its tokens, a
+    step whose mismatch spikes drops its most divergent tokens until their mean is back at the median), and the
+    median logged `mis_ess` as the ESS target (the truncation a constant bound gave on a typical step, adapted per
+    step)."""
+    hint = (f"budgets instead of constants: --rs-metric k3 --rs-agg token --rs-divergence-budget "
+            f"{quantile(k3, 0.5):.2g} (this run's median per-token k3; its {0.9:.0%} quantile is "
+            f"{quantile(k3, 0.9):.2g}, so steps above the median drop their most divergent tokens until the kept "
+            "mean is back at it)")
+    ess = [v for r in records if isinstance(v := r.get("rollout_corr/mis_ess"), int | float) and math.isfinite(v)]
+    if ess:
+        target = min(max(quantile(ess, 0.5), 0.05), 1.0)
+        hint += (f"; --tis-ess-target {math.floor(target * 100) / 100:.2f} instead of --tis-upper-bound (the median "
+                 "logged mis_ess: each step's truncation bound keeps at least that effective sample size)")
+    return hint + "."
 
 
 def bucket_totals(records: Sequence[Mapping[str, float | None]], view: str
