@@ -1,0 +1,42 @@
+"""The CPU stand-ins (slime_corr/engines/sglang_cpu) in a process of the real SGLang install, with the environment the
+launcher gives every server process: sgl_kernel and torchvision import (and refuse to be called), sglang finds no
+AMX kernels (torch-native layers), and the host-allocator table has a plain "cpu" entry (routed-experts buffers)."""
+
+from __future__ import annotations
+
+import subprocess
+
+from slime_corr.engines.sglang_server import SGLangServerConfig
+
+CHECK = """
+import sgl_kernel, torch, torchvision.transforms.v2.functional
+from torchvision.transforms import InterpolationMode
+from transformers import AutoProcessor  # imports torchvision.io once torchvision is importable
+from sglang.srt.utils.common import cpu_has_amx_support
+from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS
+assert not cpu_has_amx_support()
+buf = ALLOC_MEMORY_FUNCS["cpu"]((4, 2, 2), dtype=torch.int32, device="cpu", pin_memory=True, allocator=None)
+assert buf.shape == (4, 2, 2) and buf.device.type == "cpu" and not buf.is_pinned()
+try:
+    sgl_kernel.copy_all_layer_kv_cache_cpu()
+except NotImplementedError as e:
+    assert "stand-in" in str(e)
+else:
+    raise AssertionError("a stand-in op ran")
+print("ok", InterpolationMode.BICUBIC)
+"""
+
+
+def test_stand_ins_in_a_real_sglang_process(sglang_py):
+    env = SGLangServerConfig(model_path="unused", python=sglang_py, device="cpu").environment()
+    out = subprocess.run([sglang_py, "-c", CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.startswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]
+
+
+def test_without_the_stand_ins_sglang_cannot_import_its_cpu_path(sglang_py):
+    """The stand-ins are what makes it work: without them the first import fails (a check that can fail)."""
+    env = SGLangServerConfig(model_path="unused", python=sglang_py, device="cpu").environment()
+    env["PYTHONPATH"] = ""
+    out = subprocess.run([sglang_py, "-c", "import sgl_kernel"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode != 0 and "sgl_kernel" in out.stderr
