@@ -239,7 +239,7 @@ def compute_rollout_correction(
             w_counted = w_seq * counted
             sketch = (w_counted, M.add_weight_stats(stats, M.weight_stat_tensors(w_counted, counted), counted), counted)
         elif weights is not None and not is_default:
-            weights = torch.where(final_f > 0, weights, torch.zeros((), dtype=dtype))  # its NaN stays out
+            weights = torch.where(final_f > 0, weights, final_f.new_zeros(()))  # its NaN stays out
             unit = final_f.double()
             if config.tis_level != "token":
                 unit = unit / seg.expand(n_final.clamp_min(1).double(), fill=1.0)
