@@ -13,8 +13,9 @@
 #   install  a venv ($GPU_CHECK_VENV, default .venv-gpu) with torch==$TORCH_VERSION from pip (the CUDA wheel on
 #            Linux x86_64) and slime_corr[dev,sglang]
 #   tests    the device-parametrized subset on CUDA (`pytest -m device --device cuda`): the correction and the losses
-#            on the GPU against the CPU, DP=2 and CP=2 over NCCL with one GPU per rank (with one GPU: two processes
-#            on it, gloo on CUDA tensors, since NCCL refuses two ranks on one GPU), plus the meta-device checks
+#            on the GPU against the CPU, DP=2, CP=2 and TP=2 (vocab-parallel log-probs) over NCCL with one GPU
+#            per rank (with one GPU: two processes on it, gloo on CUDA tensors, since NCCL refuses two ranks on one
+#            GPU), plus the meta-device checks
 #   sglang   the real SGLang server on the GPU with a small model behind the client and the trainer:
 #            `python -m slime_corr.main --rollout-engine sglang --num-rollout 2` and `pytest -m sglang`
 #            (each SKIPped with a line saying so when this checkout has no such flag / marker)
@@ -132,7 +133,7 @@ if wants tests; then
   [ -n "${GPU_CHECK_PYTEST_K:-}" ] && pytest_k=(-k "$GPU_CHECK_PYTEST_K")
   # shellcheck disable=SC2086
   run "tests: device subset on $DEVICE" "$PY" -m pytest -q -m device --device "$DEVICE" -p no:cacheprovider -p no:warnings \
-    tests/correction/test_device.py "${pytest_k[@]}" ${GPU_CHECK_PYTEST_ARGS:-}
+    tests/correction/test_device.py tests/mcore/test_mcore_device.py "${pytest_k[@]}" ${GPU_CHECK_PYTEST_ARGS:-}
   # shellcheck disable=SC2086
   run "tests: meta-device allocation checks" "$PY" -m pytest -q -p no:cacheprovider -p no:warnings -m "not device" \
     tests/correction/test_device.py tests/mcore/test_mcore_device.py "${pytest_k[@]}" ${GPU_CHECK_PYTEST_ARGS:-}

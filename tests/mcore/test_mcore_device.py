@@ -82,3 +82,45 @@ def test_cp_index_and_dp_cp_reduction_on_the_inputs_device() -> None:
     check.assert_clean()
     assert idx.device.type == "meta" and g.collectives == ["all_reduce", "all_reduce"]
     assert zigzag_indices(8, 0, 2).tolist() == [0, 1, 6, 7]  # the CPU default is unchanged
+
+
+def _tp_worker(rank: int, store: str, device_name: str) -> None:
+    import torch.distributed as dist
+
+    from slime_corr.mcore.logprobs import vocab_parallel_log_probs
+
+    device, backend = torch.device(device_name), "gloo"
+    if device.type == "cuda":
+        if torch.cuda.device_count() >= 2:  # NCCL needs one GPU per rank
+            device, backend = torch.device("cuda", rank), "nccl"
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        g = torch.Generator().manual_seed(0)
+        logits = torch.randn(B, S, 2 * V, generator=g, dtype=torch.float64)
+        labels = torch.randint(0, 2 * V, (B, S), generator=g)
+        full = torch.log_softmax(logits / 0.7, -1)
+        want_lp = full.gather(-1, labels[..., None])[..., 0]
+        want_h = -(full.exp() * full).sum(-1)
+        shard = logits[..., rank * V:(rank + 1) * V].to(device).requires_grad_(True)
+        lp, h = vocab_parallel_log_probs(shard, labels.to(device), tp_group=dist.group.WORLD, temperature=0.7,
+                                         chunk_size=8, with_entropy=True)
+        assert lp.device.type == device.type
+        torch.testing.assert_close(lp.detach().cpu(), want_lp, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(h.detach().cpu(), want_h, rtol=1e-10, atol=1e-12)
+        ref = logits.clone().requires_grad_(True)
+        torch.log_softmax(ref / 0.7, -1).gather(-1, labels[..., None]).sum().backward()
+        lp.sum().backward()
+        torch.testing.assert_close(shard.grad.cpu(), ref.grad[..., rank * V:(rank + 1) * V], rtol=1e-10, atol=1e-12)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.device
+@pytest.mark.slow  # a spawn; the CPU suite covers TP over gloo in test_mcore_parallel.py
+def test_tp2_log_probs_on_device(test_device: torch.device, tmp_path) -> None:
+    """TP = 2 vocab-parallel log-probs, entropy and gradient on the test device equal the full softmax on the CPU:
+    NCCL with one GPU per rank, else gloo on the device's tensors."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_tp_worker, args=(str(tmp_path / "store"), str(test_device)), nprocs=2, join=True)
