@@ -9,6 +9,7 @@ measures the peak memory of one call (net allocations seen by the profiler).
     MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_MMAP_THRESHOLD_=1073741824 python bench/vs_verl.py --threads 1
     python bench/vs_verl.py --threads 2 --repeats 41 --rows token_tis,reinforce --sizes 64x8192
     python bench/vs_verl.py --compile      # adds the --rollout-correction-compile path (fused torch.compile)
+    python bench/vs_verl.py --device cuda --compile   # on a GPU (peak memory: torch.cuda's allocator)
 
 A ratio > 1 means slime_corr is faster (verl time / ours) or uses less memory (verl peak / ours).
 """
@@ -44,6 +45,7 @@ from slime_corr.losses import compute_policy_loss
 VERL_VERSION = "0.9.1"
 CACHE = Path(__file__).resolve().parent / ".cache" / "verl"
 SIZES = ((64, 8192), (256, 2048), (8, 32768))
+DEVICE = torch.device("cpu")  # --device
 
 
 # ---------------------------------------------------------------------------------------------- verl at run time
@@ -99,8 +101,9 @@ def _stub_modules(root: Path) -> dict[str, types.ModuleType]:
         module.__path__ = [str(pkg.joinpath(*name.split(".")[1:]))]
         stubs[name] = module
     stubs["verl.utils"].__dict__.update(as_torch_index=_Placeholder, group_mean_std=_Placeholder)
-    stubs["verl.utils.device"] = _module("verl.utils.device", get_device_name=lambda: "cpu",
-                                         get_torch_device=lambda: torch.cpu)
+    device = DEVICE.type
+    stubs["verl.utils.device"] = _module("verl.utils.device", get_device_name=lambda: device,
+                                         get_torch_device=lambda: getattr(torch, device))
     stubs["verl.utils.import_utils"] = _module("verl.utils.import_utils", deprecated=_deprecated)
     stubs["verl.protocol"] = _module("verl.protocol", DataProto=_DataProto)
     stubs["verl.trainer.config"] = _module("verl.trainer.config", AlgoConfig=_Placeholder)
@@ -202,7 +205,8 @@ def make_inputs(batch: int, seq: int, seed: int = 0) -> dict[str, Tensor]:
     lp = old + 0.01 * torch.randn(shape, generator=g)
     lengths = torch.randint(seq // 4, seq + 1, (batch,), generator=g)
     mask = (torch.arange(seq)[None, :] < lengths[:, None]).float()
-    return dict(lp=lp, old=old, ro=ro, adv=torch.randn(shape, generator=g), mask=mask)
+    x = dict(lp=lp, old=old, ro=ro, adv=torch.randn(shape, generator=g), mask=mask)
+    return {k: v.to(DEVICE) for k, v in x.items()}
 
 
 # ---------------------------------------------------------------------------------------------- the two sides
@@ -294,13 +298,28 @@ def compare(row: Row, ours: dict[str, Any], theirs: dict[str, Any], exact: bool 
 
 # ---------------------------------------------------------------------------------------------- timing, memory
 def peak_bytes(fn: Callable[[], object]) -> int:
-    """Peak of the net bytes allocated during one call (profiler allocation timeline; outputs still alive count)."""
+    """Peak of the net bytes allocated during one call (profiler allocation timeline; outputs still alive count;
+    on CUDA the caching allocator's peak above what was allocated before the call)."""
     from torch.profiler import ProfilerActivity, profile
+
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     steps = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage)
     return max(itertools.accumulate(s[1] for s in steps), default=0)
+
+
+def _synced(fn: Callable[[], object]) -> object:
+    out = fn()
+    torch.cuda.synchronize()
+    return out
 
 
 def interleaved(fns: dict[str, Callable[[], object]], repeats: int, clock: Callable[[], float] = time.perf_counter
@@ -325,17 +344,21 @@ def main() -> None:
     p.add_argument("--sizes", default=",".join(f"{b}x{s}" for b, s in SIZES))
     p.add_argument("--compile", action="store_true", help="also time --rollout-correction-compile (torch.compile)")
     p.add_argument("--verl-version", default=VERL_VERSION)
+    p.add_argument("--device", default="cpu", help="where the tensors live: cpu (default), cuda, cuda:1, ...")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="wall: perf_counter (the numbers to report); cpu: this thread's CPU time, which other "
                         "processes on a shared machine disturb less (for A/B work; with --threads 1 only)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    global DEVICE
+    DEVICE = torch.device(args.device)
     verl = load_verl(args.verl_version)
     all_rows = rows()
     selected = [all_rows[ROW_KEYS[k]] for k in args.rows.split(",")]
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
     malloc = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")) or "glibc defaults"
-    print(f"verl {verl.version} | torch {torch.__version__} | threads={torch.get_num_threads()} | "
+    where = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu"
+    print(f"verl {verl.version} | torch {torch.__version__} | device {where} | threads={torch.get_num_threads()} | "
           f"repeats={args.repeats} (medians, interleaved) | clock: {args.clock} | malloc: {malloc}")
     head = "| config | size | ours ms | verl ms | verl/ours | peak ours MiB | peak verl MiB |"
     if args.compile:
@@ -359,6 +382,8 @@ def main() -> None:
                                                     "verl": partial(run_verl, verl, row, x)}
             if compiled_cfg is not None:
                 fns["compiled"] = partial(run_ours, row, x, compiled_cfg)
+            if DEVICE.type == "cuda":  # the time until the device is done, not until the launches are queued
+                fns = {name: partial(_synced, fn) for name, fn in fns.items()}
             t = interleaved(fns, args.repeats, time.perf_counter if args.clock == "wall" else time.thread_time)
             mem = {name: peak_bytes(fn) / 2**20 for name, fn in fns.items()}
             line = (f"| {row.name} | {b}x{s} | {t['ours'] * 1e3:.2f} | {t['verl'] * 1e3:.2f} | "

@@ -198,7 +198,7 @@ def compute_rollout_correction(
     final_f = valid  # float 0/1 mask after rejection and veto
     n_final = n_seq
     w_seq: Tensor | None = None  # built-in sequence/geometric IS: the bounded weight of each sequence [B]
-    sketch: tuple[Tensor, Tensor, Tensor] | None = None  # (weights, level-1 keys, units) for `Q.refine`
+    sketch: tuple[Tensor, Tensor, Tensor, bool] | None = None  # (weights, level-1 keys, units, 0/1 units): `Q.refine`
     fn_metrics: dict[str, Tensor] = {}
     step_counts: dict[str, Tensor] = {}  # [n] per-sequence counts, summed into batch statistics at once below
     if correct:
@@ -251,19 +251,21 @@ def compute_rollout_correction(
                 inputs, config, tok_f, seg.expand(row_f), seg)
             zero = torch.zeros((), dtype=torch.float64, device=raw_rows.device)
             M.add_raw_weight_sums(stats, *torch.where(seq_bad[:, None], zero, raw_rows.to(torch.float64)).sum(0).unbind())
-            sketch = (weights, M.add_weight_stats(stats, parts, final_f), final_f)
+            sketch = (weights, M.add_weight_stats(stats, parts, final_f, binary=True), final_f, True)
         else:
             final_f = tok_f * seg.expand(row_f)
         if w_seq is not None:  # constant along each sequence: statistics on [B], each sequence counted once
             counted = (n_final > 0).to(dtype) * cp0
             w_counted = w_seq * counted
-            sketch = (w_counted, M.add_weight_stats(stats, M.weight_stat_tensors(w_counted, counted), counted), counted)
+            parts = M.weight_stat_tensors(w_counted, counted)
+            sketch = (w_counted, M.add_weight_stats(stats, parts, counted, binary=True), counted, True)
         elif weights is not None and not is_default:
-            weights = torch.where(final_f > 0, weights, torch.zeros((), dtype=dtype))  # its NaN stays out
+            weights = torch.where(final_f > 0, weights, final_f.new_zeros(()))  # its NaN stays out
             unit = final_f.double()
             if config.tis_level != "token":
                 unit = unit / seg.expand(n_final.clamp_min(1).double(), fill=1.0)
-            sketch = (weights, M.add_weight_stats(stats, M.weight_stat_tensors(weights, final_f, unit), unit), unit)
+            sketch = (weights, M.add_weight_stats(stats, M.weight_stat_tensors(weights, final_f, unit), unit), unit,
+                      False)
 
     keep_den = not correct or config.rs_keep_loss_denominator
     final_mask = final_f.to(torch.float32)
@@ -274,7 +276,7 @@ def compute_rollout_correction(
 
     r = stats.reduce(cp_group, dp_group)  # the one batch collective (SUM + MAX per group)
     if sketch is not None:  # two more small SUMs: the exact quantiles
-        r.update(Q.refine(sketch[0], sketch[1], sketch[2], r[Q.LEVEL1_KEY], active_groups(cp_group, dp_group)))
+        r.update(Q.refine(*sketch[:3], r[Q.LEVEL1_KEY], active_groups(cp_group, dp_group), binary=sketch[3]))
 
     divisor = None
     if "w_u" in r and config.tis_batch_normalize and normalize:

@@ -302,14 +302,14 @@ def weight_stat_tensors(w: Tensor, counted: Tensor, unit: Tensor | None = None) 
     return sums, w_max, w_min, Q.level1_keys(w)
 
 
-def add_weight_stats(stats: BatchStats, parts: tuple[Tensor, ...], unit: Tensor) -> Tensor:
+def add_weight_stats(stats: BatchStats, parts: tuple[Tensor, ...], unit: Tensor, binary: bool = False) -> Tensor:
     """Adds `weight_stat_tensors` output (and the level-1 histogram of its keys, weighted by `unit`) to `stats`;
-    returns the level-1 keys for `quantiles.refine`."""
+    returns the level-1 keys for `quantiles.refine` (`binary`: units are 0/1, see `quantiles.level1_histogram`)."""
     sums, w_max, w_min, key = parts
     stats.add_sums(("w_u", "w_uw", "w_uw2"), sums)
     stats.add_max("w_max", w_max)
     stats.add_min("w_min", w_min)
-    stats.add_sum(Q.LEVEL1_KEY, Q.level1_histogram(key, unit))
+    stats.add_sum(Q.LEVEL1_KEY, Q.level1_histogram(key, unit, binary))
     return key
 
 

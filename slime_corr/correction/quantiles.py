@@ -39,9 +39,12 @@ def _bits(w: Tensor) -> Tensor:
     return w.to(torch.float32).view(torch.int32)
 
 
-def _bincount(index: Tensor, unit: Tensor, size: int) -> Tensor:
+def _bincount(index: Tensor, unit: Tensor | None, size: int) -> Tensor:
     """Σ unit per key over [0, size), float64. A float32 `unit` must hold counts (0/1: exact below 2^24 values);
-    anything else is accumulated in float64. index_add_, not bincount: bincount first scans for the min and max."""
+    anything else is accumulated in float64. index_add_, not bincount: bincount first scans for the min and max
+    (on an accelerator, a device->host sync). `unit=None`: count the keys below `size` (`_binary_on_cpu`)."""
+    if unit is None:  # keys >= size are the trash bin of uncounted weights
+        return torch.bincount(index.reshape(-1), minlength=size + 1)[:size].to(torch.float64)
     weights = unit.reshape(-1)
     if weights.dtype != torch.float32 or weights.numel() > 2**24:
         weights = weights.to(torch.float64)
@@ -55,9 +58,20 @@ def level1_keys(w: Tensor) -> Tensor:
     return (_bits(w) >> TOP_SHIFT).sub_(EXP_OFFSET - 1).clamp_(0, LEVEL1_BINS - 1)
 
 
-def level1_histogram(key: Tensor, unit: Tensor) -> Tensor:
+def _binary_on_cpu(key: Tensor, binary: bool) -> bool:
+    """Whether the histograms are plain counts (`binary`: the units are 0/1) by `torch.bincount`: on the CPU, a
+    counting bincount costs about half of a weighted index_add_; elsewhere it would sync with the host."""
+    return binary and key.device.type == "cpu"
+
+
+def level1_histogram(key: Tensor, unit: Tensor, binary: bool = False) -> Tensor:
     """The level-1 histogram [LEVEL1_BINS] of `level1_keys`, weighted by `unit`. Kept out of compiled code: a
-    compiled scatter adds atomically from every thread into the few bins narrow weights share."""
+    compiled scatter adds atomically from every thread into the few bins narrow weights share.
+    `binary` (the units are 0/1): on the CPU, `key` is then changed IN PLACE to the trash key LEVEL1_BINS where
+    `unit` is 0, and every histogram counts keys (pass `binary` to `refine` too)."""
+    if _binary_on_cpu(key, binary):
+        key.masked_fill_(unit.reshape(key.shape) == 0, LEVEL1_BINS)
+        return _bincount(key, None, LEVEL1_BINS)
     return _bincount(key, unit, LEVEL1_BINS)
 
 
@@ -96,14 +110,18 @@ def _reduced(x: Tensor, groups: list[dist.ProcessGroup]) -> Tensor:
     return x
 
 
-def refine(w: Tensor, key1: Tensor, unit: Tensor, hist1: Tensor, groups: list[dist.ProcessGroup]) -> dict[str, Tensor]:
+def refine(w: Tensor, key1: Tensor, unit: Tensor, hist1: Tensor, groups: list[dist.ProcessGroup],
+           binary: bool = False) -> dict[str, Tensor]:
     """Rounds 2 and 3 (one SUM over `groups` each), given the level-1 keys and the REDUCED level-1 histogram.
     Returns the refined statistics: `w_hist2` [SLOTS, SUB] with `w_hist2_ids` (level-1 bin ids) and `w_hist3`
-    [SLOTS, SUB] with `w_hist3_ids` (level-1 bin * SUB + level-2 digit)."""
+    [SLOTS, SUB] with `w_hist3_ids` (level-1 bin * SUB + level-2 digit). `binary`: as given to
+    `level1_histogram` (the trash key maps to slot 0, the row of the unrefined bins, which is dropped)."""
     bits = _bits(w)
     t1, r1 = _locate(hist1, _ranks(hist1))
     ids2 = _slots(hist1, t1)
-    lut2 = _lut(LEVEL1_BINS, ids2)
+    lut2 = _lut(LEVEL1_BINS + 1, ids2)
+    if _binary_on_cpu(key1, binary):
+        unit = None
     idx2 = lut2.index_select(0, key1.reshape(-1)).view_as(key1).add_((bits >> SUB_BITS).bitwise_and_(SUB - 1))
     hist2 = _reduced(_bincount(idx2, unit, (SLOTS + 1) * SUB), groups).view(SLOTS + 1, SUB)[1:]
     slot = lut2[t1].long() // SUB - 1  # the slot that holds each quantile's level-1 bin

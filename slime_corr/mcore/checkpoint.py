@@ -124,6 +124,8 @@ def load_checkpoint(root: str | Path, module: torch.nn.Module, optimizer: torch.
     step = loaded.get("optimizer_step")
     if step is not None:
         for state in optim_state["state"].values():
+            # on the CPU on purpose: torch's Optimizer.load_state_dict keeps `step` there, or moves it to the
+            # parameters' device itself when the optimizer is fused / capturable
             state["step"] = torch.tensor(float(step))
     optimizer.load_state_dict(optim_state)
     return iteration, loaded.get("common", {}), loaded["rank_state"], loaded["rank0_state"]

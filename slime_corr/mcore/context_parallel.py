@@ -31,9 +31,10 @@ from slime_corr.rollout.batching import (
 ProcessGroup = dist.ProcessGroup | None
 
 
-def zigzag_indices(seq_len: int, cp_rank: int, cp_size: int) -> Tensor:
-    """Global positions held by `cp_rank` (in local order): chunks r and 2·C−1−r of 2·C."""
-    return zigzag_slice(torch.arange(seq_len).unsqueeze(0), cp_rank, cp_size, dim=1)[0]
+def zigzag_indices(seq_len: int, cp_rank: int, cp_size: int, device: torch.device | str | None = None) -> Tensor:
+    """Global positions held by `cp_rank` (in local order): chunks r and 2·C−1−r of 2·C, on `device` (pass the
+    device of the tensor they index)."""
+    return zigzag_slice(torch.arange(seq_len, device=device).unsqueeze(0), cp_rank, cp_size, dim=1)[0]
 
 
 def zigzag_unslice(parts: list[Tensor], dim: int = 1) -> Tensor:

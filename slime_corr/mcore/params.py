@@ -58,6 +58,12 @@ def full_named_tensors(module: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
         yield rename(name), tensor.detach()
 
 
+def _zero_like_params(model: torch.nn.Module) -> Tensor:
+    """A float64 zero on the model's device (the CPU for a model without parameters)."""
+    p = next(model.parameters(), None)
+    return torch.zeros((), dtype=torch.float64, device=None if p is None else p.device)
+
+
 def grad_norm(model: torch.nn.Module) -> Tensor:
     """Global L2 norm (float64) of the `main_grad`s of a Megatron DDP model: TP-sharded parameters summed over the
     TP group, replicated ones counted once, pipeline stages summed (one all-reduce over the model-parallel group,
@@ -66,7 +72,7 @@ def grad_norm(model: torch.nn.Module) -> Tensor:
 
     first = ps.get_tensor_model_parallel_rank() == 0
     squares = [p.main_grad.double().square().sum() for p in model.parameters() if first or _is_sharded(p)]
-    total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
+    total = torch.stack(squares).sum() if squares else _zero_like_params(model)
     if ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(total, group=ps.get_model_parallel_group())
     return total.sqrt()

@@ -58,7 +58,7 @@ def build_report(
     corr = out.correction
     used = corr.loss_mask > 0 if corr is not None and config.use_rollout_correction else loss_mask > 0
     in_mask = used.sum().to(torch.float64)
-    nonfinite = out.metrics.get(NONFINITE_COUNT, torch.zeros((), dtype=torch.float64)).to(torch.float64)
+    nonfinite = out.metrics.get(NONFINITE_COUNT, in_mask.new_zeros(())).to(torch.float64)
     tokens = in_mask - nonfinite  # the tokens the loss-level means are over
     report = {"pg_loss": ratio_pair(out.loss_sum.detach(), out.denominator.detach())}
     skip = set(corr.metrics) if corr is not None else set()
