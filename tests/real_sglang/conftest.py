@@ -19,6 +19,7 @@ import pytest
 import torch
 from sglang_helpers import ServerSpec
 
+from slime_corr.engines.launch import engine_device
 from slime_corr.engines.sglang_server import (
     SGLangLaunchError,
     SGLangServerConfig,
@@ -28,6 +29,13 @@ from slime_corr.engines.sglang_server import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mcore"))  # mcore_helpers (run_in_process)
 SEEDS = {"v0": 1234, "v1": 4321}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:  # `pytest -m sglang` selects them (scripts/gpu_check.sh)
+        if Path(str(item.fspath)).parent == here:
+            item.add_marker(pytest.mark.sglang)
 
 
 def _unavailable(msg: str) -> None:
@@ -83,7 +91,8 @@ def launch(sglang_py: str, tmp_path_factory: pytest.TempPathFactory):
 
         def start(*specs: ServerSpec) -> list:
             managers = [launch_sglang_server(SGLangServerConfig(
-                model_path=s.model_path, python=sglang_py, dtype=s.dtype, device="cpu", skip_tokenizer_init=True,
+                model_path=s.model_path, python=sglang_py, dtype=s.dtype, device=engine_device(),
+                skip_tokenizer_init=True,
                 weight_version="v0", extra_args=s.extra_args, log_dir=logs, startup_timeout=600), name=s.name)
                 for s in specs]
             return _enter_all(stack, managers)
