@@ -1,5 +1,5 @@
 """Log-probs of sampled tokens under the top-k / top-p truncated, renormalized distribution, from vocab-parallel
-logits (the math only: the trainer and the engine do not use it yet).
+logits (the math; `slime_corr.mcore.nucleus` puts the trainer under it).
 
 SGLang 0.5 samples from z = logits / T with its "joint" top-k / top-p filter (the torch sampler and flashinfer's
 `filter_apply_order="joint"`, as the embedded engine): a token stays when it ranks among the top k AND the
