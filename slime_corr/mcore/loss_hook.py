@@ -89,6 +89,8 @@ from slime_corr.mcore.context_parallel import (
 )
 from slime_corr.mcore.logprobs import DEFAULT_CHUNK_SIZE, vocab_parallel_log_probs
 from slime_corr.mcore.nucleus import (
+    RENORMALIZED_KEYS,
+    UNTRUNCATED_ROLLOUT,
     NucleusLogProbs,
     Truncation,
     nucleus_log_probs,
@@ -246,8 +248,11 @@ class RolloutCorrectionLoss:
             pass
         elif step.prepared:  # Megatron's rerun machine replays the step, from copies taken as it was first read
             self.step_stats.reset()  # the first attempt's statistics are void
-            for key, value in step.micro_batches[0].items():  # lp_old, computed after that copy was taken
-                batch.setdefault(key, value)
+            first = step.micro_batches[0]
+            renormalized = RENORMALIZED_KEYS if UNTRUNCATED_ROLLOUT in first else ()
+            for key, value in first.items():  # lp_old (and the truncation's keys), set after that copy was taken
+                if key not in batch or key in renormalized:
+                    batch[key] = value
         else:
             self._start_step(step, model)
         return batch

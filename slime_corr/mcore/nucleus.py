@@ -34,6 +34,7 @@ from slime_corr.mcore.truncated_logprobs import truncated_log_probs
 # batch keys: the engine's values, kept when the truncation replaces `rollout_log_probs` / `loss_mask`
 UNTRUNCATED_ROLLOUT = "rollout_log_probs_untruncated"
 UNTRUNCATED_MASK = "loss_mask_untruncated"
+RENORMALIZED_KEYS = ("rollout_log_probs", "loss_mask")  # what `renormalize_batch` replaces
 NUCLEUS_KEYS = ("mismatch_nucleus_disagreement", "mismatch_nucleus_log_mass", "mismatch_nucleus_ratio_mean",
                 "mismatch_nucleus_uncorrected_ratio_mean")
 _LOG_RATIO_CLAMP = 20.0
@@ -140,5 +141,5 @@ def nucleus_report(batch: dict[str, Tensor], lp_train: Tensor) -> dict[str, Tens
     }
 
 
-__all__ = ["NUCLEUS_KEYS", "NucleusLogProbs", "Truncation", "nucleus_log_probs", "nucleus_report",
+__all__ = ["NUCLEUS_KEYS", "RENORMALIZED_KEYS", "UNTRUNCATED_MASK", "UNTRUNCATED_ROLLOUT", "NucleusLogProbs", "Truncation", "nucleus_log_probs", "nucleus_report",
            "renormalize_batch"]

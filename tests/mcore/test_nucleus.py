@@ -211,3 +211,32 @@ def test_without_truncation_the_hook_is_unchanged():
         batch_b, logits)
     assert torch.equal(plain[0], off[0]) and set(plain[2]) == set(off[2])
     assert not set(NUCLEUS_KEYS) & set(off[2]) and UNTRUNCATED_ROLLOUT not in batch_b
+
+
+def test_a_replayed_step_keeps_the_renormalized_rollout_and_mask():
+    """Megatron's rerun machine replays a step from copies taken as the micro-batches were first read, before the
+    lp_old pass renormalized them: the replay must train the renormalized values, not the engine's."""
+    import copy
+
+    from slime_corr.mcore.rollout_steps import RolloutStepIterator
+
+    _, batch0 = _batch(2)
+    hook = RolloutCorrectionLoss(RolloutCorrectionConfig.preset("decoupled_token_is"), groups=ParallelGroups(),
+                                 truncation=Truncation(top_p=0.8), model_forward=lambda m, b: b["logits"])
+    data = RolloutStepIterator([[batch0]], num_microbatches=1)
+    saved = []
+
+    class Rerun:
+        def __next__(self):
+            n = next(data)
+            saved.append(copy.copy(n))
+            return n
+
+    batch = hook.next_micro_batch(Rerun(), object())
+    assert UNTRUNCATED_ROLLOUT in batch and batch["loss_mask"].sum() < batch[UNTRUNCATED_MASK].sum()
+    want = hook.loss_func(batch, batch["logits"])
+    replayed = hook.next_micro_batch(iter(saved), object())
+    for key in ("rollout_log_probs", "loss_mask", "old_log_probs", UNTRUNCATED_ROLLOUT):
+        assert replayed[key] is batch[key], key
+    got = hook.loss_func(replayed, replayed["logits"])
+    assert torch.equal(got[0], want[0]) and int(got[1]) == int(want[1])
