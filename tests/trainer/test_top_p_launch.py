@@ -1,7 +1,7 @@
 """`python -m slime_corr.main --rollout-top-p 0.9` on the embedded engine (bit-reproducible, honours top_p as SGLang
 does): every step logs the nucleus metrics; the engine sampled inside the trainer's nucleus (an engine ignoring top_p
 would put ~1 − M ≈ 10% of the tokens outside it); the corrected ratio has mean ≈ 1 where the uncorrected one is off by
-1 / M ≈ 1.1; under TP=2 (vocabulary split in two) the run logs the one-process run's metrics. ~1 minute here."""
+1 / M ≈ 1.1; under TP=2 (vocabulary split in two) the run logs the one-process run's metrics. Two launches, ~1-2 minutes here."""
 
 from __future__ import annotations
 
