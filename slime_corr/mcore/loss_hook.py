@@ -88,6 +88,15 @@ from slime_corr.mcore.context_parallel import (
     seq_length_for_norm,
 )
 from slime_corr.mcore.logprobs import DEFAULT_CHUNK_SIZE, vocab_parallel_log_probs
+from slime_corr.mcore.nucleus import (
+    RENORMALIZED_KEYS,
+    UNTRUNCATED_ROLLOUT,
+    NucleusLogProbs,
+    Truncation,
+    nucleus_log_probs,
+    nucleus_report,
+    renormalize_batch,
+)
 from slime_corr.mcore.per_token_loss import check_model_config, check_per_token_loss, guard_loss
 from slime_corr.mcore.pipeline import MicroBatches, forward_only, run_schedule
 from slime_corr.mcore.rollout_steps import RolloutStep, pop_step
@@ -123,6 +132,9 @@ class RolloutCorrectionLoss:
     `groups`: explicit process groups; by default read from `megatron.core.parallel_state` at each call.
     `model_forward(model, batch) -> logits`: how to run the model (default: GPTModel on tokens/position_ids).
     `temperature`: the rollout sampling temperature (log π = log_softmax(logits / T), as SGLang reports).
+    `truncation`: the rollout's top-p / top-k; when active every policy log-prob is taken under the truncated,
+    renormalized distribution and the rollout log-probs are renormalized to the trainer's nucleus
+    (`slime_corr.mcore.nucleus`; the report gains its `mismatch_nucleus_*` pairs).
     `chunk_size`: tokens per log-prob chunk (bounds the fp32 [chunk, V/TP] temporaries).
     `compute_entropy`: also log the token-mean entropy of π_θ (on when `loss_terms` has an entropy bonus).
     `seq_length_for_norm`: the constant L of `seq-mean-token-sum-norm` (the run's maximum response length);
@@ -141,6 +153,7 @@ class RolloutCorrectionLoss:
         config: RolloutCorrectionConfig,
         *,
         temperature: float = 1.0,
+        truncation: Truncation | None = None,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         groups: ParallelGroups | None = None,
         model_forward: ModelForward = default_model_forward,
@@ -155,6 +168,7 @@ class RolloutCorrectionLoss:
     ) -> None:
         self.config = config
         self.temperature = temperature
+        self.truncation = truncation or Truncation()
         self.chunk_size = chunk_size
         self._groups = groups
         self.model_forward = model_forward
@@ -193,9 +207,13 @@ class RolloutCorrectionLoss:
     # ------------------------------------------------------------------ log-probs
     def log_probs(self, logits: Tensor, labels: Tensor, with_entropy: bool | None = None
                   ) -> tuple[Tensor, Tensor | None]:
-        """(log π(labels), entropy or None) from vocab-parallel logits, with the rollout temperature.
+        """(log π(labels), entropy or None) from vocab-parallel logits, with the rollout temperature (and under
+        the truncation when active: −inf outside the nucleus; the entropy stays the untruncated one's).
         `with_entropy` defaults to `compute_entropy`."""
         entropy = self.compute_entropy if with_entropy is None else with_entropy
+        if self.truncation.active:
+            nucleus = self._nucleus(logits, labels, entropy)
+            return nucleus.log_probs, nucleus.entropy
         out = vocab_parallel_log_probs(
             logits,
             labels,
@@ -207,6 +225,10 @@ class RolloutCorrectionLoss:
         if entropy:
             return out  # type: ignore[return-value]
         return out, None  # type: ignore[return-value]
+
+    def _nucleus(self, logits: Tensor, labels: Tensor, with_entropy: bool) -> NucleusLogProbs:
+        return nucleus_log_probs(logits, labels, self.truncation, tp_group=self.groups.tp,
+                                 temperature=self.temperature, chunk_size=self.chunk_size, with_entropy=with_entropy)
 
     # ------------------------------------------------------------------ Megatron hooks
     def forward_step(self, data_iterator: Iterator[dict[str, Tensor]], model: torch.nn.Module):
@@ -226,8 +248,11 @@ class RolloutCorrectionLoss:
             pass
         elif step.prepared:  # Megatron's rerun machine replays the step, from copies taken as it was first read
             self.step_stats.reset()  # the first attempt's statistics are void
-            for key, value in step.micro_batches[0].items():  # lp_old, computed after that copy was taken
-                batch.setdefault(key, value)
+            first = step.micro_batches[0]
+            renormalized = RENORMALIZED_KEYS if UNTRUNCATED_ROLLOUT in first else ()
+            for key, value in first.items():  # lp_old (and the truncation's keys), set after that copy was taken
+                if key not in batch or key in renormalized:
+                    batch[key] = value
         else:
             self._start_step(step, model)
         return batch
@@ -274,7 +299,14 @@ class RolloutCorrectionLoss:
             check_per_token_loss(getattr(args, "calculate_per_token_loss", None), "Megatron-LM's arguments")
         cfg = self.config
         groups = self.groups
-        log_probs, entropy = self.log_probs(logits, batch["labels"])
+        nucleus = None
+        if self.truncation.active:
+            nucleus = self._nucleus(logits, batch["labels"], self.compute_entropy)
+            log_probs, entropy = nucleus.log_probs, nucleus.entropy
+            if not self.needs_old_log_probs:  # bypass: renormalized to the nucleus of the policy being trained
+                renormalize_batch(batch, nucleus)
+        else:
+            log_probs, entropy = self.log_probs(logits, batch["labels"])
         old = None
         if self.needs_old_log_probs:
             old = batch.get("old_log_probs")
@@ -318,9 +350,14 @@ class RolloutCorrectionLoss:
         if corr is not None and corr.stats and torch.is_grad_enabled():  # training passes only, not evaluation
             self.step_stats.add(corr.stats, corr.function_metrics)
         if self.diagnostics is not None and torch.is_grad_enabled():
-            self._add_diagnostics(batch, log_probs.detach(), old, groups)
+            lp = log_probs.detach()
+            if nucleus is not None:  # a token that left the nucleus during the update: no drift term from it
+                lp = torch.where(lp.isfinite(), lp, old if old is not None else batch["rollout_log_probs"].to(lp.dtype))
+            self._add_diagnostics(batch, lp, old, groups)
         count = out.denominator.detach().round().to(torch.int)
         report = build_report(out, cfg, groups, loss_mask, entropy)
+        if nucleus is not None:
+            report.update(nucleus_report(batch, old if old is not None else log_probs))
         return guard_loss(out.loss_sum), count, report
 
     def _seq_length_for_norm(self, batch: dict[str, Tensor], groups: ParallelGroups) -> int | None:
@@ -380,7 +417,7 @@ class RolloutCorrectionLoss:
         """Decoupled mode: log π_old for every micro-batch by a forward-only pass (no grad), stored in place
         as `batch["old_log_probs"]` (local slice, fp32) and returned. Under PP on the last stage only (the loss's
         stage; the others return [])."""
-        outputs = self._forward_log_probs(model, micro_batches)
+        outputs = self._forward_log_probs(model, micro_batches, renormalize=True)
         self._store(micro_batches, "old_log_probs", outputs)
         return outputs
 
@@ -421,13 +458,27 @@ class RolloutCorrectionLoss:
             torch.distributed.all_reduce(counts, group=groups.cp)
         return counts > 0
 
-    def _forward_log_probs(self, model: Any, micro_batches: Sequence[dict[str, Tensor]]) -> list[Tensor]:
+    def _forward_log_probs(self, model: Any, micro_batches: Sequence[dict[str, Tensor]], *,
+                           renormalize: bool = False) -> list[Tensor]:
         """log π(labels) of `model`'s current weights for every micro-batch: a forward-only pass
         (`pipeline.forward_only`: one micro-batch at a time without PP, Megatron's pipelined schedule with it; [] off
-        the last stage)."""
-        return forward_only(model, micro_batches, self.model_forward,
-                            lambda b, logits: self.log_probs(logits, b["labels"], with_entropy=False)[0],
-                            self.groups)
+        the last stage). Under an active truncation the log-probs are truncated; `renormalize` (the policy's own
+        pass) also puts each micro-batch under this nucleus (`nucleus.renormalize_batch`) and returns finite
+        log-probs."""
+        if not self.truncation.active:
+            return forward_only(model, micro_batches, self.model_forward,
+                                lambda b, logits: self.log_probs(logits, b["labels"], with_entropy=False)[0],
+                                self.groups)
+
+        def collect(b: dict[str, Tensor], logits: Tensor) -> Tensor:
+            n = self._nucleus(logits, b["labels"], False)
+            return torch.stack([n.log_probs, n.log_mass, n.in_nucleus.to(n.log_probs.dtype)], -1)
+
+        outputs = forward_only(model, micro_batches, self.model_forward, collect, self.groups)
+        if not renormalize or not outputs:  # ([] off the last PP stage)
+            return [o[..., 0] for o in outputs]
+        return [renormalize_batch(b, NucleusLogProbs(o[..., 0], o[..., 1], o[..., 2] > 0, None))
+                for b, o in zip(micro_batches, outputs, strict=True)]
 
     def prepare_step(
         self,
@@ -454,7 +505,8 @@ class RolloutCorrectionLoss:
             return
         cfg, groups = self.config, self.groups
         decoupled = self.needs_old_log_probs
-        train_log_probs = None if decoupled else self._forward_log_probs(model, micro_batches)  # all PP stages
+        train_log_probs = None if decoupled else self._forward_log_probs(model, micro_batches,  # all PP stages
+                                                                         renormalize=True)
         if not groups.pp_last:  # the mean is used by the loss, on the last stage
             return
         if train_log_probs is None:

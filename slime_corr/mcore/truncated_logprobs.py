@@ -1,12 +1,13 @@
 """Log-probs of sampled tokens under the top-k / top-p truncated, renormalized distribution, from vocab-parallel
-logits (the math only: the trainer and the engine do not use it yet).
+logits (the math; `slime_corr.mcore.nucleus` puts the trainer under it).
 
-SGLang samples from z = logits / T, keeps the top k tokens, renormalizes, keeps the nucleus of those (a token stays
-when the probability mass of the tokens ranked before it is ≤ top_p), renormalizes again. Here, with ties kept
-together (the sets differ from a sort-based cut only at exact ties of logits):
+SGLang 0.5 samples from z = logits / T with its "joint" top-k / top-p filter (the torch sampler and flashinfer's
+`filter_apply_order="joint"`, as the embedded engine): a token stays when it ranks among the top k AND the
+probability mass of the tokens ranked before it, under the FULL distribution, is ≤ top_p; then it renormalizes. Here,
+with ties kept together (the sets differ from a sort-based cut only at exact ties of logits):
 
     K = {v : z_v ≥ τ_k},  τ_k = the k-th largest z                     (all tokens when top_k ≤ 0)
-    N = {v ∈ K : Σ_{u ∈ K, z_u > z_v} e^{z_u} ≤ top_p · Σ_{u ∈ K} e^{z_u}}  = {v ∈ K : z_v ≥ τ_p}
+    N = {v ∈ K : Σ_{u : z_u > z_v} e^{z_u} ≤ top_p · Σ_u e^{z_u}}  = {v ∈ K : z_v ≥ τ_p}
     lp_trunc(y) = z_y − log Σ_{v ∈ N} e^{z_v}   if y ∈ N,  −inf otherwise
 
 τ_k and τ_p are found exactly by binary search on the float32 bit patterns of z (order-preserving integer keys):
@@ -88,9 +89,9 @@ def nucleus_keep(z: Tensor, top_k: int, top_p: float, vocab: int, group: Process
         def mass_above(t: Tensor) -> Tensor:  # Σ e^z over keys > t, within K (keys ≥ t_k)
             return above.gather(-1, first_above(torch.maximum(t, t_k - 1))).squeeze(-1)
 
-        budget = _sum(mass_above(t_k - 1), group) * top_p
-        t_p = _search(lambda t: _sum(mass_above(t), group) <= budget, rows, z.device)  # τ_p ≥ τ_k
-        return keys >= t_p[:, None]
+        budget = _sum(above[:, 0].clone(), group) * top_p  # top_p of the full mass (SGLang's joint filter)
+        t_p = _search(lambda t: _sum(mass_above(t), group) <= budget, rows, z.device)
+        return keys >= torch.maximum(t_p, t_k)[:, None]  # K ∩ P
     return keys >= t_k[:, None]
 
 

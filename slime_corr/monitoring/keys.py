@@ -38,6 +38,9 @@ CONSOLE_KEYS = (
     (f"{CORRECTION}/mis_ess", "mis_ess"),
     (f"{CORRECTION}/mis_rejected_seq_fraction", "mis_rejected_seq_fraction"),
     (f"{CORRECTION}/mis_weight_p99", "mis_weight_p99"),
+    (f"{CORRECTION}/mismatch_nucleus_disagreement", "nucleus_disagreement"),  # --rollout-top-p / --rollout-top-k
+    (f"{CORRECTION}/mismatch_nucleus_ratio_mean", "nucleus_ratio"),
+    (f"{CORRECTION}/mismatch_nucleus_uncorrected_ratio_mean", "nucleus_uncorrected_ratio"),
 )
 
 

@@ -33,6 +33,7 @@ import torch
 
 from slime_corr.config import ConfigError
 from slime_corr.mcore.model import TinyGPTArgs
+from slime_corr.mcore.nucleus import Truncation
 from slime_corr.models.hf_checkpoint import CheckpointError, check_tensor_parallel
 from slime_corr.models.selection import ModelSource
 from slime_corr.trainer.task import TASKS
@@ -70,6 +71,9 @@ class TrainerConfig:
     # rollout
     rollout_max_response_len: int = 12
     rollout_temperature: float = 1.0
+    # top-p / top-k sampling (slime's flags; the trainer takes its log-probs under the same truncation)
+    rollout_top_p: float = 1.0
+    rollout_top_k: int = -1
     async_rollout: bool = False
     sglang_url: tuple[str, ...] = ()
     rollout_engine: str = "sglang"
@@ -132,6 +136,11 @@ class TrainerConfig:
         return f"{self.micro_batch_size} samples, padded"
 
     @property
+    def truncation(self) -> Truncation:
+        """The rollout's top-p / top-k (sent to the engines, honoured by the trainer's log-probs)."""
+        return Truncation(top_p=self.rollout_top_p, top_k=self.rollout_top_k)
+
+    @property
     def torch_params_dtype(self) -> torch.dtype:
         return getattr(torch, self.params_dtype)
 
@@ -150,6 +159,10 @@ class TrainerConfig:
         if not (math.isfinite(self.rollout_temperature) and self.rollout_temperature > 0):
             fail(f"--rollout-temperature {self.rollout_temperature} must be > 0: temperature 0 is greedy decoding, "
                  "not a policy to train (the log-probs are log_softmax(logits / T)); e.g. 1.0.")
+        try:  # top-p / top-k: the one owner of their checks is the truncation the hook takes
+            object.__setattr__(self, "rollout_top_k", self.truncation.top_k)
+        except ValueError as e:
+            fail(str(e))
         if not (math.isfinite(self.lr) and self.lr > 0):
             fail(f"--lr {self.lr} must be a finite number > 0 (e.g. 1e-2 for the tiny model, 1e-6 for an LLM).")
         if not (math.isfinite(self.clip_grad) and self.clip_grad >= 0):
@@ -380,6 +393,11 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="Response length cap (SGLang's max_new_tokens).")
     r.add_argument("--rollout-temperature", type=float, default=d.rollout_temperature,
                    help="Sampling temperature (> 0); the trainer's log-probs use the same.")
+    r.add_argument("--rollout-top-p", type=float, default=d.rollout_top_p,
+                   help="Nucleus sampling, in (0, 1] (1.0: off). The trainer's log-probs are taken under the same "
+                        "truncated, renormalized distribution, the rollout's renormalized to the trainer's nucleus.")
+    r.add_argument("--rollout-top-k", type=int, default=d.rollout_top_k,
+                   help="Top-k sampling (-1 or 0: off), honoured by the trainer like --rollout-top-p.")
     r.add_argument("--async-rollout", action="store_true",
                    help="Generate rollout k+1 while rollout k trains (one rollout off-policy, as slime's "
                         "train_async.py); the weights reach the engines between rollouts.")

@@ -109,7 +109,8 @@ class RolloutDriver:
         cfg = self.config
         progress = RolloutProgress(cfg.samples_per_rollout, step=rollout, mode=self.progress_mode)
         buffer = ProgressSampleBuffer(cfg.samples_per_rollout, progress)  # only counts: never full, never read
-        params = {"max_new_tokens": cfg.rollout_max_response_len, "temperature": cfg.rollout_temperature}
+        params = {"max_new_tokens": cfg.rollout_max_response_len, "temperature": cfg.rollout_temperature,
+                  **cfg.truncation.sampling_params()}
         client = self.client
         prompts = self.task.prompts(cfg.seed, rollout, cfg.rollout_batch_size)
         offset = rollout * cfg.rollout_batch_size

@@ -126,7 +126,7 @@ class _Job:
         monitoring = config.monitoring
         diagnostics = monitoring.log_mismatch_diagnostics and corr.computes_metrics
         self.hook = RolloutCorrectionLoss(
-            corr, temperature=cfg.rollout_temperature, model_forward=self.policy.forward,
+            corr, temperature=cfg.rollout_temperature, truncation=cfg.truncation, model_forward=self.policy.forward,
             seq_length_for_norm=cfg.rollout_max_response_len,
             loss_terms=config.loss_terms, ref_model=self.policy.reference,
             diagnostics_top_k=monitoring.log_top_mismatch_samples if diagnostics else None)

@@ -1,6 +1,6 @@
 """Log-probs under SGLang's top-k / top-p truncated, renormalized distribution against a plain full-tensor, sort-based
-reference (SGLang's order: temperature, top-k, renormalize, top-p with the exclusive cumulative sum): values, the
-in-nucleus flag and gradients; chunked; TP=2 over gloo (vocab split in two) equal to one rank."""
+reference (SGLang 0.5's joint filter: temperature, then top-k AND top-p with the exclusive cumulative sum of the full
+distribution): values, the in-nucleus flag and gradients; chunked; TP=2 over gloo (vocab split in two) equal to one rank."""
 
 from __future__ import annotations
 
@@ -30,8 +30,6 @@ def ref_truncated(logits: torch.Tensor, labels: torch.Tensor, top_k: int, top_p:
         kept = torch.ones_like(probs, dtype=torch.bool)
         if top_k > 0:
             kept[top_k:] = False
-            probs = torch.where(kept, probs, 0.0)
-            probs = probs / probs.sum()
         if top_p < 1.0:
             kept &= (probs.cumsum(0) - probs) <= top_p
         keep[i, order] = kept

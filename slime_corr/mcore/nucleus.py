@@ -1,0 +1,145 @@
+"""Training under top-p / top-k sampling: the trainer's log-probs and the rollout's, both under the truncated,
+renormalized distribution (Megatron glue around `truncated_logprobs`).
+
+The engine samples y from μ_trunc(y) = μ(y) / M_μ on its nucleus N_μ (M_μ = μ(N_μ)), but returns log μ(y),
+NOT renormalized (SGLang's `log_softmax(logits / T)[y]`). The trainer takes every policy log-prob under its own
+truncation, lp_trunc(y) = log π(y) − log M_π on its nucleus N_π (−inf outside). The engine's M_μ is unknown without
+its logits, so the rollout log-prob is renormalized by the trainer's nucleus mass of the policy the rollout is
+compared with (decoupled: π_old, from the lp_old pass; bypass: the training pass's π_θ, detached):
+
+    lp_rollout_trunc = lp_rollout − log M_π_old
+
+so the IS ratio π_old_trunc / μ_trunĉ = π_old(y) / μ(y) (the normalizers cancel) and the PPO ratio
+π_θ_trunc / π_old_trunc carries the gradient of the truncated policy, −∇ log M_θ included. Remaining bias: the true
+truncated ratio is (π_old / μ) · M_μ / M_π_old, so each token's weight is off by the factor M_π_old / M_μ, the
+nucleus-mass mismatch of engine and trainer — zero when they agree, of the order of the log-prob mismatch itself,
+and not one-signed (where the uncorrected π_trunc / μ is off by 1 / M ≥ 1, e.g. ≈ 1.1 at top_p = 0.9, always up).
+
+Tokens the engine sampled outside the trainer's nucleus (lp_trunc = −inf) leave the loss mask (per token, counted:
+`mismatch_nucleus_disagreement`); tokens that leave the nucleus during the update (π_θ) are dropped by the loss's
+non-finite guard (`pg_nonfinite_token_count`). Nothing non-finite stays in a batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from slime_corr.mcore.logprobs import DEFAULT_CHUNK_SIZE, ProcessGroup, vocab_parallel_log_probs
+from slime_corr.mcore.truncated_logprobs import truncated_log_probs
+
+# batch keys: the engine's values, kept when the truncation replaces `rollout_log_probs` / `loss_mask`
+UNTRUNCATED_ROLLOUT = "rollout_log_probs_untruncated"
+UNTRUNCATED_MASK = "loss_mask_untruncated"
+RENORMALIZED_KEYS = ("rollout_log_probs", "loss_mask")  # what `renormalize_batch` replaces
+NUCLEUS_KEYS = ("mismatch_nucleus_disagreement", "mismatch_nucleus_log_mass", "mismatch_nucleus_ratio_mean",
+                "mismatch_nucleus_uncorrected_ratio_mean")
+_LOG_RATIO_CLAMP = 20.0
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """The rollout's top-p / top-k (SGLang's `top_p`, `top_k`; slime's `--rollout-top-p`, `--rollout-top-k`).
+    `top_k` ≤ 0 is off (normalized to SGLang's −1), `top_p` = 1 is off."""
+
+    top_p: float = 1.0
+    top_k: int = -1
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.top_p, int | float) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"--rollout-top-p {self.top_p} must be in (0, 1] (1.0: no nucleus truncation).")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise ValueError(f"--rollout-top-k {self.top_k!r} must be an integer (-1 or 0: off).")
+        if self.top_k < -1:
+            raise ValueError(f"--rollout-top-k {self.top_k} must be >= 1, or -1 / 0 to turn top-k off.")
+        if self.top_k == 0:
+            object.__setattr__(self, "top_k", -1)
+
+    @property
+    def active(self) -> bool:
+        return self.top_p < 1.0 or self.top_k > 0
+
+    def sampling_params(self) -> dict[str, float | int]:
+        """The engine's sampling_params entries (SGLang's names and 'off' values)."""
+        return {"top_p": float(self.top_p), "top_k": int(self.top_k)}
+
+
+class NucleusLogProbs(NamedTuple):
+    """Per position: lp_trunc (differentiable, −inf outside the nucleus), log M (the nucleus mass under the
+    untruncated distribution, detached; 0 outside), in_nucleus, and the untruncated entropy when asked."""
+
+    log_probs: Tensor
+    log_mass: Tensor
+    in_nucleus: Tensor
+    entropy: Tensor | None
+
+
+def nucleus_log_probs(logits: Tensor, labels: Tensor, truncation: Truncation, *, tp_group: ProcessGroup = None,
+                      temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                      with_entropy: bool = False) -> NucleusLogProbs:
+    """`truncated_log_probs` plus log M = lse_N − lse_V = lp(y) − lp_trunc(y) for y in the nucleus (one more
+    vocab-parallel log-prob pass, without gradient unless the entropy is asked for)."""
+    lp_trunc, inside = truncated_log_probs(logits, labels, top_k=truncation.top_k, top_p=truncation.top_p,
+                                           tp_group=tp_group, temperature=temperature, chunk_size=chunk_size)
+    entropy = None
+    if with_entropy:
+        lp_full, entropy = vocab_parallel_log_probs(logits, labels, tp_group=tp_group, temperature=temperature,
+                                                    chunk_size=chunk_size, with_entropy=True)
+    else:
+        with torch.no_grad():
+            lp_full = vocab_parallel_log_probs(logits.detach(), labels, tp_group=tp_group, temperature=temperature,
+                                               chunk_size=chunk_size)
+    zero = torch.zeros((), dtype=lp_trunc.dtype, device=lp_trunc.device)
+    log_mass = torch.where(inside, lp_full.detach().to(lp_trunc.dtype) - lp_trunc.detach(), zero).clamp_max(0.0)
+    return NucleusLogProbs(lp_trunc, log_mass, inside, entropy)
+
+
+def renormalize_batch(batch: dict[str, Tensor], nucleus: NucleusLogProbs) -> Tensor:
+    """Put a micro-batch under the trainer's truncation, from the engine's values (kept under UNTRUNCATED_*, so
+    calling it again with another nucleus starts afresh): `rollout_log_probs` := lp_rollout − log M,
+    `loss_mask` := mask · in_nucleus. Returns lp_trunc with the tokens outside the nucleus (now masked) set to the
+    renormalized rollout log-prob, so it is finite everywhere (log-ratio 0 there)."""
+    raw = batch.setdefault(UNTRUNCATED_ROLLOUT, batch["rollout_log_probs"])
+    mask = batch.setdefault(UNTRUNCATED_MASK, batch["loss_mask"])
+    lp = nucleus.log_probs.detach()
+    rollout = raw.to(lp.dtype) - nucleus.log_mass
+    batch["rollout_log_probs"] = rollout.to(raw.dtype)
+    batch["loss_mask"] = mask * nucleus.in_nucleus.to(mask.dtype)
+    return torch.where(nucleus.in_nucleus, lp, rollout)
+
+
+def nucleus_report(batch: dict[str, Tensor], lp_train: Tensor) -> dict[str, Tensor]:
+    """Megatron report pairs [numerator, denominator] (float64, local; summed over micro-batches and DP×CP) of a
+    renormalized micro-batch, lp_train being lp_old (decoupled) or the training pass's lp (bypass):
+    `mismatch_nucleus_disagreement` = valid tokens outside the trainer's nucleus / valid tokens;
+    `mismatch_nucleus_log_mass` = token mean of log M (the renormalization; ≤ 0);
+    `mismatch_nucleus_ratio_mean` = token mean of π_train_trunc / μ_trunĉ (the corrected ratio) and
+    `mismatch_nucleus_uncorrected_ratio_mean` = of π_train_trunc / μ (the rollout log-prob not renormalized), both
+    on the tokens in the nucleus, log-ratios clamped to ±20."""
+    valid = batch[UNTRUNCATED_MASK] > 0
+    kept = batch["loss_mask"] > 0
+    raw = batch[UNTRUNCATED_ROLLOUT].to(torch.float64)
+    rollout = batch["rollout_log_probs"].to(torch.float64)
+    lp = torch.where(kept, lp_train.detach().to(torch.float64), rollout)
+    lo, hi = -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP
+    n_valid, n_kept = valid.sum().to(torch.float64), kept.sum().to(torch.float64)
+
+    def kept_sum(x: Tensor) -> Tensor:
+        return torch.where(kept, x, 0.0).sum()
+
+    def pair(num: Tensor, den: Tensor) -> Tensor:
+        return torch.stack([num.to(torch.float64), den])
+
+    return {
+        "mismatch_nucleus_disagreement": pair((valid & ~kept).sum(), n_valid),
+        "mismatch_nucleus_log_mass": pair(kept_sum(raw - rollout), n_kept),
+        "mismatch_nucleus_ratio_mean": pair(kept_sum((lp - rollout).clamp(lo, hi).exp()), n_kept),
+        "mismatch_nucleus_uncorrected_ratio_mean": pair(kept_sum((lp - raw).clamp(lo, hi).exp()), n_kept),
+    }
+
+
+__all__ = ["NUCLEUS_KEYS", "RENORMALIZED_KEYS", "UNTRUNCATED_MASK", "UNTRUNCATED_ROLLOUT", "NucleusLogProbs", "Truncation", "nucleus_log_probs", "nucleus_report",
+           "renormalize_batch"]
