@@ -94,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         run(run_config)
-    except (ConfigError, CheckpointError, ControlError, TimeoutError, InputValueError) as e:  # a clear line, not a traceback
+    except (ConfigError, CheckpointError, ControlError, TimeoutError, InputValueError) as e:  # a line, no traceback
         print(f"slime_corr.main: error: {e}", file=sys.stderr, flush=True)
         return 1
     return 0

@@ -293,7 +293,8 @@ def _custom(fn: Callable, stats: BatchStats, fn_metrics: dict[str, Tensor], lr: 
             config: RolloutCorrectionConfig, dtype: torch.dtype) -> tuple[Tensor, Tensor | None, Tensor]:
     """A custom weighting function on the good sequences: (token keep mask, weights or None, per-sequence
     kept-token counts [n]). Its raw weights feed the raw-weight metrics (+inf counts as exp(20)); a NaN/inf weight
-    rejects its token (counted, warned); negative weights are counted (an error when the metrics are read). The function sees one sequence per row (a packed row is unpacked for it)."""
+    rejects its token (counted, warned); negative weights are counted (an error when the metrics are read). The
+    function sees one sequence per row (a packed row is unpacked for it)."""
     good_tok = seg.expand(good)
     mask_in = valid * good_tok
     inputs = WeightInputs(log_ratio=seg.to_rows(lr * good_tok), loss_mask=seg.to_rows(mask_in > 0),
