@@ -217,12 +217,12 @@ def input_value_counts(log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: 
     0/1, NaN included; a bool mask has none), and at valid tokens the log-probs max(lp_train, lp_rollout) >
     tolerance and NaN (max propagates NaN)."""
     if loss_mask.dtype == torch.bool:
-        bad_mask = torch.zeros((), dtype=torch.float64, device=loss_mask.device)
+        keep, bad_mask = loss_mask, torch.zeros((), dtype=torch.int64, device=loss_mask.device)
     else:
-        bad_mask = loss_mask.mul(1 - loss_mask).ne(0).sum().to(torch.float64)
-    lp = torch.where(valid > 0, torch.maximum(log_probs.detach(), rollout_log_probs.detach()), 0.0)
-    return torch.stack([bad_mask, lp.gt(POSITIVE_LOG_PROB_TOLERANCE).sum().to(torch.float64),
-                        lp.isnan().sum().to(torch.float64)])
+        keep, bad_mask = valid.bool(), torch.count_nonzero(loss_mask * (1 - loss_mask))  # NaN counts as nonzero
+    lp = torch.maximum(log_probs.detach(), rollout_log_probs.detach())
+    positive = torch.count_nonzero(lp.gt(POSITIVE_LOG_PROB_TOLERANCE).logical_and_(keep))
+    return torch.stack([bad_mask, positive, torch.count_nonzero(lp.isnan().logical_and_(keep))]).to(torch.float64)
 
 
 def custom_weight_counts(weights: Tensor, kept: Tensor) -> tuple[Tensor, Tensor]:

@@ -186,14 +186,14 @@ def drift_steps(records: Sequence[Mapping[str, Any]], measured: Sequence[Mapping
     if facts.bypass is False:
         return list(measured), "every step (decoupled: lp_old vs lp_rollout)", []
     firsts = _first_steps(records, measured)
-    mode = "bypass run" if facts.bypass else "run of unknown mode (no run_config.json)"
+    mode = "bypass run" if facts.bypass else "mode unknown (no run_config.json), read as a bypass run"
     if firsts:
         return firsts, "the first step of each rollout (pi_theta = pi_old there)", [
             f"{mode}: from a rollout's second optimizer step on, its mismatch_k3_kl also holds the policy's own "
             "updates (pi_theta moves away from pi_rollout), so it cannot separate drift from mismatch there; the "
             f"regime reads the first step of each rollout ({len(firsts)} of {len(measured)} steps)."]
     return list(measured), "every step (includes the policy's own updates)", [
-        f"this run cannot separate drift from mismatch: a {mode.replace(' run', '')} run's mismatch_k3_kl includes "
+        f"this run cannot separate drift from mismatch ({mode}): a bypass run's mismatch_k3_kl includes "
         "the policy's own updates after a rollout's first step, and no rollout/index says which steps are first. "
         "The regime below is an upper bound; a decoupled run (e.g. --rollout-correction-preset disabled) measures "
         "the rollout->old drift at every step."]
