@@ -156,7 +156,8 @@ def check_policy_loss_inputs(log_probs: Any, old_log_probs: Any, rollout_log_pro
 
 def check_weight_outputs(out: Any, inputs: WeightInputs, config: RolloutCorrectionConfig) -> WeightOutputs:
     """What a custom weighting function returned: a `WeightOutputs` with [B, S] tensors (weights and raw weights may
-    also be [B, 1], one per sequence) and a dict of 0-dim metrics. Checked at every call (types and shapes only)."""
+    also be [B, 1], one per sequence) and a dict of 0-dim metrics. Checked at every call: types and shapes here, the
+    weights' values on the device (`custom_weight_counts`), raised when the metrics are read (`check_host_metrics`)."""
     label = f"--custom-tis-function-path {config.custom_tis_function_path}"
     if not isinstance(out, WeightOutputs):
         raise TypeError(f"{label} returned {_describe(out)}; it must return slime_corr.correction.WeightOutputs("
