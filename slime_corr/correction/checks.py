@@ -214,13 +214,13 @@ class InputValueError(ValueError):
 
 
 def input_value_counts(log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor, valid: Tensor) -> Tensor:
-    """[3] float64 local counts (`INPUT_VALUE_COUNTS` order), on the device: mask values m with m·(1 − m) ≠ 0 (not
-    0/1, NaN included; a bool mask has none), and at valid tokens the log-probs max(lp_train, lp_rollout) >
-    tolerance and NaN (max propagates NaN)."""
+    """[3] float64 local counts (`INPUT_VALUE_COUNTS` order), on the device: mask values that differ from their
+    0/1 reading `valid` (`valid_float`: > 0 is 1, NaN is 0; so anything but 0/1, NaN included; a bool mask has
+    none), and at valid tokens the log-probs max(lp_train, lp_rollout) > tolerance and NaN (max propagates NaN)."""
     if loss_mask.dtype == torch.bool:
         keep, bad_mask = loss_mask, torch.zeros((), dtype=torch.int64, device=loss_mask.device)
     else:
-        keep, bad_mask = valid.bool(), torch.count_nonzero(loss_mask * (1 - loss_mask))  # NaN counts as nonzero
+        keep, bad_mask = valid.bool(), torch.count_nonzero(loss_mask.ne(valid))  # valid: 0/1, NaN -> 0
     lp = torch.maximum(log_probs.detach(), rollout_log_probs.detach())
     positive = torch.count_nonzero(lp.gt(POSITIVE_LOG_PROB_TOLERANCE).logical_and_(keep))
     return torch.stack([bad_mask, positive, torch.count_nonzero(lp.isnan().logical_and_(keep))]).to(torch.float64)
