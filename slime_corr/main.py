@@ -90,13 +90,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(run_config.correction.describe())
     if run_config.hparams.get("self_check"):
         return 0
+    from slime_corr.correction.checks import InputValueError
     from slime_corr.mcore.checkpoint import CheckpointError
     from slime_corr.rollout.control import ControlError
     from slime_corr.trainer.loop import run
 
     try:
         run(run_config)
-    except (ConfigError, CheckpointError, ControlError, TimeoutError) as e:  # a clear line, not a traceback
+    except (ConfigError, CheckpointError, ControlError, TimeoutError, InputValueError) as e:  # a line, no traceback
         print(f"slime_corr.main: error: {e}", file=sys.stderr, flush=True)
         return 1
     return 0

@@ -34,3 +34,21 @@ def test_main_job_rejects_bad_flags_before_starting(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "corrects twice" in proc.stderr and "embedded engine" not in proc.stdout
+
+
+def test_main_job_stops_with_one_line_on_negative_custom_weights(tmp_path):
+    """A custom weighting function's negative weights (they would flip the gradient) end the run at the first step
+    with one line naming the function, not a traceback (counted on the device, raised when the metrics are read)."""
+    f = tmp_path / "neg_tis.py"
+    f.write_text("import torch\nfrom slime_corr.correction import WeightOutputs\n"
+                 "def negative(inputs, config):\n"
+                 "    return WeightOutputs(weights=-torch.ones_like(inputs.log_ratio), loss_mask=inputs.loss_mask)\n")
+    cmd = [sys.executable, "-m", "slime_corr.main", "--num-rollout", "2", "--num-steps-per-rollout", "1",
+           "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--micro-batch-size", "4",
+           "--rollout-max-response-len", "4", "--rollout-progress", "none", "--work-dir", str(tmp_path / "run"),
+           "--use-tis", "--custom-tis-function-path", f"{f}:negative"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert f"slime_corr.main: error: --custom-tis-function-path {f}:negative returned 16 negative weight(s)" \
+        in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "step 2:" not in proc.stdout

@@ -1,15 +1,18 @@
 """Input checks of the correction core's public entry points, one function per entry point.
 
-Only types, shapes, dtypes and devices are checked: they are free (no kernel, no device->host sync). Values are
-never read here: non-finite log-probs and advantages are handled by the math (the sequence or token is rejected and
-counted), so nothing on the hot path waits for the device. Every error names the argument, what it got and what it
-expects.
+Only types, shapes, dtypes and devices are checked at the call: they are free (no kernel, no device->host sync).
+Values are never read on the hot path: non-finite log-probs and advantages are handled by the math (the sequence or
+token is rejected and counted); impossible values are counted on the device with the step's statistics and
+`check_host_metrics` raises when the metrics reach the host (see the end of this module). Every error names the
+argument, what it got and what it expects.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -153,7 +156,8 @@ def check_policy_loss_inputs(log_probs: Any, old_log_probs: Any, rollout_log_pro
 
 def check_weight_outputs(out: Any, inputs: WeightInputs, config: RolloutCorrectionConfig) -> WeightOutputs:
     """What a custom weighting function returned: a `WeightOutputs` with [B, S] tensors (weights and raw weights may
-    also be [B, 1], one per sequence) and a dict of 0-dim metrics. Checked at every call (types and shapes only)."""
+    also be [B, 1], one per sequence) and a dict of 0-dim metrics. Checked at every call: types and shapes here, the
+    weights' values on the device (`custom_weight_counts`), raised when the metrics are read (`check_host_metrics`)."""
     label = f"--custom-tis-function-path {config.custom_tis_function_path}"
     if not isinstance(out, WeightOutputs):
         raise TypeError(f"{label} returned {_describe(out)}; it must return slime_corr.correction.WeightOutputs("
@@ -180,3 +184,107 @@ def check_weight_outputs(out: Any, inputs: WeightInputs, config: RolloutCorrecti
     if out.raw_weights is not None and out.raw_weights.shape != shape:
         out.raw_weights = out.raw_weights.expand(shape)
     return out
+
+
+# ------------------------------------------------------------------------------------------ values, read on the host
+# Impossible input values and a custom function's bad weights are counted on the device into the batch statistics
+# (the one SUM all_reduce that already runs), so nothing waits for the device; `check_host_metrics` reads the
+# counts when the metrics reach the host (`metrics_to_host`, the one device->host transfer of a step) and raises.
+
+POSITIVE_LOG_PROB_TOLERANCE = 1e-4  # a log-prob above it is a probability above 1.0001: impossible, not rounding
+# statistic -> (metric, what it counts)
+INPUT_VALUE_COUNTS = {
+    "n_bad_mask": ("mis_invalid_mask_count", "loss-mask value(s) outside {0, 1} or NaN"),
+    "n_pos_lp": ("mis_positive_logprob_count",
+                 f"log-prob(s) > {POSITIVE_LOG_PROB_TOLERANCE:g} (a probability above 1) at tokens in the loss mask"),
+    "n_nan_lp": ("mis_nan_logprob_count", "NaN log-prob(s) at tokens in the loss mask"),
+}
+CUSTOM_NONFINITE = "mis_custom_nonfinite_weight_count"
+CUSTOM_NEGATIVE = "mis_custom_negative_weight_count"
+# metrics that are means over the measured (finite, valid) tokens or sequences: undefined for an empty batch
+UNMEASURED_PREFIXES = ("mismatch_", "train_rollout_", "rollout_probs_", "rollout_actor_", "mis_weight_", "mis_ess",
+                       "mis_ratio_mean_after_mis", "mis_mean_is_weight_before_clip", "mis_truncate_fraction",
+                       "mis_clip_fraction_", "mis_mask_fraction_", "mis_batch_norm_factor", "mis_rs_rejected_",
+                       "mis_catastrophic_")
+_WARNED: set[str] = set()
+
+
+class InputValueError(ValueError):
+    """Impossible values in the correction's inputs, or a custom weighting function's impossible weights."""
+
+
+def input_value_counts(log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor, valid: Tensor) -> Tensor:
+    """[3] float64 local counts (`INPUT_VALUE_COUNTS` order), on the device: mask values that differ from their
+    0/1 reading `valid` (`valid_float`: > 0 is 1, NaN is 0; so anything but 0/1, NaN included; a bool mask has
+    none), and at valid tokens the log-probs max(lp_train, lp_rollout) > tolerance and NaN (max propagates NaN)."""
+    if loss_mask.dtype == torch.bool:
+        keep, bad_mask = loss_mask, torch.zeros((), dtype=torch.int64, device=loss_mask.device)
+    else:
+        keep, bad_mask = valid.bool(), torch.count_nonzero(loss_mask.ne(valid))  # valid: 0/1, NaN -> 0
+    lp = torch.maximum(log_probs.detach(), rollout_log_probs.detach())
+    positive = torch.count_nonzero(lp.gt(POSITIVE_LOG_PROB_TOLERANCE).logical_and_(keep))
+    return torch.stack([bad_mask, positive, torch.count_nonzero(lp.isnan().logical_and_(keep))]).to(torch.float64)
+
+
+def custom_weight_counts(weights: Tensor, kept: Tensor) -> tuple[Tensor, Tensor]:
+    """A custom function's weights at the tokens it kept (`kept`, float 0/1): (finite indicator, [2] counts of
+    non-finite and of negative finite weights there), on the device."""
+    finite = weights.isfinite().to(kept.dtype)
+    ok = kept * finite
+    counts = torch.stack([(kept - ok).sum(), (ok * (weights < 0).to(kept.dtype)).sum()])
+    return finite, counts.to(torch.float64)
+
+
+def check_host_metrics(metrics: dict[str, float], config: RolloutCorrectionConfig | None = None) -> dict[str, float]:
+    """The host side of the value checks, on a step's (or one call's) metrics once they are floats. A batch without
+    a measured token (no valid sequence without a non-finite log-prob): the metrics that are means over measured
+    tokens are removed (no value, rather than 0). With `config`:
+
+    - impossible inputs (`INPUT_VALUE_COUNTS`): `InputValueError`, or a warning (once per kind) with
+      `--warn-invalid-inputs`;
+    - a custom weighting function's negative weights: `InputValueError` naming the function; its non-finite weights:
+      a warning (once per function), and `InputValueError` when every weight it gave was non-finite.
+    Returns `metrics`.
+    """
+    if metrics.get("mis_valid_seq_count", 1.0) - metrics.get("mis_nonfinite_seq_count", 0.0) <= 0:
+        for key in [k for k in metrics if k.startswith(UNMEASURED_PREFIXES)]:
+            del metrics[key]
+    if config is None:
+        return metrics
+    counts = {key: metrics.get(key, 0.0) for key, _ in INPUT_VALUE_COUNTS.values()}
+    found = [f"{counts[key]:.0f} {what} ({key})" for key, what in INPUT_VALUE_COUNTS.values() if counts[key] > 0]
+    if found:
+        message = ("impossible input values in the rollout correction: " + "; ".join(found) + ". A loss mask "
+                   "holds 0/1 (or bool), log-probs are <= 0 and never NaN where the mask is 1: check how they were "
+                   "built (a probability or a negated log-prob passed as a log-prob, padding marked -1, ...). ")
+        if not config.warn_invalid_inputs:
+            raise InputValueError(message + "--warn-invalid-inputs logs them and goes on instead (a NaN rejects "
+                                            "its sequence, a mask value counts as valid when > 0).")
+        _warn_once("inputs:" + ",".join(k for k in counts if counts[k] > 0), message + "(--warn-invalid-inputs: "
+                   "the run goes on; the counts are logged.)")
+    _check_custom_weights(metrics, config)
+    return metrics
+
+
+def _check_custom_weights(metrics: dict[str, float], config: RolloutCorrectionConfig) -> None:
+    path = config.custom_tis_function_path
+    label = f"--custom-tis-function-path {path}" if path else "the custom weighting function"
+    negative, nonfinite = metrics.get(CUSTOM_NEGATIVE, 0.0), metrics.get(CUSTOM_NONFINITE, 0.0)
+    if negative > 0:
+        raise InputValueError(f"{label} returned {negative:.0f} negative weight(s) at tokens it kept: a negative IS "
+                              "weight flips the sign of that token's gradient. Return weights >= 0 (e.g. "
+                              "w.clamp_min(0)), and drop a token through WeightOutputs.loss_mask instead.")
+    if nonfinite <= 0:
+        return
+    if metrics.get("mis_rs_rejected_token_fraction", 0.0) >= 1.0:  # nothing it kept had a finite weight
+        raise InputValueError(f"{label} returned only NaN/inf weights in this step ({nonfinite:.0f} tokens): "
+                              "every token was rejected, nothing trains. Check the function's arithmetic (e.g. "
+                              "exp of an unclamped log-ratio sum, 0/0).")
+    _warn_once(f"custom:{path}", f"{label} returned {nonfinite:.0f} NaN/inf weight(s): their tokens are rejected "
+               f"and counted in {CUSTOM_NONFINITE} (warned once).")
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)

@@ -27,7 +27,15 @@ from slime_corr.correction import budget as BG
 from slime_corr.correction import divergence as D
 from slime_corr.correction import metrics as M
 from slime_corr.correction import quantiles as Q
-from slime_corr.correction.checks import check_correction_inputs, check_weight_outputs
+from slime_corr.correction.checks import (
+    CUSTOM_NEGATIVE,
+    CUSTOM_NONFINITE,
+    INPUT_VALUE_COUNTS,
+    check_correction_inputs,
+    check_weight_outputs,
+    custom_weight_counts,
+    input_value_counts,
+)
 from slime_corr.correction.reductions import (
     BatchStats,
     ProcessGroup,
@@ -191,6 +199,7 @@ def compute_rollout_correction(
     counts = torch.stack([n_seq, seq_ok, n_orig, n_orig > 0, torch.where(seq_bad, n_bad, torch.zeros_like(n_bad)),
                           seq_bad], dim=-1)
     stats.add_sums(("n_tok", "n_seq", "n_valid_tok", "n_valid_seq", "n_bad_tok", "n_bad_seq"), _count(counts, cp0))
+    stats.add_sums(tuple(INPUT_VALUE_COUNTS), input_value_counts(log_probs, rollout_log_probs, loss_mask, valid))
     M.add_token_mismatch(stats, tok_rows, tok_d_max, ~seq_bad)
     M.add_seq_mismatch(stats, seq_ok, n_seq, s_lpt, s_lpr, s_lr, cp0)
 
@@ -333,7 +342,8 @@ def _custom(fn: Callable, stats: BatchStats, fn_metrics: dict[str, Tensor], lr: 
             config: RolloutCorrectionConfig, dtype: torch.dtype) -> tuple[Tensor, Tensor | None, Tensor]:
     """A custom weighting function on the good sequences: (token keep mask, weights or None, per-sequence
     kept-token counts [n]). Its raw weights feed the raw-weight metrics (+inf counts as exp(20)); a NaN/inf weight
-    rejects its token (counted). The function sees one sequence per row (a packed row is unpacked for it)."""
+    rejects its token (counted, warned); negative weights are counted (an error when the metrics are read). The
+    function sees one sequence per row (a packed row is unpacked for it)."""
     good_tok = seg.expand(good)
     mask_in = valid * good_tok
     inputs = WeightInputs(log_ratio=seg.to_rows(lr * good_tok), loss_mask=seg.to_rows(mask_in > 0),
@@ -347,8 +357,8 @@ def _custom(fn: Callable, stats: BatchStats, fn_metrics: dict[str, Tensor], lr: 
         unit0 = mask_in if config.tis_level == "token" else mask_in / seg.expand(n_seq.clamp_min(1), fill=1.0)
         M.add_raw_weight_stats(stats, raw, unit0, *config.tis_bounds)
     if weights is not None:  # a NaN/inf weight rejects its token (counted), like a non-finite log-prob
-        finite = weights.isfinite().to(dtype)
-        stats.add_sum("n_fn_bad_w", (fn_mask * (1.0 - finite)).sum())
+        finite, bad = custom_weight_counts(weights, fn_mask)
+        stats.add_sums(("n_fn_bad_w", "n_fn_neg_w"), bad)
         fn_mask = fn_mask * finite
     n_fn = seq_sums([seg.sum(fn_mask)], cp_group)[:, 0]
     return fn_mask, weights, n_fn
@@ -393,6 +403,7 @@ def correction_metrics(
     metrics["mis_nonfinite_token_count"] = r["n_bad_tok"]
     metrics["mis_nonfinite_seq_count"] = r["n_bad_seq"]
     metrics["mis_nonfinite_seq_fraction"] = M._div(r["n_bad_seq"], r["n_valid_seq"])
+    metrics.update({key: r[stat] for stat, (key, _) in INPUT_VALUE_COUNTS.items()})
     if not config.use_rollout_correction:
         return metrics
     n_tok, n_seqs = r["n_tok"], r["n_seq"]
@@ -406,7 +417,7 @@ def correction_metrics(
     metrics["mis_contributing_token_count"] = r["n_final_tok"]
     metrics["mis_all_rejected"] = (r["n_final_tok"] == 0).to(torch.float64)
     if "n_fn_bad_w" in r:
-        metrics["mis_custom_nonfinite_weight_count"] = r["n_fn_bad_w"]
+        metrics[CUSTOM_NONFINITE], metrics[CUSTOM_NEGATIVE] = r["n_fn_bad_w"], r["n_fn_neg_w"]
     if "n_div_tok" in r:  # the divergence filter on its own
         metrics["mis_div_rejected_token_fraction"] = M._div(r["n_div_tok"], n_tok)
         metrics["mis_div_rejected_seq_fraction"] = M._div(r["n_div_seq"], n_seqs)

@@ -20,6 +20,8 @@ clamped to ±80 so they stay finite. lr = lp_train - lp_rollout, x = clamp(lr, -
 | mis_nonfinite_token_count / mis_nonfinite_seq_count | valid tokens / sequences with a non-finite log-prob (dropped) |
 | mis_nonfinite_seq_fraction | mis_nonfinite_seq_count / valid sequences |
 | mis_valid_token_count / mis_valid_seq_count | valid tokens / sequences of the original mask |
+| mis_invalid_mask_count | loss-mask values outside {0, 1} or NaN (an error when read, `--warn-invalid-inputs`) |
+| mis_positive_logprob_count / mis_nan_logprob_count | valid tokens with lp_train or lp_rollout > 1e-4 / NaN (same) |
 With IS (`--use-tis`); a "unit" is a token (token level) or a sequence (sequence/geometric level, each once):
 | mis_mean_is_weight_before_clip | mean of w_raw = exp(clamp(ℓ, ±20)) over finite valid units |
 | mis_truncate_fraction | truncate mode: fraction of finite valid units with w_raw > U |
@@ -37,6 +39,7 @@ With correction on (IS, RS or veto):
 | mis_contributing_token_count | tokens left in the loss mask |
 | mis_all_rejected | 1.0 when no token is left in the loss mask of the whole batch |
 | mis_custom_nonfinite_weight_count | a custom weighting function's NaN/inf weights: tokens rejected for them |
+| mis_custom_negative_weight_count | a custom weighting function's negative weights (an error when read) |
 With divergence rejection (`--rs-metric k2|k3`, `divergence.py`) and budgets (`budget.py`):
 | mis_div_rejected_token_fraction / _seq_fraction | finite valid tokens / sequences the divergence filter rejects |
 | mis_rs_divergence_bound | `--rs-divergence-budget`: the bound each call chose, mean over the step's calls |
@@ -51,7 +54,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.correction import quantiles as Q
+from slime_corr.correction.checks import check_host_metrics
 from slime_corr.correction.reductions import BatchStats, count_greater_, row_products
 from slime_corr.correction.segments import Segments
 from slime_corr.correction.weights import LOG_RATIO_CLAMP
@@ -82,13 +87,16 @@ def merge_stats(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     return merged
 
 
-def metrics_to_host(metrics: dict[str, Tensor]) -> dict[str, float]:
-    """All metrics to Python floats in ONE device->host transfer."""
+def metrics_to_host(metrics: dict[str, Tensor], config: RolloutCorrectionConfig | None = None) -> dict[str, float]:
+    """All metrics to Python floats in ONE device->host transfer. The means over measured tokens of a batch that
+    has none are left out (no value rather than 0). With `config` (the loss hook always passes it), the value checks
+    of `check_host_metrics` run on the counts: impossible inputs and a custom function's bad weights raise
+    `InputValueError` (inputs: a warning with `--warn-invalid-inputs`)."""
     if not metrics:
         return {}
     with torch.no_grad():
         values = torch.stack([v.reshape(()) for v in metrics.values()]).to(torch.float64).tolist()
-    return dict(zip(metrics.keys(), values, strict=True))
+    return check_host_metrics(dict(zip(metrics.keys(), values, strict=True)), config)
 
 
 def _total(x: Tensor) -> Tensor:

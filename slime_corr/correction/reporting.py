@@ -51,6 +51,7 @@ NON_RATIO_METRICS = frozenset({
     "rollout_probs_diff_max", "rollout_probs_diff_std", "rollout_actor_probs_pearson_corr",
     "mis_valid_token_count", "mis_valid_seq_count", "mis_nonfinite_token_count", "mis_nonfinite_seq_count",
     "mis_contributing_token_count", "mis_custom_nonfinite_weight_count", "mis_all_rejected",
+    "mis_invalid_mask_count", "mis_positive_logprob_count", "mis_nan_logprob_count", "mis_custom_negative_weight_count",
     "mis_weight_std", "mis_weight_min", "mis_weight_max", "mis_weight_p10", "mis_weight_p50", "mis_weight_p90",
     "mis_weight_p99", "mis_ess", "mis_batch_norm_factor",
 })

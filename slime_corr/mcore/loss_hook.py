@@ -396,7 +396,7 @@ class RolloutCorrectionLoss:
         """Every correction metric of the training micro-batches since the last call (the step), exact as if the
         step were one batch — the ratios Megatron logs and the others (min/max, std, quantiles, ESS, counts) —
         plus a custom weighting function's metrics (mean over micro-batches); one host transfer, no collective."""
-        return metrics_to_host(self.step_stats.pop(self.config))
+        return metrics_to_host(self.step_stats.pop(self.config), self.config)
 
     def reduce_step_metrics(self, losses_reduced: Sequence[dict[str, Tensor]]) -> dict[str, float]:
         """Step metrics from the schedule's per-micro-batch reports (and the step's correction statistics), on the
@@ -411,7 +411,7 @@ class RolloutCorrectionLoss:
         out[NONFINITE_COUNT] = totals[NONFINITE_FRACTION][0]
         out.update(self.step_stats.pop(self.config))
         self.pop_diagnostics()
-        return metrics_to_host(out)
+        return metrics_to_host(out, self.config)
 
     def compute_old_log_probs(self, model: torch.nn.Module, micro_batches: Sequence[dict[str, Tensor]]) -> list[Tensor]:
         """Decoupled mode: log π_old for every micro-batch by a forward-only pass (no grad), stored in place

@@ -129,13 +129,22 @@ def summary_text(run: Run, rec: Recommendation | None, error: str | None = None)
     lines += [
         f"measured mismatch ({METRIC}, {rec.steps} steps): median {rec.median:.3g}, "
         f"p{t.quantile * 100:.0f} {rec.statistic:.3g}, max {rec.maximum:.3g}",
+        f"  the rollout->old drift: {rec.source}"
+        + (f"; {rec.excluded_steps} step(s) left out (every sample failed or no token measured)"
+           if rec.excluded_steps else ""),
         f"thresholds: {t.describe()}",
         f"regime: {rec.regime} -> recommended preset: {rec.preset}",
-        f"  why: {rec.why} (decision guide of the rollout-correction theory document).",
-        f"  use: --rollout-correction-preset {rec.preset}  (or --custom-config-path arguments/{rec.preset}.yaml)",
+        f"  why: {rec.why}" + ("." if rec.reason else " (decision guide of the rollout-correction theory document)."),
     ]
+    if rec.predicted_rejected_share is not None:
+        lines.append(f"  sequence-level RS at this drift: about {rec.predicted_rejected_share:.0%} of the sequences "
+                     f"rejected (predicted, mean response length {rec.response_length:.3g} tokens; "
+                     f"--max-rejected-share {t.max_rejected_share:g})")
+    lines.append(f"  use: --rollout-correction-preset {rec.preset}  (or --custom-config-path "
+                 f"arguments/{rec.preset}.yaml)")
     if preset and preset != rec.preset:
         lines.append(f"  this run used {preset}.")
+    lines += [f"note: {n}" for n in rec.notes]
     if rec.hints:
         lines.append("observations:")
         lines += [f"  - {h}" for h in rec.hints]
@@ -177,7 +186,7 @@ def report_run(run: Run, out_dir: Path, thresholds: Thresholds) -> tuple[list[Pa
 
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        rec, error = recommend(run.records, thresholds), None
+        rec, error = recommend(run.records, thresholds, run.config), None
     except ValueError as e:
         rec, error = None, str(e)
     written = plots.plot_run(run, out_dir, thresholds)
@@ -199,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"k3 quantile from which the mismatch is severe (default {d.severe_from:g}).")
     parser.add_argument("--quantile", type=float, default=d.quantile,
                         help=f"Quantile over steps compared with the thresholds (default {d.quantile:g}).")
+    parser.add_argument("--max-rejected-share", type=float, default=d.max_rejected_share,
+                        help="In the severe regime, recommend sequence-level RS only while it is predicted to "
+                             f"reject at most this share of the sequences (default {d.max_rejected_share:g}).")
     return parser
 
 
@@ -206,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        thresholds = Thresholds(args.negligible_below, args.severe_from, args.quantile)
+        thresholds = Thresholds(args.negligible_below, args.severe_from, args.quantile, args.max_rejected_share)
     except ValueError as e:
         parser.error(str(e))
     if len(args.run_dirs) > 1 and not args.out:

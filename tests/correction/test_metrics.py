@@ -9,7 +9,7 @@ import torch
 from corr_reference import ref_mismatch_metrics
 
 from slime_corr.config import RolloutCorrectionConfig as C
-from slime_corr.correction import compute_rollout_correction, metrics_to_host
+from slime_corr.correction import checks, compute_rollout_correction, metrics_to_host
 from slime_corr.correction.quantiles import QUANTILES
 
 MISMATCH_KEYS = {
@@ -105,12 +105,22 @@ def test_metrics_to_host_single_transfer(monkeypatch):
     assert all(t.dim() == 0 for t in res.metrics.values())
 
 
-def test_all_padding_batch_metrics_are_finite_zero():
+def test_all_padding_batch_reports_no_mismatch_value():
+    """On the device the means of an empty batch are finite zeros (0 / 0 = 0: Megatron's pairs sum them); on the host
+    they have no value rather than 0, while the counts stay."""
     z = torch.zeros(3, 4)
-    res = compute_rollout_correction(z, z, torch.zeros(3, 4), C.preset("decoupled_seq_is_rs", tis_batch_normalize=True))
-    m = metrics_to_host(res.metrics)
-    assert all(math.isfinite(v) for v in m.values())
-    assert m["mismatch_kl"] == 0.0 and m["mis_valid_token_count"] == 0.0
+    cfg = C.preset("decoupled_seq_is_rs", tis_batch_normalize=True)
+    res = compute_rollout_correction(z, z, torch.zeros(3, 4), cfg)
+    assert all(torch.isfinite(v) for v in res.metrics.values()) and res.metrics["mismatch_k3_kl"] == 0
+    for m in (metrics_to_host(res.metrics), metrics_to_host(res.metrics, cfg)):
+        assert "mismatch_k3_kl" not in m and not any(k.startswith(("mismatch_", "mis_weight_")) for k in m)
+        assert m["mis_valid_token_count"] == 0.0 and m["mis_rejected_token_fraction"] == 0.0
+    nan = torch.full((2, 3), math.nan)  # every measured token NaN: nothing measured either
+    checks._WARNED.clear()
+    res = compute_rollout_correction(nan, z[:2, :3], torch.ones(2, 3), C(get_mismatch_metrics=True, warn_invalid_inputs=True))
+    with pytest.warns(RuntimeWarning, match="6 NaN log-prob"):
+        m = metrics_to_host(res.metrics, C(get_mismatch_metrics=True, warn_invalid_inputs=True))
+    assert "mismatch_k3_kl" not in m and m["mis_nonfinite_seq_count"] == 2 and m["mis_nan_logprob_count"] == 6
 
 
 def test_token_level_quantiles_beyond_torch_quantile_limit():

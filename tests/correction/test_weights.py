@@ -155,6 +155,7 @@ def test_builtin_path_matches_default_weights_as_a_custom_function(cfg, default_
         torch.testing.assert_close(builtin.weights, general.weights, rtol=1e-12, atol=1e-12)
     m_builtin, m_general = metrics_to_host(builtin.metrics), metrics_to_host(general.metrics)
     assert m_general.pop("mis_custom_nonfinite_weight_count", 0) == 0  # absent without IS weights
+    assert m_general.pop("mis_custom_negative_weight_count", 0) == 0
     assert m_builtin.keys() == m_general.keys()
     assert m_builtin["mis_nonfinite_seq_count"] == 1
     if cfg.rs_veto_threshold is not None:

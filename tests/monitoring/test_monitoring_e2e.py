@@ -229,8 +229,13 @@ def test_report_command_makes_its_pngs_and_summary(run):
     regime = "negligible" if p90 < 1e-3 else "moderate" if p90 < 1e-2 else "severe"
     assert f"p90 {p90:.3g}," in summary
     assert regime == "severe"  # the stale rollout (2 updates behind) dominates
-    assert "regime: severe -> recommended preset: decoupled_seq_is_rs" in summary
-    assert "samples are stale: mean weight lag up to 3.00 versions" in summary
+    # sequence-level RS only while it is predicted to reject at most 30 % of the sequences
+    share = float(re.search(r"sequence-level RS at this drift: about (\d+)% of the sequences", summary).group(1))
+    preset = "decoupled_seq_is_rs" if share <= 30 else "decoupled_token_is"
+    assert f"regime: severe -> recommended preset: {preset}" in summary
+    assert "the rollout->old drift: every step (decoupled: lp_old vs lp_rollout)" in summary
+    # async: a rollout's first step trains on samples 2 versions (one rollout's updates) behind pi_old
+    assert "samples are stale (async rollout): a rollout's first step trains on samples up to 2.00 weight" in summary
     # the diagnostics: k3 per weight lag as the JSONL has it (each step holds one lag), the drift split
     by_lag = {int(r["rollout/staleness_mean"]): r for r in run["records"]}
     lags = ", ".join(f"{lag}: {r[f'diag/lag/{lag}/k3']:.3g}" for lag, r in by_lag.items())

@@ -188,12 +188,13 @@ def test_low_probability_concentration_suggests_a_veto(tmp_path):
 @pytest.mark.parametrize("mean, std, lengths, hinted", [
     (-0.02, 0.35, (8, 12, 20), True),  # severe, most sequences outside [0.5, 2]
     (0.05, 0.5, (4, 12, 40), True),  # a mean drift too
-    (0.0, 0.15, (2, 3, 4), False),  # severe per token, but short sequences: few outside, no hint
+    (0.0, 0.15, (2, 3, 4), False),  # severe per token, but short sequences: few outside, sequence RS stays
     (0.0, 0.08, (12, 12, 12), False),  # moderate: decoupled_token_is is recommended, it has no RS
 ])
 def test_sequence_rejection_estimate_against_sampled_sequences(mean, std, lengths, hinted):
-    """The hint's estimate of how many sequences `decoupled_seq_is_rs` would drop, from the logged token-level
-    metrics only, against the fraction of sampled sequences whose Σ lr leaves [log 0.5, log 2]."""
+    """The estimate of how many sequences `decoupled_seq_is_rs` would drop, from the logged token-level metrics
+    only, against the fraction of sampled sequences whose Σ lr leaves [log 0.5, log 2]; above
+    --max-rejected-share (0.3) the severe regime recommends decoupled_token_is, and says why."""
     gen = torch.Generator().manual_seed(0)
     records, outside = [], []
     for step, length in enumerate(lengths):
@@ -202,12 +203,18 @@ def test_sequence_rejection_estimate_against_sampled_sequences(mean, std, length
         outside.append(((seq < math.log(0.5)) | (seq > math.log(2.0))).double().mean().item())
         records.append({"step": step, "rollout_corr/mismatch_k3_kl": (lr.exp() - lr - 1).mean().item(),
                         "rollout_corr/mismatch_kl": -lr.mean().item(), "rollout/response_length_mean": length})
-    hints = [h for h in recommend(records).hints if "rejection bounds [0.5, 2]" in h]
+    rec = recommend(records)
     expected = sum(outside) / len(outside)
-    assert (expected > 0.3) == hinted and len(hints) == hinted
+    assert (expected > 0.3) == hinted
+    if rec.regime == "moderate":
+        assert rec.predicted_rejected_share is None and rec.preset == "decoupled_token_is"
+        return
+    assert rec.regime == "severe"
+    assert rec.predicted_rejected_share == pytest.approx(expected, abs=0.05), (rec.predicted_rejected_share, expected)
+    assert rec.preset == ("decoupled_token_is" if hinted else "decoupled_seq_is_rs")
     if hinted:
-        estimate = float(re.search(r"about (\d+)% of the sequences", hints[0]).group(1)) / 100
-        assert estimate == pytest.approx(expected, abs=0.05), (estimate, expected)
+        estimate = float(re.search(r"would reject about (\d+)% of the sequences", rec.why).group(1)) / 100
+        assert estimate == pytest.approx(rec.predicted_rejected_share, abs=0.006)
 
 
 def test_report_command_on_synthetic_runs(tmp_path, capsys):
