@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import os
 import resource
+import signal
 import statistics
 import sys
 import tempfile
@@ -243,6 +244,10 @@ async def engine_sync_runs(urls: dict[str, str], model: torch.nn.Module, shape: 
     return out
 
 
+def _load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg()) + f" (1/5/15 min) on {os.cpu_count()} cores"
+
+
 def bench_engines(args: argparse.Namespace) -> None:
     model, shape = tiny_opt_model(args)
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
@@ -259,7 +264,7 @@ def bench_engines(args: argparse.Namespace) -> None:
               f"OPTForCausalLM, no KV cache); both {args.engine_dtype}, the same fp32 weights: OPT {shape.num_layers} "
               f"layers, hidden {shape.hidden_size}, {shape.num_attention_heads} heads, vocab {shape.vocab_size} "
               f"(the trainer's tiny model shape, random init); SGLangClient streaming, {len(PROMPT)}-token prompt, "
-              f"sampling {params}; medians of {args.repeats} interleaved runs")
+              f"sampling {params}; medians of {args.repeats} interleaved runs; load average {_load()}")
         tps: dict[tuple[str, int], list[float]] = {(k, n): [] for k in ENGINE_KINDS for n in args.engine_concurrency}
         for i in range(args.repeats):
             for conc in args.engine_concurrency:
@@ -271,7 +276,7 @@ def bench_engines(args: argparse.Namespace) -> None:
             print(f"{conc:>8} {s:>13.1f} {e:>15.1f} {s / e:>16.2f}")
         runs = asyncio.run(engine_sync_runs(urls, model, shape, d, args.repeats, args.sync_bucket_mb * 1024**2))
     print(f"weight sync of {nbytes / 1e6:.2f} MB of fp32 weights to one engine (pause -> update -> flush -> continue); "
-          f"medians of {args.repeats} interleaved runs")
+          f"medians of {args.repeats} interleaved runs; load average {_load()}")
     print(f"{'':>13} {'sglang ms':>10} {'embedded ms':>12} {'sglang/embedded':>16}")
     for method, label in (("disk", "disk"), ("distributed", "distributed")):
         s, e = (1e3 * statistics.median(runs[k, method]) for k in ENGINE_KINDS)
@@ -307,6 +312,8 @@ def main() -> None:
     if "weight-sync" in args.sections:
         bench_weight_sync(args)
     if "engines" in args.sections:
+        # SIGTERM (e.g. `timeout`) exits through the context managers: the SGLang server is stopped by its PID
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         bench_engines(args)
 
 
