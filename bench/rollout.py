@@ -1,7 +1,8 @@
 """Rollout benchmark on loopback (not part of the test suite).
 
-    python bench/rollout.py [--sections streaming weight-sync] [--tokens 32] [--repeats 3]
+    python bench/rollout.py [--sections streaming weight-sync engines] [--tokens 32] [--repeats 3]
                             [--concurrency 1 16 64 256] [--sync-engines 2] [--sync-hidden 512] [--sync-layers 4]
+                            [--engine-concurrency 1 8 32] [--sglang-python PATH]
 
 ``streaming``: starts the local engine (a tiny 1-layer model, bf16) in a subprocess on 127.0.0.1 and measures:
   * baseline: plain aiohttp, one non-streamed request at a time (no client layer);
@@ -13,7 +14,16 @@
 pushes new fp32 weights to all of them, interleaved: from disk (the baseline: ``torch.save`` of the checkpoint +
 ``/update_weights_from_disk`` on every engine) and over a gloo process group (``/update_weights_from_distributed``,
 one flattened bucket per ``--sync-bucket-mb``), each time pause -> update -> flush -> continue.
-Prints medians over ``--repeats`` runs and ratios to the baseline.
+``engines`` (not in the default sections: it starts a real SGLang server, ~3 GB and 20-60 s on 2 cores): the
+real SGLang server vs the embedded engine, both started by the trainer's launch interface (``start_engines``: the
+SGLang server in its own process group, the embedded engine in this process as the trainer runs it), both in bf16
+serving the SAME weights: the trainer's tiny model shape (``TinyGPTArgs``, ``--engine-layers``/``--engine-hidden``)
+as the HF OPT checkpoint SGLang serves (``models.tiny_opt``; random init of transformers' ``OPTForCausalLM``), which
+the embedded engine serves through transformers' ``OPTForCausalLM`` (eager attention, no KV cache). Measured:
+``SGLangClient`` streaming tokens/s at ``--engine-concurrency`` concurrent requests (same prompt, same sampling
+params, ``--tokens`` new tokens each), and weight sync ms from disk (checkpoint write + ``/update_weights_from_disk``)
+and distributed (gloo), engines and repeats interleaved.
+Prints medians over ``--repeats`` runs and ratios to the baseline (``engines``: sglang / embedded).
 """
 
 from __future__ import annotations
@@ -23,18 +33,26 @@ import asyncio
 import contextlib
 import os
 import resource
+import signal
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
 
 import aiohttp
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import slime_corr.rollout.client as client_mod  # noqa: E402
 from slime_corr.engines.embedded.model import create_tiny_checkpoint, load_tiny_lm, save_checkpoint  # noqa: E402
 from slime_corr.engines.group import spawn_local_engine  # noqa: E402
+from slime_corr.engines.launch import EngineSpec, start_engines  # noqa: E402
+from slime_corr.models.hf_checkpoint import load_hf_causal_lm  # noqa: E402
+from slime_corr.models.tiny_opt import opt_config, write_opt_checkpoint  # noqa: E402
 from slime_corr.rollout import protocol  # noqa: E402
 from slime_corr.rollout.client import SGLangClient  # noqa: E402
 from slime_corr.rollout.weight_sync import DistributedWeightSync, sync_weights_from_disk  # noqa: E402
@@ -104,6 +122,18 @@ def peak_rss_mb(who: int = resource.RUSAGE_SELF) -> float:
     return resource.getrusage(who).ru_maxrss / 1024
 
 
+async def sync_by_disk_and_group(c: SGLangClient, sync: DistributedWeightSync, save: Callable[[str], str],
+                                 named: Callable[[], Iterable[tuple[str, torch.Tensor]]], work_dir: str, tag: str
+                                 ) -> tuple[float, float]:
+    """Seconds of one disk sync (``save`` of the checkpoint + ``/update_weights_from_disk``) and of one
+    distributed sync of the same weights, to every engine behind ``c``."""
+    t0 = time.perf_counter()
+    ckpt = save(os.path.join(work_dir, f"step-{tag}"))
+    await sync_weights_from_disk(c, ckpt, f"disk-{tag}")
+    disk = time.perf_counter() - t0
+    return disk, (await sync.sync(named(), f"dist-{tag}")).seconds
+
+
 async def weight_sync_runs(urls: list[str], model, work_dir: str, repeats: int, bucket_bytes: int
                            ) -> tuple[list[float], list[float]]:
     """Interleaved (disk, distributed) timings of pushing ``model``'s weights to every engine."""
@@ -113,11 +143,10 @@ async def weight_sync_runs(urls: list[str], model, work_dir: str, repeats: int, 
         try:
             await sync.connect()  # once, as a trainer does; every sync then reuses the group
             for i in range(repeats):
-                t0 = time.perf_counter()
-                ckpt = save_checkpoint(model, os.path.join(work_dir, f"step-{i}"))
-                await sync_weights_from_disk(c, ckpt, f"disk-{i}")
-                disk.append(time.perf_counter() - t0)
-                group.append((await sync.sync(model.state_dict().items(), f"dist-{i}")).seconds)
+                d, g = await sync_by_disk_and_group(c, sync, lambda path: save_checkpoint(model, path),
+                                                    lambda: model.state_dict().items(), work_dir, str(i))
+                disk.append(d)
+                group.append(g)
         finally:
             sync.close()
     return disk, group
@@ -169,10 +198,100 @@ def bench_streaming(args: argparse.Namespace) -> None:
     print(f"peak RSS: client process {peak_rss_mb():.1f} MB, engine process {peak_rss_mb(resource.RUSAGE_CHILDREN):.1f} MB")
 
 
+ENGINE_KINDS = ("sglang", "embedded")
+
+
+def tiny_opt_model(args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:
+    """The trainer's tiny model shape (``TinyGPTArgs``, changed by ``--engine-*``) as transformers'
+    OPTForCausalLM: fp32, random init from the shape's seed."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from slime_corr.mcore.model import TinyGPTArgs  # imports Megatron: only for this section
+
+    sizes = {"num_layers": args.engine_layers, "hidden_size": args.engine_hidden,
+             "num_attention_heads": args.engine_heads}
+    shape = TinyGPTArgs(**{k: v for k, v in sizes.items() if v is not None})
+    torch.manual_seed(shape.seed)
+    config = {k: v for k, v in opt_config(shape).items() if k not in ("architectures", "model_type", "torch_dtype")}
+    return OPTForCausalLM(OPTConfig(**config)).eval(), shape
+
+
+def embedded_opt_module(checkpoint_dir: str) -> torch.nn.Module:
+    """The embedded engine's module for an OPT checkpoint: transformers' model, fp32 (the engine casts), no cache."""
+    model = load_hf_causal_lm(checkpoint_dir)
+    model.config.use_cache = False
+    return model
+
+
+async def engine_sync_runs(urls: dict[str, str], model: torch.nn.Module, shape: Any, work_dir: str,
+                           repeats: int, bucket_bytes: int) -> dict[tuple[str, str], list[float]]:
+    """{(engine, "disk" | "distributed"): seconds per run}, engines alternating first from one repeat to the next."""
+    out: dict[tuple[str, str], list[float]] = {(k, m): [] for k in urls for m in ("disk", "distributed")}
+    weights = dict(model.state_dict())  # OPT names, fp32: what the trainer sends an OPT-served tiny model
+    async with contextlib.AsyncExitStack() as stack:
+        clients = {k: await stack.enter_async_context(SGLangClient(u)) for k, u in urls.items()}
+        syncs = {k: DistributedWeightSync(c, bucket_bytes=bucket_bytes) for k, c in clients.items()}
+        for s in syncs.values():
+            stack.callback(s.close)
+            await s.connect()  # once, as a trainer does
+        for i in range(repeats):
+            for kind in (ENGINE_KINDS if i % 2 == 0 else ENGINE_KINDS[::-1]):
+                d, g = await sync_by_disk_and_group(
+                    clients[kind], syncs[kind], lambda path: write_opt_checkpoint(weights, shape, path),
+                    weights.items, os.path.join(work_dir, kind), str(i))
+                out[kind, "disk"].append(d)
+                out[kind, "distributed"].append(g)
+    return out
+
+
+def _load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg()) + f" (1/5/15 min) on {os.cpu_count()} cores"
+
+
+def bench_engines(args: argparse.Namespace) -> None:
+    model, shape = tiny_opt_model(args)
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    with tempfile.TemporaryDirectory() as d, contextlib.ExitStack() as stack:
+        ckpt = write_opt_checkpoint(dict(model.state_dict()), shape, os.path.join(d, "init"))
+        common = {"num_engines": 1, "router": "off", "dtype": args.engine_dtype, "log_dir": Path(d) / "engine_logs"}
+        specs = {"sglang": EngineSpec(kind="sglang", sglang_python=args.sglang_python, skip_tokenizer_init=True,
+                                      device="cpu", **common),
+                 "embedded": EngineSpec(kind="embedded", embedded_module=embedded_opt_module, **common)}
+        urls = {k: stack.enter_context(start_engines(specs[k], ckpt, "init")).urls[0] for k in ENGINE_KINDS}
+        params = {"max_new_tokens": args.tokens, "ignore_eos": True}
+        print(f"engines: real SGLang server ({urls['sglang']}, own process group, CPU defaults of "
+              f"engines/sglang_server.py) vs embedded engine ({urls['embedded']}, in this process, transformers' "
+              f"OPTForCausalLM, no KV cache); both {args.engine_dtype}, the same fp32 weights: OPT {shape.num_layers} "
+              f"layers, hidden {shape.hidden_size}, {shape.num_attention_heads} heads, vocab {shape.vocab_size} "
+              f"(the trainer's tiny model shape, random init); SGLangClient streaming, {len(PROMPT)}-token prompt, "
+              f"sampling {params}; medians of {args.repeats} interleaved runs; load average {_load()}")
+        tps: dict[tuple[str, int], list[float]] = {(k, n): [] for k in ENGINE_KINDS for n in args.engine_concurrency}
+        for i in range(args.repeats):
+            for conc in args.engine_concurrency:
+                for kind in (ENGINE_KINDS if i % 2 == 0 else ENGINE_KINDS[::-1]):
+                    tps[kind, conc].append(asyncio.run(streamed(urls[kind], conc, args.tokens))[0])
+        print(f"{'streams':>8} {'sglang tok/s':>13} {'embedded tok/s':>15} {'sglang/embedded':>16}")
+        for conc in args.engine_concurrency:
+            s, e = (statistics.median(tps[k, conc]) for k in ENGINE_KINDS)
+            print(f"{conc:>8} {s:>13.1f} {e:>15.1f} {s / e:>16.2f}")
+        runs = asyncio.run(engine_sync_runs(urls, model, shape, d, args.repeats, args.sync_bucket_mb * 1024**2))
+    print(f"weight sync of {nbytes / 1e6:.2f} MB of fp32 weights to one engine (pause -> update -> flush -> continue); "
+          f"medians of {args.repeats} interleaved runs; load average {_load()}")
+    print(f"{'':>13} {'sglang ms':>10} {'embedded ms':>12} {'sglang/embedded':>16}")
+    ms = {key: 1e3 * statistics.median(v) for key, v in runs.items()}
+    for method in ("disk", "distributed"):
+        s, e = (ms[k, method] for k in ENGINE_KINDS)
+        print(f"{method:>13} {s:>10.1f} {e:>12.1f} {s / e:>16.2f}")
+    s, e = (ms[k, "distributed"] / ms[k, "disk"] for k in ENGINE_KINDS)
+    print(f"{'dist / disk':>13} {s:>10.2f} {e:>12.2f}")
+    print("  disk: safetensors write + /update_weights_from_disk; distributed: gloo broadcast, "
+          f"{args.sync_bucket_mb} MB buckets, group built once")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sections", nargs="+", choices=("streaming", "weight-sync"),
-                    default=["streaming", "weight-sync"])
+    ap.add_argument("--sections", nargs="+", choices=("streaming", "weight-sync", "engines"),
+                    default=["streaming", "weight-sync"], help="engines: real SGLang vs embedded (starts a server)")
     ap.add_argument("--tokens", type=int, default=32, help="new tokens per request")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--baseline-requests", type=int, default=16)
@@ -181,11 +300,24 @@ def main() -> None:
     ap.add_argument("--sync-hidden", type=int, default=512, help="hidden size of the synced model")
     ap.add_argument("--sync-layers", type=int, default=4, help="layers of the synced model")
     ap.add_argument("--sync-bucket-mb", type=int, default=512, help="bucket size of the distributed sync (MB)")
+    ap.add_argument("--engine-concurrency", type=int, nargs="+", default=[1, 8, 32],
+                    help="engines: concurrent streams per measurement")
+    for flag, what in (("layers", "layers"), ("hidden", "hidden size"), ("heads", "attention heads")):
+        ap.add_argument(f"--engine-{flag}", type=int, default=None,
+                        help=f"engines: model {what} (default: the trainer's tiny model's, TinyGPTArgs)")
+    ap.add_argument("--engine-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                    help="engines: dtype both engines serve in (the main job's --engine-dtype default: bfloat16)")
+    ap.add_argument("--sglang-python", default=None,
+                    help="engines: the Python with sglang (default: as the trainer finds it, e.g. .venv-sglang/)")
     args = ap.parse_args()
     if "streaming" in args.sections:
         bench_streaming(args)
     if "weight-sync" in args.sections:
         bench_weight_sync(args)
+    if "engines" in args.sections:
+        # SIGTERM (e.g. `timeout`) exits through the context managers: the SGLang server is stopped by its PID
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        bench_engines(args)
 
 
 if __name__ == "__main__":
