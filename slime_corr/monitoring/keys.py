@@ -23,7 +23,8 @@ TRAIN_KEYS = frozenset({"loss", "pg_loss", "loss_denominator", "pg_clipfrac", "p
 
 # The console line: (key, label) in order; a key the step does not have is left out.
 CONSOLE_KEYS = (
-    (f"{ROLLOUT}/samples", "samples"),
+    (f"{ROLLOUT}/trained_samples", "trained"),
+    (f"{ROLLOUT}/failed_samples", "failed"),
     (f"{ROLLOUT}/reward_mean", "reward"),
     (f"{TRAIN}/loss", "loss"),
     (f"{TRAIN}/pg_clipfrac", "pg_clipfrac"),
@@ -31,6 +32,7 @@ CONSOLE_KEYS = (
     (f"{TRAIN}/grad_norm", "grad_norm"),
     (f"{ROLLOUT}/staleness_mean", "staleness"),
     (f"{TRAIN}/kl_loss", "kl_loss"),
+    (f"{TRAIN}/entropy", "entropy"),
     (f"{PERF}/step_time", "step_time"),
     (f"{CORRECTION}/mismatch_kl", "mismatch_kl"),
     (f"{CORRECTION}/mismatch_k3_kl", "mismatch_k3_kl"),

@@ -39,6 +39,18 @@ class ControlError(RuntimeError):
                          f"{detail}")
 
 
+class EnginesDownError(ControlError):
+    """No engine (or router) of the client passes its health check any more: ``failures`` maps each dead one to
+    why."""
+
+    def __init__(self, dead: dict[str, str]) -> None:
+        super().__init__("health check", dead)
+        detail = "; ".join(f"{w}: {r}" for w, r in dead.items())
+        self.args = (f"no rollout engine is left: {detail}. Check that each engine (or router) process is alive and "
+                     "not stopped (a SIGSTOP, a debugger, swapping) and read its log; --rollout-health-check-interval "
+                     "and --rollout-health-check-timeout set how soon this is found.",)
+
+
 def _is_success(status: int, body: Any) -> str | None:
     """None when a control answer is a full success, else why not (206 partial_success is a failure)."""
     if status == 206 or (isinstance(body, dict) and body.get("status") == "partial_success"):
@@ -167,6 +179,38 @@ class ControlPlane:
                 await self._mark_dead(w, "no answer to /health after a failed request")
             self._last_sweep[target] = time.monotonic()
             return dead
+
+    async def _answers_health(self, url: str, timeout: float, generate: bool = True) -> str | None:
+        """None when ``url`` answers ``/health_generate`` (``generate``; ``/health`` where it has none: 404) or
+        ``/health`` with 200 within ``timeout`` seconds, else why not."""
+        try:
+            status = 404
+            if generate:
+                status, _ = await self._get(url, "/health_generate", timeout=timeout)
+            if status == 404:
+                status, _ = await self._get(url, "/health", timeout=timeout)
+        except (aiohttp.ClientError, ConnectionError) as e:
+            return f"health check failed: {e!r}"
+        except TimeoutError:
+            return f"no answer to its health check within {timeout:g} s"
+        return None if status == 200 else f"health check answered HTTP {status}"
+
+    async def watch_health(self, interval: float, timeout: float, generate: bool = True) -> None:
+        """Until cancelled: every ``interval`` seconds, health-check every live worker and every router target
+        concurrently (``timeout`` each; ``generate=False``: ``/health`` only, as while the engines are paused for a
+        weight update, when ``/health_generate`` cannot answer); the ones that fail are marked dead (their requests go to the others).
+        Raises :class:`EnginesDownError` naming them when no live target or worker is left: the rollout cannot go on.
+        """
+        while True:
+            await asyncio.sleep(interval)
+            topo = await self.discover()
+            probed = [t for t in self.live_targets() if topo.get(t) != [t]] + await self.workers()
+            reasons = await asyncio.gather(*(self._answers_health(u, timeout, generate) for u in probed))
+            for url, reason in zip(probed, reasons, strict=True):
+                if reason is not None:
+                    await self._mark_dead(url, reason)
+            if not self.live_targets() or not await self.workers():
+                raise EnginesDownError(dict(self.dead))
 
     def live_targets(self) -> list[str]:
         """Targets not known dead (a router is dead only when it does not answer itself)."""
