@@ -1,0 +1,213 @@
+"""The main job under faults: each ends with its exit code, a message that names the cause and the fix, within a
+bound (issue 22's probe table). Servers are fault servers on 127.0.0.1 (tests/rollout/fault_server.py); the jobs
+run as real processes, a few at a time.
+
+Time bounds: the waits are scaled down by flags (`--rollout-request-timeout 1`, health checks every 1 s) and the
+bound is that wait plus start-up on a loaded 2-core machine. With the default flags the same paths are bounded by
+4 attempts × `--rollout-request-timeout` 60 s + backoff and aborts (≈ 4.3 min) for a server that accepts requests
+and never answers, and by `--rollout-health-check-interval` + `--rollout-health-check-timeout` (30 + 30 s) for
+one that stops answering its health check too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.rollout.fault_server import run_fault_server
+
+TINY = ["--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+        "--rollout-max-response-len", "4", "--rollout-progress", "none"]
+PARALLEL = 4  # jobs at once
+STARTUP = 90.0  # seconds a job may take to import, build the model and start (a loaded machine)
+
+
+@dataclass
+class Case:
+    name: str
+    flags: list[str]
+    rc: int
+    message: str  # a regex the output must match
+    bound: float  # seconds, start-up included
+    mode: str | None = None  # a fault server with this mode, passed as --sglang-url
+    stop_server_after_step: bool = False  # stop the fault server once "step 1:" is printed
+    interrupt_after_step: bool = False  # SIGINT once "step 1:" is printed
+    absent: list[str] = field(default_factory=list)  # regexes the output must not match
+    result: dict = field(default_factory=dict)
+
+
+def _launch(case: Case, tmp: Path) -> None:
+    """Run `case` to its end (in a thread): rc, output and seconds land in case.result."""
+    out_path = tmp / f"{case.name}.out"
+    with contextlib.ExitStack() as server:
+        cmd = [sys.executable, "-m", "slime_corr.main", *TINY, *case.flags]
+        if case.mode is not None:
+            url, _ = server.enter_context(run_fault_server(mode=case.mode))
+            cmd += ["--sglang-url", url]
+        cmd = [c.replace("{tmp}", str(tmp)).replace("{name}", case.name) for c in cmd]
+        start = time.monotonic()
+        with open(out_path, "w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2],
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        if case.stop_server_after_step or case.interrupt_after_step:
+            while proc.poll() is None and "step 1:" not in out_path.read_text():
+                time.sleep(0.2)
+                if time.monotonic() - start > case.bound:
+                    break
+            if case.interrupt_after_step and proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+            if case.stop_server_after_step:
+                server.close()  # the server stops: later connections are refused
+        try:
+            proc.wait(timeout=max(1.0, case.bound + 30 - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    case.result.update(rc=proc.returncode, seconds=time.monotonic() - start, output=out_path.read_text())
+
+
+def _run_all(cases: list[Case], tmp: Path) -> None:
+    for i in range(0, len(cases), PARALLEL):
+        threads = [threading.Thread(target=_launch, args=(c, tmp)) for c in cases[i:i + PARALLEL]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+
+def _check(cases: list[Case]) -> None:
+    failures = []
+    for c in cases:
+        r = c.result
+        out = r.get("output", "")
+        bad = []
+        if r.get("rc") != c.rc:
+            bad.append(f"exit {r.get('rc')} (expected {c.rc})")
+        if not re.search(c.message, out, re.S):
+            bad.append(f"no match for {c.message!r}")
+        if r.get("seconds", 1e9) > c.bound:
+            bad.append(f"took {r.get('seconds'):.0f} s > {c.bound:.0f} s")
+        for pattern in ["Traceback", "Task was destroyed", *c.absent]:
+            if re.search(pattern, out):
+                bad.append(f"output has {pattern!r}")
+        print(f"{c.name}: exit {r.get('rc')}, {r.get('seconds', 0):.1f} s, "
+              f"{(re.search(c.message, out, re.S) or [''])[0][:160]!r}")
+        if bad:
+            failures.append(f"{c.name}: {'; '.join(bad)}\n{out[-2500:]}")
+    assert not failures, "\n\n".join(failures)
+
+
+SERVER_CASES = [
+    Case("non_json", [], 1, r"\d of 4 samples failed.*bad response @ http://127\.0\.0\.1:\d+: e\.g\. .*malformed JSON"
+         r".*What to check:.*is it an SGLang server", STARTUP, mode="non_json"),
+    Case("wrong_shape", [], 1, r"samples failed.*bad response @ http://127\.0\.0\.1:\d+", STARTUP, mode="wrong_shape"),
+    Case("http500", [], 1, r"samples failed.*HTTP 5xx @ http://127\.0\.0\.1:\d+.*its log", STARTUP, mode="http500"),
+    Case("generate_never_answers", ["--rollout-request-timeout", "1"], 1,
+         r"samples failed.*timeout @ http://127\.0\.0\.1:\d+.*stuck or overloaded", STARTUP + 30,
+         mode="hang_generate"),
+    Case("server_stops_answering", ["--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "1"], 1,
+         r"no rollout engine is left: http://127\.0\.0\.1:\d+: no answer to its health check within 1 s", STARTUP + 20,
+         mode="silent"),
+    Case("server_killed_mid_run", [], 1, r"step 1: .*samples failed.*connection refused @ http://127\.0\.0\.1:\d+"
+         r".*still running", STARTUP + 30, mode="ok", stop_server_after_step=True),
+    Case("all_failed_allowed", ["--max-failed-sample-fraction", "1", "--rollout-correction-preset",
+                                "decoupled_seq_is_rs", "--run-dir", "{tmp}/{name}"], 0,
+         r"step 1: trained=0 failed=2 step_time=\S+\nstep 2: trained=0 failed=2 step_time", STARTUP,
+         mode="non_json", absent=["mismatch_k3_kl", "reward="]),
+    Case("ok", ["--rollout-correction-preset", "decoupled_seq_is_rs"], 0,
+         r"step 2: trained=2 failed=0 reward=\S+ loss=.*mismatch_k3_kl", STARTUP, mode="ok",
+         absent=["staleness="]),
+    Case("ctrl_c", ["--num-rollout", "50", "--save", "{tmp}/ctrl_c_ckpt", "--save-interval", "1"], 130,
+         r"slime_corr\.main: interrupted after rollout \d+ of 50 \(step \d+\); last checkpoint \S+iter_\d+; resume: "
+         r"the same command with --load \S+ctrl_c_ckpt\.\s*\Z", STARTUP + 30, interrupt_after_step=True),
+]
+
+
+def test_rollout_faults_stop_the_run_with_a_named_error_in_bounded_time(tmp_path):
+    _run_all(SERVER_CASES, tmp_path)
+    _check(SERVER_CASES)
+    records = [json.loads(line) for line in (tmp_path / "all_failed_allowed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout/failed_samples"] for r in records] == [2, 2, 2, 2]
+    assert not [k for r in records for k in r if k.startswith(("rollout_corr/", "train/", "diag/"))]
+
+
+def test_paths_and_checkpoints_fail_with_one_message(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.run([sys.executable, "-m", "slime_corr.main", *TINY, "--num-rollout", "1", "--save", str(ckpt),
+                           "--run-dir", str(tmp_path / "saved_run")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    # the step lines of the saved rollout come before its checkpoint line
+    assert proc.stdout.index("step 2:") < proc.stdout.index("checkpoint:")
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "metrics.jsonl").write_text('{"step": 1}\n')
+    damaged = {}
+    for name in ("distcp", "common", "metadata", "tracker", "model_size"):
+        shutil.copytree(ckpt, tmp_path / name)
+        damaged[name] = tmp_path / name
+    it = next((tmp_path / "distcp").glob("iter_*"))
+    distcp = sorted(it.glob("*.distcp"))[0]
+    distcp.write_bytes(distcp.read_bytes()[: distcp.stat().st_size // 2])
+    common = next((tmp_path / "common").glob("iter_*")) / "common.pt"
+    common.write_bytes(common.read_bytes()[: common.stat().st_size // 2])
+    (next((tmp_path / "metadata").glob("iter_*")) / "metadata.json").write_text("garbage{")
+    (tmp_path / "tracker" / "latest_checkpointed_iteration.txt").write_text("eight\n")
+    cases = [
+        Case("save_under_a_file", ["--save", "{tmp}/a_file/ckpt"], 2, r"--save \S+a_file/ckpt: \S+a_file is a file",
+             STARTUP),
+        Case("run_dir_unwritable", ["--run-dir", "/proc/slime_corr_run"], 2,
+             r"--run-dir /proc/slime_corr_run: cannot write there \(it would be created in /proc\)", STARTUP),
+        Case("work_dir_under_a_file", ["--work-dir", "{tmp}/a_file/w"], 2, r"--work-dir \S+: \S+a_file is a file",
+             STARTUP),
+        Case("run_dir_reused", ["--run-dir", "{tmp}/used"], 2,
+             r"--run-dir \S+used already holds a run's metrics\.jsonl: a run never appends", STARTUP),
+        Case("tracker_not_a_number", ["--load", "{tmp}/tracker"], 2,
+             r"latest_checkpointed_iteration\.txt: expected an iteration number, got 'eight': write the number",
+             STARTUP),
+        Case("distcp_truncated", ["--load", "{tmp}/distcp", "--num-rollout", "2"], 1,
+             r"error: --load \S+distcp: \S+\.distcp is truncated: \d+ bytes, its index needs \d+\. The checkpoint is "
+             r"damaged.*--ckpt-step N", STARTUP),
+        Case("common_pt_truncated", ["--load", "{tmp}/common", "--num-rollout", "2"], 1,
+             r"error: --load \S+common: \S+common\.pt cannot be read", STARTUP),
+        Case("metadata_garbage", ["--load", "{tmp}/metadata", "--num-rollout", "2"], 1,
+             r"error: --load \S+metadata: \S+metadata\.json is not valid JSON", STARTUP),
+        Case("other_model_size", ["--load", "{tmp}/model_size", "--num-rollout", "2", "--hidden-size", "32"], 1,
+             r"error: --load \S+model_size: iter_\d+ holds another model than this run builds \(.*shape mismatch.*\)"
+             r"\. Resume with the model flags", STARTUP),
+    ]
+    _run_all(cases, tmp_path)
+    _check(cases)
+
+
+def test_a_silent_driver_and_a_stuck_collective_end_in_the_distributed_timeout():
+    from tests.trainer.watchdog_ranks import run_watchdog_ranks
+
+    results = run_watchdog_ranks(timeout_s=3.0)
+    assert re.search(r"rank 0 \(the rollout driver\) showed no sign of life for 0\.05 min while generating rollout 0 "
+                     r"\(--distributed-timeout-minutes\)", results["silent_driver"]), results
+    assert re.search(r"a collective with the other ranks timed out after --distributed-timeout-minutes 0\.05",
+                     results["stuck_collective"]), results
+    assert results["driver_error"] == "rollout 0: 4 of 4 samples failed", results
+    assert max(results["seconds"]) < 60, results
+
+
+@pytest.mark.parametrize("world_size", [1])
+def test_the_beacon_is_a_no_op_in_a_world_of_one(world_size):
+    from slime_corr.trainer.watchdog import DriverBeacon
+
+    beacon = DriverBeacon(1.0)
+    beacon.publish("rollout/0")
+    beacon.wait("rollout/0", "anything")
+    beacon.close()
