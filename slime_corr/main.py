@@ -160,6 +160,8 @@ def _interrupted_line(run_config, progress) -> str:  # noqa: ANN001 - RunConfig,
         how = f"last checkpoint {progress.checkpoint}; resume: the same command with --load {cfg.save}"
     elif progress.checkpoint:
         how = f"last checkpoint {progress.checkpoint} (loaded); resume: the same command"
+    elif cfg.save:
+        how = "no checkpoint saved yet (--save-interval counts rollouts): nothing to resume from"
     else:
         how = "no checkpoint saved (add --save DIR --save-interval N to be able to resume)"
     return f"slime_corr.main: {where}; {how}."

@@ -235,7 +235,7 @@ class ControlPlane:
                 status, answer = await self._post(w, path, body, timeout=timeout)
             except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
                 if not await self._alive(w):
-                    await self._mark_dead(w, f"{path}: {e!r}")
+                    await self._mark_dead(w, f"{path}: {type(e).__name__}: {e}")
                     return w, "dead", None
                 return w, f"request failed: {e!r}", None
             if allow_404 and status == 404:
@@ -245,6 +245,8 @@ class ControlPlane:
         results = await asyncio.gather(*(one(w) for w in targets))
         failures = {w: why for w, why, _ in results if why not in (None, "dead")}
         ok = {w: body for w, why, body in results if why is None}
+        if not failures and not ok:
+            raise EnginesDownError(dict(self.dead))
         if failures or not ok:
             raise ControlError(path, failures or {"(all)": f"every worker is dead: {self.dead}"}, list(ok))
         return ok

@@ -233,13 +233,13 @@ class _Job:
                 self._driver_done(f"rollout/{rollout + 1}", f"generating rollout {rollout + 1}")
             sync = self._sync_weights(record)
             state.rollout = rollout + 1
+            self.progress.rollout, self.progress.step = state.rollout, state.step
             record.checkpoint, self._checkpoint_carry = self._checkpoint_carry, 0.0  # the previous rollout's save
             record.wall = time.perf_counter() - start + record.checkpoint
             self._log(rollout, samples, first_step, results, record, sync)  # before the save: never lost to it
             if self._saves_after(rollout):
                 self._driver_done(f"synced/{rollout}", f"sending the weights of rollout {rollout} to the engines")
                 self._checkpoint_carry = self._save()
-            self.progress.rollout, self.progress.step = state.rollout, state.step
             records.append(record)
         return records
 

@@ -30,7 +30,7 @@ FAULTS = ["ok", "http500", "http503", "http429", "http400", "timeout", "kill_mid
           "error_event", "error_event_fatal", "malformed_json", "misaligned", "nan", "missing_logprobs",
           "token_mismatch", "abort_503", "close_before_headers", "duplicate_rid"]
 CODE = {name: i for i, name in enumerate(FAULTS)}
-MODES = ("ok", "non_json", "wrong_shape", "http500", "hang_generate", "silent")  # server-wide (`mode`)
+MODES = ("ok", "ok_then_die", "non_json", "wrong_shape", "http500", "hang_generate", "silent")  # server-wide
 
 
 def closed_port_url() -> str:
@@ -57,6 +57,9 @@ def _payload(rid: str, ids: list[int], lps: list, finish: dict | None, total: in
 class FaultServer:
     def __init__(self, timeout_sleep: float = 1.0, old_router: bool = False, mode: str | None = None) -> None:
         self.mode = mode  # None: the prompt selects the fault; else one of MODES for every request
+        self.die_after = 4  # mode "ok_then_die": /generate requests answered before the server goes away
+        self.site: web.TCPSite | None = None
+        self.dying = False
         self.attempts: Counter[int] = Counter()
         self.served_ok: Counter[int] = Counter()
         self.active = 0  # /generate handlers running now (see wait_idle)
@@ -142,6 +145,13 @@ class FaultServer:
             return web.json_response({"error": "internal"}, status=500)
         if self.mode in ("hang_generate", "silent"):  # /health still answers (hang_generate)
             await asyncio.sleep(3600)
+        if self.mode == "ok_then_die" and len(self.rids) > self.die_after:  # the process is gone: refuse
+            assert request.transport is not None and self.site is not None
+            request.transport.close()
+            if not self.dying:
+                self.dying = True
+                asyncio.get_running_loop().create_task(self.site.stop())
+            return web.Response()
         n = int(body.get("sampling_params", {}).get("max_new_tokens", 4))  # mode "ok": a valid answer
         ids, lps = good_output(len(self.rids), max(1, min(4, n)))
         p = _payload(body["rid"], ids, lps, {"type": "length", "length": len(ids)})
@@ -249,12 +259,17 @@ def run_fault_server(timeout_sleep: float = 1.0, old_router: bool = False,
 
         async def start() -> None:
             await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            server.site = web.TCPSite(runner, "127.0.0.1", 0)
+            await server.site.start()
             port.append(runner.addresses[0][1])
 
         loop.run_until_complete(start())
         ready.set()
         loop.run_forever()
+        pending = asyncio.all_tasks(loop)  # handlers still sleeping (hang modes): cancel them before closing
+        for task in pending:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         loop.close()
 
     t = threading.Thread(target=_run, daemon=True)

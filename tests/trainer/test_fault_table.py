@@ -30,8 +30,10 @@ from tests.rollout.fault_server import run_fault_server
 
 TINY = ["--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
         "--rollout-max-response-len", "4", "--rollout-progress", "none"]
-PARALLEL = 4  # jobs at once
-STARTUP = 90.0  # seconds a job may take to import, build the model and start (a loaded machine)
+PARALLEL = 3  # jobs at once
+JOB_LIMIT = 400.0  # seconds a job may take in all (imports and start-up on a loaded 2-core machine included)
+READY = re.compile(r"^(SGLang at|embedded engines)", re.M)  # the engines are up: what a bound is measured from
+BOUND = 45.0  # seconds from READY to the exit, for the faults found at once (a loaded machine: 4 steps take ~10 s)
 
 
 @dataclass
@@ -40,19 +42,20 @@ class Case:
     flags: list[str]
     rc: int
     message: str  # a regex the output must match
-    bound: float  # seconds, start-up included
+    bound: float  # seconds from READY to the exit
     mode: str | None = None  # a fault server with this mode, passed as --sglang-url
-    stop_server_after_step: bool = False  # stop the fault server once "step 1:" is printed
-    interrupt_after_step: bool = False  # SIGINT once "step 1:" is printed
+    interrupt_after_step: bool = False  # SIGINT once a checkpoint is saved
     absent: list[str] = field(default_factory=list)  # regexes the output must not match
     result: dict = field(default_factory=dict)
 
 
 def _launch(case: Case, tmp: Path) -> None:
-    """Run `case` to its end (in a thread): rc, output and seconds land in case.result."""
+    """Run `case` to its end (in a thread): rc, output, and seconds from the job's first line after start-up
+    (READY, or its exit for a job that stops at parse time) land in case.result."""
     out_path = tmp / f"{case.name}.out"
     with contextlib.ExitStack() as server:
-        cmd = [sys.executable, "-m", "slime_corr.main", *TINY, *case.flags]
+        run_dir = [] if "--run-dir" in case.flags else ["--run-dir", str(tmp / "runs" / case.name)]
+        cmd = [sys.executable, "-m", "slime_corr.main", *TINY, *run_dir, *case.flags]
         if case.mode is not None:
             url, _ = server.enter_context(run_fault_server(mode=case.mode))
             cmd += ["--sglang-url", url]
@@ -61,24 +64,25 @@ def _launch(case: Case, tmp: Path) -> None:
         with open(out_path, "w") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2],
                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        if case.stop_server_after_step or case.interrupt_after_step:
-            while proc.poll() is None and "step 1:" not in out_path.read_text():
-                time.sleep(0.2)
-                if time.monotonic() - start > case.bound:
-                    break
-            if case.interrupt_after_step and proc.poll() is None:
+        ready = None
+        interrupted = False
+        while proc.poll() is None and time.monotonic() - start < JOB_LIMIT:
+            text = out_path.read_text()
+            if ready is None and READY.search(text):
+                ready = time.monotonic()
+            if case.interrupt_after_step and not interrupted and "checkpoint:" in text:
                 proc.send_signal(signal.SIGINT)
-            if case.stop_server_after_step:
-                server.close()  # the server stops: later connections are refused
-        try:
-            proc.wait(timeout=max(1.0, case.bound + 30 - (time.monotonic() - start)))
-        except subprocess.TimeoutExpired:
+                interrupted = True
+            time.sleep(0.1)
+        if proc.poll() is None:
             proc.kill()
-            proc.wait()
-    case.result.update(rc=proc.returncode, seconds=time.monotonic() - start, output=out_path.read_text())
+        proc.wait()
+    end = time.monotonic()
+    case.result.update(rc=proc.returncode, seconds=end - (ready or end), output=out_path.read_text())
 
 
 def _run_all(cases: list[Case], tmp: Path) -> None:
+    cases = sorted(cases, key=lambda c: c.name)
     for i in range(0, len(cases), PARALLEL):
         threads = [threading.Thread(target=_launch, args=(c, tmp)) for c in cases[i:i + PARALLEL]]
         for t in threads:
@@ -110,28 +114,28 @@ def _check(cases: list[Case]) -> None:
 
 
 SERVER_CASES = [
-    Case("non_json", [], 1, r"\d of 4 samples failed.*bad response @ http://127\.0\.0\.1:\d+: e\.g\. .*malformed JSON"
-         r".*What to check:.*is it an SGLang server", STARTUP, mode="non_json"),
-    Case("wrong_shape", [], 1, r"samples failed.*bad response @ http://127\.0\.0\.1:\d+", STARTUP, mode="wrong_shape"),
-    Case("http500", [], 1, r"samples failed.*HTTP 5xx @ http://127\.0\.0\.1:\d+.*its log", STARTUP, mode="http500"),
+    Case("non_json", [], 1, r"rollout 0: \d of 4 samples failed.*bad response @ http://127\.0\.0\.1:\d+: e\.g\. "
+         r".*What to check:.*is it an SGLang server", BOUND, mode="non_json"),
+    Case("wrong_shape", [], 1, r"samples failed.*bad response @ http://127\.0\.0\.1:\d+", BOUND, mode="wrong_shape"),
+    Case("http500", [], 1, r"samples failed.*HTTP 5xx @ http://127\.0\.0\.1:\d+.*its log", BOUND, mode="http500"),
     Case("generate_never_answers", ["--rollout-request-timeout", "1"], 1,
-         r"samples failed.*timeout @ http://127\.0\.0\.1:\d+.*stuck or overloaded", STARTUP + 30,
+         r"samples failed.*timeout @ http://127\.0\.0\.1:\d+.*stuck or overloaded", BOUND + 30,
          mode="hang_generate"),
     Case("server_stops_answering", ["--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "1"], 1,
-         r"no rollout engine is left: http://127\.0\.0\.1:\d+: no answer to its health check within 1 s", STARTUP + 20,
+         r"no rollout engine is left: http://127\.0\.0\.1:\d+: no answer to its health check within 1 s", BOUND + 20,
          mode="silent"),
-    Case("server_killed_mid_run", [], 1, r"step 1: .*samples failed.*connection refused @ http://127\.0\.0\.1:\d+"
-         r".*still running", STARTUP + 30, mode="ok", stop_server_after_step=True),
+    Case("server_killed_mid_run", [], 1, r"step 2: .*rollout 1: \d of 4 samples failed.*connection refused @ "
+         r"http://127\.0\.0\.1:\d+.*still running", BOUND, mode="ok_then_die"),
     Case("all_failed_allowed", ["--max-failed-sample-fraction", "1", "--rollout-correction-preset",
                                 "decoupled_seq_is_rs", "--run-dir", "{tmp}/{name}"], 0,
-         r"step 1: trained=0 failed=2 step_time=\S+\nstep 2: trained=0 failed=2 step_time", STARTUP,
+         r"step 1: trained=0 failed=2 step_time=\S+\nstep 2: trained=0 failed=2 step_time", BOUND,
          mode="non_json", absent=["mismatch_k3_kl", "reward="]),
     Case("ok", ["--rollout-correction-preset", "decoupled_seq_is_rs"], 0,
-         r"step 2: trained=2 failed=0 reward=\S+ loss=.*mismatch_k3_kl", STARTUP, mode="ok",
+         r"step 2: trained=2 failed=0 reward=\S+ loss=.*mismatch_k3_kl", BOUND, mode="ok",
          absent=["staleness="]),
     Case("ctrl_c", ["--num-rollout", "50", "--save", "{tmp}/ctrl_c_ckpt", "--save-interval", "1"], 130,
          r"slime_corr\.main: interrupted after rollout \d+ of 50 \(step \d+\); last checkpoint \S+iter_\d+; resume: "
-         r"the same command with --load \S+ctrl_c_ckpt\.\s*\Z", STARTUP + 30, interrupt_after_step=True),
+         r"the same command with --load \S+ctrl_c_ckpt\.\s*\Z", BOUND + 30, interrupt_after_step=True),
 ]
 
 
@@ -143,7 +147,9 @@ def test_rollout_faults_stop_the_run_with_a_named_error_in_bounded_time(tmp_path
     assert not [k for r in records for k in r if k.startswith(("rollout_corr/", "train/", "diag/"))]
 
 
-def test_paths_and_checkpoints_fail_with_one_message(tmp_path):
+def test_paths_and_checkpoints_fail_with_one_message(tmp_path, capsys):
+    from slime_corr.main import parse_run_config
+
     ckpt = tmp_path / "ckpt"
     proc = subprocess.run([sys.executable, "-m", "slime_corr.main", *TINY, "--num-rollout", "1", "--save", str(ckpt),
                            "--run-dir", str(tmp_path / "saved_run")], capture_output=True, text=True, timeout=300)
@@ -164,28 +170,33 @@ def test_paths_and_checkpoints_fail_with_one_message(tmp_path):
     common.write_bytes(common.read_bytes()[: common.stat().st_size // 2])
     (next((tmp_path / "metadata").glob("iter_*")) / "metadata.json").write_text("garbage{")
     (tmp_path / "tracker" / "latest_checkpointed_iteration.txt").write_text("eight\n")
+    parse_time = [  # refused while parsing (exit 2): in this process, no start-up to pay
+        (["--save", f"{tmp_path}/a_file/ckpt"], r"--save \S+a_file/ckpt: \S+a_file is a file, so the directory cannot"),
+        (["--run-dir", "/proc/slime_corr_run"],
+         r"--run-dir /proc/slime_corr_run: cannot write there \(it would be created in /proc\)"),
+        (["--work-dir", f"{tmp_path}/a_file/w"], r"--work-dir \S+: \S+a_file is a file"),
+        (["--run-dir", f"{tmp_path}/used"], r"--run-dir \S+used already holds a run's metrics\.jsonl: a run never "
+                                            r"appends to another run's metrics\. Pass a new --run-dir"),
+        (["--load", f"{tmp_path}/tracker"], r"latest_checkpointed_iteration\.txt: expected an iteration number, got "
+                                            r"'eight': write the number of a complete iter_\* directory"),
+    ]
+    for flags, message in parse_time:
+        with pytest.raises(SystemExit) as exit_info:
+            parse_run_config(flags, check_urls=False)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and re.search(message, err), (flags, err[-600:])
+        print(f"{flags[0]}: exit 2 at parse time: {err.strip().splitlines()[-1][:160]!r}")
     cases = [
-        Case("save_under_a_file", ["--save", "{tmp}/a_file/ckpt"], 2, r"--save \S+a_file/ckpt: \S+a_file is a file",
-             STARTUP),
-        Case("run_dir_unwritable", ["--run-dir", "/proc/slime_corr_run"], 2,
-             r"--run-dir /proc/slime_corr_run: cannot write there \(it would be created in /proc\)", STARTUP),
-        Case("work_dir_under_a_file", ["--work-dir", "{tmp}/a_file/w"], 2, r"--work-dir \S+: \S+a_file is a file",
-             STARTUP),
-        Case("run_dir_reused", ["--run-dir", "{tmp}/used"], 2,
-             r"--run-dir \S+used already holds a run's metrics\.jsonl: a run never appends", STARTUP),
-        Case("tracker_not_a_number", ["--load", "{tmp}/tracker"], 2,
-             r"latest_checkpointed_iteration\.txt: expected an iteration number, got 'eight': write the number",
-             STARTUP),
         Case("distcp_truncated", ["--load", "{tmp}/distcp", "--num-rollout", "2"], 1,
              r"error: --load \S+distcp: \S+\.distcp is truncated: \d+ bytes, its index needs \d+\. The checkpoint is "
-             r"damaged.*--ckpt-step N", STARTUP),
+             r"damaged.*--ckpt-step N", BOUND),
         Case("common_pt_truncated", ["--load", "{tmp}/common", "--num-rollout", "2"], 1,
-             r"error: --load \S+common: \S+common\.pt cannot be read", STARTUP),
+             r"error: --load \S+common: \S+common\.pt cannot be read", BOUND),
         Case("metadata_garbage", ["--load", "{tmp}/metadata", "--num-rollout", "2"], 1,
-             r"error: --load \S+metadata: \S+metadata\.json is not valid JSON", STARTUP),
+             r"error: --load \S+metadata: \S+metadata\.json is not valid JSON", BOUND),
         Case("other_model_size", ["--load", "{tmp}/model_size", "--num-rollout", "2", "--hidden-size", "32"], 1,
              r"error: --load \S+model_size: iter_\d+ holds another model than this run builds \(.*shape mismatch.*\)"
-             r"\. Resume with the model flags", STARTUP),
+             r"\. Resume with the model flags", BOUND),
     ]
     _run_all(cases, tmp_path)
     _check(cases)
