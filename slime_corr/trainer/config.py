@@ -120,7 +120,11 @@ class TrainerConfig:
         if self.num_steps_per_rollout is None:
             gbs = self.global_batch_size
             if isinstance(gbs, int) and gbs > 0:
-                put("num_steps_per_rollout", max(1, rbs * n // gbs))
+                if (rbs * n) % gbs:
+                    raise ConfigError(f"--global-batch-size {gbs} must divide the rollout's {rbs * n} samples "
+                                      f"(--rollout-batch-size {rbs} × --n-samples-per-prompt {n}): each optimizer "
+                                      "step trains the same number of samples.")
+                put("num_steps_per_rollout", rbs * n // gbs)
             else:
                 groups = rbs // dp if rbs % dp == 0 else rbs
                 put("num_steps_per_rollout", max(s for s in range(1, DEFAULT_STEPS_PER_ROLLOUT + 1) if groups % s == 0))

@@ -22,7 +22,13 @@ def _free_port() -> int:
 
 
 def _ranks(rank: int, port: int, timeout_s: float, out: str) -> None:
-    from slime_corr.trainer.watchdog import ABORT_KEY, DriverBeacon, PeerError, StuckRankError, collective_error
+    from slime_corr.trainer.watchdog import (
+        ABORT_KEY,
+        DriverBeacon,
+        PeerError,
+        StuckRankError,
+        collective_error,
+    )
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=timeout_s))
