@@ -38,6 +38,10 @@ warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Ape
 warnings.filterwarnings("ignore", message=r"full scope is deprecated")  # megatron-core 0.16's TransformerConfig
 # megatron-core's tensor-parallel layers advise a CUDA setting on every TP rank, also on CPU where it means nothing
 warnings.filterwarnings("ignore", message=r"When using async grad allreduce it is recommended to set the environment")
+# megatron-core's dist_checkpointing loads through torch APIs that torch has deprecated (not ours to change)
+warnings.filterwarnings("ignore", message=r"`load_state_dict` is deprecated and will be removed", category=FutureWarning)
+warnings.filterwarnings("ignore", message=r"Please use DTensor instead and we are deprecating ShardedTensor",
+                        category=FutureWarning)
 
 
 def build_parser() -> argparse.ArgumentParser:
