@@ -135,7 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rank == 0:
             print(_interrupted_line(run_config, progress), file=sys.stderr, flush=True)
         return 130
-    except PeerError:  # the driver failed and says why
+    except PeerError as e:
+        if e.reported:  # the driver failed, says why and exits 1: the launcher names it as the failure
+            return 0
+        print(f"slime_corr.main: error{_on_rank(rank)}: {e}", file=sys.stderr, flush=True)
         return 1
     except (ConfigError, CheckpointError, ControlError, TimeoutError, RolloutFailedError, StuckRankError,
             FileExistsError) as e:  # a clear message, not a traceback

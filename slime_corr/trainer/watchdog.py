@@ -30,7 +30,12 @@ class StuckRankError(RuntimeError):
 
 
 class PeerError(RuntimeError):
-    """The driver stopped the run with an error (it prints it; the other ranks stop quietly)."""
+    """The driver stopped the run with an error (`reported`: it prints it and exits 1; the other ranks stop
+    quietly, so the launcher names the driver as the failure), or is gone."""
+
+    def __init__(self, message: str, reported: bool = False) -> None:
+        super().__init__(message)
+        self.reported = reported
 
 
 class DriverBeacon:
@@ -82,7 +87,7 @@ class DriverBeacon:
         while True:
             try:
                 if self.store.check([ABORT_KEY]):
-                    raise PeerError(self.store.get(ABORT_KEY).decode())
+                    raise PeerError(self.store.get(ABORT_KEY).decode(), reported=True)
                 if self.store.check([key]):
                     return
                 beat = self.store.add("beat", 0)
