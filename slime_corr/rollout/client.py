@@ -204,8 +204,13 @@ class SGLangClient(ControlPlane):
         return f"{self.rid_prefix}-{next(self._counter):012d}"
 
     def _pick_server(self, avoid: str | None = None) -> str:
-        """Least loaded live target (round-robin among ties), avoiding ``avoid`` when there is a choice."""
-        live = self.live_targets() or self.urls
+        """Least loaded live target (round-robin among ties), avoiding ``avoid`` when there is a choice. A dead
+        router's live workers take its place (they serve /generate themselves)."""
+        live = self.live_targets() + self.orphaned_workers()
+        for u in live:
+            self._sems.setdefault(u, asyncio.Semaphore(self.max_concurrency))
+            self._load.setdefault(u, 0)
+        live = live or self.urls
         cands = [u for u in live if u != avoid] or live
         start = next(self._rr) % len(cands)
         cands = cands[start:] + cands[:start]

@@ -109,7 +109,9 @@ class ControlPlane:
             if self._workers_of is not None and not refresh:  # found while we waited
                 return self._workers_of
             found = await asyncio.gather(*(self._discover_one(u) for u in self.urls))
-            self._workers_of = dict(zip(self.urls, found, strict=True))
+            old = self._workers_of or {}
+            self._workers_of = {u: old[u] if ws == [u] and u in self.dead and old.get(u, [u]) != [u] else ws
+                                for u, ws in zip(self.urls, found, strict=True)}  # a dead router keeps its workers
             for u, workers in self._workers_of.items():
                 for w in workers if workers != [u] else []:
                     self.dead.pop(w, None)  # listed again by its router: alive (a router drops dead workers)
@@ -157,7 +159,10 @@ class ControlPlane:
         if worker in self.dead:
             return
         self.dead[worker] = reason
-        self.events.append(f"worker {worker} is dead ({reason}); continuing without it")
+        if self.is_router(worker):
+            self.events.append(f"router {worker} is dead ({reason}); sending to its workers directly")
+        else:
+            self.events.append(f"worker {worker} is dead ({reason}); continuing without it")
         router = self._router_ids.pop(worker, None)
         if router is not None:  # stop the router routing to it (best effort: the router also health-checks)
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, ConnectionError):
@@ -172,6 +177,8 @@ class ControlPlane:
         async with lock:
             if time.monotonic() - self._last_sweep.get(target, 0.0) < 0.5:
                 return []
+            if self.is_router(target) and target not in self.dead and not await self._alive(target):
+                await self._mark_dead(target, "the router does not answer /health after a failed request")
             workers = await self.workers(target)
             alive = await asyncio.gather(*(self._alive(w) for w in workers))
             dead = [w for w, ok in zip(workers, alive, strict=True) if not ok]
@@ -209,12 +216,17 @@ class ControlPlane:
             for url, reason in zip(probed, reasons, strict=True):
                 if reason is not None:
                     await self._mark_dead(url, reason)
-            if not self.live_targets() or not await self.workers():
+            if not await self.workers():  # (a dead router's live workers still serve)
                 raise EnginesDownError(dict(self.dead))
 
     def live_targets(self) -> list[str]:
         """Targets not known dead (a router is dead only when it does not answer itself)."""
         return [u for u in self.urls if u not in self.dead]
+
+    def orphaned_workers(self) -> list[str]:
+        """Live workers behind dead routers: the client sends them /generate directly."""
+        topo = self._workers_of or {}
+        return [w for t in self.urls if t in self.dead for w in topo.get(t, []) if w != t and w not in self.dead]
 
     # ---- fan-out -------------------------------------------------------------------------------------
     async def _fan_out(self, path: str, payload: dict[str, Any] | Callable[[str], dict[str, Any]] | None = None,
