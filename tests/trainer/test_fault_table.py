@@ -12,6 +12,7 @@ one that stops answering its health check too.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -45,6 +46,7 @@ class Case:
     bound: float  # seconds from READY to the exit
     mode: str | None = None  # a fault server with this mode, passed as --sglang-url
     interrupt_after_step: bool = False  # SIGINT once a checkpoint is saved
+    kill_child_after_step: str | None = None  # SIGKILL the job's child process of this name once "step 1:" is out
     absent: list[str] = field(default_factory=list)  # regexes the output must not match
     result: dict = field(default_factory=dict)
 
@@ -73,12 +75,28 @@ def _launch(case: Case, tmp: Path) -> None:
             if case.interrupt_after_step and not interrupted and "checkpoint:" in text:
                 proc.send_signal(signal.SIGINT)
                 interrupted = True
+            if case.kill_child_after_step and not interrupted and "step 1:" in text:
+                interrupted = _kill_child(proc.pid, case.kill_child_after_step)
             time.sleep(0.1)
         if proc.poll() is None:
             proc.kill()
         proc.wait()
     end = time.monotonic()
     case.result.update(rc=proc.returncode, seconds=end - (ready or end), output=out_path.read_text())
+
+
+def _kill_child(pid: int, name: str) -> bool:
+    """SIGKILL the child of `pid` whose command line contains `name`; True when one was found."""
+    for child in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (child / "stat").read_text()
+            cmdline = (child / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and name in (cmdline + stat):
+            os.kill(int(child.name), signal.SIGKILL)
+            return True
+    return False
 
 
 def _run_all(cases: list[Case], tmp: Path) -> None:
@@ -133,6 +151,10 @@ SERVER_CASES = [
     Case("ok", ["--rollout-correction-preset", "decoupled_seq_is_rs"], 0,
          r"step 2: trained=2 failed=0 reward=\S+ loss=.*mismatch_k3_kl", BOUND, mode="ok",
          absent=["staleness="]),
+    Case("router_killed_engines_take_over", ["--rollout-num-engines", "2", "--rollout-router", "on", "--num-rollout",
+                                             "4"], 0,
+         r"rollout \d: truncated=4 retried_samples=\d+ failovers=\d+ dead_engines=\['http://127\.0\.0\.1:\d+'\]"
+         r".*step 8: trained=2 failed=0", BOUND, kill_child_after_step="router"),
     Case("ctrl_c", ["--num-rollout", "50", "--save", "{tmp}/ctrl_c_ckpt", "--save-interval", "1"], 130,
          r"slime_corr\.main: interrupted after rollout \d+ of 50 \(step \d+\); last checkpoint \S+iter_\d+; resume: "
          r"the same command with --load \S+ctrl_c_ckpt\.\s*\Z", BOUND + 30, interrupt_after_step=True),
@@ -140,8 +162,9 @@ SERVER_CASES = [
 
 
 def test_rollout_faults_stop_the_run_with_a_named_error_in_bounded_time(tmp_path):
-    _run_all(SERVER_CASES, tmp_path)
-    _check(SERVER_CASES)
+    cases = [c for c in SERVER_CASES if c.kill_child_after_step != "router" or importlib.util.find_spec("sglang_router")]
+    _run_all(cases, tmp_path)
+    _check(cases)
     records = [json.loads(line) for line in (tmp_path / "all_failed_allowed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout/failed_samples"] for r in records] == [2, 2, 2, 2]
     assert not [k for r in records for k in r if k.startswith(("rollout_corr/", "train/", "diag/"))]
