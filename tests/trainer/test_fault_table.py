@@ -168,6 +168,10 @@ def test_rollout_faults_stop_the_run_with_a_named_error_in_bounded_time(tmp_path
     records = [json.loads(line) for line in (tmp_path / "all_failed_allowed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout/failed_samples"] for r in records] == [2, 2, 2, 2]
     assert not [k for r in records for k in r if k.startswith(("rollout_corr/", "train/", "diag/"))]
+    report = subprocess.run([sys.executable, "-m", "slime_corr.cli", "report", str(tmp_path / "all_failed_allowed")],
+                            capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0 and "no recommendation" in report.stdout, report.stdout + report.stderr
+    assert "negligible" not in report.stdout  # steps that trained nothing are no evidence
 
 
 def test_paths_and_checkpoints_fail_with_one_message(tmp_path, capsys):
