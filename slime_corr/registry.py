@@ -129,7 +129,7 @@ def check_signature(fn: Callable[..., Any], required_params: tuple[str, ...], *,
 
 
 # Weighting functions: fn(inputs: WeightInputs, config) -> WeightOutputs (see slime_corr.correction).
-# The built-in IS/RS of SPEC.md is registered as "default"; --custom-tis-function-path replaces it.
+# The built-in IS/RS of docs/theory.md is registered as "default"; --custom-tis-function-path replaces it.
 WEIGHT_FUNCTIONS = Registry("weighting function", ("inputs", "config"), returns="WeightOutputs")
 # Policy losses: fn(inputs: LossInputs, config) -> per-token loss tensor (see slime_corr.losses).
 LOSS_FUNCTIONS = Registry("policy loss", ("inputs", "config"), returns="Tensor")

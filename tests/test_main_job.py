@@ -13,7 +13,7 @@ def run_main(tmp_path, *extra):
            "--rollout-engine", "embedded", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    steps = re.findall(r"^step (\d+): samples=(\d+) .*train_rollout_logprob_abs_diff=(\S+)", proc.stdout, re.M)
+    steps = re.findall(r"^step (\d+): trained=(\d+) failed=0 .*train_rollout_logprob_abs_diff=(\S+)", proc.stdout, re.M)
     assert [s[:2] for s in steps] == [("1", "4"), ("2", "4")], proc.stdout
     assert re.findall(r"weight sync \(disk\): (step-\d)", proc.stdout) == ["step-1", "step-2"]
     return [float(s[2]) for s in steps]

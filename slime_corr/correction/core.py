@@ -1,6 +1,6 @@
 """`compute_rollout_correction`: IS weights, rejection, veto, batch normalization and metrics for one micro-batch.
 
-Order of operations (SPEC.md):
+Order of operations (docs/theory.md, docs/metrics.md):
 1. lr = lp_train - lp_rollout on valid tokens; a sequence with a non-finite lr at a valid position is rejected.
 2. Per-sequence sums (count, Σlr, Σlp_train, veto and token-RS counts) in ONE CP all_reduce. A sequence is a row
    of the [B, S] inputs, or a segment of a packed [1, T] row (`segments.py`): every per-sequence sum, maximum and
@@ -156,7 +156,7 @@ def compute_rollout_correction(
     returned unchanged; metrics are computed when `config.computes_metrics`.
     `batch_norm_mean`: with `--tis-batch-normalize`, the mean to divide the weights by; default this call's own
     batch mean. A step of several micro-batches passes the step's mean (`weight_mean(merge_stats(...))` of a
-    pre-pass), so the normalization is over the whole step as SPEC.md asks.
+    pre-pass), so the normalization is over the whole step as docs/theory.md describes.
     `normalize=False` leaves the weights unnormalized (a pre-pass that `normalize_weights` finishes once the step's
     mean is known, so the training pass need not redo the correction); `finalize_metrics=False` skips the metrics
     (`.metrics` is empty; `.stats` is complete) for callers that finalize a step's merged statistics once.

@@ -80,6 +80,12 @@ def metric_pairs(
     if "n_cat_tok" in r:  # veto
         pairs["mis_catastrophic_token_fraction"] = ratio_pair(r["n_cat_tok"], n_tok)
         pairs["mis_catastrophic_seq_fraction"] = ratio_pair(r["n_cat_seq"], n_seq)
+    if "n_div_tok" in r:  # the divergence filter on its own
+        pairs["mis_div_rejected_token_fraction"] = ratio_pair(r["n_div_tok"], n_tok)
+        pairs["mis_div_rejected_seq_fraction"] = ratio_pair(r["n_div_seq"], n_seq)
+    for key, name in (("div_bound", "mis_rs_divergence_bound"), ("tis_bound", "mis_tis_ess_bound")):
+        if f"{key}_sum" in r:  # a budgeted bound: its mean over the calls
+            pairs[name] = ratio_pair(r[f"{key}_sum"], r[f"{key}_calls"])
     pairs["mis_rejected_token_fraction"] = ratio_pair(r["n_valid_tok"] - r["n_final_tok"], r["n_valid_tok"])
     pairs["mis_rejected_seq_fraction"] = ratio_pair(r["n_final_seq_rej"], r["n_valid_seq"])
     if "raw_u" in r:

@@ -1,4 +1,4 @@
-"""IS weights and rejection sampling of SPEC.md: the built-in weighting function ("default").
+"""IS weights and rejection sampling of docs/theory.md: the built-in weighting function ("default").
 
 With lr = lp_train - lp_rollout and m the (finite, valid) loss mask:
 - aggregate ℓ: token `lr[t]`; sequence `Σ_t m·lr`; geometric `Σ_t m·lr / Σ_t m` (broadcast to the tokens);
@@ -93,7 +93,7 @@ def default_weight_parts(
 
 @WEIGHT_FUNCTIONS.register("default")
 def default_weights(inputs: WeightInputs, config: RolloutCorrectionConfig) -> WeightOutputs:
-    """The IS weights (`--use-tis`) and RS mask (`--use-rs`) of SPEC.md, as [B, S] tensors zero outside the mask."""
+    """The IS weights (`--use-tis`) and RS mask (`--use-rs`) of docs/theory.md, as [B, S] tensors zero outside the mask."""
     w, w_raw, keep = default_weight_parts(inputs, config)
     mask_f = _as_float(inputs.loss_mask, w_raw.dtype if w_raw is not None else inputs.log_ratio.dtype)
     weights = raw = None

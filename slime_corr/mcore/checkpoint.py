@@ -44,7 +44,9 @@ def latest_iteration(root: str | Path) -> int | None:
     try:
         return int(text)
     except ValueError:
-        raise CheckpointError(f"{tracker}: expected an iteration number, got {text!r}") from None
+        raise CheckpointError(f"{tracker}: expected an iteration number, got {text!r}: write the number of a "
+                              f"complete iter_* directory there (saved: {_saved(root)}), or pass --ckpt-step N."
+                              ) from None
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -113,13 +115,19 @@ def load_checkpoint(root: str | Path, module: torch.nn.Module, optimizer: torch.
     path = iteration_dir(root, iteration)
     if not (path / "metadata.json").is_file():
         raise CheckpointError(f"--load {root}: {path.name} is not a complete checkpoint (no metadata.json).")
+    check_checkpoint_files(root, path)
     # the optimizer needs its state before it can describe it: one zero-gradient step with lr 0 creates it
     if not optimizer.state:
         _init_optimizer_state(optimizer)
     template = _sharded_state(module, optimizer, {}, None, None)
     template.pop("common")
-    loaded = dist_checkpointing.load(template, str(path))
-    module.load_state_dict(loaded["model"])
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+    try:
+        loaded = dist_checkpointing.load(template, str(path))
+        module.load_state_dict(loaded["model"])
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - one message with the path and the fix
+        raise CheckpointError(_load_failure(root, path, e)) from None
     optim_state = loaded["optimizer"]
     step = loaded.get("optimizer_step")
     if step is not None:
@@ -129,6 +137,63 @@ def load_checkpoint(root: str | Path, module: torch.nn.Module, optimizer: torch.
             state["step"] = torch.tensor(float(step))
     optimizer.load_state_dict(optim_state)
     return iteration, loaded.get("common", {}), loaded["rank_state"], loaded["rank0_state"]
+
+
+def _saved(root: str | Path) -> str:
+    return ", ".join(sorted(p.name for p in Path(root).glob("iter_*"))) or "none"
+
+
+def _damaged(root: str | Path, what: str) -> str:
+    return (f"--load {root}: {what}. The checkpoint is damaged (a save interrupted, a partial copy, a full disk): "
+            f"copy it again, or resume from another iteration with --ckpt-step N (saved: {_saved(root)}).")
+
+
+def check_checkpoint_files(root: str | Path, path: Path) -> None:
+    """Before loading: metadata.json and common.pt readable, every .distcp file as long as the checkpoint's index
+    (.metadata) says; CheckpointError naming the file otherwise."""
+    import json
+
+    try:
+        json.loads((path / "metadata.json").read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(_damaged(root, f"{path / 'metadata.json'} is not valid JSON ({e})")) from None
+    common = path / "common.pt"
+    if common.is_file():
+        try:
+            torch.load(common, map_location="cpu", weights_only=False)
+        except Exception as e:  # noqa: BLE001 - a truncated zip, a bad pickle...
+            raise CheckpointError(_damaged(root, f"{common} cannot be read ({type(e).__name__}: "
+                                                 f"{str(e).splitlines()[0][:160] if str(e) else ''})")) from None
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(_damaged(root, f"{path / '.metadata'} (the index of the .distcp files) is missing"))
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(str(path)).read_metadata().storage_data
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(_damaged(root, f"{path / '.metadata'} cannot be read ({type(e).__name__})")) from None
+    needed: dict[str, int] = {}
+    for info in (storage or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        have = file.stat().st_size if file.is_file() else None
+        if have is None:
+            raise CheckpointError(_damaged(root, f"{file} is missing"))
+        if have < size:
+            raise CheckpointError(_damaged(root, f"{file} is truncated: {have} bytes, its index needs {size}"))
+
+
+def _load_failure(root: str | Path, path: Path, error: Exception) -> str:
+    """One message for a load that failed after the files checked out: most often another model's checkpoint."""
+    text = str(error)
+    shape = next((line.strip() for line in text.splitlines() if "shape mismatch" in line.lower()
+                  or "size mismatch" in line.lower() or "Missing key" in line or "Unexpected key" in line), None)
+    if shape is not None:
+        return (f"--load {root}: {path.name} holds another model than this run builds ({shape[:300]}). Resume with "
+                f"the model flags it was saved with (see the run's run_config.json), or start without --load.")
+    first = text.strip().splitlines()[-1][:300] if text.strip() else type(error).__name__
+    return _damaged(root, f"{path} cannot be loaded ({type(error).__name__}: {first})")
 
 
 def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -146,5 +211,5 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         group["lr"] = lr
 
 
-__all__ = ["CheckpointError", "TRACKER_FILE", "iteration_dir", "latest_iteration", "load_checkpoint",
+__all__ = ["CheckpointError", "TRACKER_FILE", "check_checkpoint_files", "iteration_dir", "latest_iteration", "load_checkpoint",
            "save_checkpoint"]

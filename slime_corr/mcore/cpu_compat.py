@@ -3,8 +3,7 @@
 Call `apply_cpu_compat()` once, after importing megatron and before building models or running a schedule.
 It does nothing when CUDA is available, so the same code and tests run unchanged on a GPU machine.
 
-What it changes (each item was measured to break on CPU torch with megatron-core 0.16; see
-shared/design/MEGATRON_ON_CPU.md):
+What it changes (each item was measured to break on CPU torch with megatron-core 0.16):
 - `torch.cuda.current_device()` returns "cpu" (many Megatron buffers use it as their device);
 - `get_default_causal_mask` builds the mask on CPU (it hard-codes device="cuda");
 - the CUDA RNG tracker / `model_parallel_cuda_manual_seed` keep named CPU generator states instead;

@@ -9,7 +9,7 @@
   into `main_grad`; this computes the global L2 gradient norm (each TP shard once, parameters replicated across TP
   once, summed over the pipeline stages), clips (Megatron's `--clip-grad`: coefficient max_norm / (norm + 1e-6)
   when below 1), hands the gradients to the optimizer and steps. Megatron's own optimizer and clipping hard-code
-  CUDA (see MEGATRON_ON_CPU.md).
+  CUDA (`torch.cuda` calls; see `slime_corr/mcore/cpu_compat.py`).
 """
 
 from __future__ import annotations

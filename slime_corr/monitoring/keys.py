@@ -1,8 +1,8 @@
-"""The metric key scheme: `<prefix>/<name>`, with SPEC.md's names unchanged after the prefix.
+"""The metric key scheme: `<prefix>/<name>`, with docs/metrics.md's names unchanged after the prefix.
 
 | prefix | what | examples |
 | --- | --- | --- |
-| `rollout_corr/` | the correction metrics of SPEC.md, and a custom weighting function's own | `rollout_corr/mismatch_k3_kl`, `rollout_corr/mis_ess`, `rollout_corr/ois` |
+| `rollout_corr/` | the correction metrics of docs/metrics.md, and a custom weighting function's own | `rollout_corr/mismatch_k3_kl`, `rollout_corr/mis_ess`, `rollout_corr/ois` |
 | `train/` | the policy loss and the optimizer | `train/loss`, `train/pg_clipfrac`, `train/ppo_kl`, `train/grad_norm`, `train/kl_loss` |
 | `rollout/` | the step's samples | `rollout/reward_mean`, `rollout/samples`, `rollout/staleness_mean` |
 | `perf/` | time | `perf/step_time`, `perf/rollout_time`, `perf/train_time`, `perf/weight_sync_time` |
@@ -23,7 +23,8 @@ TRAIN_KEYS = frozenset({"loss", "pg_loss", "loss_denominator", "pg_clipfrac", "p
 
 # The console line: (key, label) in order; a key the step does not have is left out.
 CONSOLE_KEYS = (
-    (f"{ROLLOUT}/samples", "samples"),
+    (f"{ROLLOUT}/trained_samples", "trained"),
+    (f"{ROLLOUT}/failed_samples", "failed"),
     (f"{ROLLOUT}/reward_mean", "reward"),
     (f"{TRAIN}/loss", "loss"),
     (f"{TRAIN}/pg_clipfrac", "pg_clipfrac"),
@@ -31,6 +32,7 @@ CONSOLE_KEYS = (
     (f"{TRAIN}/grad_norm", "grad_norm"),
     (f"{ROLLOUT}/staleness_mean", "staleness"),
     (f"{TRAIN}/kl_loss", "kl_loss"),
+    (f"{TRAIN}/entropy", "entropy"),
     (f"{PERF}/step_time", "step_time"),
     (f"{CORRECTION}/mismatch_kl", "mismatch_kl"),
     (f"{CORRECTION}/mismatch_k3_kl", "mismatch_k3_kl"),
@@ -53,7 +55,7 @@ def with_prefix(prefix: str, metrics: Mapping[str, float]) -> dict[str, float]:
 
 def loss_step_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
     """The flat dict `RolloutCorrectionLoss.train_step` / `reduce_step_metrics` returns, under the scheme:
-    its loss keys (TRAIN_KEYS) -> `train/`, everything else (SPEC.md's correction metrics and a custom
+    its loss keys (TRAIN_KEYS) -> `train/`, everything else (docs/metrics.md's correction metrics and a custom
     weighting function's) -> `rollout_corr/`."""
     return {f"{TRAIN if k in TRAIN_KEYS else CORRECTION}/{k}": v for k, v in metrics.items()}
 

@@ -23,7 +23,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
@@ -67,12 +67,13 @@ class Sink(Protocol):
 
 
 class ConsoleSink:
-    def __init__(self, interval: int, stream: TextIO | None = None) -> None:
-        self.interval, self.stream = interval, stream
+    def __init__(self, interval: int, stream: TextIO | None = None, hidden: Collection[str] = ()) -> None:
+        self.interval, self.stream, self.hidden = interval, stream, frozenset(hidden)
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         if step % self.interval == 0:
-            print(console_line(step, metrics), file=self.stream or sys.stdout, flush=True)
+            shown = {k: v for k, v in metrics.items() if k not in self.hidden}
+            print(console_line(step, shown), file=self.stream or sys.stdout, flush=True)
 
     def write_samples(self, step: int, records: Sequence[Mapping[str, Any]]) -> None:
         pass
@@ -88,9 +89,13 @@ def console_line(step: int, metrics: Mapping[str, float]) -> str:
 
 
 class JsonlSink:
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, append: bool = False) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics = open(run_dir / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        path = run_dir / METRICS_FILE
+        if not append and path.is_file() and path.stat().st_size:
+            raise FileExistsError(f"{path} already holds another run's metrics: pass a new --run-dir (a run never "
+                                  "appends to another's; a resumed run with --load continues its own).")
+        self.metrics = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self.samples_path = run_dir / SAMPLES_FILE
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -167,7 +172,9 @@ class MetricsLogger:
 
     `run_dir` is used when `config.run_dir` is unset; one of them is required on the logging rank.
     `hparams` (e.g. `vars(args)`) go to RUN_DIR/run_config.json, TensorBoard's text tab and W&B's config.
-    `enabled=False` (every rank but the logging one) makes every call a no-op. `console` / `stream`: the step line.
+    `enabled=False` (every rank but the logging one) makes every call a no-op. `console` / `stream`: the step line;
+    `console_hidden`: keys left off it (still in the other sinks). RUN_DIR/metrics.jsonl must be new or empty
+    (FileExistsError) unless `append` (a resumed run continuing its own).
     """
 
     def __init__(
@@ -179,6 +186,8 @@ class MetricsLogger:
         enabled: bool = True,
         console: bool = True,
         stream: TextIO | None = None,
+        console_hidden: Collection[str] = (),
+        append: bool = False,
     ) -> None:
         self.config = config
         self.sinks: list[Sink] = []
@@ -191,8 +200,8 @@ class MetricsLogger:
         hparams = dict(hparams or {})
         try:
             if console:
-                self.sinks.append(ConsoleSink(config.log_interval, stream))
-            self.sinks.append(JsonlSink(self.run_dir))
+                self.sinks.append(ConsoleSink(config.log_interval, stream, console_hidden))
+            self.sinks.append(JsonlSink(self.run_dir, append))
             (self.run_dir / CONFIG_FILE).write_text(json.dumps(jsonable(hparams), indent=1) + "\n")
             if config.tensorboard_dir:
                 self.sinks.append(TensorBoardSink(config.tensorboard_dir, config.tensorboard_log_interval,

@@ -59,13 +59,30 @@ class GenerationError(Exception):
     """
 
     def __init__(self, reason: str, retryable: bool = False, attempts: int = 0, maybe_running: bool = False,
-                 target_down: bool = False) -> None:
+                 target_down: bool = False, server: str = "", kind: str = "") -> None:
         super().__init__(reason)
         self.reason = reason
         self.retryable = retryable
         self.attempts = attempts
         self.maybe_running = maybe_running
         self.target_down = target_down
+        self.server = server  # the target of the last attempt
+        self.kind = kind or failure_kind(reason)  # what went wrong, in a word or two (see `failure_kind`)
+
+
+# reason prefix -> kind (the reasons `SGLangClient._attempt` gives)
+_KINDS = (("HTTP 4", "HTTP 4xx"), ("HTTP 5", "HTTP 5xx"), ("timeout", "timeout"),
+          ("connection failed", "connection refused"), ("connection broken", "connection broken"),
+          ("bad response", "bad response"), ("stream error event", "stream error event"),
+          ("aborted by server", "aborted by server"), ("the client stayed paused", "paused"))
+
+
+def failure_kind(reason: str) -> str:
+    """The kind of a failure reason: "timeout", "connection refused", "bad response", "HTTP 5xx", ... ("other")."""
+    for prefix, kind in _KINDS:
+        if reason.startswith(prefix):
+            return kind
+    return "other"
 
 
 @dataclass
@@ -105,7 +122,7 @@ class SGLangClient(ControlPlane):
         self,
         urls: str | list[str],
         max_concurrency_per_server: int = 64,
-        request_timeout: float = 600.0,
+        request_timeout: float | None = 600.0,
         connect_timeout: float = 10.0,
         read_timeout: float | None = 120.0,
         retry: RetryPolicy | None = None,
@@ -187,8 +204,13 @@ class SGLangClient(ControlPlane):
         return f"{self.rid_prefix}-{next(self._counter):012d}"
 
     def _pick_server(self, avoid: str | None = None) -> str:
-        """Least loaded live target (round-robin among ties), avoiding ``avoid`` when there is a choice."""
-        live = self.live_targets() or self.urls
+        """Least loaded live target (round-robin among ties), avoiding ``avoid`` when there is a choice. A dead
+        router's live workers take its place (they serve /generate themselves)."""
+        live = self.live_targets() + self.orphaned_workers()
+        for u in live:
+            self._sems.setdefault(u, asyncio.Semaphore(self.max_concurrency))
+            self._load.setdefault(u, 0)
+        live = live or self.urls
         cands = [u for u in live if u != avoid] or live
         start = next(self._rr) % len(cands)
         cands = cands[start:] + cands[:start]
@@ -208,6 +230,7 @@ class SGLangClient(ControlPlane):
         await self.discover()  # once: which targets are routers (their failures are probed worker by worker)
         errors: list[str] = []
         server: str | None = None
+        last: GenerationError | None = None
         for attempt in range(1, self.retry.max_attempts + 1):
             server = self._pick_server(avoid=server)
             rid = self.new_rid()
@@ -224,8 +247,9 @@ class SGLangClient(ControlPlane):
                 return GenerateResult(**vars(out), server=server, attempts=attempt, errors=errors)
             except GenerationError as e:
                 errors.append(f"attempt {attempt} ({rid} @ {server}): {e.reason}")
+                last = e
                 if not e.retryable:
-                    raise GenerationError(e.reason, False, attempt) from e
+                    raise GenerationError(e.reason, False, attempt, server=server) from e
                 if e.maybe_running:  # must not run twice: abort it on the workers before the retry is sent
                     await self.abort_rid(server, rid)
                 if e.target_down:  # dead engines leave the client (and the router) before the retry
@@ -236,7 +260,8 @@ class SGLangClient(ControlPlane):
             if attempt < self.retry.max_attempts:
                 await asyncio.sleep(self.retry.delay(attempt))  # backoff with jitter; the next try gets a new rid
         raise GenerationError(f"gave up after {self.retry.max_attempts} attempts; " + "; ".join(errors),
-                              False, self.retry.max_attempts)
+                              False, self.retry.max_attempts, server=server or "",
+                              kind=last.kind if last is not None else "")
 
     async def _attempt(self, server: str, body: dict[str, Any], stream: bool, want_lp: bool) -> GenerateOutput:
         """One HTTP attempt, with every failure mapped to a GenerationError(retryable=...)."""

@@ -40,6 +40,18 @@ class ControlError(RuntimeError):
                          f"{detail}")
 
 
+class EnginesDownError(ControlError):
+    """No engine (or router) of the client passes its health check any more: ``failures`` maps each dead one to
+    why."""
+
+    def __init__(self, dead: dict[str, str]) -> None:
+        super().__init__("health check", dead)
+        detail = "; ".join(f"{w}: {r}" for w, r in dead.items())
+        self.args = (f"no rollout engine is left: {detail}. Check that each engine (or router) process is alive and "
+                     "not stopped (a SIGSTOP, a debugger, swapping) and read its log; --rollout-health-check-interval "
+                     "and --rollout-health-check-timeout set how soon this is found.",)
+
+
 def _is_success(status: int, body: Any) -> str | None:
     """None when a control answer is a full success, else why not (206 partial_success is a failure)."""
     if status == 206 or (isinstance(body, dict) and body.get("status") == "partial_success"):
@@ -111,7 +123,9 @@ class ControlPlane:
             if self._workers_of is not None and not refresh:  # found while we waited
                 return self._workers_of
             found = await asyncio.gather(*(self._discover_one(u) for u in self.urls))
-            self._workers_of = dict(zip(self.urls, found, strict=True))
+            old = self._workers_of or {}
+            self._workers_of = {u: old[u] if ws == [u] and u in self.dead and old.get(u, [u]) != [u] else ws
+                                for u, ws in zip(self.urls, found, strict=True)}  # a dead router keeps its workers
             for u, workers in self._workers_of.items():
                 for w in workers if workers != [u] else []:
                     self.dead.pop(w, None)  # listed again by its router: alive (a router drops dead workers)
@@ -159,7 +173,10 @@ class ControlPlane:
         if worker in self.dead:
             return
         self.dead[worker] = reason
-        self.events.append(f"worker {worker} is dead ({reason}); continuing without it")
+        if self.is_router(worker):
+            self.events.append(f"router {worker} is dead ({reason}); sending to its workers directly")
+        else:
+            self.events.append(f"worker {worker} is dead ({reason}); continuing without it")
         router = self._router_ids.pop(worker, None)
         if router is not None:  # stop the router routing to it (best effort: the router also health-checks)
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, ConnectionError):
@@ -174,6 +191,8 @@ class ControlPlane:
         async with lock:
             if time.monotonic() - self._last_sweep.get(target, 0.0) < 0.5:
                 return []
+            if self.is_router(target) and target not in self.dead and not await self._alive(target):
+                await self._mark_dead(target, "the router does not answer /health after a failed request")
             workers = await self.workers(target)
             alive = await asyncio.gather(*(self._alive(w) for w in workers))
             dead = [w for w, ok in zip(workers, alive, strict=True) if not ok]
@@ -182,9 +201,46 @@ class ControlPlane:
             self._last_sweep[target] = time.monotonic()
             return dead
 
+    async def _answers_health(self, url: str, timeout: float, generate: bool = True) -> str | None:
+        """None when ``url`` answers ``/health_generate`` (``generate``; ``/health`` where it has none: 404) or
+        ``/health`` with 200 within ``timeout`` seconds, else why not."""
+        try:
+            status = 404
+            if generate:
+                status, _ = await self._get(url, "/health_generate", timeout=timeout)
+            if status == 404:
+                status, _ = await self._get(url, "/health", timeout=timeout)
+        except (aiohttp.ClientError, ConnectionError) as e:
+            return f"health check failed: {e!r}"
+        except TimeoutError:
+            return f"no answer to its health check within {timeout:g} s"
+        return None if status == 200 else f"health check answered HTTP {status}"
+
+    async def watch_health(self, interval: float, timeout: float, generate: bool = True) -> None:
+        """Until cancelled: every ``interval`` seconds, health-check every live worker and every router target
+        concurrently (``timeout`` each; ``generate=False``: ``/health`` only, as while the engines are paused for a
+        weight update, when ``/health_generate`` cannot answer); the ones that fail are marked dead (their requests go to the others).
+        Raises :class:`EnginesDownError` naming them when no live target or worker is left: the rollout cannot go on.
+        """
+        while True:
+            await asyncio.sleep(interval)
+            topo = await self.discover()
+            probed = [t for t in self.live_targets() if topo.get(t) != [t]] + await self.workers()
+            reasons = await asyncio.gather(*(self._answers_health(u, timeout, generate) for u in probed))
+            for url, reason in zip(probed, reasons, strict=True):
+                if reason is not None:
+                    await self._mark_dead(url, reason)
+            if not await self.workers():  # (a dead router's live workers still serve)
+                raise EnginesDownError(dict(self.dead))
+
     def live_targets(self) -> list[str]:
         """Targets not known dead (a router is dead only when it does not answer itself)."""
         return [u for u in self.urls if u not in self.dead]
+
+    def orphaned_workers(self) -> list[str]:
+        """Live workers behind dead routers: the client sends them /generate directly."""
+        topo = self._workers_of or {}
+        return [w for t in self.urls if t in self.dead for w in topo.get(t, []) if w != t and w not in self.dead]
 
     # ---- fan-out -------------------------------------------------------------------------------------
     async def _fan_out(self, path: str, payload: dict[str, Any] | Callable[[str], dict[str, Any]] | None = None,
@@ -205,7 +261,7 @@ class ControlPlane:
                 status, answer = await self._post(w, path, body, timeout=timeout)
             except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
                 if not await self._alive(w):
-                    await self._mark_dead(w, f"{path}: {e!r}")
+                    await self._mark_dead(w, f"{path}: {type(e).__name__}: {e}")
                     return w, "dead", None
                 return w, f"request failed: {e!r}", None
             if allow_404 and status == 404:
@@ -215,6 +271,8 @@ class ControlPlane:
         results = await asyncio.gather(*(one(w) for w in targets))
         failures = {w: why for w, why, _ in results if why not in (None, "dead")}
         ok = {w: body for w, why, body in results if why is None}
+        if not failures and not ok:
+            raise EnginesDownError(dict(self.dead))
         if failures or not ok:
             raise ControlError(path, failures or {"(all)": f"every worker is dead: {self.dead}"}, list(ok))
         return ok

@@ -57,16 +57,30 @@ NOT_TRAINED_KEYS = ("loss_mask", "rollout_log_probs", "advantages")
 
 @contextlib.contextmanager
 def background_event_loop() -> Iterator[asyncio.AbstractEventLoop]:
-    """An asyncio event loop running in a daemon thread for the rollout; stopped and closed on exit."""
+    """An asyncio event loop running in a daemon thread for the rollout; on exit (also on Ctrl-C or an error) the
+    tasks still running are cancelled and awaited (bounded), then the loop is stopped and closed: no request
+    is left half-sent and no "Task was destroyed but it is pending!"."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="slime_corr-rollout", daemon=True)
     thread.start()
     try:
         yield loop
     finally:
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(_cancel_pending(), loop).result(timeout=CANCEL_TIMEOUT)
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
         loop.close()
+
+
+CANCEL_TIMEOUT = 10.0  # seconds the rollout's cancelled tasks get to finish their clean-up
+
+
+async def _cancel_pending() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class BufferMicroBatchIterator:

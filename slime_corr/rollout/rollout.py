@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -31,6 +31,8 @@ from slime_corr.rollout.buffer import SampleBuffer
 from slime_corr.rollout.client import GenerationError, SGLangClient
 from slime_corr.rollout.sample import Sample, SampleStatus, SampleValidationError
 from slime_corr.rollout.sampling import mix_seed
+
+T = TypeVar("T")
 
 
 class PausePolicy(StrEnum):
@@ -71,6 +73,7 @@ async def _generate_sample(
         except GenerationError as e:
             sample.attempts += e.attempts
             sample.status, sample.failure_reason = SampleStatus.FAILED, e.reason
+            sample.metadata.update(failure_kind=e.kind, failure_server=e.server)
             return sample
         sample.attempts += res.attempts
         if res.finish_type != "abort":
@@ -106,6 +109,7 @@ async def generate_group_samples(
     group_id_offset: int = 0,
     stop: asyncio.Event | None = None,
     sampling_seed: int | None = None,
+    max_failed_fraction: float | None = None,
 ) -> list[Sample]:
     """Generate ``n_samples_per_prompt`` samples per prompt concurrently (one request per sample).
 
@@ -115,6 +119,8 @@ async def generate_group_samples(
     ``sampling_seed``: each request gets ``sampling_params.sampling_seed = mix_seed(sampling_seed, index)``, so the
     rollout samples the same tokens every time (an engine that honours the seed, as SGLang and the embedded engine
     do, draws per (seed, position) whatever the batching; a resumed request continues the same draws).
+    ``max_failed_fraction``: raise :class:`RolloutFailedError` (cancelling the requests still running) as soon as
+    more than this share of the rollout's samples failed.
     """
 
     def params_of(index: int) -> dict[str, Any]:
@@ -122,11 +128,12 @@ async def generate_group_samples(
             return sampling_params
         return {**sampling_params, "sampling_seed": mix_seed(sampling_seed, index)}
 
-    async def one_group(g: int, prompt: list[int]) -> list[Sample]:
+    async def one_group(g: int, prompt: list[int], one_sample: Callable[[Sample], Any]) -> list[Sample]:
         samples = [Sample(prompt_tokens=list(prompt), group_id=group_id_offset + g,
                           index=g * n_samples_per_prompt + j) for j in range(n_samples_per_prompt)]
-        await asyncio.gather(*(generate_sample(client, s, params_of(s.index), stream=stream,
-                                               pause_policy=pause_policy, stop=stop) for s in samples))
+        async with asyncio.TaskGroup() as tg:  # an error cancels the group's other requests too
+            for s in samples:
+                tg.create_task(one_sample(s))
         if reward_fn is not None:
             for s in samples:
                 if s.status != SampleStatus.FAILED:
@@ -140,8 +147,125 @@ async def generate_group_samples(
             await buffer.put_group(samples)
         return samples
 
-    groups = await asyncio.gather(*(one_group(g, list(p)) for g, p in enumerate(prompts)))
-    return [s for grp in groups for s in grp]
+    total = len(prompts) * n_samples_per_prompt
+    failed: list[Sample] = []
+
+    def count_failures(samples: Sequence[Sample]) -> None:  # stop as soon as the rollout cannot be trained
+        failed.extend(s for s in samples if s.status == SampleStatus.FAILED)
+        if max_failed_fraction is not None and len(failed) > max_failed_fraction * total:
+            raise RolloutFailedError(failed, total, max_failed_fraction, early=True)
+
+    async def one_sample(s: Sample) -> Sample:
+        await generate_sample(client, s, params_of(s.index), stream=stream, pause_policy=pause_policy, stop=stop)
+        count_failures([s])
+        return s
+
+    async def checked_group(g: int, prompt: list[int]) -> list[Sample]:
+        samples = await one_group(g, prompt, one_sample)
+        count_failures([s for s in samples if s.failure_reason and s.failure_reason.startswith("reward_fn")])
+        return samples
+
+    try:
+        async with asyncio.TaskGroup() as tg:  # a RolloutFailedError cancels the other requests
+            tasks = [tg.create_task(checked_group(g, list(p))) for g, p in enumerate(prompts)]
+    except BaseExceptionGroup as group:
+        raise _unwrap(group) from None
+    return [s for t in tasks for s in t.result()]
+
+
+def _unwrap(group: BaseExceptionGroup) -> BaseException:
+    """The error a TaskGroup's exception group stands for: the RolloutFailedError with the most failures, else
+    the first leaf (a bug, or a cancellation)."""
+    leaves: list[BaseException] = []
+    stack: list[BaseException] = [group]
+    while stack:
+        e = stack.pop()
+        if isinstance(e, BaseExceptionGroup):
+            stack.extend(e.exceptions)
+        else:
+            leaves.append(e)
+    failed = [e for e in leaves if isinstance(e, RolloutFailedError)]
+    if failed:
+        return max(failed, key=lambda e: len(e.failed))
+    return leaves[0]
+
+
+async def with_health_watch(client: SGLangClient, aw: Awaitable[T], interval: float, timeout: float,
+                            generate: bool = True) -> T:
+    """Await ``aw`` while ``client.watch_health(interval, timeout, generate)`` checks the engines: when none is left, ``aw``
+    is cancelled and :class:`~slime_corr.rollout.control.EnginesDownError` raised, so a dead or stopped engine
+    ends the wait within about ``interval + timeout`` seconds."""
+    work = asyncio.ensure_future(aw)
+    watch = asyncio.ensure_future(client.watch_health(interval, timeout, generate))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            watch.result()  # raises EnginesDownError
+        return work.result()
+    finally:
+        for task in (work, watch):
+            task.cancel()
+        await asyncio.gather(work, watch, return_exceptions=True)
+
+
+class RolloutFailedError(RuntimeError):
+    """More than `max_fraction` of a rollout's `total` samples failed: the message groups the failures by kind and
+    server, with an example reason and what to check."""
+
+    def __init__(self, failed: Sequence[Sample], total: int, max_fraction: float, early: bool = False,
+                 rollout: int | None = None) -> None:
+        self.failed, self.total, self.max_fraction, self.early = list(failed), total, max_fraction, early
+        super().__init__(failure_summary(failed, total, max_fraction, early=early, rollout=rollout))
+
+
+# failure kind -> what to check ({server}: the server the failures came from)
+FAILURE_HINTS = {
+    "connection refused": "is the server (or router) at {server} still running? `curl {server}/health`; its log "
+                          "says why it stopped",
+    "connection broken": "{server} dropped connections mid-answer: its log (a crash, out of memory, a restart)",
+    "timeout": "{server} accepted the requests but sent nothing for --rollout-request-timeout seconds: is it stuck "
+               "or overloaded (its log, its accelerator)? Raise --rollout-request-timeout for slow generations",
+    "bad response": "{server} answers /generate with something that is not SGLang's JSON (or without per-token "
+                    "log-probs): is it an SGLang server (not a proxy or another service), returning "
+                    "meta_info.output_token_logprobs?",
+    "HTTP 5xx": "{server} failed the requests: its log",
+    "HTTP 4xx": "{server} refused the requests as invalid: its version and log (which field it rejects)",
+    "stream error event": "{server} reported an error inside the stream: its log",
+    "aborted by server": "{server} aborted the requests with an error status: its log (memory, scheduler)",
+    "paused": "the engines were paused for a weight update and never continued",
+    "engine dead": "{server} stopped answering its health check: is the process alive (and not stopped)?",
+    "reward_fn": "the task's reward function raised on these responses (see the example)",
+    "invalid response": "the server's output does not fit the sample (see the example)",
+}
+
+
+def _kind_and_server(sample: Sample) -> tuple[str, str]:
+    reason = sample.failure_reason or ""
+    kind = sample.metadata.get("failure_kind") or ("reward_fn" if reason.startswith("reward_fn") else
+                                                   "invalid response" if reason.startswith("invalid response")
+                                                   else "other")
+    return kind, sample.metadata.get("failure_server") or "-"
+
+
+def failure_summary(failed: Sequence[Sample], total: int, max_fraction: float, *, early: bool = False,
+                    rollout: int | None = None) -> str:
+    """Why a rollout stopped: the failed share against --max-failed-sample-fraction, then one line per
+    (kind, server) with the count and an example reason, then what to check."""
+    groups: dict[tuple[str, str], list[Sample]] = {}
+    for s in failed:
+        groups.setdefault(_kind_and_server(s), []).append(s)
+    name = "the rollout" if rollout is None else f"rollout {rollout}"
+    when = " before it finished (the other requests were cancelled)" if early else ""
+    lines = [f"{name}: {len(failed)} of {total} samples failed{when}, more than --max-failed-sample-fraction "
+             f"{max_fraction:g}: the run stops rather than train on what is left. Failures by kind and server:"]
+    for (kind, server), samples in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        example = (samples[0].failure_reason or "")[:400]
+        lines.append(f"  {len(samples)} x {kind} @ {server}: e.g. {example}")
+    lines.append("What to check:")
+    for kind, server in dict.fromkeys(k for k in sorted(groups, key=lambda k: -len(groups[k]))):
+        hint = FAILURE_HINTS.get(kind, "the example reason above")
+        lines.append(f"  {kind}: {hint.format(server=server)}")
+    return "\n".join(lines)
 
 
 @dataclass

@@ -46,7 +46,7 @@ ENGINE_DTYPES = ("bfloat16", "float32", "float64")
 PARAMS_DTYPES = ("float32", "float64")
 PRETRAINED_LR = 1e-5  # --lr's default with a pretrained model (the tiny model's, 1e-2, would wreck it at once)
 CHAT_TEMPLATE_ALLOWANCE = 128  # tokens a chat template may add around the user message (system prompt, headers)
-
+DEFAULT_ROLLOUT_BATCH_SIZE, DEFAULT_STEPS_PER_ROLLOUT, DEFAULT_MICRO_BATCH_SIZE = 4, 4, 8
 
 
 @dataclass(frozen=True)
@@ -59,11 +59,11 @@ class TrainerConfig:
     pipeline_model_parallel_size: int = 1
     world_size: int = 1
     # batches (slime / Megatron)
-    rollout_batch_size: int = 4
+    rollout_batch_size: int | None = None  # default: DEFAULT_ROLLOUT_BATCH_SIZE rounded up to a multiple of DP
     n_samples_per_prompt: int = 8
-    num_steps_per_rollout: int = 4
+    num_steps_per_rollout: int | None = None  # default: see `_derive_batch_defaults`
     global_batch_size: int | None = None
-    micro_batch_size: int = 8
+    micro_batch_size: int | None = None  # default: gcd(DEFAULT_MICRO_BATCH_SIZE, samples per DP rank and step)
     num_rollout: int = 16
     # packed micro-batches (slime's dynamic batch size)
     use_dynamic_batch_size: bool = False
@@ -84,6 +84,12 @@ class TrainerConfig:
     rollout_weight_sync: str = "disk"
     update_weight_buffer_size: int = 512 * 1024**2
     engine_dtype: str = "bfloat16"
+    # failures and bounded waits
+    max_failed_sample_fraction: float = 0.5
+    rollout_request_timeout: float = 60.0
+    rollout_health_check_interval: float = 30.0
+    rollout_health_check_timeout: float = 30.0
+    distributed_timeout_minutes: float = 10.0
     # optimization
     lr: float = 1e-2
     clip_grad: float = 1.0
@@ -102,11 +108,44 @@ class TrainerConfig:
     task: str = "lowercase"
 
     def __post_init__(self) -> None:
-        if self.global_batch_size is None and self.rollout_batch_size > 0 and self.num_steps_per_rollout > 0:
-            object.__setattr__(self, "global_batch_size", self.samples_per_rollout // self.num_steps_per_rollout)
+        self._derive_batch_defaults()
         object.__setattr__(self, "sglang_url", tuple(self.sglang_url))
         object.__setattr__(self, "sglang_server_args", tuple(self.sglang_server_args))
         self._validate()
+
+    def _derive_batch_defaults(self) -> None:
+        """Defaults valid at any DP size (each DP rank then trains what one process trains by default):
+        `--rollout-batch-size` 4 rounded up to a multiple of DP; `--num-steps-per-rollout` the rollout's samples /
+        `--global-batch-size` when that is given, else the largest of 4, 3, 2, 1 that leaves every DP rank whole
+        groups in every step; `--global-batch-size` the rollout / the steps; `--micro-batch-size` gcd(8, the
+        samples a DP rank trains per step). Explicit values are kept (and checked by `_validate`)."""
+        mp = self.tensor_model_parallel_size * self.context_parallel_size * self.pipeline_model_parallel_size
+        dp = max(1, self.world_size // mp) if isinstance(mp, int) and mp > 0 else 1
+        def put(name: str, value: int) -> None:
+            object.__setattr__(self, name, value)
+        if self.rollout_batch_size is None:
+            put("rollout_batch_size", -(-DEFAULT_ROLLOUT_BATCH_SIZE // dp) * dp)
+        rbs, n = self.rollout_batch_size, self.n_samples_per_prompt
+        if not (isinstance(rbs, int) and isinstance(n, int) and rbs > 0 and n > 0):
+            return  # `_validate` names the flag
+        if self.num_steps_per_rollout is None:
+            gbs = self.global_batch_size
+            if isinstance(gbs, int) and gbs > 0:
+                if (rbs * n) % gbs:
+                    raise ConfigError(f"--global-batch-size {gbs} must divide the rollout's {rbs * n} samples "
+                                      f"(--rollout-batch-size {rbs} × --n-samples-per-prompt {n}): each optimizer "
+                                      "step trains the same number of samples.")
+                put("num_steps_per_rollout", rbs * n // gbs)
+            else:
+                groups = rbs // dp if rbs % dp == 0 else rbs
+                put("num_steps_per_rollout", max(s for s in range(1, DEFAULT_STEPS_PER_ROLLOUT + 1) if groups % s == 0))
+        steps = self.num_steps_per_rollout
+        if self.global_batch_size is None and isinstance(steps, int) and steps > 0:
+            put("global_batch_size", rbs * n // steps)
+        gbs = self.global_batch_size
+        if self.micro_batch_size is None:
+            per_rank = gbs // dp if isinstance(gbs, int) and gbs > 0 else DEFAULT_MICRO_BATCH_SIZE
+            put("micro_batch_size", math.gcd(DEFAULT_MICRO_BATCH_SIZE, per_rank) or DEFAULT_MICRO_BATCH_SIZE)
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -196,6 +235,18 @@ class TrainerConfig:
                               ("engine_dtype", ENGINE_DTYPES), ("params_dtype", PARAMS_DTYPES)):
             if getattr(self, name) not in choices:
                 fail(f"--{_flag(name)} {getattr(self, name)!r} is not one of {', '.join(choices)}.")
+        if not (isinstance(self.max_failed_sample_fraction, int | float)
+                and 0.0 <= self.max_failed_sample_fraction <= 1.0):
+            fail(f"--max-failed-sample-fraction {self.max_failed_sample_fraction} must be in [0, 1]: the share of a "
+                 "rollout's samples that may fail before the run stops (0: any failure stops it; 1: never stops).")
+        for name in ("rollout_request_timeout", "rollout_health_check_interval", "rollout_health_check_timeout",
+                     "distributed_timeout_minutes"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                fail(f"--{_flag(name)} {value} must be a finite number > 0.")
+        for name in ("save", "work_dir"):
+            if getattr(self, name):
+                check_writable_dir(f"--{_flag(name)}", getattr(self, name))
         if self.sglang_url and self.rollout_num_engines != 1:
             fail("--rollout-num-engines starts engines; with --sglang-url the engines are yours: drop one.")
         self._check_engine()
@@ -311,11 +362,15 @@ class TrainerConfig:
 
     def _check_load(self) -> None:
         from slime_corr.mcore.checkpoint import TRACKER_FILE, iteration_dir, latest_iteration
+        from slime_corr.mcore.checkpoint import CheckpointError as CheckpointLoadError
 
         root = Path(self.load)  # type: ignore[arg-type]
         if not root.is_dir():
             raise ConfigError(f"--load {root}: no such directory; pass the --save directory of an earlier run.")
-        step = self.ckpt_step if self.ckpt_step is not None else latest_iteration(root)
+        try:
+            step = self.ckpt_step if self.ckpt_step is not None else latest_iteration(root)
+        except CheckpointLoadError as e:
+            raise ConfigError(f"--load {root}: {e}") from None
         if step is None:
             raise ConfigError(f"--load {root}: no {TRACKER_FILE} (no complete checkpoint was saved there).")
         if not (iteration_dir(root, step) / "metadata.json").is_file():
@@ -352,6 +407,30 @@ def _flag(name: str) -> str:
     return name.replace("_", "-")
 
 
+def check_writable_dir(flag: str, path: str | os.PathLike[str]) -> None:
+    """ConfigError unless `path` is a directory this process can write in, or can be created (its nearest existing
+    ancestor is a writable directory). Probes with a temporary file: permission bits lie to root and on read-only
+    mounts."""
+    import tempfile
+
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"{flag} {target}: is a file, not a directory; pass a directory (it is created if missing).")
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{flag} {target}: {existing} is a file, so the directory cannot be created there; pass "
+                          "another path.")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        where = "" if existing == target else f" (it would be created in {existing})"
+        raise ConfigError(f"{flag} {target}: cannot write there{where}: {e.strerror or e}; pass a directory you can "
+                          "write to.") from None
+
+
 def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The trainer's flags (see the module doc); the model's come from `mcore.model.add_tiny_model_args`."""
     d = TrainerConfig()
@@ -361,8 +440,9 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="On CPU, CP is emulated: each CP rank runs the full sequence and keeps its zig-zag slice.")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=d.pipeline_model_parallel_size,
                    help="Pipeline stages (must divide --num-layers); the loss and its metrics live on the last one.")
-    g.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size,
-                   help="Samples per micro-batch (padded; not used with --use-dynamic-batch-size).")
+    g.add_argument("--micro-batch-size", type=int, default=None,
+                   help="Samples per micro-batch (padded; not used with --use-dynamic-batch-size). Default: gcd(8, "
+                        "the samples a DP rank trains per step).")
     g.add_argument("--use-dynamic-batch-size", action="store_true",
                    help="Packed (THD) micro-batches of whole GRPO groups up to --max-tokens-per-gpu tokens (slime's "
                         "flag): no padding between samples; every DP rank runs as many micro-batches.")
@@ -370,6 +450,9 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="Token budget of a packed micro-batch per GPU (with CP, a micro-batch holds N × CP tokens).")
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="Samples per optimizer step (default: the rollout's samples / --num-steps-per-rollout).")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=d.distributed_timeout_minutes,
+                   help="How long a rank waits on the others (a collective, or the driver's rollout with no sign of "
+                        "life from it) before the job stops with an error (Megatron's flag; fractions allowed).")
     g.add_argument("--lr", type=float, default=None,
                    help=f"Adam learning rate (default: {d.lr:g} for the tiny model, {PRETRAINED_LR:g} with --model / "
                         "--hf-checkpoint).")
@@ -383,11 +466,13 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--ckpt-step", type=int, default=None, help="Load this iteration of --load (default: latest).")
 
     r = parser.add_argument_group(title="rollout (slime's flags)")
-    r.add_argument("--rollout-batch-size", type=int, default=d.rollout_batch_size, help="Prompts per rollout.")
+    r.add_argument("--rollout-batch-size", type=int, default=None,
+                   help=f"Prompts per rollout (default: {DEFAULT_ROLLOUT_BATCH_SIZE}, rounded up to a multiple of DP).")
     r.add_argument("--n-samples-per-prompt", type=int, default=d.n_samples_per_prompt, help="GRPO group size.")
-    r.add_argument("--num-steps-per-rollout", type=int, default=d.num_steps_per_rollout,
+    r.add_argument("--num-steps-per-rollout", type=int, default=None,
                    help="Optimizer steps trained on each rollout (decoupled mode: lp_old is computed once, before "
-                        "the first).")
+                        "the first). Default: the rollout / --global-batch-size when given, else the largest of "
+                        f"{DEFAULT_STEPS_PER_ROLLOUT}..1 that gives every DP rank whole GRPO groups in every step.")
     r.add_argument("--num-rollout", type=int, default=d.num_rollout, help="Rollouts of the run.")
     r.add_argument("--rollout-max-response-len", type=int, default=d.rollout_max_response_len,
                    help="Response length cap (SGLang's max_new_tokens).")
@@ -408,6 +493,19 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         + ". Default: lowercase with the tiny model, arithmetic with --model / --hf-checkpoint.")
     r.add_argument("--sglang-url", action="append", default=None,
                    help="SGLang server or router URL (repeatable), checked at start-up. Default: embedded engines.")
+
+    f = parser.add_argument_group(title="failures and bounded waits")
+    f.add_argument("--max-failed-sample-fraction", type=float, default=d.max_failed_sample_fraction,
+                   help="Stop the run (exit 1, the failures grouped by kind and server) when more than this share of a "
+                        "rollout's samples failed after their retries (0: any failure; 1: never).")
+    f.add_argument("--rollout-request-timeout", type=float, default=d.rollout_request_timeout,
+                   help="Seconds a /generate attempt may go without a byte from the server before it is aborted and "
+                        "retried (4 attempts per sample).")
+    f.add_argument("--rollout-health-check-interval", type=float, default=d.rollout_health_check_interval,
+                   help="Seconds between the health checks of every engine during a rollout (slime's flag).")
+    f.add_argument("--rollout-health-check-timeout", type=float, default=d.rollout_health_check_timeout,
+                   help="Seconds an engine may take to answer /health_generate (/health where it has none) before "
+                        "it counts as dead (slime's flag).")
 
     e = parser.add_argument_group(title="rollout engines")
     e.add_argument("--rollout-engine", choices=ENGINE_KINDS, default=d.rollout_engine,
@@ -462,4 +560,4 @@ def split_sglang_passthrough(argv: Sequence[str]) -> tuple[list[str], list[str]]
     return own, passthrough
 
 
-__all__ = ["TrainerConfig", "add_trainer_args", "split_sglang_passthrough"]
+__all__ = ["TrainerConfig", "add_trainer_args", "check_writable_dir", "split_sglang_passthrough"]

@@ -26,7 +26,13 @@ from slime_corr.engines.launch import EngineSpec, engine_device, start_engines
 from slime_corr.monitoring.progress import ProgressSampleBuffer, RolloutProgress
 from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.data_iterator import background_event_loop
-from slime_corr.rollout.rollout import RolloutReport, generate_group_samples, rollout_report
+from slime_corr.rollout.rollout import (
+    RolloutFailedError,
+    RolloutReport,
+    generate_group_samples,
+    rollout_report,
+    with_health_watch,
+)
 from slime_corr.rollout.sample import Sample
 from slime_corr.rollout.sampling import mix_seed
 from slime_corr.rollout.weight_sync import DistributedWeightSync, SyncReport, sync_weights_from_disk
@@ -89,7 +95,7 @@ class RolloutDriver:
             logs = f"; logs in {self.log_dir}" if cfg.rollout_engine == "sglang" else ""
             self.description = f"{kind} ({cfg.engine_dtype}; trainer in {cfg.params_dtype}): {group.describe()}{logs}"
         self.loop = self._stack.enter_context(background_event_loop())
-        self.client = self._run(_open_client(urls))
+        self.client = self._run(_open_client(urls, cfg))
         self._stack.callback(lambda: self._run(self.client.close()))  # type: ignore[union-attr]
         if cfg.rollout_weight_sync == "distributed":
             self.syncer = DistributedWeightSync(self.client, bucket_bytes=cfg.update_weight_buffer_size)
@@ -97,6 +103,13 @@ class RolloutDriver:
         if cfg.sglang_url:  # the servers start with their own weights: serve the trainer's policy
             self.sync_weights(weights, step, save)
         return self.description
+
+    def _watched(self, aw: Any, generate: bool = True) -> Any:
+        """`aw` under the engines' health checks (`--rollout-health-check-interval` / `-timeout`; `generate=False`:
+        `/health` only, for weight updates, which pause the engines)."""
+        assert self.client is not None
+        return with_health_watch(self.client, aw, self.config.rollout_health_check_interval,
+                                 self.config.rollout_health_check_timeout, generate)
 
     def _run(self, coro: Any) -> Any:
         assert self.loop is not None
@@ -122,10 +135,12 @@ class RolloutDriver:
 
         async def generate() -> list[Sample]:
             try:
-                return await generate_group_samples(
+                return await self._watched(generate_group_samples(
                     client, [encode_prompt(self.tokenizer, p) for p in prompts], cfg.n_samples_per_prompt, params,
                     stream=True, reward_fn=reward, buffer=buffer, group_id_offset=offset,
-                    sampling_seed=mix_seed(cfg.seed, rollout))
+                    sampling_seed=mix_seed(cfg.seed, rollout), max_failed_fraction=cfg.max_failed_sample_fraction))
+            except RolloutFailedError as e:  # the same, naming the rollout
+                raise RolloutFailedError(e.failed, e.total, e.max_fraction, e.early, rollout) from None
             finally:
                 progress.close()
 
@@ -143,17 +158,19 @@ class RolloutDriver:
         """Every engine serves `weights` as `weight_version(step)` once this returns (no rollout may be running)."""
         version = weight_version(step)
         if self.syncer is not None:
-            return self._run(self.syncer.sync(weights.items(), version))
+            return self._run(self._watched(self.syncer.sync(weights.items(), version), generate=False))
         assert self.client is not None
-        report = self._run(sync_weights_from_disk(self.client, save(weights, self.weights_dir / version), version))
+        report = self._run(self._watched(sync_weights_from_disk(self.client, save(weights, self.weights_dir / version),
+                                                                version), generate=False))
         for old in self.weights_dir.glob(f"{VERSION_PREFIX}*"):  # the engines no longer read older files
             if old.name != version:
                 shutil.rmtree(old, ignore_errors=True)
         return report
 
 
-async def _open_client(urls: list[str]) -> SGLangClient:
-    client = SGLangClient(urls)
+async def _open_client(urls: list[str], cfg: TrainerConfig) -> SGLangClient:
+    # no total cap on an attempt (a long generation streams for long): silence is what times out
+    client = SGLangClient(urls, request_timeout=None, read_timeout=cfg.rollout_request_timeout)
     await client.wait_healthy()
     return client
 

@@ -17,6 +17,7 @@ import tempfile
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from slime_corr.loss_terms import LossTermsConfig
 from slime_corr.monitoring.config import MonitoringConfig
 from slime_corr.rollout.sample import Sample
 from slime_corr.trainer.config import TrainerConfig
+from slime_corr.trainer.watchdog import ABORT_KEY, DriverBeacon
 
 
 @dataclass(frozen=True)
@@ -53,18 +55,29 @@ class RolloutRecord:
     micro_batches: list[int] = field(default_factory=list)  # each step's micro-batches per DP rank
     empty_micro_batches: list[int] = field(default_factory=list)  # of which empty (packed), over all DP ranks
     weight_sync: float = 0.0
-    checkpoint: float = 0.0
+    checkpoint: float = 0.0  # the save after the previous rollout (steps are logged before this rollout's save)
     wall: float = 0.0
 
 
-def init_distributed() -> bool:
-    """Join torchrun's process group (gloo), or make a one-process one; True when this call created it."""
+@dataclass
+class RunProgress:
+    """How far a run got (rank 0's view), for the line a Ctrl-C or an error ends with."""
+
+    rollout: int = 0  # rollouts done
+    step: int = 0  # optimizer steps done
+    checkpoint: str | None = None  # the last checkpoint saved (or loaded)
+
+
+def init_distributed(timeout_minutes: float | None = None) -> bool:
+    """Join torchrun's process group (gloo), or make a one-process one; True when this call created it. Every
+    collective then fails after `timeout_minutes` (`--distributed-timeout-minutes`) instead of gloo's 30."""
     if dist.is_initialized():
         return False
     if "RANK" not in os.environ:  # `python -m slime_corr.main`: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
-    dist.init_process_group("gloo")
+    timeout = {} if timeout_minutes is None else {"timeout": timedelta(minutes=timeout_minutes)}
+    dist.init_process_group("gloo", **timeout)
     return True
 
 
@@ -81,21 +94,22 @@ def _is_exporting_rank() -> bool:
     return ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
 
 
-def run(config: RunConfig) -> list[RolloutRecord]:
-    """The whole job (see the module doc); every rank calls it. Returns the driver's timing records."""
+def run(config: RunConfig, progress: RunProgress | None = None) -> list[RolloutRecord]:
+    """The whole job (see the module doc); every rank calls it. Returns the driver's timing records; `progress`
+    follows how far it got."""
     from megatron.core import parallel_state as ps
 
     from slime_corr.mcore.cpu_compat import apply_cpu_compat
 
-    created = init_distributed()
     cfg = config.trainer
+    created = init_distributed(cfg.distributed_timeout_minutes)
     ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_model_parallel_size,
                                  context_parallel_size=cfg.context_parallel_size,
                                  pipeline_model_parallel_size=cfg.pipeline_model_parallel_size)
     apply_cpu_compat()
     try:
         with contextlib.ExitStack() as stack:
-            return _Job(config, stack).run()
+            return _Job(config, stack, progress or RunProgress()).run()
     finally:
         ps.destroy_model_parallel()
         if created:
@@ -105,7 +119,7 @@ def run(config: RunConfig) -> list[RolloutRecord]:
 class _Job:
     """One run's state on one rank; `run` is the loop."""
 
-    def __init__(self, config: RunConfig, stack: contextlib.ExitStack) -> None:
+    def __init__(self, config: RunConfig, stack: contextlib.ExitStack, progress: RunProgress) -> None:
         from megatron.core import parallel_state as ps
 
         from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
@@ -116,8 +130,11 @@ class _Job:
         from slime_corr.trainer.update import Updater
 
         cfg, corr = config.trainer, config.correction
-        self.config, self.cfg = config, cfg
+        self.config, self.cfg, self.progress = config, cfg, progress
         self.is_driver = dist.get_rank() == 0
+        self.beacon = DriverBeacon(cfg.distributed_timeout_minutes * 60)
+        stack.callback(self.beacon.close)
+        self._checkpoint_carry = 0.0  # a save's seconds, logged with the next rollout's steps
         dp_ranks: list[int | None] = [None] * dist.get_world_size()
         dist.all_gather_object(dp_ranks, ps.get_data_parallel_rank())
         self.dp_rank_of = [int(r) for r in dp_ranks]  # type: ignore[arg-type]
@@ -134,7 +151,12 @@ class _Job:
                                rebaseline=not corr.use_rollout_logprobs and corr.use_rollout_correction,
                                normalize_std=cfg.grpo_std_normalization)
         self.state = load_train_state(cfg, self.policy.module, self.optimizer) if cfg.load else TrainState()
-        self.logger = stack.enter_context(MetricsLogger(monitoring, hparams=config.hparams, enabled=self.is_driver))
+        progress.rollout, progress.step = self.state.rollout, self.state.step
+        progress.checkpoint = cfg.load if cfg.load else None
+        hidden = {key for key, on in (("rollout/staleness_mean", cfg.async_rollout),
+                                      ("train/entropy", config.loss_terms.uses_entropy)) if not on}
+        self.logger = stack.enter_context(MetricsLogger(monitoring, hparams=config.hparams, enabled=self.is_driver,
+                                                        console_hidden=hidden, append=bool(cfg.load)))
         self.driver: RolloutDriver | None = None
         if self.is_driver:
             weights_dir = Path(cfg.work_dir) / "weights" if cfg.work_dir else \
@@ -168,6 +190,21 @@ class _Job:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> list[RolloutRecord]:
+        try:
+            return self._run()
+        except Exception as e:  # the other ranks stop with it instead of waiting for the driver
+            if self.is_driver:
+                self.beacon.publish(ABORT_KEY, str(e) or type(e).__name__)
+            raise
+
+    def _driver_done(self, key: str, what: str) -> None:
+        """The driver has done `key` (it publishes it); the other ranks wait for it, bounded (see watchdog)."""
+        if self.is_driver:
+            self.beacon.publish(key)
+        else:
+            self.beacon.wait(key, what)
+
+    def _run(self) -> list[RolloutRecord]:
         cfg, state = self.cfg, self.state
         weights = self._weights()
         if self.driver is not None:
@@ -183,6 +220,7 @@ class _Job:
             samples: list[Sample] = []
             if self.driver is not None:
                 samples, ahead = self._next_rollout(rollout)
+            self._driver_done(f"rollout/{rollout}", f"starting the engines and generating rollout {rollout}")
             record.rollout_wait = time.perf_counter() - start
             first_step = state.step
             results = self._train(samples, first_step, record)
@@ -192,12 +230,17 @@ class _Job:
                 state.pending = ahead.result()
                 ahead = None
                 record.rollout_wait += time.perf_counter() - waited
+            if cfg.async_rollout and (rollout + 1 < cfg.num_rollout or self._saves_after(rollout)):
+                self._driver_done(f"rollout/{rollout + 1}", f"generating rollout {rollout + 1}")
             sync = self._sync_weights(record)
             state.rollout = rollout + 1
+            self.progress.rollout, self.progress.step = state.rollout, state.step
+            record.checkpoint, self._checkpoint_carry = self._checkpoint_carry, 0.0  # the previous rollout's save
+            record.wall = time.perf_counter() - start + record.checkpoint
+            self._log(rollout, samples, first_step, results, record, sync)  # before the save: never lost to it
             if self._saves_after(rollout):
-                record.checkpoint = self._save()
-            record.wall = time.perf_counter() - start
-            self._log(rollout, samples, first_step, results, record, sync)
+                self._driver_done(f"synced/{rollout}", f"sending the weights of rollout {rollout} to the engines")
+                self._checkpoint_carry = self._save()
             records.append(record)
         return records
 
@@ -260,8 +303,10 @@ class _Job:
 
         start = time.perf_counter()
         path = save_train_state(self.cfg, self.state, self.policy.module, self.optimizer)
-        self.say(f"  checkpoint: {path}")
-        return time.perf_counter() - start
+        self.progress.checkpoint = str(path)
+        seconds = time.perf_counter() - start
+        self.say(f"  checkpoint: {path} ({seconds:.2f}s)")
+        return seconds
 
     # ------------------------------------------------------------------ metrics
     def _log(self, rollout: int, samples: list[Sample], first_step: int, results: list[Any], record: RolloutRecord,
@@ -270,7 +315,7 @@ class _Job:
         if not self.is_driver:
             return
         from slime_corr.monitoring.keys import loss_step_metrics
-        from slime_corr.monitoring.rollout_stats import rollout_metrics
+        from slime_corr.monitoring.rollout_stats import rollout_metrics, step_sample_counts
         from slime_corr.monitoring.step_diagnostics import diagnostic_metrics, top_mismatch_records
         from slime_corr.trainer.data import staleness
 
@@ -281,10 +326,14 @@ class _Job:
                  f"{sync.seconds:.3f}s")
         rollout_part = rollout_metrics(samples)
         overhead = record.wall - sum(record.train)
+        per_step = len(samples) // max(1, len(results))  # step k trains the rollout's k-th slice of whole groups
         for k, result in enumerate(results):
             step = first_step + k + 1
+            counts = step_sample_counts(samples[k * per_step:(k + 1) * per_step])
             lag_mean, lag_max = staleness(samples, first_step + k)
-            metrics = {**loss_step_metrics(result.metrics), **rollout_part,
+            # a step that trained no token has no loss or correction metric (absent, not 0)
+            loss_part = loss_step_metrics(result.metrics) if counts["rollout/trained_samples"] else {}
+            metrics = {**loss_part, **rollout_part, **counts,
                        "rollout/index": float(rollout), "rollout/staleness_mean": lag_mean,
                        "rollout/staleness_max": float(lag_max),
                        "perf/step_time": record.train[k] + overhead / len(results),
@@ -294,11 +343,11 @@ class _Job:
                        "perf/checkpoint_time": record.checkpoint,
                        "perf/micro_batches": float(record.micro_batches[k]),
                        "perf/empty_micro_batches": float(record.empty_micro_batches[k]),
-                       **diagnostic_metrics(result.diagnostics)}
+                       **(diagnostic_metrics(result.diagnostics) if loss_part else {})}
             self.logger.log(step, metrics)
-            if result.diagnostics.top:
+            if loss_part and result.diagnostics.top:
                 self.logger.log_samples(step, top_mismatch_records(result.diagnostics, samples,
                                                                    self.policy.tokenizer.decode))
 
 
-__all__ = ["RolloutRecord", "RunConfig", "init_distributed", "run"]
+__all__ = ["RolloutRecord", "RunConfig", "RunProgress", "init_distributed", "run"]

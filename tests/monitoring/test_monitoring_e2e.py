@@ -108,8 +108,8 @@ def test_diagnostics_agree_with_the_spec_metrics_of_the_same_step(run):
 
 def test_console_line_and_rollout_progress(run):
     out, err = run["proc"].stdout, run["proc"].stderr
-    lines = re.findall(r"^step (\d+): samples=8 reward=\S+ loss=\S+ pg_clipfrac=\S+ ppo_kl=\S+ grad_norm=\S+ "
-                       r"staleness=\d step_time=\S+ mismatch_kl=\S+ mismatch_k3_kl=\S+", out, re.M)
+    lines = re.findall(r"^step (\d+): trained=4 failed=0 reward=\S+ loss=\S+ pg_clipfrac=\S+ ppo_kl=\S+ "
+                       r"grad_norm=\S+ staleness=\d step_time=\S+ mismatch_kl=\S+ mismatch_k3_kl=\S+", out, re.M)
     assert lines == [str(s) for s in range(1, STEPS + 1)], out
     # not a terminal: plain progress lines, the last one at 100 %
     assert re.search(r"^rollout 1: 8/8 samples \(100%\), \d+ tokens, [\d.]+ s$", err, re.M), err[-2000:]

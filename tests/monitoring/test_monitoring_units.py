@@ -86,7 +86,7 @@ def test_logger_writes_every_metric_to_jsonl_and_a_readable_console_line(tmp_pat
     with MetricsLogger(config, run_dir=tmp_path / "run", hparams={"lr": 0.1, "_private": {1}, "path": tmp_path},
                        stream=out) as logger:
         for step in (1, 2):
-            logger.log(step, {"train/loss": 0.5 * step, "rollout/samples": 16, "rollout_corr/mismatch_k3_kl": 1e-4,
+            logger.log(step, {"train/loss": 0.5 * step, "rollout/trained_samples": 16, "rollout_corr/mismatch_k3_kl": 1e-4,
                               "rollout_corr/custom_x": torch.tensor(3.0), "perf/step_time": math.inf})
         logger.log_samples(2, [{"sample_id": 3, "response": "a|b"}])
         with pytest.raises(TypeError, match="'train/bad'"):
@@ -97,7 +97,7 @@ def test_logger_writes_every_metric_to_jsonl_and_a_readable_console_line(tmp_pat
     assert lines[0]["perf/step_time"] is None  # non-finite -> null (strict JSON)
     assert json.loads((tmp_path / "run" / "run_config.json").read_text()) == {"lr": 0.1, "path": str(tmp_path)}
     assert json.loads((tmp_path / "run" / "top_mismatch.jsonl").read_text())["sample_id"] == 3
-    assert out.getvalue().splitlines() == ["step 2: samples=16 loss=1 step_time=inf mismatch_k3_kl=0.0001"]
+    assert out.getvalue().splitlines() == ["step 2: trained=16 loss=1 step_time=inf mismatch_k3_kl=0.0001"]
     assert console_line(5, {}) == "step 5: "
 
 

@@ -30,6 +30,7 @@ FAULTS = ["ok", "http500", "http503", "http429", "http400", "timeout", "kill_mid
           "error_event", "error_event_fatal", "malformed_json", "misaligned", "nan", "missing_logprobs",
           "token_mismatch", "abort_503", "close_before_headers", "duplicate_rid"]
 CODE = {name: i for i, name in enumerate(FAULTS)}
+MODES = ("ok", "ok_then_die", "non_json", "wrong_shape", "http500", "hang_generate", "silent")  # server-wide
 
 
 def closed_port_url() -> str:
@@ -54,7 +55,11 @@ def _payload(rid: str, ids: list[int], lps: list, finish: dict | None, total: in
 
 
 class FaultServer:
-    def __init__(self, timeout_sleep: float = 1.0, old_router: bool = False) -> None:
+    def __init__(self, timeout_sleep: float = 1.0, old_router: bool = False, mode: str | None = None) -> None:
+        self.mode = mode  # None: the prompt selects the fault; else one of MODES for every request
+        self.die_after = 4  # mode "ok_then_die": /generate requests answered before the server goes away
+        self.site: web.TCPSite | None = None
+        self.dying = False
         self.attempts: Counter[int] = Counter()
         self.served_ok: Counter[int] = Counter()
         self.active = 0  # /generate handlers running now (see wait_idle)
@@ -64,7 +69,7 @@ class FaultServer:
         self.rids: list[str] = []
         self.bodies: list[dict] = []  # every /generate and /abort_request body received
         self.timeout_sleep = timeout_sleep
-        self.app = web.Application()
+        self.app = web.Application(middlewares=[self._silence])
         self.app.router.add_post("/generate", self.generate)
         self.app.router.add_get("/health", self.health)
         self.app.router.add_post("/abort_request", self.abort)
@@ -74,6 +79,13 @@ class FaultServer:
             self.app.router.add_post(path, self.control)
         for path in ("/get_model_info", "/get_server_info", *router_paths[1:]):
             self.app.router.add_get(path, self.control)
+
+    @web.middleware
+    async def _silence(self, request: web.Request, handler):  # noqa: ANN001, ANN202 - aiohttp's middleware
+        """Mode "silent": once a /generate came in, nothing answers any more (a stopped process)."""
+        if self.mode == "silent" and self.attempts:
+            await asyncio.sleep(3600)
+        return await handler(request)
 
     async def control(self, request: web.Request) -> web.Response:
         body = await request.json() if request.can_read_body else dict(request.query)
@@ -122,11 +134,42 @@ class FaultServer:
                 raise TimeoutError(f"fault server still busy with {self.active} request(s) after {timeout} s")
             time.sleep(0.005)
 
+    async def _whole_server_mode(self, request: web.Request, body: dict) -> web.StreamResponse:
+        """The answer of a server-wide fault (``mode``), whatever the prompt."""
+        self.attempts[-1] += 1
+        if self.mode == "non_json":  # e.g. a proxy's or another service's page
+            return web.Response(text="<html>502 upstream</html>", content_type="text/html")
+        if self.mode == "wrong_shape":
+            return web.json_response({"choices": [{"text": "hello"}]})
+        if self.mode == "http500":
+            return web.json_response({"error": "internal"}, status=500)
+        if self.mode in ("hang_generate", "silent"):  # /health still answers (hang_generate)
+            await asyncio.sleep(3600)
+        if self.mode == "ok_then_die" and len(self.rids) > self.die_after:  # the process is gone: refuse
+            assert request.transport is not None and self.site is not None
+            request.transport.close()
+            if not self.dying:
+                self.dying = True
+                asyncio.get_running_loop().create_task(self.site.stop())
+            return web.Response()
+        n = int(body.get("sampling_params", {}).get("max_new_tokens", 4))  # mode "ok": a valid answer
+        ids, lps = good_output(len(self.rids), max(1, min(4, n)))
+        p = _payload(body["rid"], ids, lps, {"type": "length", "length": len(ids)})
+        if not body.get("stream"):
+            return web.json_response(p)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: " + json.dumps(p).encode() + b"\n\ndata: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
         rid, stream = body["rid"], bool(body.get("stream"))
         self.rids.append(rid)
+        if self.mode is not None:
+            return await self._whole_server_mode(request, body)
         code, n_bad, sid = body["input_ids"][:3]
         self.attempts[sid] += 1
         fault = FAULTS[code] if self.attempts[sid] <= n_bad else "ok"
@@ -201,11 +244,13 @@ class FaultServer:
 
 
 @contextlib.contextmanager
-def run_fault_server(timeout_sleep: float = 1.0, old_router: bool = False) -> Iterator[tuple[str, FaultServer]]:
-    """Serve a :class:`FaultServer` on 127.0.0.1 in a background thread; yields (url, server)."""
-    server = FaultServer(timeout_sleep, old_router)
+def run_fault_server(timeout_sleep: float = 1.0, old_router: bool = False,
+                     mode: str | None = None) -> Iterator[tuple[str, FaultServer]]:
+    """Serve a :class:`FaultServer` on 127.0.0.1 in a background thread; yields (url, server). Leaving the block
+    stops it (later connections are refused)."""
+    server = FaultServer(timeout_sleep, old_router, mode)
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(server.app, handle_signals=False, access_log=None)
+    runner = web.AppRunner(server.app, handle_signals=False, access_log=None, shutdown_timeout=1.0)
     ready = threading.Event()
     port: list[int] = []
 
@@ -214,13 +259,17 @@ def run_fault_server(timeout_sleep: float = 1.0, old_router: bool = False) -> It
 
         async def start() -> None:
             await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            server.site = web.TCPSite(runner, "127.0.0.1", 0)
+            await server.site.start()
             port.append(runner.addresses[0][1])
 
         loop.run_until_complete(start())
         ready.set()
         loop.run_forever()
-        loop.run_until_complete(runner.cleanup())
+        pending = asyncio.all_tasks(loop)  # handlers still sleeping (hang modes): cancel them before closing
+        for task in pending:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         loop.close()
 
     t = threading.Thread(target=_run, daemon=True)
@@ -229,5 +278,9 @@ def run_fault_server(timeout_sleep: float = 1.0, old_router: bool = False) -> It
     try:
         yield f"http://127.0.0.1:{port[0]}", server
     finally:
-        loop.call_soon_threadsafe(loop.stop)
+        async def stop() -> None:
+            await runner.cleanup()  # closes the listening socket and every open connection
+            loop.stop()
+
+        loop.call_soon_threadsafe(lambda: loop.create_task(stop()))
         t.join(10)

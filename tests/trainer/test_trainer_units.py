@@ -51,7 +51,12 @@ BAD_FLAGS = [
     (["--use-dynamic-batch-size", "--max-tokens-per-gpu", "200"], "--max-tokens-per-gpu 200: a GRPO group "
                                                                   "(--n-samples-per-prompt 8 samples"),
     (["--tensor-model-parallel-size", "2"], "1 processes (WORLD_SIZE) are not a multiple of --tensor-model"),
-    (["--global-batch-size", "5"], "--global-batch-size 5 × --num-steps-per-rollout 4 must equal"),
+    (["--global-batch-size", "5"], "--global-batch-size 5 must divide the rollout's 32 samples"),
+    (["--global-batch-size", "8", "--num-steps-per-rollout", "2"], "--global-batch-size 8 × --num-steps-per-rollout 2 "
+                                                                   "must equal"),
+    (["--max-failed-sample-fraction", "1.5"], "--max-failed-sample-fraction 1.5 must be in [0, 1]"),
+    (["--rollout-request-timeout", "0"], "--rollout-request-timeout 0.0 must be a finite number > 0"),
+    (["--distributed-timeout-minutes", "-1"], "--distributed-timeout-minutes -1.0 must be a finite number > 0"),
     (["--num-steps-per-rollout", "8", "--rollout-batch-size", "4"], "--global-batch-size 4 must be a multiple of "
                                                                     "--n-samples-per-prompt 8"),
     (["--micro-batch-size", "3"], "--micro-batch-size 3 must divide the 8 samples"),
@@ -356,3 +361,17 @@ def test_rejected_sequences_leave_their_groups_baseline_before_the_update(packed
     assert not torch.equal(mbs[0]["advantages"], before[0])
     with pytest.raises(ValueError, match="bypass"):
         RolloutCorrectionLoss(C.preset("pg_rs")).kept_sequences(mbs[0])
+
+
+@pytest.mark.parametrize(("world", "tp", "expected"), [
+    (1, 1, (4, 4, 8, 8)), (2, 1, (4, 2, 16, 8)), (4, 2, (4, 2, 16, 8)), (3, 1, (6, 2, 24, 8)), (8, 1, (8, 1, 64, 8))])
+def test_batch_defaults_are_valid_at_any_dp_size(world, tp, expected):
+    """(--rollout-batch-size, --num-steps-per-rollout, --global-batch-size, --micro-batch-size) when none is given:
+    every DP rank trains 8 samples (one GRPO group) per step, as one process does by default."""
+    cfg = TrainerConfig(world_size=world, tensor_model_parallel_size=tp)
+    got = (cfg.rollout_batch_size, cfg.num_steps_per_rollout, cfg.global_batch_size, cfg.micro_batch_size)
+    assert got == expected
+    assert cfg.samples_per_rank_step == 8
+    explicit = TrainerConfig(world_size=world, tensor_model_parallel_size=tp, global_batch_size=expected[2] * 2,
+                             rollout_batch_size=expected[0] * 2)
+    assert explicit.num_steps_per_rollout == expected[1] and explicit.micro_batch_size == 8

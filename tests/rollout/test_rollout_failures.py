@@ -1,0 +1,118 @@
+"""A rollout that cannot be trained stops early with its failures grouped by kind and server; the health watch
+drops engines that stop answering and stops the wait when none is left. Fault servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+
+import pytest
+
+from slime_corr.rollout.client import RetryPolicy, SGLangClient, failure_kind
+from slime_corr.rollout.control import EnginesDownError
+from slime_corr.rollout.rollout import RolloutFailedError, generate_group_samples, with_health_watch
+from slime_corr.rollout.sample import SampleStatus
+
+from .fault_server import closed_port_url, run_fault_server
+
+RETRY = RetryPolicy(max_attempts=2, base_delay=0.005, max_delay=0.01)
+
+
+def _client(urls) -> SGLangClient:
+    return SGLangClient(urls, read_timeout=1.0, request_timeout=10.0, retry=RETRY)
+
+
+@pytest.mark.parametrize(("reason", "kind"), [
+    ("HTTP 503: busy", "HTTP 5xx"), ("HTTP 400: bad", "HTTP 4xx"), ("timeout (TimeoutError())", "timeout"),
+    ("connection failed: refused", "connection refused"), ("connection broken: reset", "connection broken"),
+    ("bad response: malformed JSON", "bad response"), ("whatever", "other")])
+def test_failure_kind(reason, kind):
+    assert failure_kind(reason) == kind
+
+
+def test_a_rollout_over_the_failed_share_stops_early_naming_each_kind_and_server():
+    with run_fault_server(mode="http500") as (bad, _), run_fault_server(mode="non_json") as (odd, _):
+        async def go():
+            async with _client([bad, odd]) as c:
+                return await generate_group_samples(c, [[1, 2, 3]] * 4, 4, {"max_new_tokens": 4},
+                                                    max_failed_fraction=0.25)
+
+        with pytest.raises(RolloutFailedError) as e:
+            asyncio.run(go())
+    err = e.value
+    assert err.early and err.total == 16 and 4 < len(err.failed) < 16  # stopped before every request ended
+    assert all(s.status == SampleStatus.FAILED for s in err.failed)
+    text = str(err)
+    counts = {m[1]: int(m[0]) for m in re.findall(r"^  (\d+) x (.+?) @ ", text, re.M)}
+    assert sum(counts.values()) == len(err.failed) and set(counts) <= {"HTTP 5xx", "bad response"}
+    assert re.search(rf"HTTP 5xx @ {bad}|bad response @ {odd}", text)
+    assert "What to check:" in text and "more than --max-failed-sample-fraction 0.25" in text
+
+
+def test_failures_under_the_threshold_end_the_rollout_normally():
+    with run_fault_server(mode="ok") as (good, _):
+        async def go():
+            async with _client([good, closed_port_url()]) as c:  # a dead one: its requests fail over
+                return await generate_group_samples(c, [[1, 2, 3]] * 2, 2, {"max_new_tokens": 4},
+                                                    max_failed_fraction=0.0)
+
+        samples = asyncio.run(go())
+    assert [s.status for s in samples] == [SampleStatus.TRUNCATED] * 4
+
+
+def test_the_health_watch_ends_a_wait_on_engines_that_stopped_answering():
+    with run_fault_server(mode="silent") as (url, server):
+        async def go():
+            async with _client(url) as c:
+                server.attempts[-1] += 1  # from now on nothing answers (a stopped process)
+                start = time.monotonic()
+                with pytest.raises(EnginesDownError) as e:
+                    await with_health_watch(c, asyncio.sleep(60), interval=0.2, timeout=0.5)
+                return e.value, time.monotonic() - start, c.dead
+
+        err, seconds, dead = asyncio.run(go())
+    assert seconds < 10 and list(dead) == [url]
+    assert re.search(rf"no rollout engine is left: {url}: no answer to its health check within 0.5 s", str(err))
+
+
+def test_the_health_watch_lets_the_work_finish_while_engines_answer():
+    with run_fault_server(mode="ok") as (url, _):
+        async def go():
+            async with _client(url) as c:
+                return await with_health_watch(c, asyncio.sleep(0.5, result="done"), interval=0.1, timeout=1.0)
+
+        assert asyncio.run(go()) == "done"
+
+
+def test_no_task_is_left_pending_after_an_early_stop():
+    with run_fault_server(mode="http500") as (url, _):
+        async def go():
+            async with _client(url) as c:
+                with contextlib.suppress(RolloutFailedError):
+                    await generate_group_samples(c, [[1]] * 4, 4, {"max_new_tokens": 4}, max_failed_fraction=0.1)
+                return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+        assert asyncio.run(go()) == []
+
+
+def test_a_dead_routers_workers_take_its_work():
+    with run_fault_server(mode="ok") as (w1, s1), run_fault_server(mode="ok") as (w2, s2):
+        router = contextlib.ExitStack()
+        router_url, _ = router.enter_context(run_fault_server(old_router=True, mode="ok"))
+
+        async def go():
+            async with _client(router_url) as c:
+                await c.add_worker(w1)
+                await c.add_worker(w2)
+                assert sorted(await c.workers()) == sorted([w1, w2]) and c.is_router(router_url)
+                router.close()  # the router process dies; its engines live on
+                samples = await generate_group_samples(c, [[1, 2, 3]] * 2, 2, {"max_new_tokens": 4},
+                                                       max_failed_fraction=0.0)
+                return samples, dict(c.dead), list(c.events)
+
+        samples, dead, events = asyncio.run(go())
+    assert all(s.status == SampleStatus.TRUNCATED for s in samples)
+    assert list(dead) == [router_url] and any("sending to its workers directly" in e for e in events)
+    assert len(s1.rids) + len(s2.rids) >= 4  # every sample was generated by an engine behind the router

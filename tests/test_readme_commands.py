@@ -1,0 +1,91 @@
+"""Every main-job command line of the README runs as written (with `--num-rollout 1` and a `--run-dir` appended),
+the torchrun ones included: the commands are read from README.md, so an edited README is tested as it reads.
+
+`PY` points the scripts at this interpreter (no install); `torchrun` is this interpreter's. Commands that train a
+pretrained model download nothing but take minutes on CPU: marked slow. Two commands run at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = re.compile(r"^(bash scripts/(run|launch_torchrun)\.sh|torchrun .*-m slime_corr\.main|python -m slime_corr\.main)")
+
+
+def readme_commands() -> list[str]:
+    """The main-job command lines of README.md: lines of ```bash blocks (continuations joined, comments dropped)
+    and inline `code` spans; placeholders (`...`, /path/to) left out."""
+    text = (ROOT / "README.md").read_text()
+    lines: list[str] = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        lines += [re.sub(r"\s+#.*$", "", line).strip() for line in block.replace("\\\n", " ").splitlines()]
+    lines += re.findall(r"`([^`\n]+)`", text)
+    commands = [re.sub(r"\s+", " ", c) for c in lines if JOB.match(c) and "..." not in c and "/path/to" not in c]
+    return list(dict.fromkeys(commands))
+
+
+def _env() -> dict[str, str]:
+    venv_bin = str(Path(sys.executable).parent)
+    return {**os.environ, "PY": sys.executable, "PATH": f"{venv_bin}:{os.environ.get('PATH', '')}",
+            "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+
+
+def _run(command: str, run_dir: Path, out: dict) -> None:
+    full = f"{command} --num-rollout 1 --run-dir {run_dir}"
+    proc = subprocess.run(full, shell=True, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    out[command] = proc
+
+
+def _run_all(commands: list[str], tmp_path: Path) -> dict:
+    results: dict = {}
+    for i in range(0, len(commands), 2):
+        threads = [threading.Thread(target=_run, args=(c, tmp_path / f"run{i + j}", results))
+                   for j, c in enumerate(commands[i:i + 2])]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return results
+
+
+def _pretrained(command: str) -> bool:
+    return "--model" in command or "--hf-checkpoint" in command
+
+
+def test_the_readme_lists_the_launches_it_documents():
+    commands = readme_commands()
+    for expected in ("bash scripts/run.sh", "bash scripts/run.sh --num-rollout 4 --async-rollout",
+                     "bash scripts/launch_torchrun.sh 2 --num-rollout 3",
+                     "bash scripts/launch_torchrun.sh 4 --tensor-model-parallel-size 2",
+                     "torchrun --nproc-per-node 2 -m slime_corr.main --rollout-correction-preset"):
+        assert any(c.startswith(expected) for c in commands), (expected, commands)
+
+
+def test_every_readme_command_runs_as_written(tmp_path):
+    commands = [c for c in readme_commands() if not _pretrained(c)]
+    results = _run_all(commands, tmp_path)
+    failures = []
+    for command, proc in results.items():
+        ok = proc.returncode == 0 and re.search(r"^step 1: trained=\d+ failed=0 ", proc.stdout, re.M)
+        if not ok or "Traceback" in proc.stderr:
+            failures.append(f"{command}: exit {proc.returncode}\n{proc.stdout[-1500:]}\n{proc.stderr[-2500:]}")
+    assert not failures, "\n\n".join(failures)
+    report = subprocess.run(["slime-corr", "report", str(tmp_path / "run0")], cwd=ROOT, env=_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0, report.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_every_pretrained_readme_command_runs_as_written(tmp_path):
+    commands = [c for c in readme_commands() if _pretrained(c)]
+    assert commands
+    for command, proc in _run_all(commands, tmp_path).items():
+        assert proc.returncode == 0, f"{command}\n{proc.stdout[-1500:]}\n{proc.stderr[-2500:]}"

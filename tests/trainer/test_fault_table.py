@@ -1,0 +1,251 @@
+"""The main job under faults: each ends with its exit code, a message that names the cause and the fix, within a
+bound (issue 22's probe table). Servers are fault servers on 127.0.0.1 (tests/rollout/fault_server.py); the jobs
+run as real processes, a few at a time.
+
+Time bounds: the waits are scaled down by flags (`--rollout-request-timeout 1`, health checks every 1 s) and the
+bound is that wait plus start-up on a loaded 2-core machine. With the default flags the same paths are bounded by
+4 attempts × `--rollout-request-timeout` 60 s + backoff and aborts (≈ 4.3 min) for a server that accepts requests
+and never answers, and by `--rollout-health-check-interval` + `--rollout-health-check-timeout` (30 + 30 s) for
+one that stops answering its health check too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.rollout.fault_server import run_fault_server
+
+TINY = ["--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+        "--rollout-max-response-len", "4", "--rollout-progress", "none"]
+PARALLEL = 3  # jobs at once
+JOB_LIMIT = 400.0  # seconds a job may take in all (imports and start-up on a loaded 2-core machine included)
+READY = re.compile(r"^(SGLang at|embedded engines)", re.M)  # the engines are up: what a bound is measured from
+BOUND = 45.0  # seconds from READY to the exit, for the faults found at once (a loaded machine: 4 steps take ~10 s)
+
+
+@dataclass
+class Case:
+    name: str
+    flags: list[str]
+    rc: int
+    message: str  # a regex the output must match
+    bound: float  # seconds from READY to the exit
+    mode: str | None = None  # a fault server with this mode, passed as --sglang-url
+    interrupt_after_step: bool = False  # SIGINT once a checkpoint is saved
+    kill_child_after_step: str | None = None  # SIGKILL the job's child process of this name once "step 1:" is out
+    absent: list[str] = field(default_factory=list)  # regexes the output must not match
+    result: dict = field(default_factory=dict)
+
+
+def _launch(case: Case, tmp: Path) -> None:
+    """Run `case` to its end (in a thread): rc, output, and seconds from the job's first line after start-up
+    (READY, or its exit for a job that stops at parse time) land in case.result."""
+    out_path = tmp / f"{case.name}.out"
+    with contextlib.ExitStack() as server:
+        run_dir = [] if "--run-dir" in case.flags else ["--run-dir", str(tmp / "runs" / case.name)]
+        cmd = [sys.executable, "-m", "slime_corr.main", *TINY, *run_dir, *case.flags]
+        if case.mode is not None:
+            url, _ = server.enter_context(run_fault_server(mode=case.mode))
+            cmd += ["--sglang-url", url]
+        cmd = [c.replace("{tmp}", str(tmp)).replace("{name}", case.name) for c in cmd]
+        start = time.monotonic()
+        with open(out_path, "w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2],
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        ready = None
+        interrupted = False
+        while proc.poll() is None and time.monotonic() - start < JOB_LIMIT:
+            text = out_path.read_text()
+            if ready is None and READY.search(text):
+                ready = time.monotonic()
+            if case.interrupt_after_step and not interrupted and "checkpoint:" in text:
+                proc.send_signal(signal.SIGINT)
+                interrupted = True
+            if case.kill_child_after_step and not interrupted and "step 1:" in text:
+                interrupted = _kill_child(proc.pid, case.kill_child_after_step)
+            time.sleep(0.1)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    end = time.monotonic()
+    case.result.update(rc=proc.returncode, seconds=end - (ready or end), output=out_path.read_text())
+
+
+def _kill_child(pid: int, name: str) -> bool:
+    """SIGKILL the child of `pid` whose command line contains `name`; True when one was found."""
+    for child in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (child / "stat").read_text()
+            cmdline = (child / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and name in (cmdline + stat):
+            os.kill(int(child.name), signal.SIGKILL)
+            return True
+    return False
+
+
+def _run_all(cases: list[Case], tmp: Path) -> None:
+    cases = sorted(cases, key=lambda c: c.name)
+    for i in range(0, len(cases), PARALLEL):
+        threads = [threading.Thread(target=_launch, args=(c, tmp)) for c in cases[i:i + PARALLEL]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+
+def _check(cases: list[Case]) -> None:
+    failures = []
+    for c in cases:
+        r = c.result
+        out = r.get("output", "")
+        bad = []
+        if r.get("rc") != c.rc:
+            bad.append(f"exit {r.get('rc')} (expected {c.rc})")
+        if not re.search(c.message, out, re.S):
+            bad.append(f"no match for {c.message!r}")
+        if r.get("seconds", 1e9) > c.bound:
+            bad.append(f"took {r.get('seconds'):.0f} s > {c.bound:.0f} s")
+        for pattern in ["Traceback", "Task was destroyed", *c.absent]:
+            if re.search(pattern, out):
+                bad.append(f"output has {pattern!r}")
+        print(f"{c.name}: exit {r.get('rc')}, {r.get('seconds', 0):.1f} s, "
+              f"{(re.search(c.message, out, re.S) or [''])[0][:160]!r}")
+        if bad:
+            failures.append(f"{c.name}: {'; '.join(bad)}\n{out[-2500:]}")
+    assert not failures, "\n\n".join(failures)
+
+
+SERVER_CASES = [
+    Case("non_json", [], 1, r"rollout 0: \d of 4 samples failed.*bad response @ http://127\.0\.0\.1:\d+: e\.g\. "
+         r".*What to check:.*is it an SGLang server", BOUND, mode="non_json"),
+    Case("wrong_shape", [], 1, r"samples failed.*bad response @ http://127\.0\.0\.1:\d+", BOUND, mode="wrong_shape"),
+    Case("http500", [], 1, r"samples failed.*HTTP 5xx @ http://127\.0\.0\.1:\d+.*its log", BOUND, mode="http500"),
+    Case("generate_never_answers", ["--rollout-request-timeout", "1"], 1,
+         r"samples failed.*timeout @ http://127\.0\.0\.1:\d+.*stuck or overloaded", BOUND + 30,
+         mode="hang_generate"),
+    Case("server_stops_answering", ["--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "1"], 1,
+         r"no rollout engine is left: http://127\.0\.0\.1:\d+: no answer to its health check within 1 s", BOUND + 20,
+         mode="silent"),
+    Case("server_killed_mid_run", [], 1, r"step 2: .*rollout 1: \d of 4 samples failed.*connection refused @ "
+         r"http://127\.0\.0\.1:\d+.*still running", BOUND, mode="ok_then_die"),
+    Case("all_failed_allowed", ["--max-failed-sample-fraction", "1", "--rollout-correction-preset",
+                                "decoupled_seq_is_rs", "--run-dir", "{tmp}/{name}"], 0,
+         r"step 1: trained=0 failed=2 step_time=\S+\nstep 2: trained=0 failed=2 step_time", BOUND,
+         mode="non_json", absent=["mismatch_k3_kl", "reward="]),
+    Case("ok", ["--rollout-correction-preset", "decoupled_seq_is_rs"], 0,
+         r"step 2: trained=2 failed=0 reward=\S+ loss=.*mismatch_k3_kl", BOUND, mode="ok",
+         absent=["staleness="]),
+    Case("router_killed_engines_take_over", ["--rollout-num-engines", "2", "--rollout-router", "on", "--num-rollout",
+                                             "4"], 0,
+         r"rollout \d: truncated=4 retried_samples=\d+ failovers=\d+ dead_engines=\['http://127\.0\.0\.1:\d+'\]"
+         r".*step 8: trained=2 failed=0", BOUND, kill_child_after_step="router"),
+    Case("ctrl_c", ["--num-rollout", "50", "--save", "{tmp}/ctrl_c_ckpt", "--save-interval", "1"], 130,
+         r"slime_corr\.main: interrupted after rollout \d+ of 50 \(step \d+\); last checkpoint \S+iter_\d+; resume: "
+         r"the same command with --load \S+ctrl_c_ckpt\.\s*\Z", BOUND + 30, interrupt_after_step=True),
+]
+
+
+def test_rollout_faults_stop_the_run_with_a_named_error_in_bounded_time(tmp_path):
+    cases = [c for c in SERVER_CASES if c.kill_child_after_step != "router" or importlib.util.find_spec("sglang_router")]
+    _run_all(cases, tmp_path)
+    _check(cases)
+    records = [json.loads(line) for line in (tmp_path / "all_failed_allowed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout/failed_samples"] for r in records] == [2, 2, 2, 2]
+    assert not [k for r in records for k in r if k.startswith(("rollout_corr/", "train/", "diag/"))]
+    report = subprocess.run([sys.executable, "-m", "slime_corr.cli", "report", str(tmp_path / "all_failed_allowed")],
+                            capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0 and "no recommendation" in report.stdout, report.stdout + report.stderr
+    assert "negligible" not in report.stdout  # steps that trained nothing are no evidence
+
+
+def test_paths_and_checkpoints_fail_with_one_message(tmp_path, capsys):
+    from slime_corr.main import parse_run_config
+
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.run([sys.executable, "-m", "slime_corr.main", *TINY, "--num-rollout", "1", "--save", str(ckpt),
+                           "--run-dir", str(tmp_path / "saved_run")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    # the step lines of the saved rollout come before its checkpoint line
+    assert proc.stdout.index("step 2:") < proc.stdout.index("checkpoint:")
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "metrics.jsonl").write_text('{"step": 1}\n')
+    damaged = {}
+    for name in ("distcp", "common", "metadata", "tracker", "model_size"):
+        shutil.copytree(ckpt, tmp_path / name)
+        damaged[name] = tmp_path / name
+    it = next((tmp_path / "distcp").glob("iter_*"))
+    distcp = sorted(it.glob("*.distcp"))[0]
+    distcp.write_bytes(distcp.read_bytes()[: distcp.stat().st_size // 2])
+    common = next((tmp_path / "common").glob("iter_*")) / "common.pt"
+    common.write_bytes(common.read_bytes()[: common.stat().st_size // 2])
+    (next((tmp_path / "metadata").glob("iter_*")) / "metadata.json").write_text("garbage{")
+    (tmp_path / "tracker" / "latest_checkpointed_iteration.txt").write_text("eight\n")
+    parse_time = [  # refused while parsing (exit 2): in this process, no start-up to pay
+        (["--save", f"{tmp_path}/a_file/ckpt"], r"--save \S+a_file/ckpt: \S+a_file is a file, so the directory cannot"),
+        (["--run-dir", "/proc/slime_corr_run"],
+         r"--run-dir /proc/slime_corr_run: cannot write there \(it would be created in /proc\)"),
+        (["--work-dir", f"{tmp_path}/a_file/w"], r"--work-dir \S+: \S+a_file is a file"),
+        (["--run-dir", f"{tmp_path}/used"], r"--run-dir \S+used already holds a run's metrics\.jsonl: a run never "
+                                            r"appends to another run's metrics\. Pass a new --run-dir"),
+        (["--load", f"{tmp_path}/tracker"], r"latest_checkpointed_iteration\.txt: expected an iteration number, got "
+                                            r"'eight': write the number of a complete iter_\* directory"),
+    ]
+    for flags, message in parse_time:
+        with pytest.raises(SystemExit) as exit_info:
+            parse_run_config(flags, check_urls=False)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and re.search(message, err), (flags, err[-600:])
+        print(f"{flags[0]}: exit 2 at parse time: {err.strip().splitlines()[-1][:160]!r}")
+    cases = [
+        Case("distcp_truncated", ["--load", "{tmp}/distcp", "--num-rollout", "2"], 1,
+             r"error: --load \S+distcp: \S+\.distcp is truncated: \d+ bytes, its index needs \d+\. The checkpoint is "
+             r"damaged.*--ckpt-step N", BOUND),
+        Case("common_pt_truncated", ["--load", "{tmp}/common", "--num-rollout", "2"], 1,
+             r"error: --load \S+common: \S+common\.pt cannot be read", BOUND),
+        Case("metadata_garbage", ["--load", "{tmp}/metadata", "--num-rollout", "2"], 1,
+             r"error: --load \S+metadata: \S+metadata\.json is not valid JSON", BOUND),
+        Case("other_model_size", ["--load", "{tmp}/model_size", "--num-rollout", "2", "--hidden-size", "32"], 1,
+             r"error: --load \S+model_size: iter_\d+ holds another model than this run builds \(.*shape mismatch.*\)"
+             r"\. Resume with the model flags", BOUND),
+    ]
+    _run_all(cases, tmp_path)
+    _check(cases)
+
+
+def test_a_silent_driver_and_a_stuck_collective_end_in_the_distributed_timeout():
+    from tests.trainer.watchdog_ranks import run_watchdog_ranks
+
+    results = run_watchdog_ranks(timeout_s=3.0)
+    assert re.search(r"rank 0 \(the rollout driver\) showed no sign of life for 0\.05 min while generating rollout 0 "
+                     r"\(--distributed-timeout-minutes\)", results["silent_driver"]), results
+    assert re.search(r"a collective with the other ranks timed out after --distributed-timeout-minutes 0\.05",
+                     results["stuck_collective"]), results
+    assert results["driver_error"] == "rollout 0: 4 of 4 samples failed", results
+    assert max(results["seconds"]) < 60, results
+
+
+@pytest.mark.parametrize("world_size", [1])
+def test_the_beacon_is_a_no_op_in_a_world_of_one(world_size):
+    from slime_corr.trainer.watchdog import DriverBeacon
+
+    beacon = DriverBeacon(1.0)
+    beacon.publish("rollout/0")
+    beacon.wait("rollout/0", "anything")
+    beacon.close()

@@ -1,0 +1,83 @@
+"""Two gloo ranks for the watchdog tests (spawned once; each scenario in turn): a driver that stops beating, a
+collective one rank never joins, a driver that fails. Each rank writes what it saw to a file."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ranks(rank: int, port: int, timeout_s: float, out: str) -> None:
+    from slime_corr.trainer.watchdog import (
+        ABORT_KEY,
+        DriverBeacon,
+        PeerError,
+        StuckRankError,
+        collective_error,
+    )
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=timeout_s))
+    seen: dict[str, object] = {"seconds": []}
+    try:
+        beacon = DriverBeacon(timeout_s)
+        # 1. the driver stops beating (a stopped process): the waiting rank gives up after the timeout
+        if rank == 0:
+            beacon._stop.set()  # noqa: SLF001 - what a SIGSTOP does to the beat
+            time.sleep(timeout_s + 3)
+        else:
+            start = time.monotonic()
+            try:
+                beacon.wait("rollout/0", "generating rollout 0")
+            except StuckRankError as e:
+                seen["silent_driver"] = str(e)
+            seen["seconds"].append(time.monotonic() - start)  # type: ignore[union-attr]
+        # 2. a collective rank 1 never joins: rank 0's fails after the process group's timeout
+        if rank == 0:
+            start = time.monotonic()
+            try:
+                dist.barrier()
+            except RuntimeError as e:
+                seen["stuck_collective"] = collective_error(e, timeout_s / 60) or str(e)
+            seen["seconds"].append(time.monotonic() - start)  # type: ignore[union-attr]
+        else:
+            time.sleep(timeout_s + 3)
+        # 3. the driver fails: the waiting rank stops with its error
+        if rank == 0:
+            beacon.publish(ABORT_KEY, "rollout 0: 4 of 4 samples failed")
+            time.sleep(1)
+        else:
+            try:
+                beacon.wait("rollout/1", "generating rollout 1")
+            except PeerError as e:
+                seen["driver_error"] = str(e)
+        beacon.close()
+    finally:
+        Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
+        dist.destroy_process_group()
+
+
+def run_watchdog_ranks(timeout_s: float) -> dict:
+    """Spawn the two ranks; their findings merged (seconds: each wait's duration)."""
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_ranks, args=(_free_port(), timeout_s, out), nprocs=2, join=True)
+        merged: dict = {"seconds": []}
+        for rank in (0, 1):
+            seen = json.loads(Path(out, f"rank{rank}.json").read_text())
+            merged["seconds"] += seen.pop("seconds")
+            merged.update(seen)
+        return merged
