@@ -1,4 +1,5 @@
-"""The experts Megatron-Core's MoE routers pick: a capture of each layer's `TopKRouter` output during a forward.
+"""The experts Megatron-Core's MoE routers pick: a capture of each layer's `TopKRouter` output during a forward,
+and routing replay (Megatron's `RouterReplay`, `moe_enable_routing_replay=True`): force given experts.
 
 Megatron's hidden states are sequence-first (`[S, B, H]`), so a router sees tokens in (s, b) order and returns
 `routing_map` `[S*B, num_experts]` (bool, k entries set per token). Routes here are batch-first expert ids
@@ -58,4 +59,41 @@ def capture_routes(model: nn.Module, batch_size: int) -> Iterator[list[torch.Ten
             h.remove()
 
 
-__all__ = ["moe_routers", "routing_map_to_ids", "capture_routes"]
+def _router_order(routes: torch.Tensor, layer: int) -> torch.Tensor:
+    """`[B, S, L, k]` -> layer `layer`'s `[S*B, k]` int64 in the router's (sequence-first) token order."""
+    return routes[:, :, layer].transpose(0, 1).reshape(-1, routes.shape[-1]).long()
+
+
+@contextmanager
+def replay_routes(model: nn.Module, routes: torch.Tensor) -> Iterator[None]:
+    """Inside the block, every forward of `model` routes its tokens to `routes` (`[B, S, L, k]` expert ids of the
+    batch it is given, batch-first; any integer dtype) instead of its routers' own top-k; the routers' weights
+    still come from their own scores at those experts (`RouterReplay.get_replay_topk`: the gathered scores).
+    Set per router of this model (not through `RouterReplay`'s process-wide instance list, which every model
+    built in the process appends to). The model must be built with `moe_enable_routing_replay=True`."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    routers = moe_routers(model)
+    missing = [i for i, r in enumerate(routers) if r.router_replay is None]
+    if not routers or missing:
+        raise ValueError("replay_routes: build the model with moe_enable_routing_replay=True "
+                         f"(config_overrides); routers without replay: {missing or 'no MoE router'}")
+    if routes.dim() != 4 or routes.shape[2] != len(routers):
+        raise ValueError(f"replay_routes: routes {tuple(routes.shape)} must be [batch, seq, {len(routers)} layers, "
+                         "top_k]")
+    for i, r in enumerate(routers):
+        k = r.config.moe_router_topk
+        if routes.shape[-1] != k:
+            raise ValueError(f"replay_routes: routes have top_k={routes.shape[-1]}, the model's routers {k}")
+        r.router_replay.clear_indices()
+        r.router_replay.set_target_indices(_router_order(routes, i))
+        r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    try:
+        yield
+    finally:
+        for r in routers:
+            r.router_replay.clear_indices()
+            r.router_replay.clear_router_replay_action()
+
+
+__all__ = ["moe_routers", "routing_map_to_ids", "capture_routes", "replay_routes"]

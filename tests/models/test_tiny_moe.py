@@ -1,13 +1,13 @@
 """The tiny Qwen3-MoE on the trainer's side: HF -> Megatron-Core GPTModel (local spec, SequentialMLP) through
 mbridge, logits equal to HF's (fp32 and fp64), the same experts chosen by both routers, the weights bitwise after
-the round trip."""
+the round trip; Megatron's RouterReplay forces given experts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from slime_corr.mcore.routing import capture_routes, routing_map_to_ids
+from slime_corr.mcore.routing import capture_routes, moe_routers, replay_routes, routing_map_to_ids
 from slime_corr.models import build_gpt_from_hf, load_hf_causal_lm
 from slime_corr.models.check import max_logit_diff, megatron_logits, round_trip_mismatches
 from slime_corr.models.hf_checkpoint import CheckpointError, read_hf_checkpoint, spec_from_config
@@ -63,3 +63,33 @@ def test_megatron_equals_hf_logits_and_routes(single_rank, moe_dir, dtype):
         assert round_trip_mismatches(bridge, model) == []
     unloaded = bridge.build_model(load_weights=False)
     assert max_logit_diff(unloaded, hf, IDS) > 0.1  # the comparison sees the weights
+
+
+def test_replay_forces_the_given_routes(single_rank, moe_dir):
+    """Megatron's RouterReplay through `replay_routes`: its own routes replayed give the same logits; other routes
+    (random sets) are what the routers then report, change the logits, and gradients flow through the routers'
+    weights of the replayed experts."""
+    model, _ = build_gpt_from_hf(moe_dir, config_overrides={"moe_enable_routing_replay": True})
+    with capture_routes(model, IDS.size(0)) as captured:
+        ref = megatron_logits(model, IDS)
+    own = captured[0]
+    with replay_routes(model, own.to(torch.uint8)), capture_routes(model, IDS.size(0)) as again:
+        assert torch.equal(megatron_logits(model, IDS), ref)
+    assert torch.equal(again[0], own)
+
+    g = torch.Generator().manual_seed(3)
+    forced = torch.rand(*own.shape[:-1], ARGS.num_experts, generator=g).argsort(-1)[..., : ARGS.num_experts_per_tok]
+    assert (forced.sort(-1).values != own).any()
+    with replay_routes(model, forced), capture_routes(model, IDS.size(0)) as replayed:
+        logits = model(input_ids=IDS, position_ids=torch.arange(IDS.size(1)).expand_as(IDS), attention_mask=None)
+        logits.float().logsumexp(-1).mean().backward()
+    assert torch.equal(replayed[0], forced.sort(-1).values)
+    assert (logits.detach() - ref).abs().max() > 1e-3
+    router_grads = [r.weight.grad for r in moe_routers(model)]
+    assert all(gr is not None and gr.abs().sum() > 0 for gr in router_grads)
+    with capture_routes(model, IDS.size(0)) as after:  # the replay ended with the block
+        megatron_logits(model, IDS)
+    assert torch.equal(after[0], own)
+    with pytest.raises(ValueError, match="moe_enable_routing_replay=True"):
+        with replay_routes(build_gpt_from_hf(moe_dir)[0], own):
+            pass
