@@ -1,7 +1,8 @@
 """The tiny Qwen3-MoE (`slime_corr.models.tiny_moe`) served by the REAL SGLang 0.5.23 server on CPU (fp32,
 `--enable-return-routed-experts`; one server for the module): log-probs equal HF's teacher-forced ones, and the
 routes the server returns (through the rollout client, plain, streamed and across an abort/resume) equal the top-k
-of HF's router logits for the same tokens."""
+of HF's router logits for the same tokens; replayed in the trainer's Megatron model (built from the same checkpoint
+through mbridge) they are the experts its routers report, and its routing-mismatch metric is 0."""
 
 from __future__ import annotations
 
@@ -100,3 +101,49 @@ def test_routes_across_abort_and_resume(server, hf):
     sample = asyncio.run(go())
     assert sample.attempts == 2 and sample.response_length == 120, (sample.attempts, sample.failure_reason)
     _check(hf, [sample], 1.0)
+
+
+def _megatron_route_check(rank: int, world: int, moe_dir: str, samples: list[Sample], out: dict) -> None:
+    """In a one-rank gloo group: the Megatron model's own routes of each sample (before replay), the routes and
+    log-probs under replay of the engine's routes."""
+    from mcore_helpers import init_layout
+    from megatron.core import tensor_parallel
+
+    from slime_corr.mcore.routing import capture_routes, replay_routes
+    from slime_corr.models import build_gpt_from_hf
+
+    init_layout(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    model, _ = build_gpt_from_hf(moe_dir, config_overrides={"moe_enable_routing_replay": True})
+    model.eval()
+    for s in samples:
+        ids = torch.tensor([s.prompt_tokens + s.response_tokens[:-1]])  # the tokens that were forward inputs
+        pos = torch.arange(ids.size(1))[None]
+        engine = s.routed_experts[None]
+        with torch.no_grad(), capture_routes(model, 1) as own:
+            model(input_ids=ids, position_ids=pos, attention_mask=None)
+        with torch.no_grad(), replay_routes(model, engine), capture_routes(model, 1) as replayed:
+            logits = model(input_ids=ids, position_ids=pos, attention_mask=None)
+        lp = torch.log_softmax(logits[0, len(s.prompt_tokens) - 1 :].float(), -1)
+        lp = lp.gather(-1, torch.tensor(s.response_tokens)[:, None])[:, 0]
+        out.setdefault("own", []).append(own[0][0])
+        out.setdefault("replayed", []).append(replayed[0][0])
+        out.setdefault("lp", []).append(lp)
+
+
+def test_engine_routes_replayed_in_megatron(server, moe_dir):
+    from mcore_helpers import run_in_process
+
+    from slime_corr.correction.routing import routing_mismatch_metrics
+
+    samples = asyncio.run(_samples(server, True, 1.0))
+    out: dict = {}
+    run_in_process(_megatron_route_check, moe_dir, samples, out)
+    for s, own, replayed, lp in zip(samples, out["own"], out["replayed"], out["lp"], strict=True):
+        engine = s.routed_experts.long().sort(-1).values
+        assert torch.equal(replayed, engine)  # replay: the trainer's routes are the engine's, token for token
+        mask = torch.ones(engine.shape[0])
+        before = routing_mismatch_metrics(engine, own, mask)
+        assert float(before["routing_mismatch_frac"]) == 0.0  # fp32 engine and fp32 trainer agree anyway
+        assert float(routing_mismatch_metrics(engine, replayed, mask)["routing_mismatch_token_frac"]) == 0.0
+        assert (lp - s.rollout_log_probs).abs().max() <= LOGPROB_TOL
