@@ -174,3 +174,60 @@ def test_sample_routes_through_abort_and_resume(abort_routes):
     plain = asyncio.run(generate_sample(ScriptedClient(0, True), Sample(prompt_tokens=[1, 2, 3]),
                                         {"max_new_tokens": 3}))
     assert plain.routed_experts is None and plain.response_length == 3
+
+
+def _routed_sample(prompt: list[int], response: list[int], index: int = 0) -> Sample:
+    s = Sample(prompt_tokens=prompt, response_tokens=response, rollout_log_probs=[-0.5] * len(response), index=index)
+    seq = prompt + response
+    s.routed_experts = torch.tensor([route_of(t, SPEC) for t in seq[:-1]], dtype=torch.uint8)
+    s.validate()
+    return s
+
+
+def _check_layout(tokens: torch.Tensor, routes: torch.Tensor, real: torch.Tensor) -> int:
+    """Every position holding a routed token (`real`) has that token's routes, every other one experts 0..k-1."""
+    filler = torch.tensor([[0, 1]] * SPEC.num_layers, dtype=torch.uint8)
+    checked = 0
+    for t, r, is_real in zip(tokens.reshape(-1).tolist(), routes.reshape(-1, SPEC.num_layers, SPEC.top_k),
+                             real.reshape(-1).tolist(), strict=True):
+        want = torch.tensor(route_of(t, SPEC), dtype=torch.uint8) if is_real else filler
+        assert torch.equal(r, want), (t, r, is_real)
+        checked += is_real
+    return checked
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_routes_in_micro_batches_and_cp_slices(packed):
+    from slime_corr.rollout.batching import ROUTE_KEY, TOKEN_KEYS, build_micro_batch, slice_micro_batch_for_cp
+
+    samples = [_routed_sample([101, 102, 103], [104, 105]), _routed_sample([111], [112, 113, 114, 115, 116], 1),
+               _routed_sample([121, 122], [], 2)]
+    batch = build_micro_batch(samples, pad_to_multiple=4, pad_token_id=0, packed=packed)
+    routes = batch[ROUTE_KEY]
+    assert routes.dtype == torch.uint8 and routes.shape == (*batch["tokens"].shape, SPEC.num_layers, SPEC.top_k)
+    # routed: every token of a sample but its last (positions with a next token: where labels are the sample's)
+    real = torch.zeros_like(batch["tokens"], dtype=torch.bool)
+    starts = batch["cu_seqlens_padded"].tolist() if packed else None
+    for i, s in enumerate(samples):
+        row, begin = (0, starts[i]) if packed else (i, 0)
+        real[row, begin : begin + s.total_length - 1] = True
+    assert _check_layout(batch["tokens"], routes, real) == sum(s.total_length - 1 for s in samples)
+    for cp_rank in range(2):
+        local = slice_micro_batch_for_cp(batch, cp_rank, 2, keys=(*TOKEN_KEYS, ROUTE_KEY))
+        local_real = slice_micro_batch_for_cp({**batch, "real": real}, cp_rank, 2, keys=("real",))["real"]
+        assert local[ROUTE_KEY].shape[:2] == local["tokens"].shape
+        _check_layout(local["tokens"], local[ROUTE_KEY], local_real)
+        assert torch.equal(slice_micro_batch_for_cp(batch, cp_rank, 2)[ROUTE_KEY], routes)  # not sliced by default
+
+
+def test_micro_batch_refuses_missing_or_partial_routes():
+    from slime_corr.rollout.batching import build_micro_batch
+
+    a = _routed_sample([1, 2], [3])
+    b = Sample(prompt_tokens=[4, 5], response_tokens=[6], rollout_log_probs=[-1.0], index=7)
+    with pytest.raises(ValueError, match=r"routed_experts: samples \[7\] carry no routes"):
+        build_micro_batch([a, b])
+    a.routed_experts = a.routed_experts[:1]  # a tool segment not routed yet
+    with pytest.raises(ValueError, match="routes for 1 of its 2 input tokens"):
+        build_micro_batch([a])
+    assert "routed_experts" not in build_micro_batch([b])
