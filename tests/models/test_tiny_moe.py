@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mcore_helpers import spawn
 
 from slime_corr.mcore.routing import capture_routes, moe_routers, replay_routes, routing_map_to_ids
 from slime_corr.models import build_gpt_from_hf, load_hf_causal_lm
@@ -93,3 +94,27 @@ def test_replay_forces_the_given_routes(single_rank, moe_dir):
     with pytest.raises(ValueError, match="moe_enable_routing_replay=True"):
         with replay_routes(build_gpt_from_hf(moe_dir)[0], own):
             pass
+
+
+def _tp2_worker(rank: int, world: int, d: str) -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    model, bridge = build_gpt_from_hf(d, ddp=True)
+    hf = load_hf_causal_lm(d)
+    model.eval()  # forward-only (the lp_old / reference pass)
+    diff = max_logit_diff(model, hf, IDS)
+    assert diff <= 1e-5, (rank, diff)
+    assert round_trip_mismatches(bridge, model) == [], rank  # expert shards gathered back bitwise
+    model.train()  # Megatron: MoE with TP > 1 trains only with sequence parallelism, which the torch norms of the
+    with pytest.raises(ValueError, match="sequence parallelism"):  # local spec refuse (TE / apex norms needed)
+        megatron_logits(model, IDS)
+    ps.destroy_model_parallel()
+
+
+def test_tp2_forward_only(moe_dir):
+    """TP=2 (2 gloo processes): experts and attention split by mbridge, logits equal HF's in eval mode; training
+    mode is refused by Megatron on CPU (see `_tp2_worker`)."""
+    spawn(_tp2_worker, 2, str(moe_dir))
