@@ -59,41 +59,68 @@ def capture_routes(model: nn.Module, batch_size: int) -> Iterator[list[torch.Ten
             h.remove()
 
 
+def _check_routes(routers: list[nn.Module], routes: torch.Tensor) -> None:
+    if routes.dim() != 4 or routes.shape[2] != len(routers):
+        raise ValueError(f"replay_routes: routes {tuple(routes.shape)} must be [batch, seq, {len(routers)} layers, "
+                         "top_k]")
+    k = routers[0].config.moe_router_topk
+    if routes.shape[-1] != k:
+        raise ValueError(f"replay_routes: routes have top_k={routes.shape[-1]}, the model's routers {k}")
+
+
 def _router_order(routes: torch.Tensor, layer: int) -> torch.Tensor:
     """`[B, S, L, k]` -> layer `layer`'s `[S*B, k]` int64 in the router's (sequence-first) token order."""
     return routes[:, :, layer].transpose(0, 1).reshape(-1, routes.shape[-1]).long()
 
 
+class ReplayHandle:
+    """What `replay_routes` yields. `next_forward(routes)` replays other routes in the next forward (the next
+    micro-batch). With activation recompute (`recompute_granularity`) the backward pass runs the routers again;
+    while a forward's routes are still the current ones the recompute replays them, but once later micro-batches
+    were forwarded (pipeline schedules) call `backward_phase()` before the backwards: each recompute then takes its
+    own forward's routes, in forward order (`RouterReplay`'s REPLAY_BACKWARD). Megatron-Core does not switch it."""
+
+    def __init__(self, routers: list[nn.Module]) -> None:
+        self.routers = routers
+
+    def next_forward(self, routes: torch.Tensor) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        _check_routes(self.routers, routes)
+        for i, r in enumerate(self.routers):
+            r.router_replay.set_target_indices(_router_order(routes, i))  # also queued for the backward
+            r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def backward_phase(self) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        for r in self.routers:
+            r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+
+
 @contextmanager
-def replay_routes(model: nn.Module, routes: torch.Tensor) -> Iterator[None]:
+def replay_routes(model: nn.Module, routes: torch.Tensor) -> Iterator[ReplayHandle]:
     """Inside the block, every forward of `model` routes its tokens to `routes` (`[B, S, L, k]` expert ids of the
     batch it is given, batch-first; any integer dtype) instead of its routers' own top-k; the routers' weights
     still come from their own scores at those experts (`RouterReplay.get_replay_topk`: the gathered scores).
     Set per router of this model (not through `RouterReplay`'s process-wide instance list, which every model
-    built in the process appends to). The model must be built with `moe_enable_routing_replay=True`."""
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
+    built in the process appends to). The model must be built with `moe_enable_routing_replay=True`. Yields a
+    :class:`ReplayHandle` (activation recompute in backward)."""
     routers = moe_routers(model)
     missing = [i for i, r in enumerate(routers) if r.router_replay is None]
     if not routers or missing:
         raise ValueError("replay_routes: build the model with moe_enable_routing_replay=True "
                          f"(config_overrides); routers without replay: {missing or 'no MoE router'}")
-    if routes.dim() != 4 or routes.shape[2] != len(routers):
-        raise ValueError(f"replay_routes: routes {tuple(routes.shape)} must be [batch, seq, {len(routers)} layers, "
-                         "top_k]")
-    for i, r in enumerate(routers):
-        k = r.config.moe_router_topk
-        if routes.shape[-1] != k:
-            raise ValueError(f"replay_routes: routes have top_k={routes.shape[-1]}, the model's routers {k}")
+    for r in routers:
         r.router_replay.clear_indices()
-        r.router_replay.set_target_indices(_router_order(routes, i))
-        r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    handle = ReplayHandle(routers)
+    handle.next_forward(routes)
     try:
-        yield
+        yield handle
     finally:
         for r in routers:
             r.router_replay.clear_indices()
             r.router_replay.clear_router_replay_action()
 
 
-__all__ = ["moe_routers", "routing_map_to_ids", "capture_routes", "replay_routes"]
+__all__ = ["moe_routers", "routing_map_to_ids", "capture_routes", "replay_routes", "ReplayHandle"]

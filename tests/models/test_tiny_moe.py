@@ -118,3 +118,39 @@ def test_tp2_forward_only(moe_dir):
     """TP=2 (2 gloo processes): experts and attention split by mbridge, logits equal HF's in eval mode; training
     mode is refused by Megatron on CPU (see `_tp2_worker`)."""
     spawn(_tp2_worker, 2, str(moe_dir))
+
+
+def _two_micro_batches(model, first: torch.Tensor, second: torch.Tensor, switch: bool) -> dict[str, torch.Tensor]:
+    """Forward micro-batch 1 (routes `first`), then 2 (`second`), then both backwards (a pipeline schedule's
+    order); gradients summed."""
+    model.zero_grad()
+    pos = torch.arange(IDS.size(1)).expand_as(IDS)
+    with replay_routes(model, first) as replay:
+        loss1 = model(input_ids=IDS, position_ids=pos, attention_mask=None).double().logsumexp(-1).mean()
+        replay.next_forward(second)
+        loss2 = model(input_ids=IDS, position_ids=pos, attention_mask=None).double().logsumexp(-1).mean()
+        if switch:
+            replay.backward_phase()
+        loss1.backward()
+        loss2.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_replay_with_activation_recompute(single_rank, moe_dir):
+    """Full activation recompute re-runs the routers in backward. Two micro-batches forwarded before their
+    backwards: with `backward_phase()` each recompute takes its own micro-batch's routes and the gradients equal
+    those of a model without recompute; without it micro-batch 1's recompute takes micro-batch 2's routes."""
+    g = torch.Generator().manual_seed(4)
+    first, second = (torch.rand(*IDS.shape, ARGS.num_hidden_layers, ARGS.num_experts, generator=g).argsort(-1)[..., :2]
+                     for _ in range(2))
+    plain, _ = build_gpt_from_hf(moe_dir, dtype=torch.float64, config_overrides={"moe_enable_routing_replay": True})
+    recompute, _ = build_gpt_from_hf(moe_dir, dtype=torch.float64, config_overrides=dict(
+        moe_enable_routing_replay=True, recompute_granularity="full", recompute_method="uniform",
+        recompute_num_layers=1))
+    ref = _two_micro_batches(plain, first, second, switch=False)  # no recompute: nothing to replay in backward
+    got = _two_micro_batches(recompute, first, second, switch=True)
+    assert ref.keys() == got.keys() and len(ref) > 0
+    worst = max((ref[n] - got[n]).abs().max().item() for n in ref)
+    assert worst <= 1e-12, worst
+    stale = _two_micro_batches(recompute, first, second, switch=False)
+    assert max((ref[n] - stale[n]).abs().max().item() for n in ref) > 1e-6
