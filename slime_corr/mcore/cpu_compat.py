@@ -9,7 +9,11 @@ What it changes (each item was measured to break on CPU torch with megatron-core
 - the CUDA RNG tracker / `model_parallel_cuda_manual_seed` keep named CPU generator states instead;
 - `pipeline_parallel.schedules` tensor factories turn device="cuda" into CPU (its token counter);
 - `torch.cuda.current_stream()` returns a no-op stream (newer DDP versions call it in grad sync);
-- `torch.cuda.synchronize()` does nothing (Megatron's timers call it).
+- `torch.cuda.synchronize()` does nothing (Megatron's timers call it);
+- activation recompute (`tensor_parallel.checkpoint`): saving / restoring the CUDA generator's state does nothing
+  (there is none; torch's CPU state and the tracker's states are still saved and restored);
+- MoE routers: `moe_utils.te_general_gemm` is defined as None when TransformerEngine is absent (0.16.1 imports
+  it only with TE but reads it unconditionally in `RouterGatingLinearFunction`: NameError without TE).
 `apply_cpu_compat_megatron_training()` adds what Megatron-LM's loop (`megatron.training`, 0.19+) needs:
 - its training module's tensor factories given device="cuda" (train_step / training_log accumulators) build on CPU;
 - `validate_args` asks for the GPU architecture (with TP or CP > 1): 0 on CPU, i.e. pre-Blackwell, so it
@@ -180,6 +184,14 @@ def apply_cpu_compat() -> bool:
     fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
     schedules.torch = _CPUTorchProxy()
     _install_rng_tracker()
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.moe import moe_utils
+
+    tp_random._get_cuda_rng_state = lambda *a, **k: None
+    tp_random._set_cuda_rng_state = lambda *a, **k: None
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     _APPLIED = True
     return True
 

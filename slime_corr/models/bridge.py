@@ -1,4 +1,4 @@
-"""HF Llama-family checkpoint <-> Megatron-Core `GPTModel` (local layer spec), through mbridge.
+"""HF Llama-family and Qwen3-MoE checkpoints <-> Megatron-Core `GPTModel` (local layer spec), through mbridge.
 
 mbridge (what slime and verl use) owns the name mapping, the q/k/v and gate/up fusion and the TP split/merge.
 Its own model builder does not run here (CPU, megatron-core 0.16.1, transformers 5), for these reasons, each
@@ -9,7 +9,9 @@ worked around in `_local_spec_bridge` while its weight loading and export run un
   `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight`): mapped here;
 - `LLaMABridge` reads `hf_config.rope_theta`, which transformers 5 moved into `rope_parameters`;
 - `Qwen2Bridge` rewrites its class-level name mapping for tied embeddings (leaking into later untied models);
-  with one pipeline stage a tied model has no output layer, so nothing needs remapping.
+  with one pipeline stage a tied model has no output layer, so nothing needs remapping;
+- MoE: mbridge names experts as TE's grouped GEMM does (`mlp.experts.linear_fc1.weight{e}`); the local spec's
+  SequentialMLP has `mlp.experts.local_experts.{e}.linear_fc1.weight`: mapped here (`_CPU_MOE_CONFIG` says why).
 
 All TP ranks call `load_weights` / `export_weights` together (scatter / all-gather over the TP group).
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,14 +43,21 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 # Megatron local-spec norm -> HF norm, per decoder layer
 _LOCAL_SPEC_NORMS = {"input_layernorm.weight": "input_layernorm.weight",
                      "pre_mlp_layernorm.weight": "post_attention_layernorm.weight"}
+# Megatron local-spec expert weight (SequentialMLP, no grouped GEMM), per decoder layer
+# MoE layers with the local spec: experts one by one (SequentialMLP; grouped GEMM needs TE or CUTLASS), the
+# all-gather token dispatcher (the all-to-all one creates a CUDA stream; all-gather needs fixed sequence lengths
+# in the pipeline schedule, which holds with one pipeline stage), no TE/apex fusions.
+_CPU_MOE_CONFIG = dict(moe_grouped_gemm=False, moe_token_dispatcher_type="allgather", variable_seq_lengths=False,
+                       persist_layer_norm=False, bias_activation_fusion=False, bias_dropout_fusion=False)
+_LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(?P<e>\d+)\.(?P<fc>linear_fc[12])\.weight")
 
 
 def _mbridge_class(model_type: str) -> type:
     try:
-        from mbridge.models import LLaMABridge, Qwen2Bridge
+        from mbridge.models import LLaMABridge, Qwen2Bridge, Qwen3MoEBridge
     except ImportError as e:
         raise ImportError(f"converting HF checkpoints to Megatron needs mbridge: {MODEL_EXTRA_HINT}") from e
-    return {"llama": LLaMABridge, "qwen2": Qwen2Bridge}[model_type]
+    return {"llama": LLaMABridge, "qwen2": Qwen2Bridge, "qwen3_moe": Qwen3MoEBridge}[model_type]
 
 
 def _local_spec_bridge(spec: HFModelSpec, hf_config: Any, dtype: torch.dtype) -> Any:
@@ -62,7 +72,8 @@ def _local_spec_bridge(spec: HFModelSpec, hf_config: Any, dtype: torch.dtype) ->
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
             self.has_vp_stage = False
-            return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=self.config.qk_layernorm)
+            return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=self.config.qk_layernorm,
+                                            num_experts=self.config.num_moe_experts, moe_grouped_gemm=False)
 
         def _get_gptmodel_args(self) -> dict[str, Any]:
             return dict(vocab_size=spec.vocab_size, max_sequence_length=spec.max_position_embeddings,
@@ -72,6 +83,10 @@ def _local_spec_bridge(spec: HFModelSpec, hf_config: Any, dtype: torch.dtype) ->
             layer, _, suffix = name.removeprefix("decoder.layers.").partition(".")
             if name.startswith("decoder.layers.") and suffix in _LOCAL_SPEC_NORMS:
                 return [f"model.layers.{layer}.{_LOCAL_SPEC_NORMS[suffix]}"]
+            expert = _LOCAL_EXPERT.fullmatch(suffix)
+            if name.startswith("decoder.layers.") and expert:  # SequentialMLP -> mbridge's grouped-GEMM names
+                fc, e = expert.group("fc"), expert.group("e")
+                return super()._weight_name_mapping_mcore_to_hf(f"decoder.layers.{layer}.mlp.experts.{fc}.weight{e}")
             return super()._weight_name_mapping_mcore_to_hf(name)
 
     LocalSpecBridge.__name__ = f"LocalSpec{base.__name__}"
@@ -110,6 +125,7 @@ class MegatronHFBridge:
             config_overrides = {"context_parallel_size": 1, **(config_overrides or {})}
         self._mb = _local_spec_bridge(self.spec, AutoConfig.from_pretrained(hf_dir, local_files_only=True), dtype)
         self._mb.set_extra_args(
+            **(_CPU_MOE_CONFIG if self.spec.is_moe else {}),
             use_cpu_initialization=not torch.cuda.is_available(),
             sequence_parallel=False,
             masked_softmax_fusion=False,
@@ -180,7 +196,7 @@ def write_hf_checkpoint(weights: dict[str, torch.Tensor], source_dir: str | os.P
     return out
 
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}  # the model types we accept
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}  # the model types we accept
 
 
 def _name_architecture(config_path: Path) -> None:

@@ -2,7 +2,8 @@
 model (the reference the converted Megatron model is checked against, and the module the local engine serves).
 
 Accepted: `model_type` llama or qwen2 with RMSNorm, SwiGLU (`hidden_act` silu), plain RoPE (`rope_type` default),
-grouped-query attention, tied or untied embeddings, Qwen2's q/k/v biases; weights as `*.safetensors`.
+grouped-query attention, tied or untied embeddings, Qwen2's q/k/v biases; weights as `*.safetensors`. And qwen3_moe
+(Mixture of Experts, q/k RMSNorm): every layer sparse, top-k probabilities renormalized (`norm_topk_prob`).
 `config.json` is read as JSON (no transformers import), in the layouts of transformers 4 (`rope_theta`,
 `rope_scaling`) and 5 (`rope_parameters`).
 """
@@ -18,7 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3_moe")
+MOE_MODEL_TYPES = ("qwen3_moe",)
 MODEL_EXTRA_HINT = "pip install 'slime_corr[model]'"
 
 
@@ -45,6 +47,13 @@ class HFModelSpec:
     tie_word_embeddings: bool
     qkv_bias: bool
     eos_token_id: int | list[int] | None
+    num_experts: int = 0  # 0: a dense model
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, str]:
@@ -74,6 +83,14 @@ def spec_from_config(cfg: dict[str, Any], path: str = "", flag: str = "--hf-chec
         problems.append("use_sliding_window=true (full causal attention only)")
     if model_type == "llama" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
         problems.append("attention_bias/mlp_bias=true (Llama linear layers without biases only)")
+    if model_type in MOE_MODEL_TYPES:
+        if cfg.get("attention_bias"):
+            problems.append("attention_bias=true (no q/k/v biases)")
+        if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1:
+            problems.append(f"mlp_only_layers={cfg.get('mlp_only_layers')!r}, decoder_sparse_step="
+                            f"{cfg.get('decoder_sparse_step')!r} (every layer sparse only: [] and 1)")
+        if not cfg.get("norm_topk_prob", False):
+            problems.append("norm_topk_prob=false (only renormalized top-k, Megatron's softmax router after top-k)")
     if problems:
         raise CheckpointError(f"{where}: unsupported {model_type} variant: {'; '.join(problems)}")
     try:
@@ -95,6 +112,9 @@ def spec_from_config(cfg: dict[str, Any], path: str = "", flag: str = "--hf-chec
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
             eos_token_id=cfg.get("eos_token_id"),
+            **({} if model_type not in MOE_MODEL_TYPES else dict(
+                num_experts=int(cfg.get("num_experts") or cfg["num_local_experts"]), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                moe_intermediate_size=int(cfg["moe_intermediate_size"]))),
         )
     except KeyError as e:
         raise CheckpointError(f"{where}: config.json lacks the field {e.args[0]!r}") from None
@@ -128,7 +148,8 @@ def check_tensor_parallel(spec: HFModelSpec, tp: int, flag: str = "--tensor-mode
     sizes = {
         "num_attention_heads": spec.num_attention_heads,
         "num_key_value_heads": spec.num_key_value_heads,
-        "intermediate_size": spec.intermediate_size,
+        ("moe_intermediate_size" if spec.is_moe else "intermediate_size"):
+            spec.moe_intermediate_size if spec.is_moe else spec.intermediate_size,
         "vocab_size": spec.vocab_size,
     }
     bad = {k: v for k, v in sizes.items() if tp >= 1 and v % tp}
@@ -145,15 +166,19 @@ def load_hf_causal_lm(
     path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, attn_implementation: str = "eager"
 ) -> nn.Module:
     """The plain HF model from a local checkpoint. `eager` attention is the op order of Megatron's local
-    (non-TransformerEngine) attention: the converted fp32 model then gives bitwise-equal logits."""
+    (non-TransformerEngine) attention: the converted fp32 model then gives bitwise-equal logits. MoE models run
+    their experts one by one (`experts_implementation="eager"`, as Megatron's SequentialMLP; also the only one
+    with float64)."""
     try:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
     except ImportError as e:
         raise ImportError(f"loading a Hugging Face model needs transformers: {MODEL_EXTRA_HINT}") from e
     hf_logging.disable_progress_bar()  # a "Loading weights" bar at every engine weight update
+    moe = json.loads((Path(path) / "config.json").read_text()).get("model_type") in MOE_MODEL_TYPES
     return AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
+        str(path), dtype=dtype, attn_implementation=attn_implementation, local_files_only=True,
+        **({"experts_implementation": "eager"} if moe else {}),
     ).eval()
 
 
@@ -170,6 +195,7 @@ def load_engine_module(checkpoint_dir: str) -> nn.Module:
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
+    "MOE_MODEL_TYPES",
     "CheckpointError",
     "HFModelSpec",
     "spec_from_config",

@@ -12,6 +12,14 @@ Micro-batch contract (a dict of CPU tensors, ``B`` rows of ``S`` positions)::
 Megatron's alignment: position ``t`` of labels / loss_mask / rollout_log_probs / advantages is about predicting
 ``tokens[t+1]`` from the logits at ``t``.
 
+MoE samples that carry the engine's routes (``Sample.routed_experts``, all samples of the batch or none) add::
+
+    routed_experts     [B, S, L, k] uint8/int16   the experts of tokens[t] (the tokens' alignment, not the labels');
+                                                  at a sample's last token and at padding: experts 0..k-1
+
+It is not in ``TOKEN_KEYS``: CP emulated on CPU runs whole sequences; slice it with
+``keys=(*TOKEN_KEYS, ROUTE_KEY)`` where the model sees only its CP slice.
+
 Packed batches (``packed=True``, Megatron's THD layout) are one row, ``B == 1``: sample i occupies positions
 ``[cu_seqlens_padded[i], cu_seqlens_padded[i+1])``, its own tokens first, then padding to a multiple of
 ``pad_to_multiple`` (2·CP with context parallelism), and two more entries (never CP-sliced)::
@@ -40,6 +48,7 @@ from slime_corr.rollout.sample import Sample
 BATCH_KEYS = ("tokens", "position_ids", "labels", "loss_mask", "rollout_log_probs", "advantages")
 # optional per-token entries, laid out (and CP-sliced) like the others: the weight lag of each trained token
 TOKEN_KEYS = (*BATCH_KEYS, "weight_lag")
+ROUTE_KEY = "routed_experts"
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, keep: torch.Tensor | None = None,
@@ -98,6 +107,12 @@ def _sample_rows(s: Sample, adv: float | Sequence[float], pad_token_id: int,
         adv_row[p - 1 : n - 1] = a * m
     rows = {"tokens": tokens, "position_ids": torch.arange(n), "labels": labels, "loss_mask": mask,
             "rollout_log_probs": lp, "advantages": adv_row}
+    if s.routed_experts is not None:
+        re = s.routed_experts
+        if re.shape[0] != n - 1:
+            raise ValueError(f"routed_experts: sample {s.index} has routes for {re.shape[0]} of its {n - 1} input "
+                             "tokens (every token but the last must be routed: was the last segment generated?)")
+        rows[ROUTE_KEY] = torch.cat([re, _route_filler(re, 1)])
     if weight_lag is not None:
         if len(weight_lag) != r:
             raise ValueError(f"weight_lag: {len(weight_lag)} values for {r} response tokens of sample {s.index}")
@@ -105,6 +120,21 @@ def _sample_rows(s: Sample, adv: float | Sequence[float], pad_token_id: int,
         lag[p - 1 : n - 1] = torch.tensor(list(weight_lag), dtype=torch.long)
         rows["weight_lag"] = lag
     return rows
+
+
+def _route_filler(routes: torch.Tensor, n: int) -> torch.Tensor:
+    """[n, L, k] routes of positions with nothing to route (a sample's last token, padding): experts 0..k-1 (k
+    distinct experts, as a router's top-k)."""
+    _, layers, k = routes.shape
+    return torch.arange(k, dtype=routes.dtype).expand(n, layers, k)
+
+
+def _filled(rows: list[dict[str, torch.Tensor]], key: str, n: int, pad_token_id: int) -> torch.Tensor:
+    """`n` padding positions of entry `key` (shaped like rows' entries after their first dim)."""
+    if key == ROUTE_KEY:
+        return _route_filler(rows[0][key], n)
+    fill = pad_token_id if key in ("tokens", "labels") else 0
+    return torch.full((n,), fill, dtype=rows[0][key].dtype)
 
 
 def build_micro_batch(
@@ -133,14 +163,17 @@ def build_micro_batch(
     if len(lags) != len(samples):
         raise ValueError(f"weight_lag: {len(lags)} entries for {len(samples)} samples")
     rows = [_sample_rows(s, a, pad_token_id, lag) for s, a, lag in zip(samples, advs, lags, strict=True)]
-    keys = [k for k in TOKEN_KEYS if k in rows[0]]
+    with_routes = [ROUTE_KEY in r for r in rows]
+    if any(with_routes) and not all(with_routes):
+        raise ValueError(f"routed_experts: samples {[s.index for s, w in zip(samples, with_routes, strict=True) if not w]} "
+                         "carry no routes while others do (ask every request for them, or none)")
+    keys = [k for k in (*TOKEN_KEYS, ROUTE_KEY) if k in rows[0]]
     if packed:
         return _pack_rows(rows, keys, pad_to_multiple, pad_token_id)
     s_len = _round_up(max(len(r["tokens"]) for r in rows), pad_to_multiple)
     out = {}
     for k in keys:
-        fill = pad_token_id if k in ("tokens", "labels") else 0
-        t = torch.full((len(rows), s_len), fill, dtype=rows[0][k].dtype)
+        t = _filled(rows, k, s_len, pad_token_id).expand(len(rows), s_len, *rows[0][k].shape[1:]).clone()
         for i, r in enumerate(rows):
             t[i, : len(r[k])] = r[k]
         out[k] = t
@@ -155,8 +188,7 @@ def _pack_rows(rows: list[dict[str, torch.Tensor]], keys: Sequence[str], multipl
     padded = [_round_up(n, multiple) for n in lengths]
     out = {}
     for k in keys:
-        fill = pad_token_id if k in ("tokens", "labels") else 0
-        out[k] = torch.cat([torch.cat([r[k], torch.full((p - n,), fill, dtype=r[k].dtype)])
+        out[k] = torch.cat([torch.cat([r[k], _filled(rows, k, p - n, pad_token_id)])
                             for r, n, p in zip(rows, lengths, padded, strict=True)]).unsqueeze(0)
     out["position_ids"] = torch.cat([torch.arange(p) for p in padded]).unsqueeze(0)
     out["cu_seqlens"] = _cumulative(lengths)

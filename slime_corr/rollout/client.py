@@ -47,6 +47,7 @@ from slime_corr.rollout.protocol import (
     build_generate_request,
     parse_generate_response,
 )
+from slime_corr.rollout.routing import RoutedExpertsSpec
 
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
@@ -224,9 +225,12 @@ class SGLangClient(ControlPlane):
         *,
         stream: bool = False,
         return_logprob: bool = True,
+        routed_experts: RoutedExpertsSpec | None = None,
     ) -> GenerateResult:
-        """Generate one sample from token ids; retries safe faults; raises :class:`GenerationError`."""
-        build_generate_request(input_ids, sampling_params, "check", stream, return_logprob)  # fail fast
+        """Generate one sample from token ids; retries safe faults; raises :class:`GenerationError`.
+        ``routed_experts``: ask for the MoE routes and check them against this shape (``result.routed_experts``)."""
+        routes = routed_experts is not None
+        build_generate_request(input_ids, sampling_params, "check", stream, return_logprob, routes)  # fail fast
         await self.discover()  # once: which targets are routers (their failures are probed worker by worker)
         errors: list[str] = []
         server: str | None = None
@@ -234,14 +238,14 @@ class SGLangClient(ControlPlane):
         for attempt in range(1, self.retry.max_attempts + 1):
             server = self._pick_server(avoid=server)
             rid = self.new_rid()
-            body = build_generate_request(input_ids, sampling_params, rid, stream, return_logprob)
+            body = build_generate_request(input_ids, sampling_params, rid, stream, return_logprob, routes)
             self._load[server] += 1  # counted while queued on the semaphore too, so new work goes elsewhere
             try:
                 async with self._sems[server]:
                     await self._wait_running()  # nothing is sent between our pause() and continue
                     self._inflight[rid] = server
                     try:
-                        out = await self._attempt(server, body, stream, return_logprob)
+                        out = await self._attempt(server, body, stream, return_logprob, routed_experts)
                     finally:
                         self._inflight.pop(rid, None)
                 return GenerateResult(**vars(out), server=server, attempts=attempt, errors=errors)
@@ -263,7 +267,8 @@ class SGLangClient(ControlPlane):
                               False, self.retry.max_attempts, server=server or "",
                               kind=last.kind if last is not None else "")
 
-    async def _attempt(self, server: str, body: dict[str, Any], stream: bool, want_lp: bool) -> GenerateOutput:
+    async def _attempt(self, server: str, body: dict[str, Any], stream: bool, want_lp: bool,
+                       routes: RoutedExpertsSpec | None = None) -> GenerateOutput:
         """One HTTP attempt, with every failure mapped to a GenerationError(retryable=...)."""
         session = self._get_session()
         try:
@@ -275,13 +280,13 @@ class SGLangClient(ControlPlane):
                     raise GenerationError(f"HTTP {resp.status}: {text}", resp.status in RETRYABLE_STATUS,
                                           target_down=resp.status >= 500 and self.is_router(server))
                 if stream:
-                    out = await self._read_stream(resp, want_lp)
+                    out = await self._read_stream(resp, want_lp, routes)
                 else:
                     try:
                         obj = json.loads(await resp.read())
                     except (json.JSONDecodeError, UnicodeDecodeError) as e:
                         raise ResponseError(f"response: malformed JSON ({e})") from e
-                    out = parse_generate_response(obj, want_lp)
+                    out = parse_generate_response(obj, want_lp, routes)
         except GenerationError:
             raise
         except ResponseError as e:
@@ -301,8 +306,9 @@ class SGLangClient(ControlPlane):
                                   code in RETRYABLE_STATUS)
         return out
 
-    async def _read_stream(self, resp: aiohttp.ClientResponse, want_lp: bool) -> GenerateOutput:
-        acc = StreamAccumulator(want_lp)
+    async def _read_stream(self, resp: aiohttp.ClientResponse, want_lp: bool,
+                           routes: RoutedExpertsSpec | None = None) -> GenerateOutput:
+        acc = StreamAccumulator(want_lp, routes)
         buf = b""
         async for chunk in resp.content.iter_any():
             buf += chunk

@@ -3,7 +3,8 @@
 Everything a response must satisfy before its tokens reach a sample is checked here: output ids are ints,
 ``output_token_logprobs`` has one finite log-prob per output token with the same token id, the finish reason is
 one of stop / length / abort, and stream events are consistent with ``completion_tokens`` (which tells
-cumulative from incremental streaming). A violation raises :class:`ResponseError`.
+cumulative from incremental streaming). A violation raises :class:`ResponseError`. Routed experts (MoE, asked for
+with a :class:`~slime_corr.rollout.routing.RoutedExpertsSpec`) are decoded and checked by `rollout.routing`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+
+from slime_corr.rollout.routing import RoutedExpertsError, RoutedExpertsSpec, decode_routed_experts
 
 # Keys of SGLang 0.5.23's SamplingParams schema; any other key makes the server answer 400.
 SAMPLING_KEYS = frozenset(
@@ -33,8 +38,10 @@ def build_generate_request(
     rid: str,
     stream: bool = False,
     return_logprob: bool = True,
+    return_routed_experts: bool = False,
 ) -> dict[str, Any]:
-    """The JSON body of one /generate request (one sample: token ids in, ``n`` must stay 1)."""
+    """The JSON body of one /generate request (one sample: token ids in, ``n`` must stay 1).
+    ``return_routed_experts``: ask for the MoE routes (the server needs ``--enable-return-routed-experts``)."""
     params = dict(sampling_params or {})
     unknown = sorted(set(params) - SAMPLING_KEYS)
     if unknown:
@@ -43,13 +50,16 @@ def build_generate_request(
         raise ValueError("sampling_params.n must be 1: send one request per sample (rids stay abortable)")
     if not input_ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in input_ids):
         raise ValueError("input_ids: must be a non-empty list of non-negative ints")
-    return {
+    body = {
         "rid": rid,
         "input_ids": list(input_ids),
         "sampling_params": params,
         "return_logprob": return_logprob,
         "stream": stream,
     }
+    if return_routed_experts:
+        body["return_routed_experts"] = True
+    return body
 
 
 @dataclass
@@ -64,6 +74,8 @@ class GenerateOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     rid: str = ""
+    # [prompt_tokens + completion_tokens - 1, layers, top_k] (rollout.routing), when asked for and returned
+    routed_experts: torch.Tensor | None = None
 
     @property
     def finish_type(self) -> str | None:
@@ -120,8 +132,30 @@ def _spans(meta: dict[str, Any]) -> list[tuple[str, int, int]]:
         raise ResponseError(f"meta_info.weight_versions: malformed ({e})") from e
 
 
-def parse_generate_response(obj: Any, want_logprobs: bool = True) -> GenerateOutput:
-    """Validate a non-streaming /generate response body (one sample)."""
+def _routes(meta: dict[str, Any], completion_tokens: int, spec: RoutedExpertsSpec | None,
+            finish: dict[str, Any] | None) -> torch.Tensor | None:
+    """The decoded `meta_info.routed_experts` of a finishing event (None when not asked for). Required unless the
+    request was aborted (then kept when it fits, else dropped: the resumed request returns them again)."""
+    if spec is None or finish is None:
+        return None
+    data = meta.get("routed_experts")
+    aborted = finish.get("type") == "abort"
+    if data is None:
+        if aborted:
+            return None
+        raise ResponseError("meta_info.routed_experts: missing (was the server started with "
+                            "--enable-return-routed-experts?)")
+    try:
+        return decode_routed_experts(data, int(meta.get("prompt_tokens", 0) or 0) + completion_tokens - 1, spec)
+    except RoutedExpertsError as e:
+        if aborted:
+            return None
+        raise ResponseError(str(e)) from e
+
+
+def parse_generate_response(obj: Any, want_logprobs: bool = True,
+                            routed_experts: RoutedExpertsSpec | None = None) -> GenerateOutput:
+    """Validate a non-streaming /generate response body (one sample); with `routed_experts`, decode its routes."""
     ids, lps, meta = _parse_chunk(obj, want_logprobs)
     if meta["completion_tokens"] != len(ids):
         raise ResponseError(f"meta_info.completion_tokens {meta['completion_tokens']} != {len(ids)} output ids")
@@ -129,7 +163,7 @@ def parse_generate_response(obj: Any, want_logprobs: bool = True) -> GenerateOut
     if fr is None:
         raise ResponseError("meta_info.finish_reason: missing in a finished response")
     return GenerateOutput(ids, lps, fr, meta.get("weight_version"), _spans(meta), int(meta.get("prompt_tokens", 0)),
-                          len(ids), str(meta.get("id", "")))
+                          len(ids), str(meta.get("id", "")), _routes(meta, len(ids), routed_experts, fr))
 
 
 class StreamAccumulator:
@@ -139,8 +173,9 @@ class StreamAccumulator:
     we have) is cumulative; one whose count plus what we have equals it is a delta. Anything else is an error.
     """
 
-    def __init__(self, want_logprobs: bool = True) -> None:
+    def __init__(self, want_logprobs: bool = True, routed_experts: RoutedExpertsSpec | None = None) -> None:
         self.want_logprobs = want_logprobs
+        self.routed_experts = routed_experts  # routes come with the finishing event
         self.out = GenerateOutput()
         self.mode: str | None = None  # "cumulative" | "incremental" once told apart
         self.events = 0
@@ -194,6 +229,7 @@ class StreamAccumulator:
         self.out.prompt_tokens = int(meta.get("prompt_tokens", 0) or 0)
         self.out.completion_tokens = total
         self.out.rid = str(meta.get("id", self.out.rid))
+        self.out.routed_experts = _routes(meta, total, self.routed_experts, self.out.finish_reason)
 
     def result(self) -> GenerateOutput:
         """The finished output; raises if the stream did not end properly."""

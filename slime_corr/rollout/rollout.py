@@ -29,6 +29,7 @@ import torch
 
 from slime_corr.rollout.buffer import SampleBuffer
 from slime_corr.rollout.client import GenerationError, SGLangClient
+from slime_corr.rollout.routing import RoutedExpertsSpec
 from slime_corr.rollout.sample import Sample, SampleStatus, SampleValidationError
 from slime_corr.rollout.sampling import mix_seed
 
@@ -50,11 +51,13 @@ async def generate_sample(
     pause_policy: PausePolicy | str = PausePolicy.RESUME,
     max_resumes: int = 8,
     stop: asyncio.Event | None = None,
+    routed_experts: RoutedExpertsSpec | None = None,
 ) -> Sample:
-    """Fill ``sample``'s response by generation; returns it with a final status (never raises on faults)."""
+    """Fill ``sample``'s response by generation; returns it with a final status (never raises on faults).
+    ``routed_experts``: ask for the MoE routes of this shape; they land in ``sample.routed_experts``."""
     try:
         return await _generate_sample(client, sample, sampling_params, stream, PausePolicy(pause_policy),
-                                      max_resumes, stop)
+                                      max_resumes, stop, routed_experts)
     except SampleValidationError as e:  # a response the sample rejects (defence in depth: protocol checks first)
         sample.status, sample.failure_reason = SampleStatus.FAILED, f"invalid response: {e}"
         return sample
@@ -62,37 +65,40 @@ async def generate_sample(
 
 async def _generate_sample(
     client: SGLangClient, sample: Sample, sampling_params: dict[str, Any], stream: bool, policy: PausePolicy,
-    max_resumes: int, stop: asyncio.Event | None,
+    max_resumes: int, stop: asyncio.Event | None, routes: RoutedExpertsSpec | None = None,
 ) -> Sample:
     max_new = int(sampling_params.get("max_new_tokens", 128))
     aborts = 0
     while True:
         params = dict(sampling_params, max_new_tokens=max_new - sample.response_length)
         try:
-            res = await client.generate(sample.prompt_tokens + sample.response_tokens, params, stream=stream)
+            res = await client.generate(sample.prompt_tokens + sample.response_tokens, params, stream=stream,
+                                        **({"routed_experts": routes} if routes is not None else {}))
         except GenerationError as e:
             sample.attempts += e.attempts
             sample.status, sample.failure_reason = SampleStatus.FAILED, e.reason
             sample.metadata.update(failure_kind=e.kind, failure_server=e.server)
             return sample
         sample.attempts += res.attempts
+        segment = dict(spans=res.weight_versions, routed_experts=res.routed_experts)
         if res.finish_type != "abort":
-            sample.append_segment(res.output_ids, res.log_probs, res.weight_version, spans=res.weight_versions)
+            sample.append_segment(res.output_ids, res.log_probs, res.weight_version, **segment)
             sample.status = SampleStatus.COMPLETED if res.finish_type == "stop" else SampleStatus.TRUNCATED
             return sample
         aborts += 1
         if policy == PausePolicy.KEEP or aborts > max_resumes or (stop is not None and stop.is_set()):
-            sample.append_segment(res.output_ids, res.log_probs, res.weight_version, spans=res.weight_versions)
+            sample.append_segment(res.output_ids, res.log_probs, res.weight_version, **segment)
             sample.status = SampleStatus.ABORTED
             sample.failure_reason = f"aborted: {(res.finish_reason or {}).get('message')}"
             return sample
         if policy == PausePolicy.RESUME:
-            sample.append_segment(res.output_ids, res.log_probs, res.weight_version, spans=res.weight_versions)
+            sample.append_segment(res.output_ids, res.log_probs, res.weight_version, **segment)
             if sample.response_length >= max_new:
                 sample.status = SampleStatus.TRUNCATED
                 return sample
         else:  # RESAMPLE: start over
             sample.response_tokens, sample.loss_mask, sample.weight_versions = [], [], []
+            sample.routed_experts = None
             sample.rollout_log_probs = torch.zeros(0, dtype=torch.float32)
 
 
@@ -110,6 +116,7 @@ async def generate_group_samples(
     stop: asyncio.Event | None = None,
     sampling_seed: int | None = None,
     max_failed_fraction: float | None = None,
+    routed_experts: RoutedExpertsSpec | None = None,
 ) -> list[Sample]:
     """Generate ``n_samples_per_prompt`` samples per prompt concurrently (one request per sample).
 
@@ -119,6 +126,7 @@ async def generate_group_samples(
     ``sampling_seed``: each request gets ``sampling_params.sampling_seed = mix_seed(sampling_seed, index)``, so the
     rollout samples the same tokens every time (an engine that honours the seed, as SGLang and the embedded engine
     do, draws per (seed, position) whatever the batching; a resumed request continues the same draws).
+    ``routed_experts``: ask every request for the engine's MoE routes (see `generate_sample`).
     ``max_failed_fraction``: raise :class:`RolloutFailedError` (cancelling the requests still running) as soon as
     more than this share of the rollout's samples failed.
     """
@@ -156,7 +164,8 @@ async def generate_group_samples(
             raise RolloutFailedError(failed, total, max_failed_fraction, early=True)
 
     async def one_sample(s: Sample) -> Sample:
-        await generate_sample(client, s, params_of(s.index), stream=stream, pause_policy=pause_policy, stop=stop)
+        await generate_sample(client, s, params_of(s.index), stream=stream, pause_policy=pause_policy, stop=stop,
+                              routed_experts=routed_experts)
         count_failures([s])
         return s
 

@@ -8,6 +8,8 @@ from enum import StrEnum
 
 import torch
 
+from slime_corr.rollout.routing import extend_routes
+
 
 class SampleStatus(StrEnum):
     """How a sample ended. Every sample ends exactly once with one of these."""
@@ -31,6 +33,10 @@ class Sample:
     ``loss_mask[i]`` is 1 for tokens the policy generated and trains on, 0 for tool / environment /
     other-turn tokens spliced into the response. ``weight_versions`` lists ``(version, start, end)``
     spans over response positions when generation was resumed across a weight update.
+    ``routed_experts`` (MoE, when asked for): the engine's expert ids ``[rows, layers, top_k]`` (uint8 or int16,
+    ``rollout.routing``) of the sequence's tokens ``prompt + response`` from the first on; ``rows`` is
+    ``total_length - 1`` once the last segment was generated (the last token was never a forward's input), fewer
+    while spliced tool tokens wait for the next request to route them.
     """
 
     prompt_tokens: list[int]
@@ -46,6 +52,7 @@ class Sample:
     failure_reason: str | None = None
     attempts: int = 0
     metadata: dict = field(default_factory=dict)
+    routed_experts: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.rollout_log_probs, torch.Tensor):
@@ -88,6 +95,14 @@ class Sample:
             raise SampleValidationError("loss_mask: values must be 0 or 1")
         if self.reward is not None and not math.isfinite(self.reward):
             raise SampleValidationError("reward: must be finite")
+        r = self.routed_experts
+        if r is not None:
+            if r.dtype not in (torch.uint8, torch.int16) or r.dim() != 3:
+                raise SampleValidationError(f"routed_experts: expected [tokens, layers, top_k] uint8/int16, got "
+                                            f"{tuple(r.shape)} {r.dtype}")
+            if r.shape[0] > self.total_length - 1:
+                raise SampleValidationError(f"routed_experts: {r.shape[0]} rows for {self.total_length} tokens "
+                                            f"(at most total_length - 1)")
         if self.status == SampleStatus.FAILED and not self.failure_reason:
             raise SampleValidationError("failure_reason: required when status is failed")
 
@@ -98,11 +113,13 @@ class Sample:
         weight_version: str | None,
         trained: bool = True,
         spans: list[tuple[str, int, int]] | None = None,
+        routed_experts: torch.Tensor | None = None,
     ) -> None:
         """Append generated (``trained``) or tool/environment tokens (loss mask 0) and re-validate.
 
         ``spans``: the server's per-token weight versions for this segment (relative positions), when the
         weights changed during it (an in-place pause); otherwise the whole segment gets ``weight_version``.
+        ``routed_experts``: the response's routes over its whole request (``routing.extend_routes``).
         """
         start = len(self.response_tokens)
         if spans and tokens:
@@ -116,6 +133,8 @@ class Sample:
             [self.rollout_log_probs, torch.tensor(log_probs, dtype=torch.float32).reshape(-1)]
         )
         self.loss_mask = list(self.loss_mask or []) + [1 if trained else 0] * len(tokens)
+        if routed_experts is not None:
+            self.routed_experts = extend_routes(self.routed_experts, routed_experts)
         if tokens and weight_version is not None:
             if not spans_done:
                 self.weight_versions.append((weight_version, start, start + len(tokens)))

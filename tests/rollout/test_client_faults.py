@@ -195,17 +195,19 @@ def test_rid_prefix_is_fixed_width_and_abort_needs_a_target():
         asyncio.run(c.abort(rid=""))
 
 
-def test_control_calls_old_server_names_and_flush_retry(fault_server):
+def test_control_calls_old_server_names_and_flush_retry(fault_server, tmp_path):
     """Payloads of the control / weight-sync calls as SGLang names them; the old info endpoint names as
     fallbacks; flush_cache retried on 400 only (the fault server plays an old server here)."""
     url, server = fault_server
     server.calls.clear()
     server.flush_statuses[:] = [400, 400]
+    ckpt = tmp_path / "step-3"  # a disk sync sends only a folder that exists (SGLang takes others for Hub names)
+    ckpt.mkdir()
 
     async def go():
         async with _client(url) as c:
             mi, si = await c.model_info(), await c.server_info()  # /model_info, /server_info: 404 here
-            await c.sync_weights_from_disk("/ckpt/step-3", weight_version="step-3", pause_mode="retract")
+            await c.sync_weights_from_disk(str(ckpt), weight_version="step-3", pause_mode="retract")
             await c.init_weights_update_group("127.0.0.1", 29500, 1, 3, group_name="g")
             await c.update_weights_from_distributed(["w"], ["bfloat16"], [[2, 3]], group_name="g",
                                                     weight_version="step-4")
@@ -220,7 +222,7 @@ def test_control_calls_old_server_names_and_flush_retry(fault_server):
     assert server.calls == [
         ("/get_model_info", {}), ("/get_server_info", {}),
         ("/pause_generation", {"mode": "retract"}),
-        ("/update_weights_from_disk", {"model_path": "/ckpt/step-3", "flush_cache": False,
+        ("/update_weights_from_disk", {"model_path": str(ckpt), "flush_cache": False,
                                        "weight_version": "step-3"}),
         ("/flush_cache", {}), ("/flush_cache", {}), ("/flush_cache", {}),  # 400, 400, then 200
         ("/continue_generation", {}),
