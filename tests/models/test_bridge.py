@@ -76,4 +76,6 @@ def test_smollm2_converts_exactly_and_rescoring_matches_sampling(single_rank, sm
     kv_gap = (r.megatron_teacher_forced - r.sampled).abs().max().item()
     print(f"SmolLM2 {tok.decode(r.tokens)!r}: |lp megatron - hf| teacher-forced {tf_gap:.3e}, "
           f"- hf sampled {kv_gap:.3e}")
-    assert len(r.tokens) >= 1 and tf_gap <= 1e-5 and kv_gap <= 1e-4
+    # fp32 through 30 layers: 1.63e-5 with transformers 5.24 (its op order moved from the <= 1e-5 seen with earlier
+    # 5.x releases; `model` pins only transformers>=5.0)
+    assert len(r.tokens) >= 1 and tf_gap <= 5e-5 and kv_gap <= 1e-4
