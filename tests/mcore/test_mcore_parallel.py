@@ -136,8 +136,12 @@ def check_reference_is_not_trivial(tag: str, cfg: RolloutCorrectionConfig, ref: 
         if cfg.tis_batch_normalize:  # weights are divided by a step mean that is not 1
             assert abs(metrics["mis_batch_norm_factor"] - 1) > 1e-3, f"{tag}: {metrics['mis_batch_norm_factor']}"
             w = w * metrics["mis_batch_norm_factor"]
-        assert ((w > 0) & (w < upper) & ((w - 1).abs() > 0.02)).any(), f"{tag}: weights {w}"
-        assert cfg.use_rs or torch.isclose(w, torch.tensor(upper, dtype=w.dtype)).any(), f"{tag}: none truncated {w}"
+        if cfg.rejects_divergence:  # the divergence filter keeps only tokens whose weights are near 1: it must act
+            assert metrics["mis_div_rejected_token_fraction"] > 0, f"{tag}: the divergence filter rejected nothing"
+        else:
+            assert ((w > 0) & (w < upper) & ((w - 1).abs() > 0.02)).any(), f"{tag}: weights {w}"
+        assert cfg.use_rs or cfg.rejects_divergence or torch.isclose(w, torch.tensor(upper, dtype=w.dtype)).any(), \
+            f"{tag}: none truncated {w}"
     if cfg.use_rs or cfg.rs_veto_threshold is not None or cfg.custom_tis_function_path:
         assert 0 < metrics["mis_rejected_seq_fraction"] < 1, f"{tag}: {metrics['mis_rejected_seq_fraction']}"
     if cfg.rs_veto_threshold is not None:

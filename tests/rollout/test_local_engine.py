@@ -6,6 +6,7 @@ import asyncio
 import signal
 import subprocess
 import sys
+import tempfile
 from types import SimpleNamespace
 
 import aiohttp
@@ -162,8 +163,8 @@ def test_update_weights_from_disk_and_flush_while_busy(tiny_ckpt, tiny_ckpt_v1):
             await c.update_weights_from_disk(tiny_ckpt_v1, weight_version="v1")
             res = await c.generate(PROMPT, {"max_new_tokens": 20, "ignore_eos": True, "sampling_seed": 1})
             info = await c.model_info()
-            with pytest.raises(RuntimeError, match="update_weights_from_disk"):
-                await c.update_weights_from_disk("/nonexistent/ckpt")
+            with pytest.raises(RuntimeError, match="update_weights_from_disk"):  # a folder without a checkpoint
+                await c.update_weights_from_disk(tempfile.mkdtemp(prefix="not_a_checkpoint_"))
             return res, info
 
     with start_local_engine(tiny_ckpt, dtype=torch.float32) as h:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import tempfile
 import urllib.request
 
 import pytest
@@ -174,7 +175,7 @@ def test_failed_control_calls_leave_the_client_usable(routed, tiny_ckpt):
                     await mixed.pause()
                 assert list(ei.value.failures) == [bad] and sorted(ei.value.succeeded) == sorted(routed.engine_urls)
                 with pytest.raises(ControlError, match="update_weights_from_disk.*Failed to update weights"):
-                    await c.sync_weights_from_disk("/nonexistent/ckpt", "never")
+                    await c.sync_weights_from_disk(tempfile.mkdtemp(prefix="not_a_checkpoint_"), "never")
                 state = c.paused, mixed.paused, [h.engine.paused for h in routed.engines]
                 out = await asyncio.wait_for(c.generate(PROMPT, {"max_new_tokens": 4}), 30)
                 return state, out, await c.weight_versions()
