@@ -39,6 +39,8 @@ SETUP_HINT = ("install it with `bash scripts/setup_sglang.sh` (CPU; into .venv-s
               "at a Python that has sglang (GPU machines: pip install 'sglang[srt]'), or use --rollout-engine "
               "embedded")
 STOP_GRACE_S = 5.0
+TORCHRUN_VARIABLES = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                                "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT"})
 
 
 class SGLangLaunchError(RuntimeError):
@@ -76,7 +78,11 @@ class SGLangServerConfig:
         return cmd + list(self.extra_args)
 
     def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
+        """This process's environment without torchrun's rendezvous variables (a server launched from a torchrun
+        rank would read WORLD_SIZE/RANK/MASTER_PORT as its own and wait for peers that never come), plus the CPU
+        set-up on CPU."""
+        env = {k: v for k, v in os.environ.items()
+               if k not in TORCHRUN_VARIABLES and not k.startswith("TORCHELASTIC_")}
         if self.device == "cpu":
             env["SGLANG_USE_CPU_ENGINE"] = "1"
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_STAND_INS), env.get("PYTHONPATH")) if p)

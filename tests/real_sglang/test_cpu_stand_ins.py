@@ -40,3 +40,13 @@ def test_without_the_stand_ins_sglang_cannot_import_its_cpu_path(sglang_py):
     out = subprocess.run([sglang_py, "-c", "import sgl_kernel"], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode != 0 and "sgl_kernel" in out.stderr
+
+
+def test_a_server_launched_from_a_torchrun_rank_does_not_inherit_its_rendezvous(monkeypatch):
+    """torchrun's WORLD_SIZE/RANK/MASTER_PORT in a server's environment make it wait for peers forever."""
+    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+                 "TORCHELASTIC_RUN_ID": "x", "OMP_NUM_THREADS": "1"}.items():
+        monkeypatch.setenv(k, v)
+    env = SGLangServerConfig(model_path="unused", python="python", device="cpu").environment()
+    assert not {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"} & set(env)
+    assert env["OMP_NUM_THREADS"] == "1" and env["SGLANG_USE_CPU_ENGINE"] == "1"
