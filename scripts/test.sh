@@ -13,7 +13,7 @@ PY=$(EXTRAS=dev bash scripts/setup_env.sh)
 # and those tests say why: they skip on a developer machine and fail under CI (CI=true).
 bash scripts/setup_sglang.sh >/dev/null || echo "== scripts/setup_sglang.sh failed: tests/real_sglang cannot run" >&2
 "$PY" -m ruff check .
-"$PY" -m pytest -q "$@"
+"$PY" -m pytest -q --durations=40 "$@"
 if [ $# -eq 0 ] || [ -n "${MCORE019:-}" ]; then
   echo "== tests/mcore on megatron-core $MCORE019_VERSION (.venv-mcore019)"
   PY019=$(VENV=.venv-mcore019 MEGATRON_CORE=$MCORE019_VERSION EXTRAS=dev bash scripts/setup_env.sh)

@@ -3,10 +3,13 @@
 in fp32 (the HF model, its tokenizer and chat template, SGLang's /generate on loopback), the task's prompts and
 reward, the data path (`rollout_shards`, `build_micro_batches`) and the loss hook's forward-only pass (lp_old and
 the reference log-probs of the KL term). Teacher-forced log-probs of the tokens the engine sampled equal the
-engine's to 1e-5, before and after a weight update reaches the engine, over both weight-sync paths (HF-named
+engine's to 5e-5, before and after a weight update reaches the engine, over both weight-sync paths (HF-named
 weights: a checkpoint on disk, a broadcast over a gloo group). The engine also takes text in and gives text out.
 
-The 1e-5 holds with micro-batches of one sequence: the engine runs one sequence per forward (a seeded request is
+The bound is fp32 rounding through 30 layers of two implementations: 5.7e-6-7.2e-6 with the transformers 5.x
+releases this was written with, 2.8e-5 with transformers 5.24 (its op order moved; `model` pins only
+transformers>=5.0, so pip takes the newest). A weight update that did not reach the engine moves log-probs by
+> 1e-3. The bound holds with micro-batches of one sequence: the engine runs one sequence per forward (a seeded request is
 computed alone), and CPU fp32 matrix products give bitwise the same rows for the same sequence only while the
 number of rows stays small; a padded micro-batch of 4 sequences (~160 rows) rounds differently (SmolLM2's logits of
 one sequence differ by ~7e-5 between 40 and 80 rows, in Megatron and in HF alike), so its log-probs are held to 1e-4.
@@ -115,7 +118,7 @@ def test_fp32_engine_logprobs_equal_the_trainers_through_both_weight_syncs(smoll
         print(f"step 0: responses {texts}, rewards {[s.reward for s in samples]}: max |lp trainer - lp engine "
               f"(fp32)| = {gap:.2e} over {rollout.numel()} tokens (micro-batches of 1), {batched:.2e} (one padded "
               "micro-batch of 4)")
-        assert gap <= 1e-5 and torch.equal(current, reference)
+        assert gap <= 5e-5 and torch.equal(current, reference)
         assert batched <= 1e-4  # CPU fp32 GEMMs round differently above ~64 rows: see the module doc
         labels = [p.label for p in task.prompts(config.seed, 0, config.rollout_batch_size)]
         assert [s.reward for s in samples] == [task.reward(Response(t, s.response_tokens, labels[s.group_id]))
@@ -135,7 +138,7 @@ def test_fp32_engine_logprobs_equal_the_trainers_through_both_weight_syncs(smoll
             gap, moved = (current - rollout).abs().max().item(), (reference - rollout).abs().max().item()
             print(f"after update {step} ({path} sync, {report.seconds:.2f} s): max |lp trainer - lp engine| = "
                   f"{gap:.2e}, max |lp initial weights - lp engine| = {moved:.2e}")
-            assert gap <= 1e-5 and moved > 1e-3  # the engine serves the updated weights, not the initial ones
+            assert gap <= 5e-5 and moved > 1e-3  # the engine serves the updated weights, not the initial ones
     with torch.no_grad():  # the module's other tests start from the checkpoint's weights
         policy.module.load_state_dict(initial, strict=False)
 
