@@ -6,7 +6,6 @@ import asyncio
 import signal
 import subprocess
 import sys
-import tempfile
 from types import SimpleNamespace
 
 import aiohttp
@@ -147,7 +146,7 @@ def test_health_false_when_nothing_listens():
     assert asyncio.run(go()) is False
 
 
-def test_update_weights_from_disk_and_flush_while_busy(tiny_ckpt, tiny_ckpt_v1):
+def test_update_weights_from_disk_and_flush_while_busy(tiny_ckpt, tiny_ckpt_v1, tmp_path):
     new_model = load_tiny_lm(tiny_ckpt_v1)
 
     async def go(url, engine):
@@ -164,7 +163,7 @@ def test_update_weights_from_disk_and_flush_while_busy(tiny_ckpt, tiny_ckpt_v1):
             res = await c.generate(PROMPT, {"max_new_tokens": 20, "ignore_eos": True, "sampling_seed": 1})
             info = await c.model_info()
             with pytest.raises(RuntimeError, match="update_weights_from_disk"):  # a folder without a checkpoint
-                await c.update_weights_from_disk(tempfile.mkdtemp(prefix="not_a_checkpoint_"))
+                await c.update_weights_from_disk(str(tmp_path))
             return res, info
 
     with start_local_engine(tiny_ckpt, dtype=torch.float32) as h:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import tempfile
 import urllib.request
 
 import pytest
@@ -162,7 +161,7 @@ def test_flush_under_load_waits_for_each_engine(routed):
     assert idle == [True, True] and all(len(r.output_ids) == 40 for r in res)
 
 
-def test_failed_control_calls_leave_the_client_usable(routed, tiny_ckpt):
+def test_failed_control_calls_leave_the_client_usable(routed, tiny_ckpt, tmp_path):
     """A pause refused by every engine, a pause refused by one worker, a weight update that fails: each is an
     error the caller sees; then the client is not paused, no engine is paused, and generate() works."""
     with run_fault_server() as (bad, fault), fault.failing("/pause_generation", 500):
@@ -175,7 +174,7 @@ def test_failed_control_calls_leave_the_client_usable(routed, tiny_ckpt):
                     await mixed.pause()
                 assert list(ei.value.failures) == [bad] and sorted(ei.value.succeeded) == sorted(routed.engine_urls)
                 with pytest.raises(ControlError, match="update_weights_from_disk.*Failed to update weights"):
-                    await c.sync_weights_from_disk(tempfile.mkdtemp(prefix="not_a_checkpoint_"), "never")
+                    await c.sync_weights_from_disk(str(tmp_path), "never")
                 state = c.paused, mixed.paused, [h.engine.paused for h in routed.engines]
                 out = await asyncio.wait_for(c.generate(PROMPT, {"max_new_tokens": 4}), 30)
                 return state, out, await c.weight_versions()
