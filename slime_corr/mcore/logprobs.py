@@ -48,7 +48,7 @@ class _AllReduceSumIdentityGrad(torch.autograd.Function):
 
 
 def _chunk_stats(
-    logits: Tensor, labels: Tensor, temperature: float, vocab_start: int, group: ProcessGroup, entropy: bool
+    logits: Tensor, labels: Tensor, vocab_start: int, group: ProcessGroup, temperature: float, entropy: bool
 ) -> Tensor:
     """[N, V_local] logits, [N] labels -> [N, 1 or 2] (log-prob, entropy) for one chunk."""
     z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
@@ -78,6 +78,27 @@ def _chunk_stats(
     return torch.stack(out, dim=-1)
 
 
+def map_chunks(fn, logits: Tensor, labels: Tensor, tp_group: ProcessGroup, *args: object, chunk_size: int,
+               width: int) -> Tensor:
+    """Rows of `fn(logits_chunk [n, V_local], labels_chunk [n], vocab_start, tp_group, *args)` -> [n, width] over
+    the flattened `logits` [..., V_local] / `labels` [...] in chunks of `chunk_size` rows, concatenated to
+    [N, width]; `vocab_start` is the first global id of this rank's vocabulary shard. With gradients on, each chunk
+    is recomputed in backward (activation checkpointing, its TP collectives re-run in the same order on every TP
+    rank), so the fp32 [chunk, V/TP] temporaries of one chunk exist at a time."""
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree")
+    vocab_start = dist.get_rank(group=tp_group) * logits.size(-1) if _tp_size(tp_group) > 1 else 0
+    flat_logits = logits.reshape(-1, logits.size(-1))
+    flat_labels = labels.reshape(-1).long()
+    use_ckpt = torch.is_grad_enabled() and logits.requires_grad and flat_labels.numel() > chunk_size
+    parts = []
+    for start in range(0, flat_labels.numel(), chunk_size):
+        chunk = (flat_logits[start: start + chunk_size], flat_labels[start: start + chunk_size], vocab_start,
+                 tp_group, *args)
+        parts.append(checkpoint(fn, *chunk, use_reentrant=False) if use_ckpt else fn(*chunk))
+    return torch.cat(parts) if parts else flat_logits.new_zeros(0, width).float()
+
+
 def vocab_parallel_log_probs(
     logits: Tensor,
     labels: Tensor,
@@ -90,31 +111,17 @@ def vocab_parallel_log_probs(
     """log π(label) (and entropy) per position from `logits` [..., V/TP] split over `tp_group`.
 
     `labels` [...] hold GLOBAL vocab ids; TP rank r owns ids [r·V/TP, (r+1)·V/TP) (Megatron's layout).
-    Returns tensors shaped like `labels` (fp32 for bf16/fp16/fp32 logits, fp64 for fp64); identical on every TP rank; differentiable wrt `logits`.
+    Returns tensors shaped like `labels` (fp32 for bf16/fp16/fp32 logits, fp64 for fp64); identical on every TP
+    rank; differentiable wrt `logits`.
     """
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0")
-    if logits.shape[:-1] != labels.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree")
-    tp = _tp_size(tp_group)
-    vocab_start = dist.get_rank(group=tp_group) * logits.size(-1) if tp > 1 else 0
-    flat_logits = logits.reshape(-1, logits.size(-1))
-    flat_labels = labels.reshape(-1).long()
-    use_ckpt = torch.is_grad_enabled() and logits.requires_grad and flat_labels.numel() > chunk_size
-    parts = []
-    for start in range(0, flat_labels.numel(), chunk_size):
-        args = (flat_logits[start : start + chunk_size], flat_labels[start : start + chunk_size])
-        if use_ckpt:
-            parts.append(
-                checkpoint(_chunk_stats, *args, temperature, vocab_start, tp_group, with_entropy, use_reentrant=False)
-            )
-        else:
-            parts.append(_chunk_stats(*args, temperature, vocab_start, tp_group, with_entropy))
-    stats = torch.cat(parts, dim=0) if parts else flat_logits.new_zeros(0, 2 if with_entropy else 1).float()
+    stats = map_chunks(_chunk_stats, logits, labels, tp_group, temperature, with_entropy, chunk_size=chunk_size,
+                       width=2 if with_entropy else 1)
     log_probs = stats[:, 0].reshape(labels.shape)
     if with_entropy:
         return log_probs, stats[:, 1].reshape(labels.shape)
     return log_probs
 
 
-__all__ = ["vocab_parallel_log_probs", "DEFAULT_CHUNK_SIZE"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "map_chunks", "vocab_parallel_log_probs"]

@@ -13,9 +13,9 @@ with ties kept together (the sets differ from a sort-based cut only at exact tie
 τ_k and τ_p are found exactly by binary search on the float32 bit patterns of z (order-preserving integer keys):
 each rank sorts its keys once, then 32 steps each, a `searchsorted` per row and one small SUM all_reduce over the
 tensor-parallel group per step ([chunk] counts or masses, in float64), so every TP rank gets the same thresholds
-without gathering the vocabulary. The log-softmax over N then
-reuses `logprobs._chunk_stats` (one MAX and one SUM all_reduce), chunked and recomputed in backward like
-`vocab_parallel_log_probs`; gradients flow to the logits of N only (the sets are piecewise constant).
+without gathering the vocabulary. The log-softmax over N then reuses `logprobs._chunk_stats` (one MAX and one SUM
+all_reduce), chunked and recomputed in backward by the same `logprobs.map_chunks` as `vocab_parallel_log_probs`;
+gradients flow to the logits of N only (the sets are piecewise constant).
 
 `in_nucleus` says whether the sampled token lies in the trainer's N. Tokens the engine sampled outside it have
 lp_trunc = −inf: the caller decides (drop them from the loss mask, or let the correction core reject their
@@ -28,9 +28,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
-from slime_corr.mcore.logprobs import DEFAULT_CHUNK_SIZE, ProcessGroup, _chunk_stats, _tp_size
+from slime_corr.mcore.logprobs import DEFAULT_CHUNK_SIZE, ProcessGroup, _chunk_stats, _tp_size, map_chunks
 
 _KEY_LOW, _KEY_HIGH = -(2**31), 2**31 - 1
 
@@ -95,7 +94,7 @@ def nucleus_keep(z: Tensor, top_k: int, top_p: float, vocab: int, group: Process
     return keys >= t_k[:, None]
 
 
-def _truncated_chunk(logits: Tensor, labels: Tensor, temperature: float, vocab_start: int, group: ProcessGroup,
+def _truncated_chunk(logits: Tensor, labels: Tensor, vocab_start: int, group: ProcessGroup, temperature: float,
                      top_k: int, top_p: float, vocab: int) -> Tensor:
     """[N, V_local] logits, [N] labels -> [N, 2]: (lp_trunc, 1.0 if the label is in the nucleus else 0.0)."""
     z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
@@ -103,7 +102,7 @@ def _truncated_chunk(logits: Tensor, labels: Tensor, temperature: float, vocab_s
         z = z / temperature
     keep = nucleus_keep(z.detach(), top_k, top_p, vocab, group)
     masked = torch.where(keep, z, torch.full((), -torch.inf, dtype=z.dtype, device=z.device))
-    lp = _chunk_stats(masked, labels, 1.0, vocab_start, group, False)[:, 0]
+    lp = _chunk_stats(masked, labels, vocab_start, group, 1.0, False)[:, 0]
     return torch.stack([lp, lp.detach().isfinite().to(lp.dtype)], -1)
 
 
@@ -125,20 +124,9 @@ def truncated_log_probs(
         raise ValueError(f"temperature={temperature} must be > 0")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p={top_p} must be in (0, 1] (1.0: no nucleus truncation)")
-    if logits.shape[:-1] != labels.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree")
-    tp = _tp_size(tp_group)
-    vocab = logits.size(-1) * tp
-    vocab_start = dist.get_rank(group=tp_group) * logits.size(-1) if tp > 1 else 0
-    flat_logits = logits.reshape(-1, logits.size(-1))
-    flat_labels = labels.reshape(-1).long()
-    use_ckpt = torch.is_grad_enabled() and logits.requires_grad and flat_labels.numel() > chunk_size
-    parts = []
-    for start in range(0, flat_labels.numel(), chunk_size):
-        args = (flat_logits[start: start + chunk_size], flat_labels[start: start + chunk_size], temperature,
-                vocab_start, tp_group, int(top_k), float(top_p), vocab)
-        parts.append(checkpoint(_truncated_chunk, *args, use_reentrant=False) if use_ckpt else _truncated_chunk(*args))
-    stats = torch.cat(parts) if parts else flat_logits.new_zeros(0, 2).float()
+    vocab = logits.size(-1) * _tp_size(tp_group)
+    stats = map_chunks(_truncated_chunk, logits, labels, tp_group, temperature, int(top_k), float(top_p), vocab,
+                       chunk_size=chunk_size, width=2)
     return stats[:, 0].reshape(labels.shape), stats[:, 1].detach().reshape(labels.shape) > 0
 
 
