@@ -76,6 +76,15 @@ def cases() -> list[tuple[str, RolloutCorrectionConfig, dict]]:
                 RolloutCorrectionConfig.preset("decoupled_token_is", tis_batch_normalize=True)))
     out.append(("pg_is+normalize/seq-mean-token-mean",
                 RolloutCorrectionConfig.preset("pg_is", tis_batch_normalize=True, loss_agg_mode="seq-mean-token-mean")))
+    # --rs-divergence-budget / --tis-ess-target: ONE bound per step (the reference's whole-step batch gives it),
+    # from lp_old (decoupled) or the forward-only pre-pass (bypass)
+    out.append(("decoupled+k3_mean_budget+ess/token-mean",
+                RolloutCorrectionConfig(use_tis=True, tis_ess_target=0.9, rs_metric="k3", rs_agg="mean",
+                                        rs_divergence_budget=0.02)))
+    out.append(("pg_is+k2_token_budget+ess/seq-mean-token-mean",
+                RolloutCorrectionConfig.preset("pg_is", tis_level="token", tis_upper_bound=None, tis_ess_target=0.97,
+                                               rs_metric="k2", rs_agg="token", rs_divergence_budget=0.02,
+                                               loss_agg_mode="seq-mean-token-mean")))
     out.append(("decoupled_seq_is_rs+kl+entropy/seq-mean-token-mean",
                 RolloutCorrectionConfig.preset("decoupled_seq_is_rs", loss_agg_mode="seq-mean-token-mean")))
     # the KL term's reference log-probs come with the batch (as after the forward-only pass): the reference model
