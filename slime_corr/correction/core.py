@@ -47,6 +47,7 @@ from slime_corr.correction.reductions import (
     seq_sums,
     valid_float,
 )
+from slime_corr.correction.reporting import OPTIONAL_RATIOS
 from slime_corr.correction.segments import Segments
 from slime_corr.correction.types import CorrectionResult, WeightInputs
 from slime_corr.correction.weights import (
@@ -414,21 +415,13 @@ def correction_metrics(
     n_tok, n_seqs = r["n_tok"], r["n_seq"]
     metrics["mis_rs_rejected_token_fraction"] = M._div(n_tok - r["n_fn_tok"], n_tok)
     metrics["mis_rs_rejected_seq_fraction"] = M._div(r["n_fn_seq_rej"], n_seqs)
-    if "n_cat_tok" in r:  # veto
-        metrics["mis_catastrophic_token_fraction"] = M._div(r["n_cat_tok"], n_tok)
-        metrics["mis_catastrophic_seq_fraction"] = M._div(r["n_cat_seq"], n_seqs)
+    metrics.update({name: M._div(r[num], r[den]) for name, (num, den) in OPTIONAL_RATIOS.items() if num in r})
     metrics["mis_rejected_token_fraction"] = M._div(r["n_valid_tok"] - r["n_final_tok"], r["n_valid_tok"])
     metrics["mis_rejected_seq_fraction"] = M._div(r["n_final_seq_rej"], r["n_valid_seq"])
     metrics["mis_contributing_token_count"] = r["n_final_tok"]
     metrics["mis_all_rejected"] = (r["n_final_tok"] == 0).to(torch.float64)
     if "n_fn_bad_w" in r:
         metrics[CUSTOM_NONFINITE], metrics[CUSTOM_NEGATIVE] = r["n_fn_bad_w"], r["n_fn_neg_w"]
-    if "n_div_tok" in r:  # the divergence filter on its own
-        metrics["mis_div_rejected_token_fraction"] = M._div(r["n_div_tok"], n_tok)
-        metrics["mis_div_rejected_seq_fraction"] = M._div(r["n_div_seq"], n_seqs)
-    for key, name in (("div_bound", "mis_rs_divergence_bound"), ("tis_bound", "mis_tis_ess_bound")):
-        if f"{key}_sum" in r:  # a budgeted bound: its mean over the calls of the step
-            metrics[name] = M._div(r[f"{key}_sum"], r[f"{key}_calls"])
     if "raw_u" in r:
         metrics.update(M.finalize_raw_weight(r, config.effective_tis_mode))
     if "w_u" in r:
