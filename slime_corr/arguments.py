@@ -146,10 +146,10 @@ def add_rollout_correction_args(parser: argparse.ArgumentParser) -> argparse.Arg
           "the sequence).", choices=RS_AGGS)
     value("--rs-divergence-bound", "Upper bound on the --rs-metric divergence, in its own units (e.g. k3 0.005).",
           type=float)
-    value("--rs-divergence-budget", "Instead of a fixed bound: each call's bound is the largest that keeps the mean "
-          "divergence of the kept units <= this (M2PO's second-moment budget with k2).", type=float)
-    value("--tis-ess-target", "Instead of --tis-upper-bound: each call's truncation bound U is the largest that keeps "
-          "the effective sample size of min(w, U) >= this fraction (0, 1].", type=float)
+    value("--rs-divergence-budget", "Instead of a fixed bound: each optimizer step's bound is the largest that keeps "
+          "the mean divergence of the step's kept units <= this (M2PO's second-moment budget with k2).", type=float)
+    value("--tis-ess-target", "Instead of --tis-upper-bound: each optimizer step's truncation bound U is the largest that "
+          "keeps the step's effective sample size of min(w, U) >= this fraction (0, 1].", type=float)
 
     switch("--use-rollout-logprobs",
            "Bypass: use the rollout engine's log-probs as pi_old (no recompute forward pass).")

@@ -80,8 +80,8 @@ class RolloutCorrectionConfig:
     rs_metric: RSMetric = "ratio"  # ratio: only --use-rs's bounds; k2/k3: reject where the divergence is too high
     rs_agg: RSAgg | None = None  # token: each token; mean/sum/max: of the sequence's token divergences
     rs_divergence_bound: float | None = None  # the upper bound, in the metric's own units
-    rs_divergence_budget: float | None = None  # or: the bound of each call, so the kept units' mean is <= this
-    tis_ess_target: float | None = None  # truncate: U of each call, the largest with ESS(min(w, U)) >= this
+    rs_divergence_budget: float | None = None  # or: the bound of each step, so its kept units' mean is <= this
+    tis_ess_target: float | None = None  # truncate: U of each step, the largest with ESS(min(w, U)) >= this
 
     # --- which policy the loss anchors on, and the loss ---
     use_rollout_logprobs: bool = False  # bypass: lp_old := lp_rollout, no recompute forward
@@ -316,7 +316,7 @@ class RolloutCorrectionConfig:
             if (self.rs_divergence_bound is None) == (self.rs_divergence_budget is None):
                 fail(f"--rs-metric {self.rs_metric} needs exactly one of --rs-divergence-bound (a fixed upper bound "
                      f"in {self.rs_metric} units, e.g. 0.005 for k3 with --rs-agg mean) and --rs-divergence-budget "
-                     "(the bound of each call is set so that the mean of the kept units is at most this).")
+                     "(the bound of each optimizer step is set so that the mean of its kept units is at most this).")
             if self.rs_divergence_budget is not None and self.rs_agg == "max":
                 fail("--rs-divergence-budget works with --rs-agg token, mean or sum: a sequence's max over "
                      "context-parallel ranks is not a sum; give --rs-divergence-bound with --rs-agg max.")
@@ -328,7 +328,7 @@ class RolloutCorrectionConfig:
             if not self.use_tis:
                 fail("--tis-ess-target needs --use-tis.")
             if self.effective_tis_mode != "truncate" or self.tis_upper_bound is not None or self.tis_clip is not None:
-                fail("--tis-ess-target sets the truncation bound U of each call: it needs --tis-mode truncate and "
+                fail("--tis-ess-target sets the truncation bound U of each step: it needs --tis-mode truncate and "
                      "no --tis-upper-bound/--tis-clip.")
             if self.custom_tis_function_path:
                 fail("--tis-ess-target bounds the built-in weights; a --custom-tis-function-path makes its own.")

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.correction import CorrectionResult, compute_rollout_correction
+from slime_corr.correction.budget import StepBounds
 from slime_corr.correction.checks import check_policy_loss_inputs
 from slime_corr.correction.core import maybe_compiled
 from slime_corr.correction.reductions import (
@@ -224,6 +225,7 @@ def compute_policy_loss(
     loss_terms: LossTermsConfig | None = None,
     ref_log_probs: Tensor | None = None,
     entropy: Tensor | None = None,
+    step_bounds: StepBounds | None = None,
 ) -> PolicyLossOutput:
     """The policy loss of one micro-batch ([B, S] local slices, one sequence per row; or one packed row [1, T]
     whose sequences `segments` gives, `Segments.packed_row`) under `config`.
@@ -235,7 +237,8 @@ def compute_policy_loss(
     response length; padded rows default to S·cp_size, packed rows must pass it).
     `advantages`: per token, or one per sequence ([B] / [B, 1]; [n] / [n, 1] packed), broadcast along it.
     `loss_fn` overrides `config.loss_type` with a registered name, an import path, or a callable.
-    `batch_norm_mean`: the step's IS-weight mean for `--tis-batch-normalize` (see `compute_rollout_correction`).
+    `batch_norm_mean`: the step's IS-weight mean for `--tis-batch-normalize`, `step_bounds` the step's budgeted
+    bounds (see `compute_rollout_correction`).
     `correction`: this micro-batch's correction computed beforehand from the same lp_train (e.g. a decoupled
     pre-pass, finished by `normalize_weights`); it is used instead of computing it again.
     `finalize_metrics=False`: the correction's metrics are not finalized (its `.stats` are complete), for callers
@@ -261,6 +264,7 @@ def compute_policy_loss(
         correction = compute_rollout_correction(
             lp_train, rollout_log_probs, loss_mask, config, cp_group=cp_group, dp_group=dp_group,
             batch_norm_mean=batch_norm_mean, finalize_metrics=finalize_metrics, segments=segments,
+            step_bounds=step_bounds,
         )
     dtype = log_probs.dtype
     if correction is not None and config.use_rollout_correction:

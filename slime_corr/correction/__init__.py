@@ -5,6 +5,7 @@ definitions in `metrics.py`, the masked-reduction helpers in `reductions.py`, an
 padded rows or packed (THD) rows in `segments.py`.
 """
 
+from slime_corr.correction.budget import StepBounds
 from slime_corr.correction.core import (
     compute_rollout_correction,
     correction_metrics,
@@ -20,6 +21,7 @@ from slime_corr.correction.weights import default_weights
 __all__ = [
     "CorrectionResult",
     "Segments",
+    "StepBounds",
     "WeightInputs",
     "WeightOutputs",
     "compute_rollout_correction",

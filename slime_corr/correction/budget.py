@@ -11,6 +11,11 @@ scan. Nothing is gathered; the bound is exact at bin edges, so it lies within on
   ESS(U) = (Σ u·min(w, U))² / (Σ u · Σ u·min(w, U)²) ≥ ρ, exact at the edges from the bin sums. ESS(U) does not
   increase with U (d ln ESS/dU = 2k·Σ_{w≤U} u·w(w − U) / (S1·S2) ≤ 0, k = Σ_{w>U} u); when all weights keep ρ, U is
   the edge above the largest weight (no truncation).
+
+Per optimizer step (`StepBounds`): a step of several micro-batches takes ONE bound from the whole step's statistics,
+as if the step were one batch. The bin sums are additive, so each micro-batch's local sums are added up (a
+collecting pass over the step, no collective) and reduced once (`StepBounds.finish`: one SUM per group); every
+micro-batch of the step then decides with the step's sums, and logs the step's bound.
 """
 
 from __future__ import annotations
@@ -42,6 +47,61 @@ def bin_sums(values: Tensor, unit: Tensor, moments: int, groups: list[dist.Proce
     for g in groups:
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=g)
     return out
+
+
+class StepBounds:
+    """The budgeted bounds of one optimizer step (all its micro-batches, all DP×CP ranks), for
+    `compute_rollout_correction(..., step_bounds=)`:
+
+        bounds = StepBounds()
+        for mb in step: compute_rollout_correction(mb..., step_bounds=bounds)   # collecting: results provisional
+        bounds.finish(groups)                                                    # one SUM all_reduce per group
+        for mb in step: compute_rollout_correction(mb..., step_bounds=bounds)   # each uses the step's bounds
+
+    While collecting, each call adds its local bin sums and decides from them alone (its results are to be
+    discarded); once finished, every call decides from the step's reduced sums. Every rank must collect the same
+    budgets (the same config) before `finish`."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, Tensor] = {}
+        self.finished = False
+
+    def sums(self, name: str, values: Tensor, unit: Tensor, moments: int) -> Tensor:
+        """The bin sums for the decision `name`: collecting, this call's local ones (added to the step's);
+        finished, the step's."""
+        if self.finished:
+            if name not in self._sums:
+                raise ValueError(f"StepBounds: no {name!r} statistics were collected for this step (collect with "
+                                 "the same config as the decisions)")
+            return self._sums[name]
+        local = bin_sums(values, unit, moments, [])
+        if name in self._sums:
+            self._sums[name] = self._sums[name] + local
+        else:
+            self._sums[name] = local
+        return local
+
+    def finish(self, groups: list[dist.ProcessGroup]) -> StepBounds:
+        """Sum the collected statistics over `groups` (DP and CP: ONE all_reduce per group for all budgets)."""
+        if self.finished:
+            raise ValueError("StepBounds.finish: already finished (use a new StepBounds per step)")
+        names = sorted(self._sums)
+        if names and groups:
+            flat = torch.cat([self._sums[n].reshape(-1) for n in names])
+            for g in groups:
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=g)
+            self._sums = dict(zip(names, flat.split([self._sums[n].numel() for n in names]), strict=True))
+            self._sums = {n: v.view(-1, Q.LEVEL1_BINS) for n, v in self._sums.items()}
+        self.finished = True
+        return self
+
+
+def budget_sums(name: str, values: Tensor, unit: Tensor, moments: int, groups: list[dist.ProcessGroup],
+                step: StepBounds | None) -> Tensor:
+    """`bin_sums` of this call over `groups` (no step), or the step's (`StepBounds.sums`)."""
+    if step is None:
+        return bin_sums(values, unit, moments, groups)
+    return step.sums(name, values, unit, moments)
 
 
 def bin_edge(key: Tensor) -> Tensor:
@@ -88,11 +148,11 @@ def ess_bound(sums: Tensor, target: float) -> Tensor:
 
 
 def ess_target_bound(inputs: WeightInputs, config: RolloutCorrectionConfig, unit: Tensor,
-                     groups: list[dist.ProcessGroup]) -> Tensor:
+                     groups: list[dist.ProcessGroup], step: StepBounds | None = None) -> Tensor:
     """`--tis-ess-target`: U for the raw weights exp(clamp(ℓ, ±20)) of `config.tis_level`, over `unit` ([B, S] per
-    token, or [n] per sequence counted once across CP), from one SUM over `groups`."""
+    token, or [n] per sequence counted once across CP), from one SUM over `groups` (or the `step`'s)."""
     w = raw_is_weights(inputs, config).reshape(unit.shape)
-    return ess_bound(bin_sums(w, unit, 2, groups), config.tis_ess_target)
+    return ess_bound(budget_sums("tis", w, unit, 2, groups, step), config.tis_ess_target)
 
 
 def ess(weights: Tensor, unit: Tensor) -> Tensor:
@@ -102,4 +162,5 @@ def ess(weights: Tensor, unit: Tensor) -> Tensor:
     return s1.square() / (s0 * s2).clamp_min(1e-300)
 
 
-__all__ = ["bin_edge", "bin_sums", "ess", "ess_bound", "ess_target_bound", "keep_below", "mean_budget_key"]
+__all__ = ["StepBounds", "bin_edge", "bin_sums", "budget_sums", "ess", "ess_bound", "ess_target_bound", "keep_below",
+           "mean_budget_key"]

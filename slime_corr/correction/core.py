@@ -47,6 +47,7 @@ from slime_corr.correction.reductions import (
     seq_sums,
     valid_float,
 )
+from slime_corr.correction.reporting import OPTIONAL_RATIOS
 from slime_corr.correction.segments import Segments
 from slime_corr.correction.types import CorrectionResult, WeightInputs
 from slime_corr.correction.weights import (
@@ -147,6 +148,7 @@ def compute_rollout_correction(
     normalize: bool = True,
     finalize_metrics: bool = True,
     segments: Segments | None = None,
+    step_bounds: BG.StepBounds | None = None,
 ) -> CorrectionResult:
     """Weights, masks and metrics for [B, S] local slices (one sequence per row), or for one packed row [1, T]
     whose sequences `segments` gives (`Segments.packed_row`; per-sequence results are then [n]).
@@ -160,6 +162,9 @@ def compute_rollout_correction(
     `normalize=False` leaves the weights unnormalized (a pre-pass that `normalize_weights` finishes once the step's
     mean is known, so the training pass need not redo the correction); `finalize_metrics=False` skips the metrics
     (`.metrics` is empty; `.stats` is complete) for callers that finalize a step's merged statistics once.
+    `step_bounds`: with `--rs-divergence-budget` / `--tis-ess-target`, the bounds of the call's optimizer step
+    (`budget.StepBounds`: a collecting pass over the step's micro-batches, then each uses the step's bound); None:
+    the bound of this call's own statistics.
     With `--rollout-correction-compile` the per-token stages run torch.compile'd (same results).
     """
     check_correction_inputs(log_probs, rollout_log_probs, loss_mask, config, batch_norm_mean, cp_group, dp_group,
@@ -179,7 +184,8 @@ def compute_rollout_correction(
         config.rs_bounds if token_rs else None, seg)
     groups = active_groups(cp_group, dp_group)
     k0 = local.shape[-1]  # the divergence filter's columns follow
-    div = D.token_stage(lr, valid, keep_tok, config, seg, groups) if correct and config.rejects_divergence else None
+    div = D.token_stage(lr, valid, keep_tok, config, seg, groups, step_bounds) if correct and \
+        config.rejects_divergence else None
     if div is not None:
         local = torch.cat([local, div.columns.to(local.dtype)], -1)
     seq = seq_sums(list(local.unbind(-1)), cp_group)  # the one CP collective for sequence sums
@@ -215,7 +221,7 @@ def compute_rollout_correction(
         if is_default and config.tis_ess_target is not None:  # this call's U from the ESS target (one SUM)
             ess_unit = valid * seg.expand(good) if config.tis_level == "token" else seq_ok.to(dtype) * cp0
             ess_in = WeightInputs(log_ratio=lr, loss_mask=valid, seq_log_ratio_sum=s_lr, seq_token_count=n_seq)
-            u_bound = BG.ess_target_bound(ess_in, config, ess_unit, groups)
+            u_bound = BG.ess_target_bound(ess_in, config, ess_unit, groups, step_bounds)
             _add_call_value(stats, "tis_bound", u_bound, groups)
             config = config.replace(tis_upper_bound=float(u_bound), tis_ess_target=None)  # one device->host read
         lower, upper = config.tis_bounds
@@ -245,7 +251,7 @@ def compute_rollout_correction(
                                            else div.keep, good, s_lr, n_seq, seg, cp_group, dp_group, config, dtype)
         if div is not None:
             row_f, n_fn = _divergence_rows(div, seq[:, k0:], n_seq, seq_ok, row_f, n_fn, config, cp0, groups, stats,
-                                           step_counts)
+                                           step_counts, step_bounds)
         n_final = n_fn
         if veto:
             vetoed = seq[:, 4] > 0
@@ -321,12 +327,12 @@ def _add_call_value(stats: BatchStats, name: str, value: Tensor, groups: list) -
 
 def _divergence_rows(div: D.TokenStage, columns: Tensor, n_seq: Tensor, seq_ok: Tensor, row_f: Tensor, n_fn: Tensor,
                      config: RolloutCorrectionConfig, cp0: float, groups: list, stats: BatchStats,
-                     step_counts: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+                     step_counts: dict[str, Tensor], step_bounds: BG.StepBounds | None) -> tuple[Tensor, Tensor]:
     """The divergence filter after the sequence sums (`divergence.py`): the sequence-level decision applied to
     (row_f, n_fn), its own rejection counts in `step_counts` and the budgeted bound in `stats`."""
     bound = div.bound
     if div.keep is None:  # mean / max: whole sequences
-        keep, bound = D.sequence_keep(columns, n_seq, seq_ok, config, cp0, groups)
+        keep, bound = D.sequence_keep(columns, n_seq, seq_ok, config, cp0, groups, step_bounds)
         row_f, n_fn = row_f * keep, n_fn * keep
         step_counts.update(n_div_tok=n_seq * (1.0 - keep), n_div_seq=seq_ok & (keep == 0))
     else:
@@ -409,21 +415,13 @@ def correction_metrics(
     n_tok, n_seqs = r["n_tok"], r["n_seq"]
     metrics["mis_rs_rejected_token_fraction"] = M._div(n_tok - r["n_fn_tok"], n_tok)
     metrics["mis_rs_rejected_seq_fraction"] = M._div(r["n_fn_seq_rej"], n_seqs)
-    if "n_cat_tok" in r:  # veto
-        metrics["mis_catastrophic_token_fraction"] = M._div(r["n_cat_tok"], n_tok)
-        metrics["mis_catastrophic_seq_fraction"] = M._div(r["n_cat_seq"], n_seqs)
+    metrics.update({name: M._div(r[num], r[den]) for name, (num, den) in OPTIONAL_RATIOS.items() if num in r})
     metrics["mis_rejected_token_fraction"] = M._div(r["n_valid_tok"] - r["n_final_tok"], r["n_valid_tok"])
     metrics["mis_rejected_seq_fraction"] = M._div(r["n_final_seq_rej"], r["n_valid_seq"])
     metrics["mis_contributing_token_count"] = r["n_final_tok"]
     metrics["mis_all_rejected"] = (r["n_final_tok"] == 0).to(torch.float64)
     if "n_fn_bad_w" in r:
         metrics[CUSTOM_NONFINITE], metrics[CUSTOM_NEGATIVE] = r["n_fn_bad_w"], r["n_fn_neg_w"]
-    if "n_div_tok" in r:  # the divergence filter on its own
-        metrics["mis_div_rejected_token_fraction"] = M._div(r["n_div_tok"], n_tok)
-        metrics["mis_div_rejected_seq_fraction"] = M._div(r["n_div_seq"], n_seqs)
-    for key, name in (("div_bound", "mis_rs_divergence_bound"), ("tis_bound", "mis_tis_ess_bound")):
-        if f"{key}_sum" in r:  # a budgeted bound: its mean over the calls of the step
-            metrics[name] = M._div(r[f"{key}_sum"], r[f"{key}_calls"])
     if "raw_u" in r:
         metrics.update(M.finalize_raw_weight(r, config.effective_tis_mode))
     if "w_u" in r:

@@ -9,8 +9,9 @@ kept iff its divergence is ≤ b.
 Both sequence decisions come from sums over the sequence's tokens, so under context parallelism they are columns of
 the core's ONE per-sequence all_reduce (no MAX collective). A non-finite log-prob makes d = inf (the sequence is
 rejected anyway). verl's names: token_k3 = (k3, token), seq_mean_k3 = (k3, mean), seq_sum_k2 = (k2, sum), seq_max_k2 = (k2, max).
-With `--rs-divergence-budget β` the bound of each call is set from its statistics (`budget.py`): token level before
-the sequence sums, over the finite valid tokens; mean/sum level after them, over the finite valid sequences.
+With `--rs-divergence-budget β` the bound is set from the statistics of the call, or of its optimizer step
+(`budget.StepBounds`): token level before the sequence sums, over the finite valid tokens; mean/sum level after
+them, over the finite valid sequences.
 It applies with any weighting function, ratio RS (`--use-rs`) and the veto; each rejection is counted on its own
 (`mis_div_rejected_token_fraction`, `mis_div_rejected_seq_fraction`).
 """
@@ -49,15 +50,16 @@ class TokenStage(NamedTuple):
 
 
 def token_stage(lr: Tensor, valid: Tensor, ratio_keep: Tensor | None, config: RolloutCorrectionConfig,
-                seg: Segments, groups: list[dist.ProcessGroup]) -> TokenStage:
+                seg: Segments, groups: list[dist.ProcessGroup], step: B.StepBounds | None = None) -> TokenStage:
     """Columns: token level [Σ filter keep, Σ filter keep·ratio keep]; mean/sum [Σ m·d, 0]; max [#{d > b}, 0].
-    `lr` is 0 outside `valid` and NaN-free; `ratio_keep` the token-RS keep (`--use-rs --rs-level token`) or None."""
+    `lr` is 0 outside `valid` and NaN-free; `ratio_keep` the token-RS keep (`--use-rs --rs-level token`) or None;
+    `step`: the budget's step statistics (None: this call's)."""
     d = token_divergence(lr, config.rs_metric)
     bound = None
     if config.rs_agg == "token":
         if config.rs_divergence_budget is not None:
             finite = greater_indicator_(lr.abs().sub_(MAX_FINITE_LOG_RATIO)).neg_().add_(1.0).mul_(valid)
-            sums = B.bin_sums(d, finite, 1, groups)
+            sums = B.budget_sums("div", d, finite, 1, groups, step)
             last = B.mean_budget_key(sums, config.rs_divergence_budget)
             keep = B.keep_below(d, last).mul_(valid)
             bound = B.bin_edge(last + 1)
@@ -74,7 +76,7 @@ def token_stage(lr: Tensor, valid: Tensor, ratio_keep: Tensor | None, config: Ro
 
 
 def sequence_keep(columns: Tensor, n_tok: Tensor, seq_ok: Tensor, config: RolloutCorrectionConfig, cp0: float,
-                  groups: list[dist.ProcessGroup]) -> tuple[Tensor, Tensor | None]:
+                  groups: list[dist.ProcessGroup], step: B.StepBounds | None = None) -> tuple[Tensor, Tensor | None]:
     """Sequence level (mean/sum/max): ([n] 0/1 keep, the budgeted bound or None) from the CP-reduced `columns` of
     `token_stage`. `n_tok` [n]: valid tokens per sequence; `seq_ok`: the finite valid sequences (budget units,
     counted once across CP with `cp0`)."""
@@ -85,7 +87,7 @@ def sequence_keep(columns: Tensor, n_tok: Tensor, seq_ok: Tensor, config: Rollou
     if config.rs_divergence_budget is None:
         return (mean <= config.rs_divergence_bound).to(value.dtype), None
     safe = torch.where(seq_ok, mean, torch.zeros_like(mean))  # a rejected sequence's inf/NaN stays out
-    sums = B.bin_sums(safe, seq_ok.to(torch.float64) * cp0, 1, groups)
+    sums = B.budget_sums("div", safe, seq_ok.to(torch.float64) * cp0, 1, groups, step)
     last = B.mean_budget_key(sums, config.rs_divergence_budget)
     return B.keep_below(safe, last), B.bin_edge(last + 1)
 

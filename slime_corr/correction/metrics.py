@@ -42,8 +42,8 @@ With correction on (IS, RS or veto):
 | mis_custom_negative_weight_count | a custom weighting function's negative weights (an error when read) |
 With divergence rejection (`--rs-metric k2|k3`, `divergence.py`) and budgets (`budget.py`):
 | mis_div_rejected_token_fraction / _seq_fraction | finite valid tokens / sequences the divergence filter rejects |
-| mis_rs_divergence_bound | `--rs-divergence-budget`: the bound each call chose, mean over the step's calls |
-| mis_tis_ess_bound | `--tis-ess-target`: the truncation bound U each call chose, mean over the step's calls |
+| mis_rs_divergence_bound | `--rs-divergence-budget`: the step's bound (`StepBounds`; a call without one: its own, mean over calls) |
+| mis_tis_ess_bound | `--tis-ess-target`: the step's truncation bound U (likewise) |
 """
 
 from __future__ import annotations

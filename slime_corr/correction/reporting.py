@@ -47,6 +47,17 @@ RAW_FRACTIONS = {
     "clip": {"mis_clip_fraction_low": "raw_low", "mis_clip_fraction_high": "raw_high"},
     "mask": {"mis_mask_fraction_low": "raw_low", "mis_mask_fraction_high": "raw_high"},
 }
+# metrics of the optional filters and budgets: metric -> (numerator, denominator) statistics, present when the
+# numerator is (the veto, the divergence filter, a budgeted bound: the mean over the calls of a step, one per step).
+# The one list of them: `correction_metrics` (core.py) and `metric_pairs` read it.
+OPTIONAL_RATIOS = {
+    "mis_catastrophic_token_fraction": ("n_cat_tok", "n_tok"),
+    "mis_catastrophic_seq_fraction": ("n_cat_seq", "n_seq"),
+    "mis_div_rejected_token_fraction": ("n_div_tok", "n_tok"),
+    "mis_div_rejected_seq_fraction": ("n_div_seq", "n_seq"),
+    "mis_rs_divergence_bound": ("div_bound_sum", "div_bound_calls"),
+    "mis_tis_ess_bound": ("tis_bound_sum", "tis_bound_calls"),
+}
 NON_RATIO_METRICS = frozenset({
     "rollout_probs_diff_max", "rollout_probs_diff_std", "rollout_actor_probs_pearson_corr",
     "mis_valid_token_count", "mis_valid_seq_count", "mis_nonfinite_token_count", "mis_nonfinite_seq_count",
@@ -77,15 +88,7 @@ def metric_pairs(
     n_tok, n_seq = r["n_tok"], r["n_seq"]
     pairs["mis_rs_rejected_token_fraction"] = ratio_pair(n_tok - r["n_fn_tok"], n_tok)
     pairs["mis_rs_rejected_seq_fraction"] = ratio_pair(r["n_fn_seq_rej"], n_seq)
-    if "n_cat_tok" in r:  # veto
-        pairs["mis_catastrophic_token_fraction"] = ratio_pair(r["n_cat_tok"], n_tok)
-        pairs["mis_catastrophic_seq_fraction"] = ratio_pair(r["n_cat_seq"], n_seq)
-    if "n_div_tok" in r:  # the divergence filter on its own
-        pairs["mis_div_rejected_token_fraction"] = ratio_pair(r["n_div_tok"], n_tok)
-        pairs["mis_div_rejected_seq_fraction"] = ratio_pair(r["n_div_seq"], n_seq)
-    for key, name in (("div_bound", "mis_rs_divergence_bound"), ("tis_bound", "mis_tis_ess_bound")):
-        if f"{key}_sum" in r:  # a budgeted bound: its mean over the calls
-            pairs[name] = ratio_pair(r[f"{key}_sum"], r[f"{key}_calls"])
+    pairs.update({name: ratio_pair(r[num], r[den]) for name, (num, den) in OPTIONAL_RATIOS.items() if num in r})
     pairs["mis_rejected_token_fraction"] = ratio_pair(r["n_valid_tok"] - r["n_final_tok"], r["n_valid_tok"])
     pairs["mis_rejected_seq_fraction"] = ratio_pair(r["n_final_seq_rej"], r["n_valid_seq"])
     if "raw_u" in r:
@@ -98,4 +101,4 @@ def metric_pairs(
     return pairs
 
 
-__all__ = ["MIN_DENOMINATOR", "NON_RATIO_METRICS", "metric_pairs", "ratio_pair"]
+__all__ = ["MIN_DENOMINATOR", "NON_RATIO_METRICS", "OPTIONAL_RATIOS", "metric_pairs", "ratio_pair"]

@@ -102,13 +102,16 @@ class Updater:
 
         return logits, timed
 
-    def _prepare(self, micro_batches: list[dict[str, Tensor]]) -> int:
+    def _prepare(self, steps: list[list[dict[str, Tensor]]]) -> int:
         """The rollout's forward-only pass, then its baselines after rejection (on the loss's stage); returns the
         rejected count there (0 elsewhere)."""
         hook = self.hook
+        micro_batches = [b for step in steps for b in step]
         if hook.needs_old_log_probs or hook.needs_ref_log_probs:
             hook.prepare_rollout(self.model, micro_batches)
         if self.rebaseline and hook.groups.pp_last:  # lp_old and the advantages live on the last stage
+            for step in steps:  # budgeted bounds are per optimizer step: reject as the step will
+                hook.set_step_bounds(step)
             return rebaseline_rejected(hook, micro_batches, self.normalize_std)
         return 0
 
@@ -117,7 +120,7 @@ class Updater:
         every rank calls it). Under PP every stage returns the last stage's results."""
         times, results = RolloutTimes(), []
         start = time.perf_counter()
-        rejected = self._prepare([b for step in steps for b in step])
+        rejected = self._prepare(steps)
         times.prepare = time.perf_counter() - start
         fb = get_forward_backward_func()
         for k, micro_batches in enumerate(steps):

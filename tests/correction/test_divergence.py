@@ -275,3 +275,99 @@ def test_the_report_suggests_budgets_from_the_run():
     C(rs_metric="k3", rs_agg="token", rs_divergence_budget=0.025, use_tis=True, tis_ess_target=0.94)  # valid
     only_k3 = recommend([{"rollout_corr/mismatch_k3_kl": 1e-4}]).hints
     assert any("--rs-divergence-budget 0.0001" in h and "--tis-ess-target" not in h for h in only_k3)
+
+
+# ------------------------------------------------------------------------------------------------ step budgets
+
+
+def _step(seed=8):
+    """One optimizer step of four micro-batches of uneven sizes and masks (lp_train, lp_rollout, mask): the
+    `_inputs` one (an empty, a non-finite and an extreme sequence), a near on-policy one, one without any valid
+    token, and one far off-policy (everything in it rejected, its weights truncated)."""
+    g = torch.Generator().manual_seed(seed)
+    first = _inputs(seed=seed, B=6, S=20, scale=0.5)
+    near_r = -torch.rand(3, 20, generator=g, dtype=torch.float64) * 3
+    near = (near_r + 0.02 * torch.randn(3, 20, generator=g, dtype=torch.float64), near_r,
+            torch.arange(20)[None] < torch.tensor([[4], [20], [11]]))
+    empty = (-torch.rand(2, 20, generator=g, dtype=torch.float64), -torch.rand(2, 20, generator=g, dtype=torch.float64),
+             torch.zeros(2, 20, dtype=torch.bool))
+    far_r = -torch.rand(2, 20, generator=g, dtype=torch.float64) * 3
+    far = (far_r + 2.0 + torch.rand(2, 20, generator=g, dtype=torch.float64), far_r,
+           torch.arange(20)[None] < torch.tensor([[7], [20]]))
+    return [first, near, empty, far]
+
+
+STEP_CASES = [
+    C(rs_metric="k2", rs_agg="token", rs_divergence_budget=0.02),
+    C(rs_metric="k3", rs_agg="mean", rs_divergence_budget=0.01, use_tis=True, tis_ess_target=0.8),
+    C(rs_metric="k2", rs_agg="sum", rs_divergence_budget=0.2, use_tis=True, tis_level="sequence",
+      tis_ess_target=0.9, use_rs=True, rs_level="token", rs_upper_bound=4.0, rs_veto_threshold=1e-4),
+    C(use_tis=True, tis_ess_target=0.7),
+    C(use_tis=True, tis_level="geometric", tis_ess_target=0.95),
+]
+
+
+@pytest.mark.parametrize("cfg", STEP_CASES, ids=["token-k2", "mean-k3+ess", "sum-k2+seq-ess+rs+veto", "ess-token",
+                                                  "ess-geometric"])
+def test_step_bounds_equal_the_whole_step_as_one_batch(cfg):
+    """`StepBounds`: every micro-batch decides with the bound of the step's concatenated tensors (the plain
+    full-tensor reference), logs it, and the step reaches the target."""
+    from slime_corr.correction import StepBounds, merge_stats
+    from slime_corr.correction.core import correction_metrics
+
+    mbs = _step()
+    cat = [torch.cat(t) for t in zip(*mbs, strict=True)]
+    ref = compute_rollout_correction(*cat, cfg)
+    want = metrics_to_host(ref.metrics)
+    bounds = StepBounds()
+    for mb in mbs:  # collecting: results discarded
+        compute_rollout_correction(*mb, cfg, step_bounds=bounds)
+    bounds.finish([])
+    outs = [compute_rollout_correction(*mb, cfg, step_bounds=bounds) for mb in mbs]
+    keys = [k for k in ("mis_rs_divergence_bound", "mis_tis_ess_bound") if k in want]
+    assert keys
+    start = 0
+    for mb, out in zip(mbs, outs, strict=True):
+        rows = slice(start, start + mb[0].shape[0])
+        start = rows.stop
+        assert torch.equal(out.loss_mask, ref.loss_mask[rows])
+        if ref.weights is not None:
+            torch.testing.assert_close(out.weights, ref.weights[rows], rtol=1e-12, atol=0)
+        m = metrics_to_host(out.metrics)
+        for k in keys:  # every micro-batch (the empty and the all-rejected one too) logs the step's bound
+            assert m[k] == want[k], (k, m[k], want[k])
+    step = metrics_to_host(correction_metrics(merge_stats([o.stats for o in outs]), cfg))
+    for k in (*keys, "mis_rejected_token_fraction", "mis_div_rejected_token_fraction", "mis_ess"):
+        if k in want:
+            assert step[k] == pytest.approx(want[k], rel=1e-12), k
+    if cfg.rejects_divergence:
+        assert outs[3].loss_mask.sum() == 0  # the far micro-batch: all rejected by the step's bound
+        assert outs[0].loss_mask.sum() > 0 and outs[1].loss_mask.sum() > 0
+        lp_t, lp_r, mask = cat
+        d = token_divergence_ref(lp_t - lp_r, cfg.rs_metric)
+        kept = ref.loss_mask > 0
+        if cfg.rs_agg == "token":
+            assert d[kept].mean() <= cfg.rs_divergence_budget  # the target holds over the step
+        own = [metrics_to_host(compute_rollout_correction(*mb, cfg).metrics) for mb in mbs]
+        # on its own the far micro-batch would keep nothing either, but the near one would keep a different set
+        assert any(o["mis_rs_divergence_bound"] != want["mis_rs_divergence_bound"] for o in own)
+    if cfg.tis_ess_target is not None and not cfg.rejects_divergence and not cfg.use_rs:
+        assert step["mis_ess"] >= cfg.tis_ess_target * (1 - 1e-9)  # the ESS target holds over the step
+        own = [metrics_to_host(compute_rollout_correction(*mb, cfg).metrics) for mb in mbs]
+        assert any(o["mis_tis_ess_bound"] != want["mis_tis_ess_bound"] for o in own)
+
+
+def token_divergence_ref(lr: torch.Tensor, metric: str) -> torch.Tensor:
+    return 0.5 * lr * lr if metric == "k2" else torch.expm1(lr) - lr
+
+
+def test_step_bounds_misuse_is_a_clear_error():
+    from slime_corr.correction import StepBounds
+
+    bounds = StepBounds().finish([])
+    lp_t, lp_r, mask = _inputs()
+    with pytest.raises(ValueError, match="no 'div' statistics were collected"):
+        compute_rollout_correction(lp_t, lp_r, mask, C(rs_metric="k2", rs_agg="token", rs_divergence_budget=0.1),
+                                   step_bounds=bounds)
+    with pytest.raises(ValueError, match="already finished"):
+        bounds.finish([])

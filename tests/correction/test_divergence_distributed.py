@@ -1,7 +1,12 @@
 """Divergence rejection, budgeted bounds and GSPO split over CP (zig-zag) and DP ranks (gloo, one spawn) equal the
-single-rank result: loss, gradient, masks, weights, metrics. A fixed divergence bound adds no collective (its
-sequence decisions ride in the one per-sequence CP all_reduce); a budget adds one SUM per group; GSPO's sequence
-mean adds one CP all_reduce to the loss."""
+single-rank result: loss, gradient, masks, weights, metrics, with padded rows and with packed rows (each DP rank's
+sequences in one row, padded per sequence to 2·CP and split by Megatron's per-sample THD partition). A fixed
+divergence bound adds no collective (its sequence decisions ride in the one per-sequence CP all_reduce); a budget
+adds one SUM per group; GSPO's sequence mean adds one CP all_reduce to the loss.
+
+Budgets per optimizer step (`StepBounds`): the whole batch as one step of micro-batches of uneven sizes (one holds
+only an empty sequence) spread over the DP ranks: every micro-batch decides with the bound of the whole step, as the
+single-rank full batch does, with one SUM per group for the step."""
 
 from __future__ import annotations
 
@@ -15,7 +20,9 @@ import torch.multiprocessing as mp
 from test_distributed import CountingAllReduce, zigzag_index
 
 from slime_corr.config import RolloutCorrectionConfig as C
-from slime_corr.correction import compute_rollout_correction, metrics_to_host
+from slime_corr.correction import StepBounds, compute_rollout_correction, merge_stats, metrics_to_host
+from slime_corr.correction.core import correction_metrics
+from slime_corr.correction.segments import Segments
 from slime_corr.losses import compute_policy_loss
 
 WORLD = 2
@@ -51,6 +58,34 @@ def _data():
     return lp, old, ro, adv, mask
 
 
+LENGTHS = (16, 3, 0, 9, 1, 12, 16, 5)  # the rows' sequence lengths (`_data`'s mask, holes aside)
+SPAN = 4  # packed: each sequence padded to a multiple of 2·CP (CP ≤ 2)
+
+
+def packed_slicer(rows: slice, cp_rank: int, cp: int):
+    """(slice, Segments) of this rank's packed row: `slice(t)` packs the [B, S] tensor's `rows` (each row's
+    LENGTHS positions, padded to a multiple of SPAN) into one row and keeps this CP rank's THD partition: chunks
+    cp_rank and 2·CP−1−cp_rank of each sequence's span. Differentiable (indexing)."""
+    lengths = LENGTHS[rows]
+    spans = [max(SPAN, -(-n // SPAN) * SPAN) for n in lengths]
+    src, filled, local, start = [], [], [], 0
+    for i, (n, p) in enumerate(zip(lengths, spans, strict=True)):
+        src += [i * S + min(t, S - 1) for t in range(p)]
+        filled += [t < n for t in range(p)]
+        chunk = p // (2 * cp)
+        for k in (cp_rank, 2 * cp - 1 - cp_rank):
+            local += list(range(start + k * chunk, start + (k + 1) * chunk))
+        start += p
+    src, filled, local = torch.tensor(src), torch.tensor(filled), torch.tensor(local)
+    offsets = torch.tensor([0, *torch.tensor(spans).cumsum(0).tolist()]) // cp
+
+    def sl(t):
+        flat = t[rows].reshape(-1)[src]
+        return torch.where(filled, flat, torch.zeros_like(flat))[local].unsqueeze(0)
+
+    return sl, Segments.packed_row(offsets, len(local))
+
+
 def _worker(rank: int, store_path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
@@ -62,10 +97,11 @@ def _worker(rank: int, store_path: str) -> None:
         cp_group, dp_group = cp_groups[d], dp_groups[c]
         rows = slice(d * B // dp, (d + 1) * B // dp)
         cols = zigzag_index(c, cp, S)
-        sl = lambda t, rows=rows, cols=cols: t[rows][:, cols]  # noqa: E731
-        for cfg, agg, extra, loss_extra in CASES:
+        padded = (lambda t, rows=rows, cols=cols: t[rows][:, cols]), None  # noqa: E731
+        for (sl, seg), cfg, agg, extra, loss_extra in [(layout, *case) for layout in (padded, packed_slicer(
+                rows, c, cp)) for case in CASES]:
             cfg = cfg.replace(loss_agg_mode=agg)
-            tag = f"dp={dp} cp={cp} {agg} {cfg.describe()}"
+            tag = f"dp={dp} cp={cp} {'packed' if seg else 'padded'} {agg} {cfg.describe()}"
             x = lp.clone().requires_grad_()
             ref = compute_policy_loss(x, old, ro, adv, mask, cfg)
             ref.loss.backward()
@@ -74,7 +110,7 @@ def _worker(rank: int, store_path: str) -> None:
             dist.all_reduce = counter
             try:
                 out = compute_policy_loss(sl(y), sl(old), sl(ro), sl(adv), sl(mask), cfg, cp_group=cp_group,
-                                          dp_group=dp_group)
+                                          dp_group=dp_group, segments=seg)
             finally:
                 dist.all_reduce = counter.real
             quantile_rounds = 2 if cfg.use_tis else 0
@@ -97,6 +133,8 @@ def _worker(rank: int, store_path: str) -> None:
                 assert abs(got[k] - v) <= 1e-9 * max(1.0, abs(v)), f"{tag} {k}: {got[k]} != {v}"
             if cfg.rejects_divergence:
                 assert 0 < want["mis_div_rejected_token_fraction"] < 1, tag
+            if cfg.rs_divergence_budget is not None or cfg.tis_ess_target is not None:
+                _check_step_bounds(cfg, sl, seg, rows, old, ro, mask, cp_group, dp_group, tag)
         # the correction alone: a fixed divergence bound adds no collective to the correction
         base_cfg = C(use_tis=True)
         for cfg in (base_cfg, base_cfg.replace(rs_metric="k3", rs_agg="max", rs_divergence_bound=0.1)):
@@ -108,6 +146,47 @@ def _worker(rank: int, store_path: str) -> None:
                 dist.all_reduce = counter.real
             assert len(counter.calls) == (5 if cp > 1 else 4), (dp, cp, len(counter.calls))
     dist.destroy_process_group()
+
+
+def _check_step_bounds(cfg, sl, seg, rows, old, ro, mask, cp_group, dp_group, tag) -> None:
+    """The whole batch as ONE step of micro-batches (each DP rank's rows split 2 + 1 + rest: the middle one holds a
+    single sequence, empty on rank 0 under DP=2): each micro-batch with the step's bounds equals the full batch's
+    rows, the step's merged metrics equal the full batch's, one SUM per group gives the step."""
+    ref = compute_rollout_correction(old, ro, mask, cfg)
+    lo, hi = rows.start, rows.stop
+    parts = [slice(lo, lo + 2), slice(lo + 2, lo + 3), slice(lo + 3, hi)]
+    if seg is None:
+        mbs = [(lambda t, r=r: sl(t)[r.start - lo:r.stop - lo], None) for r in parts]
+    else:
+        mbs = [packed_slicer(r, dist.get_rank(cp_group) if cp_group else 0, dist.get_world_size(cp_group)
+                             if cp_group else 1) for r in parts]
+
+    def run(step):
+        return [compute_rollout_correction(f(old), f(ro), f(mask), cfg, cp_group=cp_group, dp_group=dp_group,
+                                           segments=s, step_bounds=step) for f, s in mbs]
+
+    bounds = StepBounds()
+    run(bounds)  # the collecting pass
+    counter = CountingAllReduce()
+    dist.all_reduce = counter
+    try:
+        bounds.finish([g for g in (cp_group, dp_group) if dist.get_world_size(g) > 1])
+    finally:
+        dist.all_reduce = counter.real
+    assert len(counter.calls) == 1, tag  # (one of the two groups is trivial in these layouts)
+    outs = run(bounds)
+    for (f, _), out in zip(mbs, outs, strict=True):
+        assert torch.equal(out.loss_mask, f(ref.loss_mask)), tag
+        if ref.weights is not None:
+            torch.testing.assert_close(out.weights, f(ref.weights), rtol=1e-10, atol=1e-12, msg=tag)
+    got = metrics_to_host(correction_metrics(merge_stats([o.stats for o in outs]), cfg))
+    want = metrics_to_host(ref.metrics)
+    for k in ("mis_rs_divergence_bound", "mis_tis_ess_bound", "mis_rejected_token_fraction", "mis_ess"):
+        if k in want:
+            assert got[k] == pytest.approx(want[k], rel=1e-9), f"{tag} step {k}: {got[k]} != {want[k]}"
+    per_mb = [metrics_to_host(o.metrics) for o in run(None)]  # each micro-batch's own bound: not the step's
+    key = "mis_rs_divergence_bound" if cfg.rs_divergence_budget is not None else "mis_tis_ess_bound"
+    assert any(m[key] != want[key] for m in per_mb if m["mis_valid_token_count"] > 0), tag
 
 
 def test_divergence_budgets_and_gspo_over_cp_and_dp():

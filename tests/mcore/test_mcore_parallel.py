@@ -41,6 +41,7 @@ from mcore_helpers import (
 
 from slime_corr.config import PRESETS, RolloutCorrectionConfig
 from slime_corr.correction import compute_rollout_correction
+from slime_corr.correction.quantiles import LEVEL1_BINS
 from slime_corr.loss_terms import LossTermsConfig
 from slime_corr.mcore.compat import get_batch_on_this_cp_rank
 from slime_corr.mcore.context_parallel import ParallelGroups, slice_batch_for_cp, zigzag_slice
@@ -76,6 +77,15 @@ def cases() -> list[tuple[str, RolloutCorrectionConfig, dict]]:
                 RolloutCorrectionConfig.preset("decoupled_token_is", tis_batch_normalize=True)))
     out.append(("pg_is+normalize/seq-mean-token-mean",
                 RolloutCorrectionConfig.preset("pg_is", tis_batch_normalize=True, loss_agg_mode="seq-mean-token-mean")))
+    # --rs-divergence-budget / --tis-ess-target: ONE bound per step (the reference's whole-step batch gives it),
+    # from lp_old (decoupled) or the forward-only pre-pass (bypass)
+    out.append(("decoupled+k3_mean_budget+ess/token-mean",
+                RolloutCorrectionConfig(use_tis=True, tis_ess_target=0.9, rs_metric="k3", rs_agg="mean",
+                                        rs_divergence_budget=0.02)))
+    out.append(("pg_is+k2_token_budget+ess/seq-mean-token-mean",
+                RolloutCorrectionConfig.preset("pg_is", tis_level="token", tis_upper_bound=None, tis_ess_target=0.97,
+                                               rs_metric="k2", rs_agg="token", rs_divergence_budget=0.02,
+                                               loss_agg_mode="seq-mean-token-mean")))
     out.append(("decoupled_seq_is_rs+kl+entropy/seq-mean-token-mean",
                 RolloutCorrectionConfig.preset("decoupled_seq_is_rs", loss_agg_mode="seq-mean-token-mean")))
     # the KL term's reference log-probs come with the batch (as after the forward-only pass): the reference model
@@ -204,9 +214,14 @@ def check_sequence_reduction(tag: str, cfg: RolloutCorrectionConfig, opts: dict,
         assert {name for name, _, _ in calls} <= {"all_reduce"}, f"{tag}: {calls}"
         where = {id(groups.tp): "tp", id(groups.cp): "cp", id(groups.dp): "dp"}
         assert all(id(grp) in where for _, grp, _ in calls), f"{tag}: collective on an unexpected group"
-        seq = [shape for _, grp, shape in calls if grp is groups.cp and len(shape) == 2]
+        hist = [(where[id(grp)], shape) for _, grp, shape in calls if shape[-1:] == (LEVEL1_BINS,)]
+        seq = [shape for _, grp, shape in calls if grp is groups.cp and len(shape) == 2 and shape[-1] != LEVEL1_BINS]
         expected = 0 if groups.cp_size == 1 else (2 if cfg.custom_tis_function_path else 1)
         assert len(seq) == expected and all(shape[0] == b_local for shape in seq), f"{tag}: {seq}"
+        # a budget (one micro-batch: its own bound) adds its histogram SUM per group, nothing else
+        budgets = (cfg.rs_divergence_budget is not None) + (cfg.tis_ess_target is not None)
+        spread = (groups.cp_size > 1) + (groups.dp is not None and dist.get_world_size(groups.dp) > 1)
+        assert len(hist) == budgets * spread, f"{tag}: {hist}"
         traffic[s_local] = [(where[id(grp)], shape) for _, grp, shape in calls if grp is not groups.tp]
     assert traffic[8] == traffic[32], f"{tag}: CP/DP traffic depends on the sequence length {traffic}"
 

@@ -372,6 +372,66 @@ def test_rollout_steps_prepare_each_step_before_its_first_micro_batch(preset):
     assert hook.pop_step_metrics()["mis_valid_token_count"] == 16  # the last step: 2 micro-batches of 8 tokens
 
 
+@pytest.mark.parametrize("cfg", [
+    RolloutCorrectionConfig(use_tis=True, tis_ess_target=0.9, rs_metric="k2", rs_agg="token", rs_divergence_budget=0.5),
+    RolloutCorrectionConfig.preset("pg_is", tis_level="token", tis_upper_bound=None, tis_ess_target=0.8,
+                                   rs_metric="k3", rs_agg="mean", rs_divergence_budget=1.0),
+], ids=["decoupled", "bypass"])
+def test_rollout_steps_bound_each_step_from_all_its_micro_batches(cfg):
+    """--rs-divergence-budget / --tis-ess-target inside pretrain(): each step's micro-batches use the bounds of the
+    step's concatenated tensors (decoupled: from lp_old; bypass: a forward-only pre-pass per step), logged per step."""
+    from slime_corr.correction import compute_rollout_correction, metrics_to_host
+    from slime_corr.mcore.rollout_steps import RolloutStepIterator
+
+    finalized: list[dict] = []
+    hook = RolloutCorrectionLoss(cfg, groups=ParallelGroups(), model_forward=_logits_forward, keep_outputs=True,
+                                 on_step_metrics=finalized.append)
+    assert hook.budgeted and not hook.can_stream(2) and hook.can_stream(1) == (not hook.needs_old_log_probs)
+    data = RolloutStepIterator([_rollout(5, 4)], num_microbatches=2)  # 2 steps of 2 micro-batches
+    model = _CountingModel()
+    refs = []
+    for step in range(2):
+        model.scale = 1.0 + step  # the weights change after every step
+        batches = [hook.next_micro_batch(data, model) for _ in range(2)]
+        for b in batches:
+            hook.loss_func(b, b["logits"] * model.scale)
+        lp = [b["old_log_probs"] if hook.needs_old_log_probs else
+              torch.log_softmax(b["logits"] * model.scale, -1).gather(-1, b["labels"].unsqueeze(-1))[..., 0]
+              for b in batches]
+        refs.append(compute_rollout_correction(torch.cat(lp), torch.cat([b["rollout_log_probs"] for b in batches]),
+                                               torch.cat([b["loss_mask"] for b in batches]), cfg))
+    assert model.forwards == 4  # decoupled: lp_old of the rollout's 4 once; bypass: a pre-pass of each step's 2
+    finalized.append(hook.pop_step_metrics())
+    for step, ref in enumerate(refs):
+        outs = [o.correction for o in hook.outputs[2 * step:2 * step + 2]]
+        assert torch.equal(torch.cat([o.loss_mask for o in outs]), ref.loss_mask), step
+        torch.testing.assert_close(torch.cat([o.weights for o in outs]), ref.weights, rtol=1e-12, atol=0)
+        want = metrics_to_host(ref.metrics)
+        for key in ("mis_rs_divergence_bound", "mis_tis_ess_bound"):
+            assert finalized[step][key] == want[key], (step, key)
+        assert 0 < want["mis_div_rejected_token_fraction"] < 1 and want["mis_truncate_fraction"] > 0, want
+
+
+def test_step_bounds_before_the_update_reject_as_the_step_will():
+    """The decoupled baselines (`kept_sequences`) use the step's budgeted bounds (`set_step_bounds`)."""
+    from slime_corr.correction import compute_rollout_correction
+
+    cfg = RolloutCorrectionConfig(rs_metric="k2", rs_agg="mean", rs_divergence_budget=2.0)
+    hook = RolloutCorrectionLoss(cfg, groups=ParallelGroups(), model_forward=_logits_forward)
+    model = _CountingModel()
+    model.scale = 1.0
+    batches = _rollout(6, 3)
+    hook.compute_old_log_probs(model, batches)
+    with pytest.raises(ValueError, match=r"hook.set_step_bounds\(step_micro_batches\) first"):
+        hook.kept_sequences(batches[0])
+    hook.set_step_bounds(batches)
+    kept = torch.cat([hook.kept_sequences(b) for b in batches])
+    ref = compute_rollout_correction(torch.cat([b["old_log_probs"] for b in batches]),
+                                     torch.cat([b["rollout_log_probs"] for b in batches]),
+                                     torch.cat([b["loss_mask"] for b in batches]), cfg)
+    assert torch.equal(kept, ref.loss_mask.sum(-1) > 0) and 0 < kept.sum() < kept.numel()
+
+
 def test_a_replayed_step_is_not_prepared_again_and_keeps_its_lp_old():
     """Megatron's rerun state machine (fault tolerance) replays a step from shallow copies of the micro-batches
     taken as they were first read: before the hook computed lp_old into them."""
