@@ -61,6 +61,30 @@ def test_refused_at_parse_time(cache):
     assert ok.routed_experts_spec().bytes_per_token == 4
 
 
+def test_route_filler_and_metric_keys():
+    """Samples without routes get filler routes (experts 0..k-1) unless they are trained; the routing keys of the
+    loss's report are logged under diag/."""
+    from slime_corr.monitoring.keys import loss_step_metrics
+    from slime_corr.rollout.routing import RoutedExpertsSpec
+    from slime_corr.trainer.data import _with_routes
+
+    spec = RoutedExpertsSpec(2, 2, 8)
+    failed = Sample(prompt_tokens=[1, 2], response_tokens=[3], rollout_log_probs=[-1.0], status=SampleStatus.FAILED,
+                    failure_reason="test")
+    (filled,) = _with_routes([failed], spec)
+    assert filled.routed_experts.tolist() == [[[0, 1], [0, 1]], [[0, 1], [0, 1]]] and failed.routed_experts is None
+    assert filled.routed_experts.dtype == torch.uint8
+    trained = Sample(prompt_tokens=[1, 2], response_tokens=[3], status=SampleStatus.COMPLETED, loss_mask=[1],
+                     rollout_log_probs=[-1.0])
+    with pytest.raises(ValueError, match="trained sample .* has no routes"):
+        _with_routes([trained], spec)
+    assert _with_routes([trained], None) == [trained]
+    keys = loss_step_metrics({"routing_mismatch_frac": 0.1, "routing_mismatch_layer_1": 0.2, "loss": 1.0,
+                              "logprob_abs_diff_routing_diff": 0.3, "mismatch_k3_kl": 0.0})
+    assert sorted(keys) == ["diag/logprob_abs_diff_routing_diff", "diag/routing_mismatch_frac",
+                            "diag/routing_mismatch_layer_1", "rollout_corr/mismatch_k3_kl", "train/loss"]
+
+
 def _samples() -> list[Sample]:
     """Uneven prompts and responses (1..9 tokens), a failed sample without routes, rollout log-probs around -2."""
     rng = random.Random(0)
