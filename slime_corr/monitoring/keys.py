@@ -21,6 +21,9 @@ TRAIN_KEYS = frozenset({"loss", "pg_loss", "loss_denominator", "pg_clipfrac", "p
                         "pg_nonfinite_token_count", "kl_loss", "grad_norm",
                         "baseline_rejected_samples"})
 
+# Keys of the loss's report that are MoE routing diagnostics (`slime_corr.correction.routing`): -> `diag/`.
+ROUTING_KEY_PREFIXES = ("routing_mismatch_", "logprob_abs_diff_routing_")
+
 # The console line: (key, label) in order; a key the step does not have is left out.
 CONSOLE_KEYS = (
     (f"{ROLLOUT}/trained_samples", "trained"),
@@ -40,6 +43,7 @@ CONSOLE_KEYS = (
     (f"{CORRECTION}/mis_ess", "mis_ess"),
     (f"{CORRECTION}/mis_rejected_seq_fraction", "mis_rejected_seq_fraction"),
     (f"{CORRECTION}/mis_weight_p99", "mis_weight_p99"),
+    (f"{DIAG}/routing_mismatch_frac", "routing_mismatch"),  # MoE: trainer vs engine expert choices
     (f"{CORRECTION}/mismatch_nucleus_disagreement", "nucleus_disagreement"),  # --rollout-top-p / --rollout-top-k
     (f"{CORRECTION}/mismatch_nucleus_ratio_mean", "nucleus_ratio"),
     (f"{CORRECTION}/mismatch_nucleus_uncorrected_ratio_mean", "nucleus_uncorrected_ratio"),
@@ -55,9 +59,12 @@ def with_prefix(prefix: str, metrics: Mapping[str, float]) -> dict[str, float]:
 
 def loss_step_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
     """The flat dict `RolloutCorrectionLoss.train_step` / `reduce_step_metrics` returns, under the scheme:
-    its loss keys (TRAIN_KEYS) -> `train/`, everything else (docs/metrics.md's correction metrics and a custom
-    weighting function's) -> `rollout_corr/`."""
-    return {f"{TRAIN if k in TRAIN_KEYS else CORRECTION}/{k}": v for k, v in metrics.items()}
+    its loss keys (TRAIN_KEYS) -> `train/`, the MoE routing-mismatch keys (ROUTING_KEY_PREFIXES) -> `diag/`,
+    everything else (docs/metrics.md's correction metrics and a custom weighting function's) -> `rollout_corr/`."""
+    def prefix(k: str) -> str:
+        return TRAIN if k in TRAIN_KEYS else DIAG if k.startswith(ROUTING_KEY_PREFIXES) else CORRECTION
+
+    return {f"{prefix(k)}/{k}": v for k, v in metrics.items()}
 
 
-__all__ = ["CONSOLE_KEYS", "PREFIXES", "TRAIN_KEYS", "loss_step_metrics", "with_prefix"]
+__all__ = ["CONSOLE_KEYS", "PREFIXES", "ROUTING_KEY_PREFIXES", "TRAIN_KEYS", "loss_step_metrics", "with_prefix"]

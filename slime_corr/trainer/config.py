@@ -44,6 +44,8 @@ WEIGHT_SYNC_MODES = ("disk", "distributed")
 ROUTER_CHOICES = ("auto", "on", "off")
 ENGINE_DTYPES = ("bfloat16", "float32", "float64")
 PARAMS_DTYPES = ("float32", "float64")
+MOE_FLAGS = ("use_rollout_routing_replay", "log_routing_mismatch")
+TINY_MOE_LR = 1e-3  # --lr's default with --model tiny-moe
 PRETRAINED_LR = 1e-5  # --lr's default with a pretrained model (the tiny model's, 1e-2, would wreck it at once)
 CHAT_TEMPLATE_ALLOWANCE = 128  # tokens a chat template may add around the user message (system prompt, headers)
 DEFAULT_ROLLOUT_BATCH_SIZE, DEFAULT_STEPS_PER_ROLLOUT, DEFAULT_MICRO_BATCH_SIZE = 4, 4, 8
@@ -106,6 +108,9 @@ class TrainerConfig:
     model: TinyGPTArgs = field(default_factory=lambda: TinyGPTArgs(vocab_size=256))
     model_source: ModelSource = field(default_factory=ModelSource)
     task: str = "lowercase"
+    # Mixture of Experts (slime's --use-rollout-routing-replay; --log-routing-mismatch is slime_corr's)
+    use_rollout_routing_replay: bool = False
+    log_routing_mismatch: bool = False
 
     def __post_init__(self) -> None:
         self._derive_batch_defaults()
@@ -178,6 +183,21 @@ class TrainerConfig:
     def truncation(self) -> Truncation:
         """The rollout's top-p / top-k (sent to the engines, honoured by the trainer's log-probs)."""
         return Truncation(top_p=self.rollout_top_p, top_k=self.rollout_top_k)
+
+    @property
+    def asks_routes(self) -> bool:
+        """The rollout asks the engines for the routed experts (replay, or the routing-mismatch metrics)."""
+        return self.use_rollout_routing_replay or self.log_routing_mismatch
+
+    def routed_experts_spec(self):  # -> slime_corr.rollout.routing.RoutedExpertsSpec | None
+        """The MoE shape the engines' routes are checked against (None when no routes are asked for)."""
+        from slime_corr.rollout.routing import RoutedExpertsSpec
+
+        if not self.asks_routes:
+            return None
+        spec = self.model_source.spec()
+        assert spec is not None and spec.is_moe
+        return RoutedExpertsSpec(spec.num_layers, spec.num_experts_per_tok, spec.num_experts)
 
     @property
     def torch_params_dtype(self) -> torch.dtype:
@@ -257,6 +277,7 @@ class TrainerConfig:
         else:
             self._check_tiny_model()
         self._check_pipeline_and_packing()
+        self._check_routing()
         if self.save_interval is not None:
             if self.save_interval < 1:
                 fail(f"--save-interval {self.save_interval} must be >= 1 (rollouts between checkpoints).")
@@ -311,7 +332,7 @@ class TrainerConfig:
         allowance) and responses fit its positions; the task reads text. Resolves the model (a shipped one is
         dequantized into the cache on first use)."""
         task = TASKS[self.task]
-        if task.byte_tokens_only:
+        if task.byte_tokens_only and not self.model_source.byte_tokens:
             raise ConfigError(f"--task {self.task} scores byte tokens (the tiny model's task); a pretrained model "
                               f"has its own tokenizer: choose one of "
                               f"{', '.join(n for n, t in TASKS.items() if not t.byte_tokens_only)}.")
@@ -321,6 +342,10 @@ class TrainerConfig:
             check_tensor_parallel(spec, self.tensor_model_parallel_size)
         except CheckpointError as e:
             raise ConfigError(str(e)) from None
+        if spec.is_moe and self.tensor_model_parallel_size > 1:
+            raise ConfigError(f"--tensor-model-parallel-size {self.tensor_model_parallel_size}: training a Mixture-of-"
+                              f"Experts model ({spec.path}) with TP > 1 needs Megatron's sequence parallelism, whose "
+                              "norms need TransformerEngine or apex (absent on CPU); use TP=1 with CP or DP.")
         longest = CHAT_TEMPLATE_ALLOWANCE + task.max_prompt_chars + self.rollout_max_response_len
         if longest > spec.max_position_embeddings:
             raise ConfigError(f"--rollout-max-response-len {self.rollout_max_response_len}: prompt (with up to "
@@ -360,6 +385,23 @@ class TrainerConfig:
                     f"under --context-parallel-size {cp}, and a group is never split across micro-batches: use "
                     f"--max-tokens-per-gpu >= {-(-group // cp)}.")
 
+    def _check_routing(self) -> None:
+        """Routes need an MoE model and an engine that returns them (the real SGLang server); replay is done on the
+        whole model (no PP: refused for bridge models anyway) and packed rows are refused for bridge models."""
+        if not self.asks_routes:
+            return
+        flag = "--use-rollout-routing-replay" if self.use_rollout_routing_replay else "--log-routing-mismatch"
+        spec = self.model_source.spec() if self.model_source.is_pretrained else None
+        if spec is None or not spec.is_moe:
+            what = f"{spec.model_type} at {spec.path}" if spec is not None else "the built-in tiny GPT"
+            raise ConfigError(f"{flag}: the model is dense ({what}): routing replay and routing mismatch need a "
+                              "Mixture-of-Experts model, e.g. --model tiny-moe or --hf-checkpoint of a qwen3_moe "
+                              "checkpoint; drop the flag for a dense model.")
+        if not self.sglang_url and self.rollout_engine == "embedded":
+            raise ConfigError(f"{flag}: --rollout-engine embedded does not return the routed experts; use "
+                              "--rollout-engine sglang (the trainer launches SGLang with "
+                              "--enable-return-routed-experts) or --sglang-url of servers started with it.")
+
     def _check_load(self) -> None:
         from slime_corr.mcore.checkpoint import TRACKER_FILE, iteration_dir, latest_iteration
         from slime_corr.mcore.checkpoint import CheckpointError as CheckpointLoadError
@@ -385,8 +427,10 @@ class TrainerConfig:
         defaults to WORLD_SIZE. `--task` and `--lr` default to the model's: lowercase and 1e-2 for the tiny one,
         arithmetic and PRETRAINED_LR for a pretrained one."""
         names = [f for f in cls.__dataclass_fields__ if f not in ("world_size", "model", "sglang_url", "model_source",
-                                                                  "task", "lr", "sglang_server_args")]
+                                                                  "task", "lr", "sglang_server_args",
+                                                                  *MOE_FLAGS)]
         values = {n: getattr(args, n) for n in names}
+        values.update({n: bool(getattr(args, n, False)) for n in MOE_FLAGS})
         model = TinyGPTArgs(num_layers=args.num_layers, hidden_size=args.hidden_size,
                             num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size,
                             max_position_embeddings=args.max_position_embeddings, seed=args.seed,
@@ -396,8 +440,10 @@ class TrainerConfig:
             source = ModelSource.from_args(args)
         except CheckpointError as e:
             raise ConfigError(str(e)) from None
-        task = args.task or ("arithmetic" if source.is_pretrained else "lowercase")
-        lr = args.lr if args.lr is not None else PRETRAINED_LR if source.is_pretrained else cls.lr
+        text_model = source.is_pretrained and not source.byte_tokens
+        task = args.task or ("arithmetic" if text_model else "lowercase")
+        lr = args.lr if args.lr is not None else PRETRAINED_LR if text_model else \
+            TINY_MOE_LR if source.byte_tokens else cls.lr
         return cls(**values, world_size=world, sglang_url=tuple(args.sglang_url or ()), model=model,
                    model_source=source, task=task, lr=lr,
                    sglang_server_args=tuple(getattr(args, "sglang_server_args", None) or ()))
@@ -531,6 +577,15 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     e.add_argument("--engine-dtype", choices=ENGINE_DTYPES, default=d.engine_dtype,
                    help="Dtype the engines serve in (SGLang's --dtype; bfloat16 gives a real mismatch with the fp32 "
                         "trainer, float32 about 1e-5).")
+    m = parser.add_argument_group(title="Mixture of Experts (slime's routing replay)")
+    m.add_argument("--use-rollout-routing-replay", action="store_true",
+                   help="R3 (slime's flag): the engines return the experts they routed every token to, and every "
+                        "trainer forward that computes log-probs to train on (lp_old, the reference's, each "
+                        "training pass) routes with them (Megatron's RouterReplay). MoE models and SGLang engines "
+                        "only; logs the routing-mismatch metrics too.")
+    m.add_argument("--log-routing-mismatch", action="store_true",
+                   help="Ask the engines for their routes and log how often the trainer's own router differs "
+                        "(diag/routing_mismatch_*) without replaying them.")
     e.add_argument("--work-dir", default=None,
                    help="Where the engines' weight files go (default: a temporary folder).")
     return parser

@@ -18,6 +18,7 @@ Weight versions: the engines serve `weight_version(n)` = "step-n" after n optimi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -35,6 +36,7 @@ from slime_corr.rollout.batching import (
     slice_micro_batch_for_cp,
 )
 from slime_corr.rollout.data_iterator import TRAINABLE, mask_not_trained
+from slime_corr.rollout.routing import RoutedExpertsSpec
 from slime_corr.rollout.sample import Sample
 
 VERSION_PREFIX = "step-"
@@ -143,16 +145,40 @@ def scatter_shards(shards: list[RankShard] | None, dp_rank_of: Sequence[int]) ->
     return out[0]
 
 
+def _with_routes(samples: list[Sample], routes: RoutedExpertsSpec | None) -> list[Sample]:
+    """MoE (`routes`: the engine's routes were asked for): samples without them (failed or untrained ones, whose
+    tokens are masked out of the loss, or an empty micro-batch's padding sample) get filler routes (experts
+    0..k-1, as batching pads), so that every micro-batch has the same layout; a trained sample without routes is an
+    error."""
+    if routes is None:
+        return samples
+    shaped = torch.zeros(0, routes.num_layers, routes.top_k, dtype=routes.dtype)
+    out = []
+    for s in samples:
+        if s.routed_experts is None or s.routed_experts.shape[0] != s.total_length - 1:
+            if s.status in TRAINABLE and s.response_length:
+                raise ValueError(f"routed_experts: trained sample {s.index} has no routes for its "
+                                 f"{s.total_length - 1} input tokens (ask every request for them)")
+            _, layers, k = shaped.shape
+            fill = torch.arange(k, dtype=shaped.dtype).expand(max(0, s.total_length - 1), layers, k).clone()
+            s = dataclasses.replace(s, routed_experts=fill)
+        out.append(s)
+    return out
+
+
 def build_micro_batches(shard: RankShard, first_step: int, *, cp_rank: int = 0, cp_size: int = 1,
-                        pad_token_id: int = 0, packed: bool = False) -> list[list[dict[str, torch.Tensor]]]:
+                        pad_token_id: int = 0, packed: bool = False, routes: RoutedExpertsSpec | None = None
+                        ) -> list[list[dict[str, torch.Tensor]]]:
     """This rank's micro-batches of the rollout, per optimizer step (`first_step` = the optimizer step the rollout's
-    first update makes; the weight lag of step k is measured against `first_step + k`); `packed`: THD rows."""
+    first update makes; the weight lag of step k is measured against `first_step + k`); `packed`: THD rows.
+    `routes`: the MoE shape of the engine's routes (`Sample.routed_experts`), when they were asked for: every
+    micro-batch then carries them, whole under CP (emulated CP runs whole sequences)."""
     steps = []
     for k, micro_batches in enumerate(shard.steps):
         out = []
         for part in micro_batches:
             part = part or [TrainSample(padding_sample(pad_token_id), 0.0, -1)]  # an empty micro-batch
-            samples = [t.sample for t in part]
+            samples = _with_routes([t.sample for t in part], routes)
             batch = build_micro_batch(samples, [t.advantage for t in part], pad_to_multiple=cp_pad_multiple(cp_size),
                                       pad_token_id=pad_token_id, packed=packed,
                                       weight_lag=[token_lags(s, first_step + k) for s in samples])

@@ -86,7 +86,9 @@ class RolloutDriver:
         else:
             spec = EngineSpec(kind=cfg.rollout_engine, num_engines=cfg.rollout_num_engines, router=cfg.rollout_router,
                               dtype=cfg.engine_dtype, served_model_name=self.served_model_name, seed=cfg.seed,
-                              log_dir=self.log_dir, sglang_python=cfg.sglang_python, sglang_args=cfg.sglang_server_args,
+                              log_dir=self.log_dir, sglang_python=cfg.sglang_python,
+                              sglang_args=(*cfg.sglang_server_args,
+                                           *(("--enable-return-routed-experts",) if cfg.asks_routes else ())),
                               skip_tokenizer_init=self.engine_tokenizer is None, device=engine_device(),
                               embedded_module=self.engine_module, tokenizer=self.engine_tokenizer)
             group = self._stack.enter_context(start_engines(spec, save(weights, self.weights_dir / version), version))
@@ -125,6 +127,7 @@ class RolloutDriver:
         params = {"max_new_tokens": cfg.rollout_max_response_len, "temperature": cfg.rollout_temperature,
                   **cfg.truncation.sampling_params()}
         client = self.client
+        routes = cfg.routed_experts_spec()  # MoE: ask every request for the engine's routes
         prompts = self.task.prompts(cfg.seed, rollout, cfg.rollout_batch_size)
         offset = rollout * cfg.rollout_batch_size
         self._counters[rollout] = client.failovers, len(client.events)
@@ -138,7 +141,8 @@ class RolloutDriver:
                 return await self._watched(generate_group_samples(
                     client, [encode_prompt(self.tokenizer, p) for p in prompts], cfg.n_samples_per_prompt, params,
                     stream=True, reward_fn=reward, buffer=buffer, group_id_offset=offset,
-                    sampling_seed=mix_seed(cfg.seed, rollout), max_failed_fraction=cfg.max_failed_sample_fraction))
+                    sampling_seed=mix_seed(cfg.seed, rollout), max_failed_fraction=cfg.max_failed_sample_fraction,
+                    routed_experts=routes))
             except RolloutFailedError as e:  # the same, naming the rollout
                 raise RolloutFailedError(e.failed, e.total, e.max_fraction, e.early, rollout) from None
             finally:

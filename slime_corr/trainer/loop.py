@@ -139,6 +139,7 @@ class _Job:
         dist.all_gather_object(dp_ranks, ps.get_data_parallel_rank())
         self.dp_rank_of = [int(r) for r in dp_ranks]  # type: ignore[arg-type]
         self.policy = build_policy(cfg, with_reference=config.loss_terms.uses_reference)
+        self.routes = cfg.routed_experts_spec()  # MoE: the shape of the engine's routes (None: not asked)
         self.optimizer = torch.optim.Adam(self.policy.model.parameters(), lr=cfg.lr)
         monitoring = config.monitoring
         diagnostics = monitoring.log_mismatch_diagnostics and corr.computes_metrics
@@ -282,7 +283,7 @@ class _Job:
         shard = scatter_shards(shards, self.dp_rank_of)
         micro_batches = build_micro_batches(shard, first_step, cp_rank=ps.get_context_parallel_rank(),
                                             cp_size=cfg.context_parallel_size, pad_token_id=self.policy.pad_token_id,
-                                            packed=cfg.use_dynamic_batch_size)
+                                            packed=cfg.use_dynamic_batch_size, routes=self.routes)
         record.data = time.perf_counter() - start
         results, times = self.updater.train_rollout(micro_batches)
         record.prepare, record.train, record.loss = times.prepare, times.steps, times.loss

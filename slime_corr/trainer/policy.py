@@ -5,7 +5,8 @@ serve it (the module, the weights they receive and the files they load them from
 - The tiny Megatron GPTModel (`slime_corr.mcore.model`), byte tokens: the embedded engines serve the same
   architecture (`EngineGPT`), weights under the trainer's names in one `model.pt`; SGLang serves it as the HF OPT
   checkpoint it equals (`models.tiny_opt`: OPT names on disk and over the distributed sync).
-- A pretrained model (`--model smollm2-135m`, `--hf-checkpoint PATH`; `slime_corr.models`): mbridge builds the
+- A pretrained model (`--model smollm2-135m`, `--hf-checkpoint PATH`, the generated `--model tiny-moe`, which
+  reads byte tokens; `slime_corr.models`): mbridge builds the
   Megatron GPTModel from the HF checkpoint and exports its weights under HF names (TP shards gathered); the engines
   serve the HF model itself (`models.load_engine_module`) with the checkpoint's tokenizer and chat template, and
   load HF checkpoints (`models.write_hf_checkpoint`: safetensors + the source's config and tokenizer files).
@@ -111,6 +112,10 @@ def build_policy(config: TrainerConfig, *, with_reference: bool) -> Policy:
 
     emulated = config.context_parallel_size > 1 or config.use_dynamic_batch_size  # CP / THD attention on CPU
     forward = emulated_cp_forward if emulated else default_model_forward
+    if config.asks_routes:  # MoE: the engine's routes replayed (or compared with the trainer's own)
+        from slime_corr.mcore.routing import routed_forward
+
+        forward = routed_forward(forward, replay=config.use_rollout_routing_replay)
     if config.model_source.is_pretrained:
         return _pretrained_policy(config, forward, with_reference)
 
@@ -138,7 +143,9 @@ def build_policy(config: TrainerConfig, *, with_reference: bool) -> Policy:
 
 def _pretrained_policy(config: TrainerConfig, forward: ModelForward, with_reference: bool) -> Policy:
     """The `--model` / `--hf-checkpoint` policy: Megatron GPTModel from the HF checkpoint in `--params-dtype`
-    (every rank loads its TP shard), the reference a second copy of the checkpoint's weights."""
+    (every rank loads its TP shard), the reference a second copy of the checkpoint's weights. With
+    `--use-rollout-routing-replay` both are built with Megatron's `RouterReplay` and the reference replays the
+    engine's routes too (its KL term then compares the two policies on the same expert path)."""
     from megatron.core import tensor_parallel
 
     from slime_corr.models import ChatTokenizer, build_gpt_from_hf, load_engine_module, write_hf_checkpoint
@@ -147,19 +154,22 @@ def _pretrained_policy(config: TrainerConfig, forward: ModelForward, with_refere
     assert hf_dir is not None
     torch.manual_seed(config.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
-    model, bridge = build_gpt_from_hf(hf_dir, dtype=config.torch_params_dtype, ddp=True,
+    overrides = {"moe_enable_routing_replay": True} if config.use_rollout_routing_replay else None
+    model, bridge = build_gpt_from_hf(hf_dir, dtype=config.torch_params_dtype, ddp=True, config_overrides=overrides,
                                       emulated_context_parallel=config.context_parallel_size > 1)
     reference = None
     if with_reference:
         reference = bridge.build_model().eval()
         reference.requires_grad_(False)
-    tokenizer = ChatTokenizer.from_pretrained(hf_dir)
-    return Policy(model=model, reference=reference, forward=forward, engine_module=load_engine_module,
+    common = dict(model=model, reference=reference, forward=forward, engine_module=load_engine_module,
                   export_weights=lambda: bridge.export_weights(model),
                   save_engine_checkpoint=lambda weights, directory: str(write_hf_checkpoint(weights, hf_dir,
                                                                                             directory)),
-                  tokenizer=tokenizer, engine_tokenizer=tokenizer.hf, pad_token_id=tokenizer.pad_token_id,
                   name=config.model_source.model or Path(hf_dir).name)
+    if config.model_source.byte_tokens:  # --model tiny-moe: byte tokens, as the tiny GPT (engines get token ids)
+        return Policy(**common)
+    tokenizer = ChatTokenizer.from_pretrained(hf_dir)
+    return Policy(**common, tokenizer=tokenizer, engine_tokenizer=tokenizer.hf, pad_token_id=tokenizer.pad_token_id)
 
 
 __all__ = ["EngineGPT", "Policy", "WEIGHTS_FILE", "build_policy", "save_engine_gpt_checkpoint"]

@@ -1,0 +1,235 @@
+"""Rollout routing replay in the trainer (`--use-rollout-routing-replay`) on the tiny Qwen3-MoE, float64:
+
+- parse-time refusals (dense model, the embedded engine, TP > 1);
+- the trainer's path (samples -> `trainer.data` micro-batches -> the loss hook's lp_old / reference pass and a
+  training step through Megatron's schedule, the policy's `routed_forward`) against a plain reference: each
+  sample alone (batch of one, no padding) through the Megatron model under `replay_routes`, its log-probs and the
+  routing mismatch counted by hand (layer 0 by Python sets: the first router's input does not depend on replay);
+- the same step metrics (log-prob mismatch, loss, routing mismatch) whatever the layout: padded micro-batches of 4
+  and of 1 sequence in one process, CP=2 and DP=2 in one 2-process launch. Packed micro-batches are refused for
+  models built through the bridge (RoPE over packed rows needs THD attention), so they are not a layout here.
+
+The engine's routes are the model's own for half the tokens and random top-2 sets for the others, so replay
+changes the log-probs (checked) and the routing mismatch is far from 0 and 1.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from slime_corr.config import ConfigError, RolloutCorrectionConfig
+from slime_corr.models.selection import TINY_MOE, ModelSource, generated_checkpoint
+from slime_corr.rollout.sample import Sample, SampleStatus
+from slime_corr.trainer.config import TrainerConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mcore"))  # mcore_helpers
+
+GROUP, GROUPS = 4, 2
+TEMPERATURE = 0.8
+KEYS = ("train_rollout_logprob_abs_diff", "mismatch_k3_kl", "loss", "kl_loss", "routing_mismatch_frac",
+        "routing_mismatch_token_frac", "routing_mismatch_layer_0", "routing_mismatch_layer_1",
+        "logprob_abs_diff_routing_diff", "logprob_abs_diff_routing_same")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("models")
+    generated_checkpoint(TINY_MOE, str(root))
+    return str(root)
+
+
+def _config(cache: str, **kw) -> TrainerConfig:
+    base = dict(model_source=ModelSource(model=TINY_MOE, cache_dir=cache), use_rollout_routing_replay=True,
+                params_dtype="float64", n_samples_per_prompt=GROUP, rollout_batch_size=GROUPS,
+                num_steps_per_rollout=1, micro_batch_size=4, rollout_temperature=TEMPERATURE)
+    return TrainerConfig(**{**base, **kw})
+
+
+def test_refused_at_parse_time(cache):
+    with pytest.raises(ConfigError, match="--use-rollout-routing-replay: the model is dense"):
+        TrainerConfig(use_rollout_routing_replay=True)
+    with pytest.raises(ConfigError, match="--log-routing-mismatch: --rollout-engine embedded does not return"):
+        _config(cache, use_rollout_routing_replay=False, log_routing_mismatch=True, rollout_engine="embedded")
+    with pytest.raises(ConfigError, match="TP > 1 needs Megatron's sequence parallelism"):
+        _config(cache, tensor_model_parallel_size=2, world_size=2)
+    ok = _config(cache, sglang_url=("http://127.0.0.1:1",), rollout_engine="embedded")  # routes from that server
+    assert ok.routed_experts_spec().bytes_per_token == 4
+
+
+def test_route_filler_and_metric_keys():
+    """Samples without routes get filler routes (experts 0..k-1) unless they are trained; the routing keys of the
+    loss's report are logged under diag/."""
+    from slime_corr.monitoring.keys import loss_step_metrics
+    from slime_corr.rollout.routing import RoutedExpertsSpec
+    from slime_corr.trainer.data import _with_routes
+
+    spec = RoutedExpertsSpec(2, 2, 8)
+    failed = Sample(prompt_tokens=[1, 2], response_tokens=[3], rollout_log_probs=[-1.0], status=SampleStatus.FAILED,
+                    failure_reason="test")
+    (filled,) = _with_routes([failed], spec)
+    assert filled.routed_experts.tolist() == [[[0, 1], [0, 1]], [[0, 1], [0, 1]]] and failed.routed_experts is None
+    assert filled.routed_experts.dtype == torch.uint8
+    trained = Sample(prompt_tokens=[1, 2], response_tokens=[3], status=SampleStatus.COMPLETED, loss_mask=[1],
+                     rollout_log_probs=[-1.0])
+    with pytest.raises(ValueError, match="trained sample .* has no routes"):
+        _with_routes([trained], spec)
+    assert _with_routes([trained], None) == [trained]
+    keys = loss_step_metrics({"routing_mismatch_frac": 0.1, "routing_mismatch_layer_1": 0.2, "loss": 1.0,
+                              "logprob_abs_diff_routing_diff": 0.3, "mismatch_k3_kl": 0.0})
+    assert sorted(keys) == ["diag/logprob_abs_diff_routing_diff", "diag/routing_mismatch_frac",
+                            "diag/routing_mismatch_layer_1", "rollout_corr/mismatch_k3_kl", "train/loss"]
+
+
+def _samples() -> list[Sample]:
+    """Uneven prompts and responses (1..9 tokens), a failed sample without routes, rollout log-probs around -2."""
+    rng = random.Random(0)
+    out = []
+    for i in range(GROUP * GROUPS):
+        prompt = [rng.randrange(1, 255) for _ in range(rng.randint(2, 7))]
+        response = [rng.randrange(1, 255) for _ in range(rng.choice([1, 4, 9, 6]))]
+        s = Sample(prompt_tokens=prompt, response_tokens=response, group_id=i // GROUP, index=i,
+                   rollout_log_probs=[-2.0 + 0.5 * rng.random() for _ in response], loss_mask=[1] * len(response),
+                   reward=float(rng.random() < 0.5), status=SampleStatus.COMPLETED)
+        out.append(s)
+    out[5].status, out[5].failure_reason = SampleStatus.FAILED, "test"  # masked out; no routes from the engine
+    return out
+
+
+def _reference(rank: int, world: int, cache: str, samples: list[Sample], out: dict) -> None:
+    """Engine routes for the samples (own routes, half of the tokens replaced by random sets), and the plain
+    per-sample reference: replayed log-probs, unreplayed ones, the own routes under replay and at layer 0."""
+    from mcore_helpers import init_layout
+
+    from slime_corr.mcore.routing import capture_routes, replay_routes
+    from slime_corr.trainer.policy import build_policy
+
+    init_layout(1, 1)
+    policy = build_policy(_config(cache), with_reference=False)
+    model = policy.module.eval()
+    g = torch.Generator().manual_seed(1)
+    for s in samples:
+        ids = torch.tensor([s.prompt_tokens + s.response_tokens])
+        pos = torch.arange(ids.shape[1])[None]
+        with torch.no_grad(), capture_routes(model, 1) as own:
+            plain = model(input_ids=ids, position_ids=pos, attention_mask=None)
+        routes = own[0][0, :-1].clone()  # [tokens - 1, L, k]: every token but the last
+        flip = torch.rand(routes.shape[:2], generator=g) < 0.5
+        rand = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(flip.numel())]).view(*flip.shape, 2)
+        routes = torch.where(flip[..., None], rand, routes).to(torch.uint8)
+        if s.status != SampleStatus.FAILED:
+            s.routed_experts = routes
+        full = torch.cat([routes, torch.tensor([0, 1], dtype=torch.uint8).expand(1, 2, 2)])[None]
+        with torch.no_grad(), replay_routes(model, full) as handle:
+            logits = model(input_ids=ids, position_ids=pos, attention_mask=None)
+        p = len(s.prompt_tokens)
+
+        def lp(x, p=p, ids=ids):
+            return torch.log_softmax(x[0, p - 1:-1] / TEMPERATURE, -1).gather(-1, ids[0, p:, None])[:, 0]
+
+        out.setdefault("lp", []).append(lp(logits))
+        out.setdefault("lp_plain", []).append(lp(plain))
+        out.setdefault("own", []).append(handle.own_routes(1)[0, p - 1:-1])  # at the trained positions
+        out.setdefault("own0", []).append(own[0][0, p - 1:-1, 0])
+        out.setdefault("engine", []).append(routes[p - 1:].long())
+
+
+def _trainer_step(rank: int, world: int, cache: str, samples: list[Sample], layouts: list, out: dict) -> None:
+    """The trainer's path in each (cp, dp, micro_batch_size) layout: micro-batches, lp_old + reference pass, one
+    training step; rank 0 records the step metrics and the trained tokens' lp_old / reference log-probs."""
+    import torch.distributed as dist
+    from mcore_helpers import init_layout
+    from megatron.core import parallel_state as ps
+
+    from slime_corr.loss_terms import LossTermsConfig
+    from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
+    from slime_corr.trainer.data import build_micro_batches, rollout_shards
+    from slime_corr.trainer.policy import build_policy
+
+    for cp, dp, mbs in layouts:
+        init_layout(1, cp)
+        cfg = _config(cache, context_parallel_size=cp, world_size=cp * dp, micro_batch_size=mbs)
+        policy = build_policy(cfg, with_reference=True)
+        hook = RolloutCorrectionLoss(RolloutCorrectionConfig.preset("decoupled_token_is"), temperature=TEMPERATURE,
+                                     model_forward=policy.forward, seq_length_for_norm=cfg.rollout_max_response_len,
+                                     loss_terms=LossTermsConfig(kl_loss_coef=0.1), ref_model=policy.reference)
+        shards = rollout_shards(samples, GROUP, 1, dp, micro_batch_size=mbs)
+        shard = shards[ps.get_data_parallel_rank()]
+        (batches,) = build_micro_batches(shard, 0, cp_rank=ps.get_context_parallel_rank(), cp_size=cp,
+                                         routes=cfg.routed_experts_spec())
+        hook.prepare_rollout(policy.model, batches)
+        metrics = hook.train_step(policy.model, batches, recompute_old_log_probs=False)
+        lps = [(b["old_log_probs"][b["loss_mask"] > 0], b["ref_log_probs"][b["loss_mask"] > 0]) for b in batches]
+        if rank == 0:
+            out[(cp, dp, mbs)] = {"metrics": metrics, "lps": lps}
+        if dist.get_world_size() > 1:
+            dist.barrier()
+
+
+def _metrics_spawned(rank: int, world: int, cache: str, samples: list[Sample], path: str) -> None:
+    out: dict = {}
+    _trainer_step(rank, world, cache, samples, [(2, 1, 4), (1, 2, 2)], out)
+    if rank == 0:
+        torch.save({k: v["metrics"] for k, v in out.items()}, path)
+
+
+@pytest.fixture(scope="module")
+def reference(cache):
+    """The samples with their engine routes, and the step metrics of the plain per-sample reference."""
+    from mcore_helpers import run_in_process
+
+    samples = _samples()
+    ref: dict = {}
+    run_in_process(_reference, cache, samples, ref)
+    trained = [i for i, s in enumerate(samples) if s.status != SampleStatus.FAILED]
+    lp = torch.cat([ref["lp"][i] for i in trained])
+    lp_plain = torch.cat([ref["lp_plain"][i] for i in trained])
+    rollout = torch.cat([torch.tensor(samples[i].rollout_log_probs, dtype=torch.float64) for i in trained])
+    engine = torch.cat([ref["engine"][i] for i in trained])
+    own = torch.cat([ref["own"][i] for i in trained])
+    own0 = torch.cat([ref["own0"][i] for i in trained])
+    assert (lp - lp_plain).abs().max() > 1e-2  # replay changes the log-probs: the test can fail
+    layer0 = sum(set(a.tolist()) != set(b.tolist()) for a, b in zip(engine[:, 0], own0, strict=True)) / len(own0)
+    assert 0.2 < layer0 < 0.8, layer0
+    differ = (engine.sort(-1).values != own).any(-1).double()  # [tokens, L]
+    any_layer = differ.amax(-1)
+    want = {"train_rollout_logprob_abs_diff": float((lp - rollout).abs().mean()),
+            "routing_mismatch_layer_0": layer0, "routing_mismatch_frac": float(differ.mean()),
+            "routing_mismatch_token_frac": float(any_layer.mean()),
+            "logprob_abs_diff_routing_diff": float(((lp - rollout).abs() * any_layer).sum() / any_layer.sum())}
+    return samples, lp, want
+
+
+def test_replay_equals_the_plain_reference_padded(cache, reference):
+    from mcore_helpers import run_in_process
+
+    samples, lp, want = reference
+    got: dict = {}
+    run_in_process(_trainer_step, cache, samples, [(1, 1, 4), (1, 1, 1)], got)
+    for layout, result in got.items():
+        m = result["metrics"]
+        for key, value in want.items():
+            assert m[key] == pytest.approx(value, rel=1e-9, abs=1e-12), (key, layout)
+        old = torch.cat([o for o, _ in result["lps"]])
+        ref_lp = torch.cat([r for _, r in result["lps"]])
+        assert torch.allclose(old, lp, rtol=0, atol=1e-12)  # lp_old under replay = the plain replayed forward
+        assert torch.equal(old, ref_lp)  # the reference replays the engine's routes too (same initial weights)
+    for key in KEYS:  # micro-batches of 4 (padded) and of 1 sequence: the same step
+        assert got[(1, 1, 1)]["metrics"][key] == pytest.approx(got[(1, 1, 4)]["metrics"][key], rel=1e-9,
+                                                              abs=1e-12), key
+    print({k: round(v, 6) for k, v in got[(1, 1, 4)]["metrics"].items() if k in KEYS})
+
+
+def test_replay_metrics_under_cp2_and_dp2(cache, reference, tmp_path):
+    from mcore_helpers import spawn
+
+    samples, _, want = reference
+    path = tmp_path / "spawned.pt"
+    spawn(_metrics_spawned, 2, cache, samples, str(path))
+    for layout, m in torch.load(path, weights_only=False).items():
+        for key, value in want.items():
+            assert m[key] == pytest.approx(value, rel=1e-9, abs=1e-12), (key, layout)
