@@ -18,6 +18,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from slime_corr.presets import PRESETS
+
 Level = Literal["token", "sequence", "geometric"]
 TISMode = Literal["truncate", "clip", "mask"]
 LossType = Literal["ppo", "reinforce"]
@@ -401,10 +403,15 @@ class RolloutCorrectionConfig:
 
         The preset is `preset`, else the YAML file's `preset:` / `rollout_correction_preset:` key.
         """
+        from slime_corr.config_yaml import (  # it raises this module's ConfigError
+            read_yaml,
+            slime_yaml_meaning,
+        )
+
         yaml_values: dict[str, Any] = {}
         preset_source = "--rollout-correction-preset"
         if yaml_path:
-            yaml_values = _read_yaml(yaml_path)
+            yaml_values = read_yaml(yaml_path, FIELD_KINDS)
             yaml_preset = yaml_values.pop("preset", None) or yaml_values.get("rollout_correction_preset")
             if not preset and yaml_preset:
                 preset, preset_source = yaml_preset, f"--custom-config-path {yaml_path}: preset"
@@ -414,7 +421,7 @@ class RolloutCorrectionConfig:
         preset_values = dict(PRESETS.get(preset or "", {}))
         merged = {**preset_values, **yaml_values, **overrides}
         if yaml_values:
-            _slime_yaml_meaning(merged, yaml_values, overrides, str(yaml_path))
+            slime_yaml_meaning(merged, yaml_values, overrides, str(yaml_path), DEFAULT_TIS_UPPER_BOUND)
         for switch, keys in _BOUNDS_OF.items():  # a preset's bounds go when its switch is turned off
             if not merged.get(switch) or merged.get(switch) == "ratio":
                 for key in keys:
@@ -455,25 +462,6 @@ def _check_bounds(fail: Callable[[str], None], prefix: str, lower: float | None,
              f"(<= {u}) explicitly, or an upper bound >= 1.")
 
 
-def _slime_yaml_meaning(merged: dict[str, Any], yaml_values: Mapping[str, Any], overrides: Mapping[str, Any],
-                        path: str) -> None:
-    """slime's meaning of its YAML keys (its `mis.yaml`): `rs_lower_bound: null` / `rs_upper_bound: null` with
-    `use_rs` reuse the IS bounds (`tis_lower_bound` as given, else 1/U; U); a `tis_lower_bound` that
-    `tis_mode: truncate` ignores is dropped with a notice. A flag given on the command line keeps its meaning."""
-    import warnings
-
-    upper = merged.get("tis_upper_bound") or DEFAULT_TIS_UPPER_BOUND
-    lower = merged.get("tis_lower_bound") or 1.0 / upper
-    if merged.get("use_rs"):
-        for key, bound in (("rs_upper_bound", upper), ("rs_lower_bound", lower)):
-            if key in yaml_values and yaml_values[key] is None and merged.get(key) is None:
-                merged[key] = bound
-    if (merged.get("tis_mode", "truncate") == "truncate" and yaml_values.get("tis_lower_bound") is not None
-            and "tis_lower_bound" not in overrides):
-        warnings.warn(f"--custom-config-path {path}: tis_lower_bound {merged.pop('tis_lower_bound')} is ignored by "
-                      "tis_mode truncate (as in slime).", stacklevel=4)
-
-
 def _check_keys(values: Mapping[str, Any], source: str) -> None:
     unknown = sorted(set(values) - set(RolloutCorrectionConfig.field_names()))
     if unknown:
@@ -481,56 +469,6 @@ def _check_keys(values: Mapping[str, Any], source: str) -> None:
             f"{source}: unknown key(s) {', '.join(unknown)}; valid keys are the flag names with '_': "
             f"{', '.join(RolloutCorrectionConfig.field_names())}."
         )
-
-
-def _read_yaml(path: str | Path) -> dict[str, Any]:
-    import yaml
-
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--custom-config-path {path}: no such file; pass an existing YAML file.")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--custom-config-path {path}: not valid YAML ({e}).") from e
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"--custom-config-path {path}: expected a mapping of option names to values, got "
-            f"{type(data).__name__}."
-        )
-    return {key: _yaml_value(key, value, path) for key, value in
-            ((str(k).replace("-", "_"), v) for k, v in data.items())}
-
-
-def _yaml_value(key: str, value: Any, path: str | Path) -> Any:
-    """A YAML value as its field's type, or an error that names the file. Numbers written as strings are read as
-    numbers (YAML 1.1, which PyYAML follows, reads `1e-4` as a string); a string is never a boolean (`use_tis:
-    "no"` would otherwise be true)."""
-    kind = FIELD_KINDS.get(key)
-    if kind is None or (value is None and kind.endswith("?")):
-        return value  # an unknown key is reported with the others
-    kind = kind.rstrip("?")
-    got = f"{value!r} ({type(value).__name__})"
-    if kind == "float":
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        elif isinstance(value, numbers.Real) and not isinstance(value, bool):
-            return value
-        message = "must be a number"
-    elif kind == "bool":
-        if isinstance(value, bool):
-            return value
-        message = "must be true or false (unquoted)"
-    else:
-        if isinstance(value, str):
-            return value
-        message = "must be a string"
-    raise ConfigError(f"--custom-config-path {path}: {key} {message}, got {got}.")
 
 
 _FLOAT_FIELDS = ("tis_lower_bound", "tis_upper_bound", "tis_clip", "tis_clip_low", "rs_lower_bound", "rs_upper_bound",
@@ -549,49 +487,6 @@ _BOUNDS_OF = {"use_tis": ("tis_lower_bound", "tis_upper_bound", "tis_clip", "tis
               "use_rs": ("rs_lower_bound", "rs_upper_bound"),
               "rs_metric": ("rs_agg", "rs_divergence_bound", "rs_divergence_budget")}
 
-# Presets of the references (000, "Preset Method" table). IS threshold 2.0; sequence RS [0.5, 2.0];
-# geometric RS [1/1.001, 1.001] (tight on purpose: the average per-token ratio) with veto 1e-4.
-PRESETS: dict[str, dict[str, Any]] = {
-    "decoupled_token_is": dict(use_tis=True, tis_level="token", tis_mode="truncate", tis_upper_bound=2.0),
-    "decoupled_seq_is": dict(use_tis=True, tis_level="sequence", tis_mode="truncate", tis_upper_bound=2.0),
-    "decoupled_seq_is_rs": dict(
-        use_tis=True,
-        tis_level="sequence",
-        tis_mode="truncate",
-        tis_upper_bound=2.0,
-        use_rs=True,
-        rs_level="sequence",
-        rs_lower_bound=0.5,
-        rs_upper_bound=2.0,
-    ),
-    "decoupled_geo_rs": dict(use_rs=True, rs_level="geometric", rs_upper_bound=1.001, rs_veto_threshold=1e-4),
-    "ppo_is_bypass": dict(use_rollout_logprobs=True, loss_type="ppo", get_mismatch_metrics=True),
-    "pg_is": dict(
-        use_rollout_logprobs=True,
-        loss_type="reinforce",
-        use_tis=True,
-        tis_level="sequence",
-        tis_mode="truncate",
-        tis_upper_bound=2.0,
-    ),
-    "pg_rs": dict(
-        use_rollout_logprobs=True,
-        loss_type="reinforce",
-        use_rs=True,
-        rs_level="geometric",
-        rs_upper_bound=1.001,
-        rs_veto_threshold=1e-4,
-    ),
-    "disabled": dict(get_mismatch_metrics=True),
-    # divergence rejection (verl's k3 presets: seq_mean_k3 at 0.005; its seq_max_k2 spike filter at 2.5)
-    "decoupled_k3_rs": dict(rs_metric="k3", rs_agg="mean", rs_divergence_bound=0.005),
-    "decoupled_token_is_k3_rs": dict(use_tis=True, tis_level="token", tis_mode="truncate", tis_upper_bound=2.0,
-                                     rs_metric="k3", rs_agg="mean", rs_divergence_bound=0.005),
-    "decoupled_token_is_max_k2_rs": dict(use_tis=True, tis_level="token", tis_mode="truncate", tis_upper_bound=2.0,
-                                         rs_metric="k2", rs_agg="max", rs_divergence_bound=2.5),
-    "ppo_k3_rs_bypass": dict(use_rollout_logprobs=True, loss_type="ppo", rs_metric="k3", rs_agg="mean",
-                             rs_divergence_bound=0.005),
-}
 RolloutCorrectionConfig.PRESETS = PRESETS
 
 
