@@ -80,12 +80,13 @@ class SGLangServerConfig:
     def environment(self) -> dict[str, str]:
         """This process's environment without torchrun's rendezvous variables (a server launched from a torchrun
         rank would read WORLD_SIZE/RANK/MASTER_PORT as its own and wait for peers that never come), plus the CPU
-        set-up on CPU."""
+        set-up on CPU (with this PID, so that the server stops itself if this process dies without stopping it)."""
         env = {k: v for k, v in os.environ.items()
                if k not in TORCHRUN_VARIABLES and not k.startswith("TORCHELASTIC_")}
         if self.device == "cpu":
             env["SGLANG_USE_CPU_ENGINE"] = "1"
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_STAND_INS), env.get("PYTHONPATH")) if p)
+            env["SLIME_CORR_SERVER_PARENT"] = str(os.getpid())  # sglang_cpu/_parent_watch.py
         return env
 
 

@@ -28,7 +28,8 @@ from slime_corr.monitoring.report import main as report_main
 ROOT = Path(__file__).resolve().parents[2]
 PRESETS = ("decoupled_seq_is_rs", "ppo_is_bypass", "decoupled_token_is", "disabled")
 SMALL = ["--num-rollout", "3", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--num-steps-per-rollout",
-         "2", "--micro-batch-size", "4", "--rollout-max-response-len", "8", "--rollout-progress", "none", "--seed", "7"]
+         "2", "--micro-batch-size", "4", "--rollout-max-response-len", "8", "--rollout-progress", "none", "--seed", "7",
+         "--rollout-engine", "embedded"]
 # one process for all runs: the imports and the first engine start are most of a short run's time
 RUNNER = """
 import json, sys

@@ -50,3 +50,50 @@ def test_a_server_launched_from_a_torchrun_rank_does_not_inherit_its_rendezvous(
     env = SGLangServerConfig(model_path="unused", python="python", device="cpu").environment()
     assert not {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"} & set(env)
     assert env["OMP_NUM_THREADS"] == "1" and env["SGLANG_USE_CPU_ENGINE"] == "1"
+
+
+# A launcher that starts a "server" the way launch_sglang_server does (its own session, the launcher's environment
+# for it), prints its PID, then waits to be killed.
+LAUNCHER = """
+import subprocess, sys, time
+from slime_corr.engines.sglang_server import SGLangServerConfig
+env = SGLangServerConfig(model_path="unused", python=sys.executable, device="cpu").environment()
+server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=env, start_new_session=True)
+print(server.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:  # a zombie (exited, not reaped: its parent is gone) counts as stopped
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_server_stops_itself_when_its_launcher_is_killed():
+    """A trainer killed by SIGKILL cannot stop its servers; each stops itself (sglang_cpu/_parent_watch.py), and
+    not while the trainer lives. The "server" is a plain Python with the server's environment: the watch is in the
+    stand-ins' sitecustomize, which every server process imports."""
+    import os
+    import signal
+    import sys
+    import time
+
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True)
+    server = 0
+    try:
+        server = int(launcher.stdout.readline())
+        time.sleep(3)
+        assert _alive(server), "the server stopped while its launcher lives"
+        launcher.kill()
+        launcher.wait(30)
+        deadline = time.monotonic() + 30
+        while _alive(server) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(server), "the server outlived its SIGKILLed launcher by 30 s"
+    finally:
+        launcher.kill()
+        if server and _alive(server):
+            os.kill(server, signal.SIGKILL)

@@ -12,6 +12,7 @@ imports this file at start-up. No file of sglang is edited. It holds:
 - below: a "cpu" entry in ``sglang.srt.mem_cache.pool_host.common.ALLOC_MEMORY_FUNCS`` (host buffers, e.g. the
   routed-experts capturer of ``--enable-return-routed-experts``), which otherwise falls back to pinning memory with
   ``cudaHostRegister``. On CPU the buffer is plain host memory.
+- ``_parent_watch.py``: the server stops itself when the trainer that launched it died without stopping it.
 """
 
 import importlib.abc
@@ -47,3 +48,18 @@ class _RegisterCpuAllocator(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, _RegisterCpuAllocator())
+
+
+def _start_parent_watch():
+    import os
+    import sys as _sys
+
+    _sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    try:
+        import _parent_watch
+    finally:
+        _sys.path.pop(0)
+    _parent_watch.start()
+
+
+_start_parent_watch()
