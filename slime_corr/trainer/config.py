@@ -42,6 +42,7 @@ ENGINE_KINDS = ("sglang", "embedded")  # slime_corr.engines.launch.ENGINE_KINDS 
 SGLANG_DTYPES = ("bfloat16", "float32")
 WEIGHT_SYNC_MODES = ("disk", "distributed")
 ROUTER_CHOICES = ("auto", "on", "off")
+STALENESS_POLICIES = ("drop", "regenerate")
 ENGINE_DTYPES = ("bfloat16", "float32", "float64")
 PARAMS_DTYPES = ("float32", "float64")
 PRETRAINED_LR = 1e-5  # --lr's default with a pretrained model (the tiny model's, 1e-2, would wreck it at once)
@@ -75,6 +76,8 @@ class TrainerConfig:
     rollout_top_p: float = 1.0
     rollout_top_k: int = -1
     async_rollout: bool = False
+    max_staleness: int | None = None  # optimizer steps; default with --async-rollout: 2·num_steps_per_rollout − 1
+    staleness_policy: str | None = None  # default: "drop"
     sglang_url: tuple[str, ...] = ()
     rollout_engine: str = "sglang"
     sglang_python: str | None = None
@@ -262,10 +265,51 @@ class TrainerConfig:
                 fail(f"--save-interval {self.save_interval} must be >= 1 (rollouts between checkpoints).")
             if not self.save:
                 fail("--save-interval needs --save DIR (where the checkpoints go).")
+        self._check_staleness()
         if self.ckpt_step is not None and not self.load:
             fail("--ckpt-step selects a checkpoint of --load DIR: add --load.")
         if self.load:
             self._check_load()
+
+    def _check_staleness(self) -> None:
+        k, steps = self.max_staleness, self.num_steps_per_rollout
+        if not self.async_rollout:
+            for name in ("max_staleness", "staleness_policy"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"--{_flag(name)} {getattr(self, name)}: bounds the asynchronous rollout "
+                                      "producer, but the run is synchronous (every sample is at most "
+                                      "--num-steps-per-rollout − 1 steps old): add --async-rollout or drop it.")
+        if self.staleness_policy is not None and self.staleness_policy not in STALENESS_POLICIES:
+            raise ConfigError(f"--staleness-policy {self.staleness_policy!r} is not one of "
+                              f"{', '.join(STALENESS_POLICIES)}.")
+        if k is None:
+            return
+        if not isinstance(k, int) or k < 0:
+            raise ConfigError(f"--max-staleness {k} must be an integer >= 0 (optimizer steps).")
+        if k < 2 * steps - 1:
+            raise ConfigError(f"--max-staleness {k}: with --num-steps-per-rollout {steps}, a rollout generated one "
+                              f"rollout ahead is trained up to {2 * steps - 1} optimizer steps after the weights that "
+                              f"sampled it (A rollouts ahead: (A + 1) × {steps} − 1); use --max-staleness >= "
+                              f"{2 * steps - 1}, fewer steps per rollout, or drop --async-rollout.")
+
+    @property
+    def staleness_bound(self) -> int:
+        """The bound in optimizer steps (`--max-staleness`; default with --async-rollout: one rollout ahead,
+        2·S − 1 for S steps per rollout; synchronous: S − 1)."""
+        steps = self.num_steps_per_rollout
+        assert isinstance(steps, int)
+        if self.max_staleness is not None:
+            return self.max_staleness
+        return 2 * steps - 1 if self.async_rollout else steps - 1
+
+    @property
+    def rollouts_ahead(self) -> int:
+        """How many rollouts the producer generates ahead of the one training: the most A with
+        (A + 1)·S − 1 <= the bound (a rollout generated A rollouts ahead is trained from A·S to (A + 1)·S − 1
+        steps after its weights); 0 when synchronous."""
+        steps = self.num_steps_per_rollout
+        assert isinstance(steps, int)
+        return (self.staleness_bound + 1) // steps - 1 if self.async_rollout else 0
 
     def _check_engine(self) -> None:
         if self.rollout_engine not in ENGINE_KINDS:
@@ -486,6 +530,16 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     r.add_argument("--async-rollout", action="store_true",
                    help="Generate rollout k+1 while rollout k trains (one rollout off-policy, as slime's "
                         "train_async.py); the weights reach the engines between rollouts.")
+    r.add_argument("--max-staleness", type=int, default=None,
+                   help="With --async-rollout: the most optimizer steps between the weights that sampled a "
+                        "sample's oldest token and the step that trains it (AReaL's max_head_offpolicyness, "
+                        "Megatron-LM's --rl-generation-lag, prime-rl's max_off_policy_steps). The producer "
+                        "generates A = (K + 1) // --num-steps-per-rollout − 1 rollouts ahead; >= 2 × steps per "
+                        "rollout − 1. Default: one rollout ahead (2 × steps − 1).")
+    r.add_argument("--staleness-policy", choices=STALENESS_POLICIES, default=None,
+                   help="A sample older than --max-staleness at the step that trains it (e.g. pending in a "
+                        "checkpoint resumed with a smaller bound): drop it from the loss and its group's baseline, "
+                        "or regenerate its GRPO group with the engines' current weights. Default: drop.")
     r.add_argument("--disable-grpo-std-normalization", dest="grpo_std_normalization", action="store_false",
                    help="GRPO advantage = reward − group mean, without dividing by the group's std (Dr. GRPO).")
     r.add_argument("--task", choices=sorted(TASKS), default=None,

@@ -169,6 +169,24 @@ def build_micro_batches(shard: RankShard, first_step: int, *, cp_rank: int = 0, 
     return steps
 
 
+def oldest_version_step(sample: Sample) -> int | None:
+    """The optimizer step of the oldest weights that sampled a token of `sample` (its `weight_version` and every
+    `weight_versions` span; None when none is this trainer's)."""
+    steps = [v for name in (sample.weight_version, *(span[0] for span in sample.weight_versions))
+             if (v := version_step(name)) is not None]
+    return min(steps) if steps else None
+
+
+def stale_samples(samples: Sequence[Sample], first_step: int, num_steps: int, max_staleness: int) -> list[int]:
+    """Indices of the trainable samples whose oldest token is more than `max_staleness` optimizer steps old at the
+    step that trains it: step k of the rollout (`plan_rollout`: the k-th slice of whole groups) is made from
+    `first_step + k` steps."""
+    per_step = max(1, len(samples) // num_steps)
+    return [i for i, s in enumerate(samples)
+            if s.status in TRAINABLE and (v := oldest_version_step(s)) is not None
+            and first_step + i // per_step - v > max_staleness]
+
+
 def staleness(samples: Sequence[Sample], step: int) -> tuple[float, int]:
     """(mean, max) over the trainable samples of `step` − the step of the weights that sampled them (the last
     version of a sample resumed across an update)."""
@@ -176,5 +194,5 @@ def staleness(samples: Sequence[Sample], step: int) -> tuple[float, int]:
     return (sum(lags) / len(lags), max(lags)) if lags else (0.0, 0)
 
 
-__all__ = ["RankShard", "TrainSample", "build_micro_batches", "plan_micro_batches", "plan_rollout", "rollout_shards",
-           "scatter_shards", "staleness", "token_lags", "version_step", "weight_version"]
+__all__ = ["RankShard", "TrainSample", "build_micro_batches", "oldest_version_step", "plan_micro_batches",
+           "plan_rollout", "rollout_shards", "scatter_shards", "stale_samples", "staleness", "token_lags", "version_step", "weight_version"]

@@ -72,6 +72,13 @@ BAD_FLAGS = [
     (["--vocab-size", "128"], "--vocab-size 128 must be >= 256"),
     (["--hidden-size", "0"], "--hidden-size 0 must be an integer >= 1"),
     (["--hidden-size", "30"], "--hidden-size 30 must be a multiple of --num-attention-heads 4"),
+    (["--max-staleness", "3"], "--max-staleness 3: bounds the asynchronous rollout producer, but the run is "
+                               "synchronous"),
+    (["--staleness-policy", "regenerate"], "--staleness-policy regenerate: bounds the asynchronous"),
+    (["--async-rollout", "--max-staleness", "-1"], "--max-staleness -1 must be an integer >= 0"),
+    (["--async-rollout", "--max-staleness", "6"], "--max-staleness 6: with --num-steps-per-rollout 4, a rollout "
+                                                  "generated one rollout ahead is trained up to 7"),
+    (["--async-rollout", "--staleness-policy", "keep"], "argument --staleness-policy: invalid choice"),
 ]
 
 
