@@ -19,7 +19,7 @@ PREFIXES = (CORRECTION, TRAIN, ROLLOUT, PERF, DIAG)
 # Keys of `RolloutCorrectionLoss.reduce_step_metrics` that belong to the loss, not to the correction.
 TRAIN_KEYS = frozenset({"loss", "pg_loss", "loss_denominator", "pg_clipfrac", "ppo_kl", "entropy",
                         "pg_nonfinite_token_count", "kl_loss", "grad_norm",
-                        "baseline_rejected_samples"})
+                        "baseline_rejected_samples", "prox_logp_abs_error_mean", "prox_logp_abs_error_max"})
 
 # The console line: (key, label) in order; a key the step does not have is left out.
 CONSOLE_KEYS = (

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from slime_corr.config import ConfigError
+from slime_corr.correction.proximal import PROX_LOGP_METHODS
 from slime_corr.mcore.model import TinyGPTArgs
 from slime_corr.mcore.nucleus import Truncation
 from slime_corr.models.hf_checkpoint import CheckpointError, check_tensor_parallel
@@ -93,6 +94,9 @@ class TrainerConfig:
     rollout_health_check_interval: float = 30.0
     rollout_health_check_timeout: float = 30.0
     distributed_timeout_minutes: float = 10.0
+    # decoupled mode's π_old (AReaL's names): the forward-only recompute, or the log-linear approximation
+    prox_logp_method: str = "recompute"
+    prox_logp_error_interval: int = 10  # loglinear: recompute too every N rollouts and log the error (0: never)
     # optimization
     lr: float = 1e-2
     clip_grad: float = 1.0
@@ -266,6 +270,11 @@ class TrainerConfig:
             if not self.save:
                 fail("--save-interval needs --save DIR (where the checkpoints go).")
         self._check_staleness()
+        if self.prox_logp_method not in PROX_LOGP_METHODS:
+            fail(f"--prox-logp-method {self.prox_logp_method!r} is not one of {', '.join(PROX_LOGP_METHODS)}.")
+        if not isinstance(self.prox_logp_error_interval, int) or self.prox_logp_error_interval < 0:
+            fail(f"--prox-logp-error-interval {self.prox_logp_error_interval} must be an integer >= 0 (rollouts; 0: "
+                 "never).")
         if self.ckpt_step is not None and not self.load:
             fail("--ckpt-step selects a checkpoint of --load DIR: add --load.")
         if self.load:
@@ -547,6 +556,15 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         + ". Default: lowercase with the tiny model, arithmetic with --model / --hf-checkpoint.")
     r.add_argument("--sglang-url", action="append", default=None,
                    help="SGLang server or router URL (repeatable), checked at start-up. Default: embedded engines.")
+
+    p = parser.add_argument_group(title="decoupled mode's π_old")
+    p.add_argument("--prox-logp-method", choices=PROX_LOGP_METHODS, default=d.prox_logp_method,
+                   help="recompute: a forward-only pass before each rollout's first update (exact); loglinear: "
+                        "AReaL's log-linear interpolation between the behaviour and the current log-prob by weight "
+                        "version (no pass; exact at a rollout's first step).")
+    p.add_argument("--prox-logp-error-interval", type=int, default=d.prox_logp_error_interval,
+                   help="With loglinear: every N rollouts also recompute lp_old and log "
+                        "train/prox_logp_abs_error_mean and _max of the approximation against it (0: never).")
 
     f = parser.add_argument_group(title="failures and bounded waits")
     f.add_argument("--max-failed-sample-fraction", type=float, default=d.max_failed_sample_fraction,

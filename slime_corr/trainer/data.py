@@ -10,8 +10,9 @@ gives each rank its DP rank's share, so the TP, CP and PP ranks of a replica rec
 builds its micro-batches (`build_micro_batch`, padded or packed), CP-slices them, and adds what the loss hook and
 the trainer read: `weight_lag` (trainer step − the version that sampled each token, laid out like the tokens),
 per sequence `sample_ids` (the sample's index in the rollout; −1 for an empty micro-batch's padding sample),
-`rewards`, `group_ids` and `trained` (to recompute GRPO baselines after rejection), and under emulated CP the
-unsliced `full_tokens` / `full_position_ids`.
+`rewards`, `group_ids` and `trained` (to recompute GRPO baselines after rejection), `prox_lag` (the step's index
+in the rollout: steps since π_old's weights, for the log-linear π_old), and under emulated CP the unsliced
+`full_tokens` / `full_position_ids`.
 
 Weight versions: the engines serve `weight_version(n)` = "step-n" after n optimizer steps.
 """
@@ -161,6 +162,7 @@ def build_micro_batches(shard: RankShard, first_step: int, *, cp_rank: int = 0, 
             batch["group_ids"] = torch.tensor([s.group_id for s in samples])
             batch["sample_ids"] = torch.tensor([t.sample_id for t in part])
             batch["trained"] = torch.tensor([s.status in TRAINABLE and sum(s.loss_mask or ()) > 0 for s in samples])
+            batch["prox_lag"] = torch.tensor(k)  # steps since π_old's weights (--prox-logp-method loglinear)
             local = slice_micro_batch_for_cp(batch, cp_rank, cp_size)
             if cp_size > 1:  # emulated CP: the model runs the full sequence (see mcore.model.emulated_cp_forward)
                 local["full_tokens"], local["full_position_ids"] = batch["tokens"], batch["position_ids"]

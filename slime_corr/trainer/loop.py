@@ -152,9 +152,13 @@ class _Job:
             corr, temperature=cfg.rollout_temperature, truncation=cfg.truncation, model_forward=self.policy.forward,
             seq_length_for_norm=cfg.rollout_max_response_len,
             loss_terms=config.loss_terms, ref_model=self.policy.reference,
-            diagnostics_top_k=monitoring.log_top_mismatch_samples if diagnostics else None)
+            diagnostics_top_k=monitoring.log_top_mismatch_samples if diagnostics else None,
+            prox_logp_method=cfg.prox_logp_method)
+        # loglinear has no lp_old before the update: baselines stay as sampled (as in bypass mode)
+        rebaseline = not corr.use_rollout_logprobs and corr.use_rollout_correction and \
+            cfg.prox_logp_method == "recompute"
         self.updater = Updater(self.policy.model, self.optimizer, self.hook, clip_grad=cfg.clip_grad,
-                               rebaseline=not corr.use_rollout_logprobs and corr.use_rollout_correction,
+                               rebaseline=rebaseline,
                                normalize_std=cfg.grpo_std_normalization)
         self.state = load_train_state(cfg, self.policy.module, self.optimizer) if cfg.load else TrainState()
         progress.rollout, progress.step = self.state.rollout, self.state.step
@@ -326,6 +330,8 @@ class _Job:
                                             cp_size=cfg.context_parallel_size, pad_token_id=self.policy.pad_token_id,
                                             packed=cfg.use_dynamic_batch_size)
         record.data = time.perf_counter() - start
+        interval = cfg.prox_logp_error_interval
+        self.hook.measure_prox_error = bool(interval) and self.state.rollout % interval == 0
         results, times = self.updater.train_rollout(micro_batches)
         record.prepare, record.train, record.loss = times.prepare, times.steps, times.loss
         return results
