@@ -79,6 +79,10 @@ BAD_FLAGS = [
     (["--async-rollout", "--max-staleness", "6"], "--max-staleness 6: with --num-steps-per-rollout 4, a rollout "
                                                   "generated one rollout ahead is trained up to 7"),
     (["--async-rollout", "--staleness-policy", "keep"], "argument --staleness-policy: invalid choice"),
+    (["--prox-logp-method", "loglinear", "--rollout-correction-preset", "ppo_is_bypass"],
+     "--prox-logp-method loglinear approximates decoupled mode's recomputed lp_old; bypass mode"),
+    (["--prox-logp-method", "loglinear", "--rollout-top-k", "20"], "--prox-logp-method loglinear with --rollout-top-p"),
+    (["--prox-logp-error-interval", "-1"], "--prox-logp-error-interval -1 must be an integer >= 0"),
 ]
 
 
