@@ -79,6 +79,8 @@ class TrainerConfig:
     async_rollout: bool = False
     max_staleness: int | None = None  # optimizer steps; default with --async-rollout: 2·num_steps_per_rollout − 1
     staleness_policy: str | None = None  # default: "drop"
+    partial_rollout: bool = False  # slime's: weight updates reach the engines mid-request (pause -> update -> continue)
+    mask_offpolicy_in_partial_rollout: bool = False  # slime's: tokens before a sample's last update leave the loss
     sglang_url: tuple[str, ...] = ()
     rollout_engine: str = "sglang"
     sglang_python: str | None = None
@@ -282,6 +284,12 @@ class TrainerConfig:
 
     def _check_staleness(self) -> None:
         k, steps = self.max_staleness, self.num_steps_per_rollout
+        if self.partial_rollout and not self.async_rollout:
+            raise ConfigError("--partial-rollout: updates the weights while rollouts are in flight, but a synchronous "
+                              "run has none in flight at a sync: add --async-rollout.")
+        if self.mask_offpolicy_in_partial_rollout and not self.partial_rollout:
+            raise ConfigError("--mask-offpolicy-in-partial-rollout masks the tokens a sample generated before a "
+                              "weight update reached it mid-request, which only --partial-rollout makes: add it.")
         if not self.async_rollout:
             for name in ("max_staleness", "staleness_policy"):
                 if getattr(self, name) is not None:
@@ -549,6 +557,13 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="A sample older than --max-staleness at the step that trains it (e.g. pending in a "
                         "checkpoint resumed with a smaller bound): drop it from the loss and its group's baseline, "
                         "or regenerate its GRPO group with the engines' current weights. Default: drop.")
+    r.add_argument("--partial-rollout", action="store_true",
+                   help="With --async-rollout: sync the weights right after training, while the rollouts ahead are "
+                        "still generating (pause -> update -> continue; slime's flag): their requests continue under "
+                        "the new weights and each token keeps the version that sampled it.")
+    r.add_argument("--mask-offpolicy-in-partial-rollout", action="store_true",
+                   help="With --partial-rollout (slime's flag): the tokens a sample generated before its last weight "
+                        "update leave the loss.")
     r.add_argument("--disable-grpo-std-normalization", dest="grpo_std_normalization", action="store_false",
                    help="GRPO advantage = reward − group mean, without dividing by the group's std (Dr. GRPO).")
     r.add_argument("--task", choices=sorted(TASKS), default=None,

@@ -20,7 +20,7 @@ Weight versions: the engines serve `weight_version(n)` = "step-n" after n optimi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -189,6 +189,18 @@ def stale_samples(samples: Sequence[Sample], first_step: int, num_steps: int, ma
             and first_step + i // per_step - v > max_staleness]
 
 
+def mask_offpolicy_tokens(sample: Sample) -> tuple[Sample, int]:
+    """`--mask-offpolicy-in-partial-rollout`: `sample` with the loss mask of every token before its last
+    `weight_versions` span zeroed (generated before the last weight update reached the request), and how many
+    trained tokens that took out; the sample itself when it holds one version."""
+    if len(sample.weight_versions) < 2:
+        return sample, 0
+    start = max(begin for _, begin, _ in sample.weight_versions)
+    mask = list(sample.loss_mask or [1] * sample.response_length)
+    masked = sum(mask[:start])
+    return replace(sample, loss_mask=[0] * start + mask[start:]), masked
+
+
 def staleness(samples: Sequence[Sample], step: int) -> tuple[float, int]:
     """(mean, max) over the trainable samples of `step` − the step of the weights that sampled them (the last
     version of a sample resumed across an update)."""
@@ -196,5 +208,5 @@ def staleness(samples: Sequence[Sample], step: int) -> tuple[float, int]:
     return (sum(lags) / len(lags), max(lags)) if lags else (0.0, 0)
 
 
-__all__ = ["RankShard", "TrainSample", "build_micro_batches", "oldest_version_step", "plan_micro_batches",
+__all__ = ["RankShard", "TrainSample", "build_micro_batches", "mask_offpolicy_tokens", "oldest_version_step", "plan_micro_batches",
            "plan_rollout", "rollout_shards", "scatter_shards", "stale_samples", "staleness", "token_lags", "version_step", "weight_version"]

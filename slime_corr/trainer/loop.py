@@ -60,6 +60,7 @@ class RolloutRecord:
     empty_micro_batches: list[int] = field(default_factory=list)  # of which empty (packed), over all DP ranks
     stale_dropped: list[int] = field(default_factory=list)  # per step: samples over --max-staleness, dropped
     stale_regenerated: list[int] = field(default_factory=list)  # per step: samples of regenerated groups
+    offpolicy_masked: list[int] = field(default_factory=list)  # per step: tokens masked by --mask-offpolicy-...
     weight_sync: float = 0.0
     checkpoint: float = 0.0  # the save after the previous rollout (steps are logged before this rollout's save)
     wall: float = 0.0
@@ -235,12 +236,15 @@ class _Job:
             first_step = state.step
             results = self._train(samples, first_step, record)
             state.step += len(results)
-            if self.driver is not None and ahead:  # the engines may change weights once they are done
+            if self.driver is not None and ahead and (not cfg.partial_rollout or self._saves_after(rollout)):
+                # the engines may change weights once they are done (partial rollouts: at once, mid-request;
+                # a checkpoint still takes them whole)
                 waited = time.perf_counter()
                 state.pending.extend(f.result() for f in ahead)
                 ahead.clear()
                 record.rollout_wait += time.perf_counter() - waited
-            if cfg.async_rollout and (rollout + 1 < cfg.num_rollout or self._saves_after(rollout)):
+            if cfg.async_rollout and (not cfg.partial_rollout or self._saves_after(rollout)) and \
+                    (rollout + 1 < cfg.num_rollout or self._saves_after(rollout)):
                 self._driver_done(f"rollout/{rollout + 1}", f"generating rollout {rollout + 1}")
             sync = self._sync_weights(record)
             state.rollout = rollout + 1
@@ -267,12 +271,27 @@ class _Job:
         checkpoints, which then hold them, so that a resumed run trains what the uninterrupted one would."""
         assert self.driver is not None
         cfg, state = self.cfg, self.state
-        samples = state.pending.pop(0) if state.pending else self.driver.submit(rollout).result()
+        if state.pending:
+            samples = state.pending.pop(0)
+        elif ahead:  # partial rollouts: still in flight across the last sync
+            samples = ahead.pop(0).result()
+        else:
+            samples = self.driver.submit(rollout).result()
         if cfg.async_rollout:
-            for later in range(rollout + len(state.pending) + 1, rollout + cfg.rollouts_ahead + 1):
+            for later in range(rollout + len(state.pending) + len(ahead) + 1, rollout + cfg.rollouts_ahead + 1):
                 if later < cfg.num_rollout or cfg.save:
                     ahead.append(self.driver.submit(later))
             samples = self._bound_staleness(rollout, samples, record)
+        if cfg.mask_offpolicy_in_partial_rollout:
+            from slime_corr.trainer.data import mask_offpolicy_tokens
+
+            steps = cfg.num_steps_per_rollout
+            assert isinstance(steps, int)
+            per_step = max(1, len(samples) // steps)
+            record.offpolicy_masked = [0] * steps
+            for i, sample in enumerate(samples):
+                samples[i], masked = mask_offpolicy_tokens(sample)
+                record.offpolicy_masked[i // per_step] += masked
         return samples
 
     def _bound_staleness(self, rollout: int, samples: list[Sample], record: RolloutRecord) -> list[Sample]:
@@ -384,7 +403,12 @@ class _Job:
             if cfg.async_rollout:  # the bound's quantity: the oldest token of each sample this step trains
                 trained = [first_step + k - v for s in samples[k * per_step:(k + 1) * per_step]
                            if s.status in TRAINABLE and (v := oldest_version_step(s)) is not None]
+                part = samples[k * per_step:(k + 1) * per_step]
                 bound = {"rollout/staleness_oldest_max": float(max(trained, default=0)),
+                         "rollout/partial_samples": float(sum(len({v for v, _, _ in s.weight_versions}) > 1
+                                                              for s in part if s.status in TRAINABLE)),
+                         "rollout/offpolicy_masked_tokens":
+                             float(record.offpolicy_masked[k] if record.offpolicy_masked else 0),
                          "rollout/staleness_dropped": float(record.stale_dropped[k] if record.stale_dropped else 0),
                          "rollout/staleness_regenerated":
                              float(record.stale_regenerated[k] if record.stale_regenerated else 0)}
