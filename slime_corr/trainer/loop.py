@@ -9,7 +9,10 @@ records and `rollout/staleness_*`, the correction and the diagnostics see. `--ma
 lets the producer run A = (K + 1) // S − 1 rollouts ahead: at rollout k the rollouts up to k + A not yet in hand
 are submitted (generated one after another with the weights of the last sync), and the weights are synced once
 they are all done. Which weights sample a rollout is then fixed by (k, A), not by timing, so a slow trainer never
-exceeds the bound and a resumed run samples what the uninterrupted one did.
+exceeds the bound and a resumed run samples what the uninterrupted one did. `--partial-rollout`: the weights are
+synced right after training, while those rollouts are still generating (the client pauses, the engines update,
+generation continues); their requests finish under the new weights, every token keeping its version (timing then
+decides where a sample's versions change, so such a run is not bit-reproducible).
 """
 
 from __future__ import annotations

@@ -82,6 +82,10 @@ BAD_FLAGS = [
     (["--prox-logp-method", "loglinear", "--rollout-correction-preset", "ppo_is_bypass"],
      "--prox-logp-method loglinear approximates decoupled mode's recomputed lp_old; bypass mode"),
     (["--prox-logp-method", "loglinear", "--rollout-top-k", "20"], "--prox-logp-method loglinear with --rollout-top-p"),
+    (["--partial-rollout"], "--partial-rollout: updates the weights while rollouts are in flight, but a synchronous "
+                            "run has none"),
+    (["--async-rollout", "--mask-offpolicy-in-partial-rollout"], "--mask-offpolicy-in-partial-rollout masks the "
+                                                                 "tokens"),
     (["--prox-logp-error-interval", "-1"], "--prox-logp-error-interval -1 must be an integer >= 0"),
 ]
 
