@@ -2,9 +2,10 @@
 
     python bench/e2e.py [--repeats 3] [--num-rollout 5] [--nproc 1] [--rollout-engine sglang] [-- main-job flags]
 
-Runs the real trainer (`python -m slime_corr.main`, or torchrun with `--nproc` processes) in four variants,
-interleaved `--repeats` times: decoupled PPO with sequence IS + RS (`decoupled_seq_is_rs`) and bypass PPO
-(`ppo_is_bypass`), each synchronous and asynchronous (`--async-rollout`). From each run's metrics.jsonl (the
+Runs the real trainer (`python -m slime_corr.main`, or torchrun with `--nproc` processes) in six variants,
+interleaved `--repeats` times: decoupled PPO with sequence IS + RS (`decoupled_seq_is_rs`), the same with π_old by
+`--prox-logp-method loglinear` instead of the recompute pass, and bypass PPO (`ppo_is_bypass`), each synchronous
+and asynchronous (`--async-rollout`); `--variants` picks some (e.g. `--variants decoupled loglinear`). From each run's metrics.jsonl (the
 trainer's own `perf/*` timers) it takes, per rollout, leaving out the first (warm-up) and the last (the asynchronous
 pipeline has nothing left to generate there):
 
@@ -19,7 +20,8 @@ pipeline has nothing left to generate there):
 The engines are real SGLang servers launched by the trainer (`--rollout-engine sglang`, the default; their start-up
 is outside the measured rollouts) or the embedded engine. It prints medians over runs (seconds per rollout), each
 part's share of the wall time per rollout, then ratios in the same run: bypass / decoupled and
-async / sync of the wall time per rollout, and decoupled / bypass of the training part (what the extra pass costs).
+async / sync of the wall time per rollout, decoupled / bypass of the training part (what the extra pass costs), and
+loglinear / decoupled of the wall time and of the training part (what the log-linear π_old saves).
 """
 
 from __future__ import annotations
@@ -34,11 +36,14 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+LOGLINEAR = ["--prox-logp-method", "loglinear", "--prox-logp-error-interval", "0"]  # no recompute pass at all
 VARIANTS = {
     "decoupled sync": ["--rollout-correction-preset", "decoupled_seq_is_rs"],
     "bypass sync": ["--rollout-correction-preset", "ppo_is_bypass"],
     "decoupled async": ["--rollout-correction-preset", "decoupled_seq_is_rs", "--async-rollout"],
     "bypass async": ["--rollout-correction-preset", "ppo_is_bypass", "--async-rollout"],
+    "loglinear sync": ["--rollout-correction-preset", "decoupled_seq_is_rs", *LOGLINEAR],
+    "loglinear async": ["--rollout-correction-preset", "decoupled_seq_is_rs", "--async-rollout", *LOGLINEAR],
 }
 PARTS = ("rollout", "lp_old/ref", "train", "weight sync", "other", "wall")
 
@@ -83,14 +88,17 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=1, help="Processes per run (torchrun when > 1).")
     ap.add_argument("--rollout-engine", choices=("sglang", "embedded"), default="sglang",
                     help="The engines the trainer launches (real SGLang servers, or the embedded engine).")
+    ap.add_argument("--variants", nargs="+", choices=("decoupled", "bypass", "loglinear"),
+                    default=["decoupled", "bypass", "loglinear"], help="Which corrections to run (each sync and async).")
     ap.add_argument("extra", nargs="*", help="Flags for every run (after --), e.g. -- --rollout-batch-size 8.")
     args = ap.parse_args()
     if args.num_rollout < 3:
         ap.error("--num-rollout must be >= 3 (the first and the last rollout are not measured)")
-    results: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
+    variants = {name: flags for name, flags in VARIANTS.items() if name.split()[0] in args.variants}
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory(prefix="slime_corr_e2e_") as tmp:
         for rep in range(args.repeats):  # interleaved: every variant once per repeat
-            for i, (name, flags) in enumerate(VARIANTS.items()):
+            for i, (name, flags) in enumerate(variants.items()):
                 results[name].append(run_variant(flags, args, Path(tmp) / f"{rep}-{i}"))
                 print(f"repeat {rep + 1}/{args.repeats}: {name} done", file=sys.stderr, flush=True)
     med = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in results.items()}
@@ -106,10 +114,19 @@ def main() -> None:
               + f"   (the correction's loss {m['loss/wall']:.1%})")
     print("ratios (same run):")
     for mode in ("sync", "async"):
-        d, b = med[f"decoupled {mode}"], med[f"bypass {mode}"]
-        print(f"  {mode:<5}  bypass / decoupled wall {b['wall'] / d['wall']:.3f}   decoupled / bypass "
-              f"(lp_old/ref + train) {(d['lp_old/ref'] + d['train']) / (b['lp_old/ref'] + b['train']):.3f}")
-    for corr in ("decoupled", "bypass"):
+        if f"decoupled {mode}" not in med:
+            continue
+        d = med[f"decoupled {mode}"]
+        if f"bypass {mode}" in med:
+            b = med[f"bypass {mode}"]
+            print(f"  {mode:<5}  bypass / decoupled wall {b['wall'] / d['wall']:.3f}   decoupled / bypass "
+                  f"(lp_old/ref + train) {(d['lp_old/ref'] + d['train']) / (b['lp_old/ref'] + b['train']):.3f}")
+        if f"loglinear {mode}" in med:
+            ll = med[f"loglinear {mode}"]
+            print(f"  {mode:<5}  loglinear / decoupled wall {ll['wall'] / d['wall']:.3f}   (lp_old/ref + train) "
+                  f"{(ll['lp_old/ref'] + ll['train']) / (d['lp_old/ref'] + d['train']):.3f}   (lp_old/ref "
+                  f"{d['lp_old/ref']:.4f} s -> {ll['lp_old/ref']:.4f} s)")
+    for corr in args.variants:
         s, a = med[f"{corr} sync"], med[f"{corr} async"]
         print(f"  {corr:<9}  async / sync wall {a['wall'] / s['wall']:.3f}   (rollout wait {s['rollout']:.3f} s "
               f"-> {a['rollout']:.3f} s)")

@@ -60,9 +60,11 @@ class Config:
     preset: str
     async_rollout: bool
     color: str
+    flags_extra: tuple[str, ...] = ()  # the async variants: staleness bound, partial rollouts, π_old method
 
     def flags(self) -> list[str]:
-        return ["--rollout-correction-preset", self.preset, *(["--async-rollout"] if self.async_rollout else [])]
+        return ["--rollout-correction-preset", self.preset, *(["--async-rollout"] if self.async_rollout else []),
+                *self.flags_extra]
 
 
 CONFIGS = {
@@ -71,7 +73,20 @@ CONFIGS = {
     "token-is": Config("decoupled_token_is, async", "decoupled_token_is", True, "tab:blue"),
     "seq-is-rs": Config("decoupled_seq_is_rs, async", "decoupled_seq_is_rs", True, "tab:green"),
     "bypass": Config("ppo_is_bypass, async", "ppo_is_bypass", True, "tab:purple"),
+    # the async variants (not in the default set: `--configs token-is token-is-k2 ...`); K in rollouts ahead, as
+    # --max-staleness steps (4 steps per rollout: A rollouts ahead = (A + 1) × 4 − 1 steps)
+    "token-is-k2": Config("decoupled_token_is, 2 rollouts ahead (--max-staleness 11)", "decoupled_token_is", True,
+                          "tab:cyan", ("--max-staleness", "11")),
+    "token-is-k4": Config("decoupled_token_is, 4 rollouts ahead (--max-staleness 19)", "decoupled_token_is", True,
+                          "tab:olive", ("--max-staleness", "19")),
+    "token-is-partial": Config("decoupled_token_is, partial rollouts", "decoupled_token_is", True, "tab:orange",
+                               ("--partial-rollout",)),
+    "token-is-loglinear": Config("decoupled_token_is, loglinear π_old", "decoupled_token_is", True, "tab:brown",
+                                 ("--prox-logp-method", "loglinear", "--prox-logp-error-interval", "1")),
+    "naive-k4": Config("naive PPO, 4 rollouts ahead (--max-staleness 19)", "disabled", True, "tab:pink",
+                       ("--max-staleness", "19")),
 }
+DEFAULT_CONFIGS = ("naive-sync", "naive", "token-is", "seq-is-rs", "bypass")
 # (key, title, one point per rollout): the gradient norm per step, so that a single exploding step shows
 PANELS = (
     ("rollout/reward_mean", "reward (mean over the rollout's samples)", True),
@@ -87,7 +102,9 @@ GRAD_SPIKE = 10.0  # "steps with a gradient norm above 10" (before clipping; typ
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), help="Which to run.")
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(DEFAULT_CONFIGS),
+                   help=f"Which to run (default: {' '.join(DEFAULT_CONFIGS)}; the async variants token-is-k2, "
+                        "token-is-k4, token-is-partial, token-is-loglinear and naive-k4 on request).")
     p.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3], help="--seed of the runs (one run each).")
     p.add_argument("--lrs", nargs="+", type=float, default=[0.01, 0.03],
                    help="Learning rates, one column of the plot each: how far π moves per optimizer step, so how "
@@ -228,6 +245,10 @@ def run_numbers(run: Any) -> dict[str, Any]:
         f"grad_norm_steps_above_{GRAD_SPIKE:g}": sum(g > GRAD_SPIKE for g in grad),
         "pg_clipfrac_mean": statistics.fmean(clip) if clip else None,
         "rejected_seq_fraction_mean": statistics.fmean(rejected) if rejected else None,
+        "step_time_median": statistics.median(t) if (t := stats("perf/step_time")) else None,
+        "staleness_oldest_max": max(stats("rollout/staleness_oldest_max"), default=None),
+        "partial_samples_mean": statistics.fmean(p) if (p := stats("rollout/partial_samples")) else None,
+        "prox_logp_abs_error_mean": statistics.fmean(e) if (e := stats("train/prox_logp_abs_error_mean")) else None,
     }
 
 
@@ -257,7 +278,7 @@ def table(regime: dict[str, Any]) -> str:
 
     rows = ["| configuration | final reward: mean (min–max) | rollouts to reward 0.5 | largest reward drop | "
             "mismatch k3, median | grad norm: median / max | steps with grad norm > 10 | clip fraction | "
-            "rejected seqs |", "|---|---|---|---|---|---|---|---|---|"]
+            "rejected seqs | s/step, median | oldest token, steps |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for entry in regime.values():
         seeds = entry["seeds"].values()
         reached = ", ".join("never" if (r := v[f"rollouts_to_reward_{REACHED:g}"]) is None else str(r) for v in seeds)
@@ -267,7 +288,9 @@ def table(regime: dict[str, Any]) -> str:
                     f"| {over_seeds(entry, 'mismatch_k3_median', '.2g')} | "
                     f"{over_seeds(entry, 'grad_norm_median', '.2f')} / {over_seeds(entry, 'grad_norm_max', '.3g', max)} "
                     f"| {spikes} | {over_seeds(entry, 'pg_clipfrac_mean', '.2f')} | "
-                    f"{over_seeds(entry, 'rejected_seq_fraction_mean', '.2f')} |")
+                    f"{over_seeds(entry, 'rejected_seq_fraction_mean', '.2f')} | "
+                    f"{over_seeds(entry, 'step_time_median', '.2f')} | "
+                    f"{over_seeds(entry, 'staleness_oldest_max', '.0f', max)} |")
     return "\n".join(rows)
 
 

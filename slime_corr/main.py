@@ -28,6 +28,7 @@ from pathlib import Path
 
 from slime_corr.arguments import add_rollout_correction_args, parse_rollout_correction_config
 from slime_corr.config import ConfigError
+from slime_corr.correction.proximal import check_prox_logp_method
 from slime_corr.engines.sglang_server import server_args
 from slime_corr.loss_terms import LossTermsConfig, add_loss_terms_args
 from slime_corr.monitoring.config import MonitoringConfig, add_monitoring_args
@@ -76,6 +77,10 @@ def parse_run_config(argv: Sequence[str] | None = None, *, check_urls: bool = Tr
     args.sglang_server_args = server_args(passthrough)
     try:
         trainer = TrainerConfig.from_args(args)
+        try:
+            check_prox_logp_method(trainer.prox_logp_method, correction, trainer.truncation.active)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         loss_terms = LossTermsConfig.from_args(args)
         monitoring = MonitoringConfig.from_args(args, run_dir=args.run_dir or args.work_dir or _new_run_dir())
         _check_run_dir(monitoring.run_dir, "--run-dir" if args.run_dir else "--work-dir" if args.work_dir else

@@ -5,12 +5,14 @@ them all on exit. The client side sees only URLs that speak SGLang's protocol.
 - ``sglang``: real SGLang servers (`sglang_server`), each its own process group, logs in `spec.log_dir`; the
   checkpoint is a Hugging Face folder (the tiny model as OPT, see `slime_corr.models.tiny_opt`).
 - ``embedded``: this package's engine (`embedded.engine`) in the trainer's process, serving the module that
-  `spec.embedded_module(checkpoint_dir)` builds, in `spec.dtype`.
+  `spec.embedded_module(checkpoint_dir)` builds, in `spec.dtype`. `SLIME_CORR_EMBEDDED_STEP_DELAY` (seconds, for
+  tests and demos) throttles its decoding steps, e.g. so that a weight update reaches requests in flight.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +23,7 @@ import torch
 from slime_corr.engines.group import EngineGroup, start_engine_group
 
 ENGINE_KINDS = ("sglang", "embedded")
+STEP_DELAY_ENV = "SLIME_CORR_EMBEDDED_STEP_DELAY"
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,8 @@ def start_engines(spec: EngineSpec, checkpoint_dir: str, weight_version: str) ->
         def make_engine(i: int) -> Any:
             model = TorchEngineModel(checkpoint_dir, factory=spec.embedded_module, dtype=dtype)
             return start_local_engine(checkpoint_dir, model=model, weight_version=weight_version,
-                                      tokenizer=spec.tokenizer, served_model_name=spec.served_model_name)
+                                      tokenizer=spec.tokenizer, served_model_name=spec.served_model_name,
+                                      step_delay=float(os.environ.get(STEP_DELAY_ENV, "0")))
 
     with start_engine_group(spec.num_engines, make_engine, router=spec.router) as group:
         yield group

@@ -84,6 +84,7 @@ from slime_corr.correction import (
     weight_mean,
 )
 from slime_corr.correction.diagnostics import DiagnosticsResult, MismatchDiagnostics, response_positions
+from slime_corr.correction.proximal import check_prox_logp_method, loglinear_prox_log_probs, prox_error_sums
 from slime_corr.correction.reductions import active_groups
 from slime_corr.loss_terms import LossTermsConfig
 from slime_corr.mcore.compat import get_forward_backward_func, megatron_lm_args
@@ -155,7 +156,10 @@ class RolloutCorrectionLoss:
     `next_micro_batch` starts the next step; they are also kept in `self.last_step_metrics`.
     `loss_terms`: KL to `ref_model` (a frozen reference policy, run by `model_forward`) and the entropy bonus.
     `diagnostics_top_k`: compute the mismatch diagnostics of the training micro-batches, keeping the top-k
-    sequences (None: off). `on_rollout_prepared(micro_batches)`: called once per rollout after its forward-only
+    sequences (None: off). `prox_logp_method` (decoupled mode, AReaL's names): "recompute" (the forward-only pass)
+    or "loglinear" (`slime_corr.correction.proximal`, from the batch's `weight_lag` and `prox_lag`, no pass; with
+    `measure_prox_error` set for a rollout, lp_old is also recomputed and the step logs
+    `prox_logp_abs_error_mean` / `_max` of the approximation against it). `on_rollout_prepared(micro_batches)`: called once per rollout after its forward-only
     pass (lp_old / reference log-probs), before any of its micro-batches is trained.
     """
 
@@ -176,8 +180,13 @@ class RolloutCorrectionLoss:
         ref_model: torch.nn.Module | None = None,
         diagnostics_top_k: int | None = None,
         on_rollout_prepared: Callable[[Sequence[dict[str, Tensor]]], None] | None = None,
+        prox_logp_method: str = "recompute",
     ) -> None:
         self.config = config
+        self.prox_logp_method = check_prox_logp_method(prox_logp_method, config,
+                                                       truncation is not None and truncation.active)
+        self.measure_prox_error = False  # loglinear: also recompute lp_old in this rollout and log the error
+        self._prox_error: Tensor | None = None
         self.temperature = temperature
         self.truncation = truncation or Truncation()
         self.chunk_size = chunk_size
@@ -328,6 +337,8 @@ class RolloutCorrectionLoss:
         old = None
         if self.needs_old_log_probs:
             old = batch.get("old_log_probs")
+            if self.prox_logp_method == "loglinear":
+                old = self._loglinear_old(batch, log_probs, old)
             if old is None:
                 raise KeyError(
                     "decoupled mode needs batch['old_log_probs']: read the micro-batches of a RolloutStepIterator "
@@ -380,6 +391,36 @@ class RolloutCorrectionLoss:
         report.update(routing_report(batch, log_probs, groups))  # MoE: trainer vs engine routes ({} otherwise)
         return guard_loss(out.loss_sum), count, report
 
+    def _loglinear_old(self, batch: dict[str, Tensor], log_probs: Tensor, recomputed: Tensor | None) -> Tensor:
+        """lp_old by AReaL's log-linear interpolation; its error against `recomputed` (when this rollout measures
+        it) accumulated for the step."""
+        for key in ("weight_lag", "prox_lag"):
+            if key not in batch:
+                raise KeyError(f"--prox-logp-method loglinear needs batch[{key!r}] (the trainer's micro-batches carry "
+                               "it: slime_corr.trainer.data.build_micro_batches); or use recompute.")
+        approx = loglinear_prox_log_probs(batch["rollout_log_probs"], log_probs, batch["weight_lag"],
+                                          batch["prox_lag"])
+        if recomputed is not None and torch.is_grad_enabled():
+            sums = prox_error_sums(approx, recomputed, batch["loss_mask"])
+            self._prox_error = sums if self._prox_error is None else torch.stack(
+                [self._prox_error[0] + sums[0], self._prox_error[1] + sums[1], self._prox_error[2].max(sums[2])])
+        return approx
+
+    def _pop_prox_error(self, like: Tensor) -> dict[str, Tensor]:
+        """The step's loglinear-vs-recompute error over DP×CP (collective when measured: same on every rank)."""
+        if self.prox_logp_method != "loglinear" or not self.measure_prox_error:
+            return {}
+        sums = self._prox_error if self._prox_error is not None else torch.zeros(3, dtype=torch.float64,
+                                                                                 device=like.device)
+        self._prox_error = None
+        groups = self.groups
+        total, top = sums[:2].clone(), sums[2:].clone()
+        for group in (groups.cp, groups.dp):
+            if group is not None and torch.distributed.get_world_size(group) > 1:
+                torch.distributed.all_reduce(total, group=group)
+                torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
+        return {"prox_logp_abs_error_mean": total[0] / total[1].clamp(min=1.0), "prox_logp_abs_error_max": top[0]}
+
     def _seq_length_for_norm(self, batch: dict[str, Tensor], groups: ParallelGroups) -> int | None:
         if self.seq_length_for_norm is not None or is_packed(batch):
             return self.seq_length_for_norm  # a packed row has no padded length: the core asks for it if needed
@@ -429,6 +470,7 @@ class RolloutCorrectionLoss:
         out["loss"] = out["pg_loss"]
         out["loss_denominator"] = totals["pg_loss"][1].round()  # counts are integers; 0 was clamped to 1e-30
         out[NONFINITE_COUNT] = totals[NONFINITE_FRACTION][0]
+        out.update(self._pop_prox_error(out["loss"]))
         out.update(self.step_stats.pop(self.config))
         self.pop_diagnostics()
         return metrics_to_host(out, self.config)
@@ -451,7 +493,7 @@ class RolloutCorrectionLoss:
         """Before a rollout's first update: the forward-only passes over its micro-batches that store lp_old
         (decoupled mode, `model`) and the reference policy's log-probs (KL term, `ref_model`) in each batch, then
         `on_rollout_prepared`. Under PP the log-probs are stored on the last stage only."""
-        if self.needs_old_log_probs:
+        if self.needs_old_log_probs and (self.prox_logp_method == "recompute" or self.measure_prox_error):
             self.compute_old_log_probs(model, micro_batches)
         if self.needs_ref_log_probs:
             self._store(micro_batches, "ref_log_probs", self._forward_log_probs(self.ref_model, micro_batches))

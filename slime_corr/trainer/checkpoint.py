@@ -1,7 +1,9 @@
 """What the trainer saves to resume exactly: model and optimizer (Megatron's `dist_checkpointing`,
 `slime_corr.mcore.checkpoint`), the position (next rollout, optimizer steps done), every rank's RNG states, and
-what only the driver holds: in asynchronous mode the next rollout, already generated with the weights before the
-checkpoint (it is trained first after a resume, exactly as the uninterrupted run trains it).
+what only the driver holds: in asynchronous mode the next rollouts (one, or as many as `--max-staleness` lets the
+producer run ahead), already generated with the weights before the checkpoint (they are trained first after a
+resume, exactly as the uninterrupted run trains them). `--max-staleness` may change at a resume: pending samples
+then older than the new bound are dropped or regenerated (`--staleness-policy`).
 
 A resumed run rebuilds everything else from the flags: the prompts of rollout k come from (`--seed`, k), every
 request's sampling seed from (`--seed`, k, sample), the reference policy from `--seed`, and the engines start from
@@ -11,7 +13,7 @@ the loaded weights. So its metrics continue those of the uninterrupted run.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +27,12 @@ from slime_corr.trainer.config import TrainerConfig
 @dataclass
 class TrainState:
     """Where the run is: `rollout` = the next rollout to train, `step` = optimizer steps done, `pending` = the
-    driver's next rollout when already generated (asynchronous mode; None on other ranks)."""
+    driver's next rollouts already generated, in order from `rollout` (asynchronous mode: one, or up to the
+    rollouts ahead that `--max-staleness` allows; empty on other ranks)."""
 
     rollout: int = 0
     step: int = 0
-    pending: list[Sample] | None = None
+    pending: list[list[Sample]] = field(default_factory=list)
 
 
 def _rng_states() -> dict[str, Any]:
@@ -81,7 +84,9 @@ def load_train_state(config: TrainerConfig, module: torch.nn.Module, optimizer: 
                           "it was saved with.")
     if rng is not None:
         _set_rng_states(rng)
-    pending = rank0["pending"] if rank0 and dist.get_rank() == 0 else None
+    pending = (rank0["pending"] or []) if rank0 and dist.get_rank() == 0 else []
+    if pending and isinstance(pending[0], Sample):  # saved before several rollouts could be pending: one rollout
+        pending = [pending]
     return TrainState(rollout=common["rollout"], step=common["step"], pending=pending)
 
 

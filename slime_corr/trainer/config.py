@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from slime_corr.config import ConfigError
+from slime_corr.correction.proximal import PROX_LOGP_METHODS
 from slime_corr.mcore.model import TinyGPTArgs
 from slime_corr.mcore.nucleus import Truncation
 from slime_corr.models.hf_checkpoint import CheckpointError, check_tensor_parallel
@@ -42,6 +43,7 @@ ENGINE_KINDS = ("sglang", "embedded")  # slime_corr.engines.launch.ENGINE_KINDS 
 SGLANG_DTYPES = ("bfloat16", "float32")
 WEIGHT_SYNC_MODES = ("disk", "distributed")
 ROUTER_CHOICES = ("auto", "on", "off")
+STALENESS_POLICIES = ("drop", "regenerate")
 ENGINE_DTYPES = ("bfloat16", "float32", "float64")
 PARAMS_DTYPES = ("float32", "float64")
 MOE_FLAGS = ("use_rollout_routing_replay", "log_routing_mismatch")
@@ -77,6 +79,10 @@ class TrainerConfig:
     rollout_top_p: float = 1.0
     rollout_top_k: int = -1
     async_rollout: bool = False
+    max_staleness: int | None = None  # optimizer steps; default with --async-rollout: 2·num_steps_per_rollout − 1
+    staleness_policy: str | None = None  # default: "drop"
+    partial_rollout: bool = False  # slime's: weight updates reach the engines mid-request (pause -> update -> continue)
+    mask_offpolicy_in_partial_rollout: bool = False  # slime's: tokens before a sample's last update leave the loss
     sglang_url: tuple[str, ...] = ()
     rollout_engine: str = "sglang"
     sglang_python: str | None = None
@@ -92,6 +98,9 @@ class TrainerConfig:
     rollout_health_check_interval: float = 30.0
     rollout_health_check_timeout: float = 30.0
     distributed_timeout_minutes: float = 10.0
+    # decoupled mode's π_old (AReaL's names): the forward-only recompute, or the log-linear approximation
+    prox_logp_method: str = "recompute"
+    prox_logp_error_interval: int = 10  # loglinear: recompute too every N rollouts and log the error (0: never)
     # optimization
     lr: float = 1e-2
     clip_grad: float = 1.0
@@ -283,10 +292,62 @@ class TrainerConfig:
                 fail(f"--save-interval {self.save_interval} must be >= 1 (rollouts between checkpoints).")
             if not self.save:
                 fail("--save-interval needs --save DIR (where the checkpoints go).")
+        self._check_staleness()
+        if self.prox_logp_method not in PROX_LOGP_METHODS:
+            fail(f"--prox-logp-method {self.prox_logp_method!r} is not one of {', '.join(PROX_LOGP_METHODS)}.")
+        if not isinstance(self.prox_logp_error_interval, int) or self.prox_logp_error_interval < 0:
+            fail(f"--prox-logp-error-interval {self.prox_logp_error_interval} must be an integer >= 0 (rollouts; 0: "
+                 "never).")
         if self.ckpt_step is not None and not self.load:
             fail("--ckpt-step selects a checkpoint of --load DIR: add --load.")
         if self.load:
             self._check_load()
+
+    def _check_staleness(self) -> None:
+        k, steps = self.max_staleness, self.num_steps_per_rollout
+        if self.partial_rollout and not self.async_rollout:
+            raise ConfigError("--partial-rollout: updates the weights while rollouts are in flight, but a synchronous "
+                              "run has none in flight at a sync: add --async-rollout.")
+        if self.mask_offpolicy_in_partial_rollout and not self.partial_rollout:
+            raise ConfigError("--mask-offpolicy-in-partial-rollout masks the tokens a sample generated before a "
+                              "weight update reached it mid-request, which only --partial-rollout makes: add it.")
+        if not self.async_rollout:
+            for name in ("max_staleness", "staleness_policy"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"--{_flag(name)} {getattr(self, name)}: bounds the asynchronous rollout "
+                                      "producer, but the run is synchronous (every sample is at most "
+                                      "--num-steps-per-rollout − 1 steps old): add --async-rollout or drop it.")
+        if self.staleness_policy is not None and self.staleness_policy not in STALENESS_POLICIES:
+            raise ConfigError(f"--staleness-policy {self.staleness_policy!r} is not one of "
+                              f"{', '.join(STALENESS_POLICIES)}.")
+        if k is None:
+            return
+        if not isinstance(k, int) or k < 0:
+            raise ConfigError(f"--max-staleness {k} must be an integer >= 0 (optimizer steps).")
+        if k < 2 * steps - 1:
+            raise ConfigError(f"--max-staleness {k}: with --num-steps-per-rollout {steps}, a rollout generated one "
+                              f"rollout ahead is trained up to {2 * steps - 1} optimizer steps after the weights that "
+                              f"sampled it (A rollouts ahead: (A + 1) × {steps} − 1); use --max-staleness >= "
+                              f"{2 * steps - 1}, fewer steps per rollout, or drop --async-rollout.")
+
+    @property
+    def staleness_bound(self) -> int:
+        """The bound in optimizer steps (`--max-staleness`; default with --async-rollout: one rollout ahead,
+        2·S − 1 for S steps per rollout; synchronous: S − 1)."""
+        steps = self.num_steps_per_rollout
+        assert isinstance(steps, int)
+        if self.max_staleness is not None:
+            return self.max_staleness
+        return 2 * steps - 1 if self.async_rollout else steps - 1
+
+    @property
+    def rollouts_ahead(self) -> int:
+        """How many rollouts the producer generates ahead of the one training: the most A with
+        (A + 1)·S − 1 <= the bound (a rollout generated A rollouts ahead is trained from A·S to (A + 1)·S − 1
+        steps after its weights); 0 when synchronous."""
+        steps = self.num_steps_per_rollout
+        assert isinstance(steps, int)
+        return (self.staleness_bound + 1) // steps - 1 if self.async_rollout else 0
 
     def _check_engine(self) -> None:
         if self.rollout_engine not in ENGINE_KINDS:
@@ -532,6 +593,23 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     r.add_argument("--async-rollout", action="store_true",
                    help="Generate rollout k+1 while rollout k trains (one rollout off-policy, as slime's "
                         "train_async.py); the weights reach the engines between rollouts.")
+    r.add_argument("--max-staleness", type=int, default=None,
+                   help="With --async-rollout: the most optimizer steps between the weights that sampled a "
+                        "sample's oldest token and the step that trains it (AReaL's max_head_offpolicyness, "
+                        "Megatron-LM's --rl-generation-lag, prime-rl's max_off_policy_steps). The producer "
+                        "generates A = (K + 1) // --num-steps-per-rollout − 1 rollouts ahead; >= 2 × steps per "
+                        "rollout − 1. Default: one rollout ahead (2 × steps − 1).")
+    r.add_argument("--staleness-policy", choices=STALENESS_POLICIES, default=None,
+                   help="A sample older than --max-staleness at the step that trains it (e.g. pending in a "
+                        "checkpoint resumed with a smaller bound): drop it from the loss and its group's baseline, "
+                        "or regenerate its GRPO group with the engines' current weights. Default: drop.")
+    r.add_argument("--partial-rollout", action="store_true",
+                   help="With --async-rollout: sync the weights right after training, while the rollouts ahead are "
+                        "still generating (pause -> update -> continue; slime's flag): their requests continue under "
+                        "the new weights and each token keeps the version that sampled it.")
+    r.add_argument("--mask-offpolicy-in-partial-rollout", action="store_true",
+                   help="With --partial-rollout (slime's flag): the tokens a sample generated before its last weight "
+                        "update leave the loss.")
     r.add_argument("--disable-grpo-std-normalization", dest="grpo_std_normalization", action="store_false",
                    help="GRPO advantage = reward − group mean, without dividing by the group's std (Dr. GRPO).")
     r.add_argument("--task", choices=sorted(TASKS), default=None,
@@ -539,6 +617,15 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         + ". Default: lowercase with the tiny model, arithmetic with --model / --hf-checkpoint.")
     r.add_argument("--sglang-url", action="append", default=None,
                    help="SGLang server or router URL (repeatable), checked at start-up. Default: embedded engines.")
+
+    p = parser.add_argument_group(title="decoupled mode's π_old")
+    p.add_argument("--prox-logp-method", choices=PROX_LOGP_METHODS, default=d.prox_logp_method,
+                   help="recompute: a forward-only pass before each rollout's first update (exact); loglinear: "
+                        "AReaL's log-linear interpolation between the behaviour and the current log-prob by weight "
+                        "version (no pass; exact at a rollout's first step).")
+    p.add_argument("--prox-logp-error-interval", type=int, default=d.prox_logp_error_interval,
+                   help="With loglinear: every N rollouts also recompute lp_old and log "
+                        "train/prox_logp_abs_error_mean and _max of the approximation against it (0: never).")
 
     f = parser.add_argument_group(title="failures and bounded waits")
     f.add_argument("--max-failed-sample-fraction", type=float, default=d.max_failed_sample_fraction,

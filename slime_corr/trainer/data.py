@@ -10,8 +10,9 @@ gives each rank its DP rank's share, so the TP, CP and PP ranks of a replica rec
 builds its micro-batches (`build_micro_batch`, padded or packed), CP-slices them, and adds what the loss hook and
 the trainer read: `weight_lag` (trainer step − the version that sampled each token, laid out like the tokens),
 per sequence `sample_ids` (the sample's index in the rollout; −1 for an empty micro-batch's padding sample),
-`rewards`, `group_ids` and `trained` (to recompute GRPO baselines after rejection), and under emulated CP the
-unsliced `full_tokens` / `full_position_ids`.
+`rewards`, `group_ids` and `trained` (to recompute GRPO baselines after rejection), `prox_lag` (the step's index
+in the rollout: steps since π_old's weights, for the log-linear π_old), and under emulated CP the unsliced
+`full_tokens` / `full_position_ids`.
 
 Weight versions: the engines serve `weight_version(n)` = "step-n" after n optimizer steps.
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -187,12 +188,43 @@ def build_micro_batches(shard: RankShard, first_step: int, *, cp_rank: int = 0, 
             batch["group_ids"] = torch.tensor([s.group_id for s in samples])
             batch["sample_ids"] = torch.tensor([t.sample_id for t in part])
             batch["trained"] = torch.tensor([s.status in TRAINABLE and sum(s.loss_mask or ()) > 0 for s in samples])
+            batch["prox_lag"] = torch.tensor(k)  # steps since π_old's weights (--prox-logp-method loglinear)
             local = slice_micro_batch_for_cp(batch, cp_rank, cp_size)
             if cp_size > 1:  # emulated CP: the model runs the full sequence (see mcore.model.emulated_cp_forward)
                 local["full_tokens"], local["full_position_ids"] = batch["tokens"], batch["position_ids"]
             out.append(local)
         steps.append(out)
     return steps
+
+
+def oldest_version_step(sample: Sample) -> int | None:
+    """The optimizer step of the oldest weights that sampled a token of `sample` (its `weight_version` and every
+    `weight_versions` span; None when none is this trainer's)."""
+    steps = [v for name in (sample.weight_version, *(span[0] for span in sample.weight_versions))
+             if (v := version_step(name)) is not None]
+    return min(steps) if steps else None
+
+
+def stale_samples(samples: Sequence[Sample], first_step: int, num_steps: int, max_staleness: int) -> list[int]:
+    """Indices of the trainable samples whose oldest token is more than `max_staleness` optimizer steps old at the
+    step that trains it: step k of the rollout (`plan_rollout`: the k-th slice of whole groups) is made from
+    `first_step + k` steps."""
+    per_step = max(1, len(samples) // num_steps)
+    return [i for i, s in enumerate(samples)
+            if s.status in TRAINABLE and (v := oldest_version_step(s)) is not None
+            and first_step + i // per_step - v > max_staleness]
+
+
+def mask_offpolicy_tokens(sample: Sample) -> tuple[Sample, int]:
+    """`--mask-offpolicy-in-partial-rollout`: `sample` with the loss mask of every token before its last
+    `weight_versions` span zeroed (generated before the last weight update reached the request), and how many
+    trained tokens that took out; the sample itself when it holds one version."""
+    if len(sample.weight_versions) < 2:
+        return sample, 0
+    start = max(begin for _, begin, _ in sample.weight_versions)
+    mask = list(sample.loss_mask or [1] * sample.response_length)
+    masked = sum(mask[:start])
+    return replace(sample, loss_mask=[0] * start + mask[start:]), masked
 
 
 def staleness(samples: Sequence[Sample], step: int) -> tuple[float, int]:
@@ -202,5 +234,5 @@ def staleness(samples: Sequence[Sample], step: int) -> tuple[float, int]:
     return (sum(lags) / len(lags), max(lags)) if lags else (0.0, 0)
 
 
-__all__ = ["RankShard", "TrainSample", "build_micro_batches", "plan_micro_batches", "plan_rollout", "rollout_shards",
-           "scatter_shards", "staleness", "token_lags", "version_step", "weight_version"]
+__all__ = ["RankShard", "TrainSample", "build_micro_batches", "mask_offpolicy_tokens", "oldest_version_step", "plan_micro_batches",
+           "plan_rollout", "rollout_shards", "scatter_shards", "stale_samples", "staleness", "token_lags", "version_step", "weight_version"]

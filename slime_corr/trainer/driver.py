@@ -5,8 +5,9 @@ background event loop, generates rollouts (GRPO groups of the `--task`'s prompts
 scored by the task's reward on the decoded response), and pushes new weights to every engine
 (`--rollout-weight-sync`: a checkpoint on disk, or a broadcast over a process group).
 `submit(k)` starts rollout k and returns a future: the loop waits on it at once (synchronous) or lets it run while
-the previous rollout trains (asynchronous). The engines never change weights during a rollout: the trainer syncs
-only once the in-flight rollout has finished, so every sample carries exactly one weight version.
+the previous rollout trains (asynchronous; up to `--max-staleness` allows several ahead, generated one after
+another). The engines never change weights during a rollout: the trainer syncs only once the rollouts in flight
+have finished, so every sample carries exactly one weight version.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,8 @@ class RolloutDriver:
         self.client: SGLangClient | None = None
         self.syncer: DistributedWeightSync | None = None
         self.description = ""
-        self._counters: dict[int, tuple[int, int]] = {}  # rollout -> the client's (failovers, events) at submit
+        self._counters: dict[int, tuple[int, int]] = {}
+        self._lock: asyncio.Lock | None = None  # one rollout generates at a time (made on the loop)  # rollout -> the client's (failovers, events) at submit
 
     def __enter__(self) -> RolloutDriver:
         return self
@@ -119,34 +121,61 @@ class RolloutDriver:
 
     # ------------------------------------------------------------------ rollouts
     def submit(self, rollout: int) -> Future[list[Sample]]:
-        """Start rollout number `rollout` on the background loop; the future gives its samples in group order."""
+        """Start rollout number `rollout` on the background loop; the future gives its samples in group order.
+        Rollouts submitted ahead generate one after another (in submission order), each alone on the engines."""
+        assert self.client is not None
+        self._counters[rollout] = self.client.failovers, len(self.client.events)
+        return self._generate(rollout, None)
+
+    def regenerate(self, rollout: int, groups: Sequence[int]) -> Future[list[Sample]]:
+        """Generate again the GRPO `groups` (indices within rollout `rollout`) with the engines' current weights
+        (`--staleness-policy regenerate`); the future gives their samples, group after group, indexed as in the
+        rollout. Their sampling seeds differ from the first generation's (a new draw, not a replay)."""
+        return self._generate(rollout, list(groups))
+
+    def _generate(self, rollout: int, groups: list[int] | None) -> Future[list[Sample]]:
         assert self.loop is not None and self.client is not None
         cfg = self.config
-        progress = RolloutProgress(cfg.samples_per_rollout, step=rollout, mode=self.progress_mode)
-        buffer = ProgressSampleBuffer(cfg.samples_per_rollout, progress)  # only counts: never full, never read
+        count = cfg.samples_per_rollout if groups is None else len(groups) * cfg.n_samples_per_prompt
+        progress = RolloutProgress(count, step=rollout, mode=self.progress_mode)
+        buffer = ProgressSampleBuffer(count, progress)  # only counts: never full, never read
         params = {"max_new_tokens": cfg.rollout_max_response_len, "temperature": cfg.rollout_temperature,
                   **cfg.truncation.sampling_params()}
         client = self.client
         routes = cfg.routed_experts_spec()  # MoE: ask every request for the engine's routes
         prompts = self.task.prompts(cfg.seed, rollout, cfg.rollout_batch_size)
         offset = rollout * cfg.rollout_batch_size
-        self._counters[rollout] = client.failovers, len(client.events)
+        n = cfg.n_samples_per_prompt
 
         def reward(sample: Sample) -> float:  # on the decoded response, special tokens skipped
             text = self.tokenizer.decode(sample.response_tokens, skip_special_tokens=True)
             return self.task.reward(Response(text, sample.response_tokens, prompts[sample.group_id - offset].label))
 
+        def one(prompt_groups: list[int], seed: int, group_offset: int) -> Any:
+            return generate_group_samples(
+                client, [encode_prompt(self.tokenizer, prompts[g]) for g in prompt_groups], n, params,
+                stream=True, reward_fn=reward, buffer=buffer, group_id_offset=group_offset, sampling_seed=seed,
+                max_failed_fraction=cfg.max_failed_sample_fraction, routed_experts=routes)
+
         async def generate() -> list[Sample]:
-            try:
-                return await self._watched(generate_group_samples(
-                    client, [encode_prompt(self.tokenizer, p) for p in prompts], cfg.n_samples_per_prompt, params,
-                    stream=True, reward_fn=reward, buffer=buffer, group_id_offset=offset,
-                    sampling_seed=mix_seed(cfg.seed, rollout), max_failed_fraction=cfg.max_failed_sample_fraction,
-                    routed_experts=routes))
-            except RolloutFailedError as e:  # the same, naming the rollout
-                raise RolloutFailedError(e.failed, e.total, e.max_fraction, e.early, rollout) from None
-            finally:
-                progress.close()
+            if self._lock is None:
+                self._lock = asyncio.Lock()
+            async with self._lock:
+                try:
+                    if groups is None:
+                        return await self._watched(one(list(range(len(prompts))), mix_seed(cfg.seed, rollout), offset))
+                    out = []
+                    for g in groups:  # one group at a time keeps its group id and seeds its own
+                        fresh = await self._watched(one([g], mix_seed(mix_seed(cfg.seed, rollout), -1 - g),
+                                                        offset + g))
+                        for j, sample in enumerate(fresh):
+                            sample.index = g * n + j
+                        out.extend(fresh)
+                    return out
+                except RolloutFailedError as e:  # the same, naming the rollout
+                    raise RolloutFailedError(e.failed, e.total, e.max_fraction, e.early, rollout) from None
+                finally:
+                    progress.close()
 
         return asyncio.run_coroutine_threadsafe(generate(), self.loop)  # type: ignore[return-value]
 

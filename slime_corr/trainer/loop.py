@@ -4,8 +4,15 @@ the update loop on every rank, weight sync, checkpoints and the metrics, from ON
 Per rollout k (synchronous):   driver generates k → scatter to DP ranks → K optimizer steps → sync weights.
 Asynchronous (`--async-rollout`): rollout k+1 is submitted as soon as rollout k is in hand, so it is generated
 (with the weights before rollout k's updates) while k trains; the weights are synced once it has finished. Every
-sample is then one rollout (K optimizer steps) older than in the synchronous loop, which its weight version
-records and `rollout/staleness_*`, the correction and the diagnostics see.
+sample is then one rollout (S optimizer steps) older than in the synchronous loop, which its weight version
+records and `rollout/staleness_*`, the correction and the diagnostics see. `--max-staleness K` (optimizer steps)
+lets the producer run A = (K + 1) // S − 1 rollouts ahead: at rollout k the rollouts up to k + A not yet in hand
+are submitted (generated one after another with the weights of the last sync), and the weights are synced once
+they are all done. Which weights sample a rollout is then fixed by (k, A), not by timing, so a slow trainer never
+exceeds the bound and a resumed run samples what the uninterrupted one did. `--partial-rollout`: the weights are
+synced right after training, while those rollouts are still generating (the client pauses, the engines update,
+generation continues); their requests finish under the new weights, every token keeping its version (timing then
+decides where a sample's versions change, so such a run is not bit-reproducible).
 """
 
 from __future__ import annotations
@@ -54,6 +61,9 @@ class RolloutRecord:
     loss: list[float] = field(default_factory=list)  # of which the loss functions' forward
     micro_batches: list[int] = field(default_factory=list)  # each step's micro-batches per DP rank
     empty_micro_batches: list[int] = field(default_factory=list)  # of which empty (packed), over all DP ranks
+    stale_dropped: list[int] = field(default_factory=list)  # per step: samples over --max-staleness, dropped
+    stale_regenerated: list[int] = field(default_factory=list)  # per step: samples of regenerated groups
+    offpolicy_masked: list[int] = field(default_factory=list)  # per step: tokens masked by --mask-offpolicy-...
     weight_sync: float = 0.0
     checkpoint: float = 0.0  # the save after the previous rollout (steps are logged before this rollout's save)
     wall: float = 0.0
@@ -147,9 +157,13 @@ class _Job:
             corr, temperature=cfg.rollout_temperature, truncation=cfg.truncation, model_forward=self.policy.forward,
             seq_length_for_norm=cfg.rollout_max_response_len,
             loss_terms=config.loss_terms, ref_model=self.policy.reference,
-            diagnostics_top_k=monitoring.log_top_mismatch_samples if diagnostics else None)
+            diagnostics_top_k=monitoring.log_top_mismatch_samples if diagnostics else None,
+            prox_logp_method=cfg.prox_logp_method)
+        # loglinear has no lp_old before the update: baselines stay as sampled (as in bypass mode)
+        rebaseline = not corr.use_rollout_logprobs and corr.use_rollout_correction and \
+            cfg.prox_logp_method == "recompute"
         self.updater = Updater(self.policy.model, self.optimizer, self.hook, clip_grad=cfg.clip_grad,
-                               rebaseline=not corr.use_rollout_logprobs and corr.use_rollout_correction,
+                               rebaseline=rebaseline,
                                normalize_std=cfg.grpo_std_normalization)
         self.state = load_train_state(cfg, self.policy.module, self.optimizer) if cfg.load else TrainState()
         progress.rollout, progress.step = self.state.rollout, self.state.step
@@ -213,25 +227,28 @@ class _Job:
             self.say(self.driver.start(weights, state.step, self.policy.save_engine_checkpoint))
         if state.rollout:
             self.say(f"resumed from {cfg.load}: rollout {state.rollout}, step {state.step}")
-        ahead: Future[list[Sample]] | None = None
+        ahead: list[Future[list[Sample]]] = []  # the driver's rollouts submitted after the one training, in order
         records = []
         for rollout in range(state.rollout, cfg.num_rollout):
             record = RolloutRecord()
             start = time.perf_counter()
             samples: list[Sample] = []
             if self.driver is not None:
-                samples, ahead = self._next_rollout(rollout)
+                samples = self._next_rollout(rollout, ahead, record)
             self._driver_done(f"rollout/{rollout}", f"starting the engines and generating rollout {rollout}")
             record.rollout_wait = time.perf_counter() - start
             first_step = state.step
             results = self._train(samples, first_step, record)
             state.step += len(results)
-            if self.driver is not None and ahead is not None:  # the engines may change weights once it is done
+            if self.driver is not None and ahead and (not cfg.partial_rollout or self._saves_after(rollout)):
+                # the engines may change weights once they are done (partial rollouts: at once, mid-request;
+                # a checkpoint still takes them whole)
                 waited = time.perf_counter()
-                state.pending = ahead.result()
-                ahead = None
+                state.pending.extend(f.result() for f in ahead)
+                ahead.clear()
                 record.rollout_wait += time.perf_counter() - waited
-            if cfg.async_rollout and (rollout + 1 < cfg.num_rollout or self._saves_after(rollout)):
+            if cfg.async_rollout and (not cfg.partial_rollout or self._saves_after(rollout)) and \
+                    (rollout + 1 < cfg.num_rollout or self._saves_after(rollout)):
                 self._driver_done(f"rollout/{rollout + 1}", f"generating rollout {rollout + 1}")
             sync = self._sync_weights(record)
             state.rollout = rollout + 1
@@ -250,19 +267,70 @@ class _Job:
         done = rollout + 1
         return bool(cfg.save) and (done % (cfg.save_interval or cfg.num_rollout) == 0 or done == cfg.num_rollout)
 
-    def _next_rollout(self, rollout: int) -> tuple[list[Sample], Future[list[Sample]] | None]:
-        """The driver's samples of `rollout` (already generated when pending), and in asynchronous mode the
-        future of the next rollout, submitted now: also after the last rollout when a checkpoint follows it, which
-        then holds that rollout so that a resumed run trains what the uninterrupted one would."""
+    def _next_rollout(self, rollout: int, ahead: list[Future[list[Sample]]], record: RolloutRecord) -> list[Sample]:
+        """The driver's samples of `rollout` (already generated when pending), its stale samples dropped or
+        regenerated (`_bound_staleness`); in asynchronous mode the rollouts up to `rollout + A` not yet in hand
+        are submitted now (appended to `ahead`), generated with the engines' current weights: A = the config's
+        `rollouts_ahead` (1 by default; more under `--max-staleness`). Also past the last rollout when the run saves
+        checkpoints, which then hold them, so that a resumed run trains what the uninterrupted one would."""
         assert self.driver is not None
         cfg, state = self.cfg, self.state
-        if state.pending is not None:
-            samples, state.pending = state.pending, None
+        if state.pending:
+            samples = state.pending.pop(0)
+        elif ahead:  # partial rollouts: still in flight across the last sync
+            samples = ahead.pop(0).result()
         else:
             samples = self.driver.submit(rollout).result()
-        if cfg.async_rollout and (rollout + 1 < cfg.num_rollout or self._saves_after(rollout)):
-            return samples, self.driver.submit(rollout + 1)
-        return samples, None
+        if cfg.async_rollout:
+            for later in range(rollout + len(state.pending) + len(ahead) + 1, rollout + cfg.rollouts_ahead + 1):
+                if later < cfg.num_rollout or cfg.save:
+                    ahead.append(self.driver.submit(later))
+            samples = self._bound_staleness(rollout, samples, record)
+        if cfg.mask_offpolicy_in_partial_rollout:
+            from slime_corr.trainer.data import mask_offpolicy_tokens
+
+            steps = cfg.num_steps_per_rollout
+            assert isinstance(steps, int)
+            per_step = max(1, len(samples) // steps)
+            record.offpolicy_masked = [0] * steps
+            for i, sample in enumerate(samples):
+                samples[i], masked = mask_offpolicy_tokens(sample)
+                record.offpolicy_masked[i // per_step] += masked
+        return samples
+
+    def _bound_staleness(self, rollout: int, samples: list[Sample], record: RolloutRecord) -> list[Sample]:
+        """Samples older than `--max-staleness` at the step that trains them (`stale_samples`; only a rollout
+        pending in a checkpoint resumed with a smaller bound can hold them: the producer never runs further ahead)
+        are dropped (marked aborted: out of the loss and of their group's baseline) or their GRPO groups
+        regenerated with the engines' current weights (`--staleness-policy`); counted per step in `record`."""
+        from dataclasses import replace
+
+        from slime_corr.rollout.sample import SampleStatus
+        from slime_corr.trainer.data import oldest_version_step, stale_samples
+
+        assert self.driver is not None
+        cfg = self.cfg
+        steps, n = cfg.num_steps_per_rollout, cfg.n_samples_per_prompt
+        assert isinstance(steps, int)
+        per_step = max(1, len(samples) // steps)
+        record.stale_dropped, record.stale_regenerated = [0] * steps, [0] * steps
+        stale = stale_samples(samples, self.state.step, steps, cfg.staleness_bound)
+        if not stale:
+            return samples
+        samples = list(samples)
+        if cfg.staleness_policy == "regenerate":
+            groups = sorted({i // n for i in stale})
+            fresh = self.driver.regenerate(rollout, groups).result()
+            for g, start in zip(groups, range(0, len(fresh), n), strict=True):
+                samples[g * n:(g + 1) * n] = fresh[start:start + n]
+                record.stale_regenerated[g * n // per_step] += n
+            return samples
+        for i in stale:
+            lag = self.state.step + i // per_step - (oldest_version_step(samples[i]) or 0)
+            samples[i] = replace(samples[i], status=SampleStatus.ABORTED,
+                                 failure_reason=f"stale: {lag} steps old > --max-staleness {cfg.staleness_bound}")
+            record.stale_dropped[i // per_step] += 1
+        return samples
 
     def _train(self, samples: list[Sample], first_step: int, record: RolloutRecord) -> list[Any]:
         """Deal the driver's rollout to the ranks and train it (collective); times go to `record`."""
@@ -285,6 +353,8 @@ class _Job:
                                             cp_size=cfg.context_parallel_size, pad_token_id=self.policy.pad_token_id,
                                             packed=cfg.use_dynamic_batch_size, routes=self.routes)
         record.data = time.perf_counter() - start
+        interval = cfg.prox_logp_error_interval
+        self.hook.measure_prox_error = bool(interval) and self.state.rollout % interval == 0
         results, times = self.updater.train_rollout(micro_batches)
         record.prepare, record.train, record.loss = times.prepare, times.steps, times.loss
         return results
@@ -318,7 +388,8 @@ class _Job:
         from slime_corr.monitoring.keys import loss_step_metrics
         from slime_corr.monitoring.rollout_stats import rollout_metrics, step_sample_counts
         from slime_corr.monitoring.step_diagnostics import diagnostic_metrics, top_mismatch_records
-        from slime_corr.trainer.data import staleness
+        from slime_corr.rollout.data_iterator import TRAINABLE
+        from slime_corr.trainer.data import oldest_version_step, staleness
 
         assert self.driver is not None
         cfg = self.cfg
@@ -332,11 +403,24 @@ class _Job:
             step = first_step + k + 1
             counts = step_sample_counts(samples[k * per_step:(k + 1) * per_step])
             lag_mean, lag_max = staleness(samples, first_step + k)
+            bound = {}
+            if cfg.async_rollout:  # the bound's quantity: the oldest token of each sample this step trains
+                trained = [first_step + k - v for s in samples[k * per_step:(k + 1) * per_step]
+                           if s.status in TRAINABLE and (v := oldest_version_step(s)) is not None]
+                part = samples[k * per_step:(k + 1) * per_step]
+                bound = {"rollout/staleness_oldest_max": float(max(trained, default=0)),
+                         "rollout/partial_samples": float(sum(len({v for v, _, _ in s.weight_versions}) > 1
+                                                              for s in part if s.status in TRAINABLE)),
+                         "rollout/offpolicy_masked_tokens":
+                             float(record.offpolicy_masked[k] if record.offpolicy_masked else 0),
+                         "rollout/staleness_dropped": float(record.stale_dropped[k] if record.stale_dropped else 0),
+                         "rollout/staleness_regenerated":
+                             float(record.stale_regenerated[k] if record.stale_regenerated else 0)}
             # a step that trained no token has no loss or correction metric (absent, not 0)
             loss_part = loss_step_metrics(result.metrics) if counts["rollout/trained_samples"] else {}
             metrics = {**loss_part, **rollout_part, **counts,
                        "rollout/index": float(rollout), "rollout/staleness_mean": lag_mean,
-                       "rollout/staleness_max": float(lag_max),
+                       "rollout/staleness_max": float(lag_max), **bound,
                        "perf/step_time": record.train[k] + overhead / len(results),
                        "perf/train_time": record.train[k], "perf/loss_time": record.loss[k],
                        "perf/rollout_time": record.rollout_wait, "perf/prepare_time": record.prepare,

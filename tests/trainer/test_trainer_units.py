@@ -72,6 +72,21 @@ BAD_FLAGS = [
     (["--vocab-size", "128"], "--vocab-size 128 must be >= 256"),
     (["--hidden-size", "0"], "--hidden-size 0 must be an integer >= 1"),
     (["--hidden-size", "30"], "--hidden-size 30 must be a multiple of --num-attention-heads 4"),
+    (["--max-staleness", "3"], "--max-staleness 3: bounds the asynchronous rollout producer, but the run is "
+                               "synchronous"),
+    (["--staleness-policy", "regenerate"], "--staleness-policy regenerate: bounds the asynchronous"),
+    (["--async-rollout", "--max-staleness", "-1"], "--max-staleness -1 must be an integer >= 0"),
+    (["--async-rollout", "--max-staleness", "6"], "--max-staleness 6: with --num-steps-per-rollout 4, a rollout "
+                                                  "generated one rollout ahead is trained up to 7"),
+    (["--async-rollout", "--staleness-policy", "keep"], "argument --staleness-policy: invalid choice"),
+    (["--prox-logp-method", "loglinear", "--rollout-correction-preset", "ppo_is_bypass"],
+     "--prox-logp-method loglinear approximates decoupled mode's recomputed lp_old; bypass mode"),
+    (["--prox-logp-method", "loglinear", "--rollout-top-k", "20"], "--prox-logp-method loglinear with --rollout-top-p"),
+    (["--partial-rollout"], "--partial-rollout: updates the weights while rollouts are in flight, but a synchronous "
+                            "run has none"),
+    (["--async-rollout", "--mask-offpolicy-in-partial-rollout"], "--mask-offpolicy-in-partial-rollout masks the "
+                                                                 "tokens"),
+    (["--prox-logp-error-interval", "-1"], "--prox-logp-error-interval -1 must be an integer >= 0"),
 ]
 
 

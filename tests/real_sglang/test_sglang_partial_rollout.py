@@ -1,0 +1,39 @@
+"""Partial rollouts on the REAL SGLang server (bf16, CPU) behind the real sglang-router: `--partial-rollout` syncs
+the weights (distributed, gloo) while the next rollout's requests are running; SGLang pauses (abort), loads them,
+continues, and the client resumes every interrupted request under the new weights. The run must finish with the
+engine on the last weights, the staleness bound kept, and samples whose versions change mid-response (logged as
+`rollout/partial_samples`; responses of up to 48 tokens outlast a training step here)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sglang_helpers import ServerSpec
+from test_sglang_trainer import RUN_TIMEOUT, metrics, versions
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def server(launch, tiny_opt):
+    return launch(ServerSpec(tiny_opt["v0"], dtype="bfloat16", name="bf16-partial"))[0]
+
+
+def test_weight_updates_reach_requests_in_flight_through_the_router(server, tmp_path):
+    from slime_corr.engines.router import start_router
+
+    with start_router([server.url]) as router:
+        cmd = [sys.executable, "-m", "slime_corr.main", "--num-rollout", "3", "--rollout-batch-size", "2",
+               "--n-samples-per-prompt", "4", "--num-steps-per-rollout", "1", "--rollout-max-response-len", "48",
+               "--run-dir", str(tmp_path), "--sglang-url", router.url, "--rollout-correction-preset", "ppo_is_bypass",
+               "--rollout-weight-sync", "distributed", "--async-rollout", "--partial-rollout"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["rollout/staleness_oldest_max"] <= 1 for r in rows)
+    assert rows[0]["rollout/partial_samples"] == 0 and sum(r["rollout/partial_samples"] for r in rows) > 0, rows
+    assert versions([server.url])[server.url] == "step-3"

@@ -1,0 +1,42 @@
+"""`--partial-rollout` (slime's flag): the weights reach the engines right after training, while the next rollout
+is still generating (pause -> update -> continue through the client), so its requests finish under the new
+weights and each token keeps the version that sampled it; `--mask-offpolicy-in-partial-rollout` takes the tokens
+before a sample's last update out of the loss. The embedded engine is throttled (0.2 s per decoding step,
+`SLIME_CORR_EMBEDDED_STEP_DELAY`) so that generation outlasts a training step: the sync lands mid-request.
+
+CI cost: one one-process run (~15 s alone).
+"""
+
+from __future__ import annotations
+
+import json
+
+from slime_corr.rollout.sample import Sample
+from slime_corr.trainer.data import mask_offpolicy_tokens
+from tests.trainer.test_trainer_launch import launch
+
+
+def test_tokens_before_the_last_update_leave_the_loss():
+    resumed = Sample(prompt_tokens=[1], response_tokens=[5, 6, 7, 8], rollout_log_probs=[-1.0] * 4,
+                     loss_mask=[1, 0, 1, 1], weight_version="step-3",
+                     weight_versions=[("step-2", 0, 3), ("step-3", 3, 4)])
+    masked, count = mask_offpolicy_tokens(resumed)
+    assert masked.loss_mask == [0, 0, 0, 1] and count == 2 and resumed.loss_mask == [1, 0, 1, 1]
+    one = Sample(prompt_tokens=[1], response_tokens=[5, 6], rollout_log_probs=[-1.0] * 2, weight_version="step-3",
+                 weight_versions=[("step-3", 0, 2)])
+    assert mask_offpolicy_tokens(one) == (one, 0)
+
+
+def test_a_weight_update_reaches_the_requests_in_flight(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLIME_CORR_EMBEDDED_STEP_DELAY", "0.2")
+    run = launch(tmp_path / "partial", "--async-rollout", "--partial-rollout", "--mask-offpolicy-in-partial-rollout",
+                 "--rollout-correction-preset", "ppo_is_bypass", "--num-steps-per-rollout", "1", "--num-rollout", "3",
+                 "--kl-loss-coef", "0", "--entropy-coef", "0")
+    steps = run["steps"]
+    partial = [steps[s]["rollout/partial_samples"] for s in (1, 2, 3)]
+    masked = [steps[s]["rollout/offpolicy_masked_tokens"] for s in (1, 2, 3)]
+    assert partial[0] == 0 and sum(partial) > 0, partial  # rollout 0 is generated before any update
+    assert all((p > 0) == (m > 0) for p, m in zip(partial, masked, strict=True)), (partial, masked)
+    assert all(steps[s]["rollout/staleness_oldest_max"] <= 1 for s in (1, 2, 3))  # the bound still holds
+    top = [json.loads(line) for line in (run["dir"] / "top_mismatch.jsonl").read_text().splitlines()]
+    assert all(t["weight_version"] in (f"step-{t['step'] - 1}", f"step-{max(0, t['step'] - 2)}") for t in top)
