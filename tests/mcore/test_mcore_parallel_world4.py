@@ -1,0 +1,12 @@
+"""The four-process layouts of test_mcore_parallel.py (DP=4, TP=2×DP=2, CP=2×DP=2, CP=4, TP=2×CP=2, TP=4; the same
+worker, cases and reference), in a file of their own so that a parallel test run (`scripts/test.sh`: pytest-xdist,
+one worker per file) runs them beside the two-process layouts instead of after them."""
+
+from __future__ import annotations
+
+from mcore_helpers import spawn
+from test_mcore_parallel import _worker
+
+
+def test_presets_under_four_process_layouts_match_single_rank_reference():
+    spawn(_worker, 4)
