@@ -37,11 +37,12 @@ from slime_corr.correction.checks import check_policy_loss_inputs
 from slime_corr.correction.core import maybe_compiled
 from slime_corr.correction.reductions import (
     ProcessGroup,
+    at_most_,
     cp_first,
     finite_indicator_,
     global_sum,
-    greater_indicator_,
     group_size,
+    indicator,
     seq_sums,
     valid_float,
 )
@@ -97,18 +98,18 @@ def ppo_terms(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, weig
     diff = torch.nan_to_num(log_probs, 0.0, 0.0, 0.0).mul_(mask).sub_(old_log_probs)  # 0 outside: r = 1, l = 0
     log_ratio = diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     kl_sum = -log_ratio.sum()
-    in_range = greater_indicator_(diff.abs_().sub_(LOG_RATIO_CLAMP)).neg_().add_(1.0)  # the clamp passes grad
+    in_range = at_most_(diff.abs_(), LOG_RATIO_CLAMP)  # the clamp passes grad
     ratio = log_ratio.exp_()
     ois_sum = ratio.sum(dtype=torch.float64) - ratio.numel()
     surr1 = adv * ratio
     surr2 = ratio.clamp(*clip).mul_(adv)
-    clipped = greater_indicator_(surr1 - surr2)  # the clipped surrogate is the smaller one: it is trained
+    clipped = indicator(torch.gt, surr1, surr2)  # the clipped surrogate is the smaller one: it is trained
     clip_sum = clipped.sum()
     loss = torch.minimum(surr1, surr2).neg_()
     grad = surr1.neg_().mul_(clipped.neg_().add_(1.0)).mul_(in_range)  # -A·r on trained tokens
     if eps_clip_c is not None:  # A < 0: l = min(l, -A·c); capped tokens get no gradient
         cap = adv * -eps_clip_c
-        capped = greater_indicator_(loss - cap).mul_(greater_indicator_(-adv))
+        capped = indicator(torch.gt, loss, cap).mul_(indicator(torch.lt, adv, 0.0))
         loss = loss.mul_(1.0 - capped).add_(cap.mul_(capped))  # an exact select: x·1 + y·0
         grad = grad.mul_(capped.neg_().add_(1.0))
     if weights is not None:

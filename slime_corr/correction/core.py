@@ -111,22 +111,22 @@ def _token_stage(log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor
 
 
 def _token_is_stage(inputs: WeightInputs, config: RolloutCorrectionConfig, tok_f: Tensor, row_f: Tensor,
-                    seg: Segments) -> tuple[Tensor, ...]:
+                    n_valid: Tensor, seg: Segments) -> tuple[Tensor, ...]:
     """Built-in token-level IS after rejection: (final mask, weights (0 outside it), raw-weight sums per sequence
     [n, 4], then `weight_stat_tensors`). Raw weights are counted over the valid tokens (the caller keeps good
-    sequences)."""
+    sequences; `n_valid`: the local valid-token count per sequence, from the token stage)."""
     w, w_raw, _ = default_weight_parts(inputs, config, rs=False)
-    raw_rows = _token_raw_rows(w_raw, inputs.loss_mask, config, seg)
+    raw_rows = _token_raw_rows(w_raw, n_valid, config, seg)
     final_f = tok_f * row_f
     weights = w.mul_(final_f)
     return (final_f, weights, raw_rows, *M.weight_stat_tensors(weights, final_f))
 
 
-def _token_raw_rows(w_raw: Tensor, valid: Tensor, config: RolloutCorrectionConfig, seg: Segments) -> Tensor:
-    """Per-sequence [valid tokens, Σ w_raw, # w_raw > U, # w_raw < L] of built-in token-level IS; `w_raw` is 0
-    outside the mask (so never above U, and counted below L: those are subtracted). Destroys `w_raw`."""
+def _token_raw_rows(w_raw: Tensor, n: Tensor, config: RolloutCorrectionConfig, seg: Segments) -> Tensor:
+    """Per-sequence [valid tokens (`n`, given), Σ w_raw, # w_raw > U, # w_raw < L] of built-in token-level IS;
+    `w_raw` is 0 outside the mask (so never above U, and counted below L: those are subtracted). Destroys
+    `w_raw`."""
     lower, upper = config.tis_bounds
-    n = seg.sum(valid)
     s_raw = seg.sum(w_raw)
     if config.effective_tis_mode == "truncate":
         low = torch.zeros_like(s_raw)
@@ -263,7 +263,7 @@ def compute_rollout_correction(
                            n_final_seq_rej=(n_orig > 0) & (n_final == 0))
         if token_is:  # the per-token weights, their statistics and the sketch's first digit in one stage
             final_f, weights, raw_rows, *parts = maybe_compiled(_token_is_stage, config)(
-                inputs, config, tok_f, seg.expand(row_f), seg)
+                inputs, config, tok_f, seg.expand(row_f), local[:, 0], seg)
             zero = torch.zeros((), dtype=torch.float64, device=raw_rows.device)
             M.add_raw_weight_sums(stats, *torch.where(seq_bad[:, None], zero, raw_rows.to(torch.float64)).sum(0).unbind())
             sketch = (weights, M.add_weight_stats(stats, parts, final_f, binary=True), final_f, True)

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.correction import budget as B
-from slime_corr.correction.reductions import count_greater_, greater_indicator_
+from slime_corr.correction.reductions import at_most_, count_greater_, indicator
 from slime_corr.correction.segments import Segments
 
 MAX_FINITE_LOG_RATIO = 1e30  # |lr| above this marks a non-finite log-prob (`metrics.MAX_ABS_LOG_RATIO`)
@@ -58,13 +58,13 @@ def token_stage(lr: Tensor, valid: Tensor, ratio_keep: Tensor | None, config: Ro
     bound = None
     if config.rs_agg == "token":
         if config.rs_divergence_budget is not None:
-            finite = greater_indicator_(lr.abs().sub_(MAX_FINITE_LOG_RATIO)).neg_().add_(1.0).mul_(valid)
+            finite = at_most_(lr.abs(), MAX_FINITE_LOG_RATIO).mul_(valid)
             sums = B.budget_sums("div", d, finite, 1, groups, step)
             last = B.mean_budget_key(sums, config.rs_divergence_budget)
             keep = B.keep_below(d, last).mul_(valid)
             bound = B.bin_edge(last + 1)
         else:
-            keep = greater_indicator_(d - config.rs_divergence_bound).neg_().add_(1.0).mul_(valid)
+            keep = indicator(torch.le, d, config.rs_divergence_bound).mul_(valid)
         both = keep if ratio_keep is None else keep * ratio_keep
         return TokenStage(seg.sum(torch.stack([keep, both], 1)), both, bound)
     if config.rs_agg in ("mean", "sum"):

@@ -300,11 +300,12 @@ def weight_stat_tensors(w: Tensor, counted: Tensor, unit: Tensor | None = None) 
         uw = unit * w
         sums = torch.stack([_total(unit), _total(uw), _total(uw * w)])
     if w.numel():
-        # extremes over the counted weights: w -/+ (1 - counted)·2^120 (no bool tensor; w + 0 is exact); w >= 0
-        # and 0 where not counted, so the maximum needs no shift unless units are given (a custom function's w)
-        shift = torch.sub(counted, 1.0).mul_(_NOT_COUNTED)
-        w_max = w.amax() if unit is None else (shift + w).amax()
-        w_min = shift.neg_().add_(w).amin()
+        # extremes over the counted weights: w -/+ (1 - counted)·2^120 in one fused pass each (no bool tensor;
+        # w + 0 is exact); w >= 0 and 0 where not counted, so the maximum needs no shift unless units are given
+        # (a custom function's w)
+        off = torch.sub(counted, 1.0)
+        w_max = w.amax() if unit is None else torch.add(w, off, alpha=_NOT_COUNTED).amax()
+        w_min = torch.sub(w, off, alpha=_NOT_COUNTED).amin()
     else:
         w_max, w_min = w.new_full((), -math.inf), w.new_full((), math.inf)
     return sums, w_max, w_min, Q.level1_keys(w)

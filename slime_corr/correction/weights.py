@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from slime_corr.config import RolloutCorrectionConfig
-from slime_corr.correction.reductions import float_mask, greater_indicator_
+from slime_corr.correction.reductions import float_mask, indicator
 from slime_corr.correction.types import WeightInputs, WeightOutputs
 from slime_corr.registry import WEIGHT_FUNCTIONS
 
@@ -47,16 +47,14 @@ def bound_weights(w_raw: Tensor, mode: str, lower: float, upper: float) -> Tenso
     if mode == "clip":
         return w_raw.clamp(min=lower, max=upper)
     if mode == "mask":
-        outside = greater_indicator_(w_raw - upper).add_(greater_indicator_(torch.sub(lower, w_raw)))
-        return outside.neg_().add_(1.0).mul_(w_raw)
+        return indicator(torch.le, w_raw, upper).mul_(indicator(torch.ge, w_raw, lower)).mul_(w_raw)
     raise ValueError(f"unknown tis mode {mode!r}")
 
 
 def in_log_bounds(log_value: Tensor, lower: float, upper: float) -> Tensor:
     """`L ≤ exp(x) ≤ U` as 0/1 floats, evaluated as `log L ≤ x ≤ log U` (no overflow; x must be NaN-free)."""
-    log_lower = math.log(lower) if lower > 0 else -math.inf
-    above = greater_indicator_(log_value - math.log(upper))
-    return above.add_(greater_indicator_(torch.sub(log_lower, log_value))).neg_().add_(1.0)
+    keep = indicator(torch.le, log_value, math.log(upper))
+    return keep.mul_(indicator(torch.ge, log_value, math.log(lower))) if lower > 0 else keep
 
 
 def rs_keep(inputs: WeightInputs, config: RolloutCorrectionConfig) -> Tensor:
