@@ -43,11 +43,9 @@ metric. The other correction metrics (min/max, std, quantiles, ESS, counts) need
 `reduce_step_metrics` (the project's trainer) gives everything.
 
 Several micro-batches per step. Every batch quantity is over the whole step, across DP×CP: the loss and its
-gradient (above); the `--tis-batch-normalize` mean and the budgeted bounds (`--rs-divergence-budget`,
-`--tis-ess-target`: one bound per step, `correction.budget.StepBounds`), from a pre-pass over the step's
-micro-batches (decoupled mode reuses lp_old; bypass mode, which has no lp_old, pays one forward-only pass, and only
-when one of these is on with more than one micro-batch); and the correction metrics. Only the extra metrics of a custom weighting
-function are averaged over micro-batches with equal weight.
+gradient (above), the correction metrics, and the `--tis-batch-normalize` mean and budgeted bounds, which a pre-pass
+over the step's micro-batches computes first (`prepare_step`, slime_corr.mcore.step_prepass). Only the extra metrics
+of a custom weighting function are averaged over micro-batches with equal weight.
 
 Mixture of Experts (`slime_corr.mcore.routing.routed_forward` as `model_forward`): a training forward stores the
 trainer's own routes in the batch; `loss_func` then adds the routing-mismatch pairs (trainer vs engine routes at
@@ -59,10 +57,15 @@ same as padded. `seq-mean-token-sum-norm` divides by `seq_length_for_norm` (the 
 padded batch defaults to its length S·CP, a packed one must be given it).
 
 Pipeline parallelism (PP). The log-probs, the loss and the correction metrics live on the last stage (where
-Megatron-LM logs; `train_step` returns {} on the other stages). The forward-only passes before a step (lp_old, the
-bypass normalization pre-pass) run through Megatron's pipelined schedule (`slime_corr.mcore.pipeline`), so
-`train_step` / `prepare_step` work at any PP size. Inside `pretrain()` (`RolloutStepIterator`) a step that needs
-such a pass cannot start it from within the running schedule under PP: it fails with the fix.
+Megatron-LM logs; `train_step` returns {} on the other stages). The forward-only passes before a step (lp_old and the
+reference's, slime_corr.mcore.policy_log_probs; the bypass pre-pass) run through Megatron's pipelined schedule, so
+`train_step` / `prepare_step` work at any PP size; inside `pretrain()` a step that needs one fails with the fix.
+
+Where it lives: this module holds the hook's state, the Megatron hooks (`forward_step`, `next_micro_batch`,
+`loss_func`: everything one loss call does), the step's metrics and `train_step`. Two mixins hold the rest:
+`PolicyLogProbs` (slime_corr.mcore.policy_log_probs: `log_probs` from logits, the forward-only passes for lp_old and
+the reference, loglinear π_old) and `StepPrepass` (slime_corr.mcore.step_prepass: `prepare_step`, the step's mean and
+budgeted bounds, `kept_sequences`, `can_stream`).
 """
 
 from __future__ import annotations
@@ -75,17 +78,9 @@ import torch
 from torch import Tensor
 
 from slime_corr.config import RolloutCorrectionConfig
-from slime_corr.correction import (
-    StepBounds,
-    compute_rollout_correction,
-    merge_stats,
-    metrics_to_host,
-    normalize_weights,
-    weight_mean,
-)
+from slime_corr.correction import metrics_to_host
 from slime_corr.correction.diagnostics import DiagnosticsResult, MismatchDiagnostics, response_positions
-from slime_corr.correction.proximal import check_prox_logp_method, loglinear_prox_log_probs, prox_error_sums
-from slime_corr.correction.reductions import active_groups
+from slime_corr.correction.proximal import check_prox_logp_method
 from slime_corr.loss_terms import LossTermsConfig
 from slime_corr.mcore.compat import get_forward_backward_func, megatron_lm_args
 from slime_corr.mcore.context_parallel import (
@@ -95,19 +90,18 @@ from slime_corr.mcore.context_parallel import (
     packed_seq_params,
     seq_length_for_norm,
 )
-from slime_corr.mcore.logprobs import DEFAULT_CHUNK_SIZE, vocab_parallel_log_probs
+from slime_corr.mcore.logprobs import DEFAULT_CHUNK_SIZE
 from slime_corr.mcore.nucleus import (
     RENORMALIZED_KEYS,
     UNTRUNCATED_ROLLOUT,
-    NucleusLogProbs,
     Truncation,
-    nucleus_log_probs,
     nucleus_report,
     renormalize_batch,
 )
 from slime_corr.mcore.per_token_loss import check_model_config, check_per_token_loss, guard_loss
-from slime_corr.mcore.pipeline import MicroBatches, forward_only, run_schedule
-from slime_corr.mcore.rollout_steps import RolloutStep, pop_step
+from slime_corr.mcore.pipeline import MicroBatches, run_schedule
+from slime_corr.mcore.policy_log_probs import PolicyLogProbs
+from slime_corr.mcore.rollout_steps import pop_step
 from slime_corr.mcore.routing import routing_report
 from slime_corr.mcore.step_metrics import (
     NONFINITE_COUNT,
@@ -116,14 +110,9 @@ from slime_corr.mcore.step_metrics import (
     build_report,
     reduce_reports,
 )
+from slime_corr.mcore.step_prepass import PRECOMPUTED_CORRECTION, STEP_BOUNDS, StepPrepass
 
 ModelForward = Callable[[torch.nn.Module, dict[str, Tensor]], Tensor]
-# A micro-batch's correction computed by the decoupled normalization pre-pass (lp_train = lp_old, so the training
-# pass would compute the very same one): `prepare_step` stores it here, `loss_func` uses it instead of recomputing.
-PRECOMPUTED_CORRECTION = "_rollout_correction"
-# The budgeted bounds of the micro-batch's optimizer step (`StepBounds`), set before the step (`prepare_step`, and
-# `set_step_bounds` for the decoupled baselines); a micro-batch without it bounds itself (one micro-batch per step).
-STEP_BOUNDS = "_rollout_correction_step_bounds"
 
 
 def default_model_forward(model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
@@ -138,7 +127,7 @@ def default_model_forward(model: torch.nn.Module, batch: dict[str, Tensor]) -> T
     )
 
 
-class RolloutCorrectionLoss:
+class RolloutCorrectionLoss(StepPrepass, PolicyLogProbs):
     """`forward_step` / `loss_func` for Megatron's schedules, built from a `RolloutCorrectionConfig`.
 
     `groups`: explicit process groups; by default read from `megatron.core.parallel_state` at each call.
@@ -230,32 +219,6 @@ class RolloutCorrectionLoss:
         """A KL term: the reference policy's log-probs are computed in the forward-only pass."""
         return self.loss_terms.uses_reference
 
-    # ------------------------------------------------------------------ log-probs
-    def log_probs(self, logits: Tensor, labels: Tensor, with_entropy: bool | None = None
-                  ) -> tuple[Tensor, Tensor | None]:
-        """(log π(labels), entropy or None) from vocab-parallel logits, with the rollout temperature (and under
-        the truncation when active: −inf outside the nucleus; the entropy stays the untruncated one's).
-        `with_entropy` defaults to `compute_entropy`."""
-        entropy = self.compute_entropy if with_entropy is None else with_entropy
-        if self.truncation.active:
-            nucleus = self._nucleus(logits, labels, entropy)
-            return nucleus.log_probs, nucleus.entropy
-        out = vocab_parallel_log_probs(
-            logits,
-            labels,
-            tp_group=self.groups.tp,
-            temperature=self.temperature,
-            chunk_size=self.chunk_size,
-            with_entropy=entropy,
-        )
-        if entropy:
-            return out  # type: ignore[return-value]
-        return out, None  # type: ignore[return-value]
-
-    def _nucleus(self, logits: Tensor, labels: Tensor, with_entropy: bool) -> NucleusLogProbs:
-        return nucleus_log_probs(logits, labels, self.truncation, tp_group=self.groups.tp,
-                                 temperature=self.temperature, chunk_size=self.chunk_size, with_entropy=with_entropy)
-
     # ------------------------------------------------------------------ Megatron hooks
     def forward_step(self, data_iterator: Iterator[dict[str, Tensor]], model: torch.nn.Module):
         """Megatron `forward_step_func`: run the model on the next micro-batch, return (logits, loss_func)."""
@@ -282,32 +245,6 @@ class RolloutCorrectionLoss:
         else:
             self._start_step(step, model)
         return batch
-
-    def _start_step(self, step: RolloutStep, model: torch.nn.Module) -> None:
-        needs_rollout_pass = (self.needs_old_log_probs or self.needs_ref_log_probs) and not \
-            step.rollout.old_log_probs_ready
-        needs_prepass = needs_rollout_pass or self._needs_step_prepass(len(step.micro_batches))
-        if needs_prepass and self.groups.pp_size > 1:
-            raise NotImplementedError(
-                "RolloutStepIterator under pipeline parallelism: this step needs a forward-only pass over its "
-                "micro-batches first (lp_old in decoupled mode, the reference log-probs of a KL term, the "
-                "--tis-batch-normalize mean or the step's --rs-divergence-budget / --tis-ess-target bound), and "
-                "under PP "
-                "that pass is a pipelined schedule of its own, which cannot start from inside the running one. "
-                "Drive the step with hook.train_step(model, micro_batches) (or hook.prepare_step before Megatron's "
-                "forward_backward_func); inside pretrain() use bypass mode (--use-rollout-logprobs) without "
-                "--tis-batch-normalize and budgets, or one micro-batch per step."
-            )
-        if self.step_stats.micro_batches:
-            self.last_step_metrics = self.pop_step_metrics()
-            if self.on_step_metrics is not None:
-                self.on_step_metrics(self.last_step_metrics)
-        rollout = step.rollout
-        if not rollout.old_log_probs_ready:
-            self.prepare_rollout(model, rollout.micro_batches)
-            rollout.old_log_probs_ready = True
-        self.prepare_step(model, step.micro_batches, recompute_old_log_probs=False)
-        step.prepared = True
 
     def loss_func(
         self, batch: dict[str, Tensor], logits: Tensor, model: Any = None
@@ -391,36 +328,6 @@ class RolloutCorrectionLoss:
         report.update(routing_report(batch, log_probs, groups))  # MoE: trainer vs engine routes ({} otherwise)
         return guard_loss(out.loss_sum), count, report
 
-    def _loglinear_old(self, batch: dict[str, Tensor], log_probs: Tensor, recomputed: Tensor | None) -> Tensor:
-        """lp_old by AReaL's log-linear interpolation; its error against `recomputed` (when this rollout measures
-        it) accumulated for the step."""
-        for key in ("weight_lag", "prox_lag"):
-            if key not in batch:
-                raise KeyError(f"--prox-logp-method loglinear needs batch[{key!r}] (the trainer's micro-batches carry "
-                               "it: slime_corr.trainer.data.build_micro_batches); or use recompute.")
-        approx = loglinear_prox_log_probs(batch["rollout_log_probs"], log_probs, batch["weight_lag"],
-                                          batch["prox_lag"])
-        if recomputed is not None and torch.is_grad_enabled():
-            sums = prox_error_sums(approx, recomputed, batch["loss_mask"])
-            self._prox_error = sums if self._prox_error is None else torch.stack(
-                [self._prox_error[0] + sums[0], self._prox_error[1] + sums[1], self._prox_error[2].max(sums[2])])
-        return approx
-
-    def _pop_prox_error(self, like: Tensor) -> dict[str, Tensor]:
-        """The step's loglinear-vs-recompute error over DP×CP (collective when measured: same on every rank)."""
-        if self.prox_logp_method != "loglinear" or not self.measure_prox_error:
-            return {}
-        sums = self._prox_error if self._prox_error is not None else torch.zeros(3, dtype=torch.float64,
-                                                                                 device=like.device)
-        self._prox_error = None
-        groups = self.groups
-        total, top = sums[:2].clone(), sums[2:].clone()
-        for group in (groups.cp, groups.dp):
-            if group is not None and torch.distributed.get_world_size(group) > 1:
-                torch.distributed.all_reduce(total, group=group)
-                torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
-        return {"prox_logp_abs_error_mean": total[0] / total[1].clamp(min=1.0), "prox_logp_abs_error_max": top[0]}
-
     def _seq_length_for_norm(self, batch: dict[str, Tensor], groups: ParallelGroups) -> int | None:
         if self.seq_length_for_norm is not None or is_packed(batch):
             return self.seq_length_for_norm  # a packed row has no padded length: the core asks for it if needed
@@ -474,168 +381,6 @@ class RolloutCorrectionLoss:
         out.update(self.step_stats.pop(self.config))
         self.pop_diagnostics()
         return metrics_to_host(out, self.config)
-
-    def compute_old_log_probs(self, model: torch.nn.Module, micro_batches: Sequence[dict[str, Tensor]]) -> list[Tensor]:
-        """Decoupled mode: log π_old for every micro-batch by a forward-only pass (no grad), stored in place
-        as `batch["old_log_probs"]` (local slice, fp32) and returned. Under PP on the last stage only (the loss's
-        stage; the others return [])."""
-        outputs = self._forward_log_probs(model, micro_batches, renormalize=True)
-        self._store(micro_batches, "old_log_probs", outputs)
-        return outputs
-
-    def _store(self, micro_batches: Sequence[dict[str, Tensor]], key: str, outputs: list[Tensor]) -> None:
-        """`batch[key]` = each micro-batch's output of a forward-only pass (none off the last PP stage)."""
-        if self.groups.pp_last:
-            for batch, lp in zip(micro_batches, outputs, strict=True):
-                batch[key] = lp
-
-    def prepare_rollout(self, model: torch.nn.Module, micro_batches: Sequence[dict[str, Tensor]]) -> None:
-        """Before a rollout's first update: the forward-only passes over its micro-batches that store lp_old
-        (decoupled mode, `model`) and the reference policy's log-probs (KL term, `ref_model`) in each batch, then
-        `on_rollout_prepared`. Under PP the log-probs are stored on the last stage only."""
-        if self.needs_old_log_probs and (self.prox_logp_method == "recompute" or self.measure_prox_error):
-            self.compute_old_log_probs(model, micro_batches)
-        if self.needs_ref_log_probs:
-            self._store(micro_batches, "ref_log_probs", self._forward_log_probs(self.ref_model, micro_batches))
-        if self.on_rollout_prepared is not None:
-            self.on_rollout_prepared(micro_batches)
-
-    def kept_sequences(self, batch: dict[str, Tensor]) -> Tensor:
-        """[n] bool: the sequences (rows, or a packed row's sequences) of a prepared micro-batch (decoupled mode:
-        `old_log_probs` set) that keep at least one token in the loss after the correction's rejection (RS, veto,
-        non-finite log-probs), over the whole sequence (one [n] all-reduce over CP). Sequences with no trained token
-        are not kept."""
-        if not self.needs_old_log_probs or "old_log_probs" not in batch:
-            raise ValueError("kept_sequences: needs lp_old (decoupled mode, after prepare_rollout); in bypass mode "
-                             "the rejection depends on the current policy and is known only inside the loss.")
-        if self.budgeted and STEP_BOUNDS not in batch:
-            raise ValueError("kept_sequences: --rs-divergence-budget / --tis-ess-target bound each optimizer step "
-                             "from all its micro-batches; call hook.set_step_bounds(step_micro_batches) first.")
-        lp = batch["old_log_probs"]
-        groups = self.groups
-        seg = batch_segments(batch, groups)
-        corr = compute_rollout_correction(lp, batch["rollout_log_probs"].to(lp.dtype), batch["loss_mask"],
-                                          self.config, cp_group=groups.cp, normalize=False, finalize_metrics=False,
-                                          segments=seg, step_bounds=batch.get(STEP_BOUNDS))
-        kept = (corr.loss_mask > 0).to(torch.float64)
-        counts = seg.sum(kept) if seg is not None else kept.sum(-1)
-        if groups.cp_size > 1:
-            torch.distributed.all_reduce(counts, group=groups.cp)
-        return counts > 0
-
-    def _forward_log_probs(self, model: Any, micro_batches: Sequence[dict[str, Tensor]], *,
-                           renormalize: bool = False) -> list[Tensor]:
-        """log π(labels) of `model`'s current weights for every micro-batch: a forward-only pass
-        (`pipeline.forward_only`: one micro-batch at a time without PP, Megatron's pipelined schedule with it; [] off
-        the last stage). Under an active truncation the log-probs are truncated; `renormalize` (the policy's own
-        pass) also puts each micro-batch under this nucleus (`nucleus.renormalize_batch`) and returns finite
-        log-probs."""
-        if not self.truncation.active:
-            return forward_only(model, micro_batches, self.model_forward,
-                                lambda b, logits: self.log_probs(logits, b["labels"], with_entropy=False)[0],
-                                self.groups)
-
-        def collect(b: dict[str, Tensor], logits: Tensor) -> Tensor:
-            n = self._nucleus(logits, b["labels"], False)
-            return torch.stack([n.log_probs, n.log_mass, n.in_nucleus.to(n.log_probs.dtype)], -1)
-
-        outputs = forward_only(model, micro_batches, self.model_forward, collect, self.groups)
-        if not renormalize or not outputs:  # ([] off the last PP stage)
-            return [o[..., 0] for o in outputs]
-        return [renormalize_batch(b, NucleusLogProbs(o[..., 0], o[..., 1], o[..., 2] > 0, None))
-                for b, o in zip(micro_batches, outputs, strict=True)]
-
-    def prepare_step(
-        self,
-        model: torch.nn.Module,
-        micro_batches: Sequence[dict[str, Tensor]],
-        *,
-        recompute_old_log_probs: bool = True,
-    ) -> None:
-        """Before a step's training pass: lp_old (decoupled mode) and the reference log-probs (KL term) by
-        `prepare_rollout`, unless `recompute_old_log_probs` is False and the batches carry them, then the step's
-        `step_batch_norm_mean` and budgeted bounds.
-
-        With more than one micro-batch, `--tis-batch-normalize` divides the weights of every micro-batch by their
-        mean over the WHOLE step, and `--rs-divergence-budget` / `--tis-ess-target` set ONE bound for the whole
-        step (`StepBounds`: the micro-batches' bin sums, one SUM over DP×CP): a pre-pass computes them from
-        lp_train. In decoupled mode (lp_train = lp_old) the training pass reuses its corrections (only the step
-        divisor is applied); in bypass mode the pre-pass runs a forward-only pass for its log-probs and keeps the
-        step mean and the step bounds (stored in each micro-batch), and the training pass computes the correction.
-        """
-        if recompute_old_log_probs and (self.needs_old_log_probs or self.needs_ref_log_probs):
-            self.prepare_rollout(model, micro_batches)
-        self.step_batch_norm_mean = None
-        for b in micro_batches:
-            b.pop(PRECOMPUTED_CORRECTION, None)
-            b.pop(STEP_BOUNDS, None)
-        if not self._needs_step_prepass(len(micro_batches)):
-            return
-        cfg, groups = self.config, self.groups
-        decoupled = self.needs_old_log_probs
-        train_log_probs = None if decoupled else self._forward_log_probs(model, micro_batches,  # all PP stages
-                                                                         renormalize=True)
-        if not groups.pp_last:  # the mean and bounds are used by the loss, on the last stage
-            return
-        if train_log_probs is None:
-            train_log_probs = [b["old_log_probs"] for b in micro_batches]
-        bounds = self._step_bounds(micro_batches, train_log_probs) if self.budgeted else None
-        if not decoupled and not self._needs_step_mean(len(micro_batches)):  # bypass: only the bounds
-            for b in micro_batches:
-                b[STEP_BOUNDS] = bounds
-            return
-        results = [self._prepass_correction(lp, b, bounds) for lp, b in zip(train_log_probs, micro_batches,
-                                                                             strict=True)]
-        if self._needs_step_mean(len(micro_batches)):
-            self.step_batch_norm_mean = weight_mean(merge_stats([r.stats for r in results]))
-        for b, r in zip(micro_batches, results, strict=True):
-            if decoupled:  # the training pass only applies the step divisor to the pre-pass's corrections
-                b[PRECOMPUTED_CORRECTION] = r if self.step_batch_norm_mean is None else normalize_weights(
-                    r, cfg, self.step_batch_norm_mean, finalize_metrics=False)
-            elif bounds is not None:  # bypass: lp_train is the training pass's own log-prob, so the correction
-                b[STEP_BOUNDS] = bounds  # is computed there, with this mean and these bounds
-
-    def _prepass_correction(self, lp: Tensor, batch: dict[str, Tensor], bounds: StepBounds | None):
-        """One micro-batch's correction from lp_train, unnormalized and unfinalized (a step pre-pass)."""
-        groups = self.groups
-        return compute_rollout_correction(lp, batch["rollout_log_probs"].to(lp.dtype), batch["loss_mask"],
-                                          self.config, cp_group=groups.cp, dp_group=groups.dp, normalize=False,
-                                          finalize_metrics=False, segments=batch_segments(batch, groups),
-                                          step_bounds=bounds)
-
-    def _step_bounds(self, micro_batches: Sequence[dict[str, Tensor]], train_log_probs: Sequence[Tensor]
-                     ) -> StepBounds:
-        """The step's budgeted bounds: a collecting correction of every micro-batch (its results discarded), then
-        ONE SUM of the bin sums per group (DP, CP)."""
-        bounds = StepBounds()
-        for lp, b in zip(train_log_probs, micro_batches, strict=True):
-            self._prepass_correction(lp, b, bounds)
-        return bounds.finish(active_groups(self.groups.cp, self.groups.dp))
-
-    def set_step_bounds(self, micro_batches: Sequence[dict[str, Tensor]]) -> None:
-        """Decoupled mode, after `prepare_rollout`: the budgeted bounds of the optimizer step made of
-        `micro_batches`, stored in each (for `kept_sequences` before the step; `prepare_step` sets them again).
-        Nothing without a budget. On the last PP stage (where lp_old is)."""
-        if not self.budgeted:
-            return
-        bounds = self._step_bounds(micro_batches, [b["old_log_probs"] for b in micro_batches])
-        for b in micro_batches:
-            b[STEP_BOUNDS] = bounds
-
-    def _needs_step_mean(self, num_micro_batches: int) -> bool:
-        return self.config.use_tis and self.config.tis_batch_normalize and num_micro_batches > 1
-
-    def _needs_step_prepass(self, num_micro_batches: int) -> bool:
-        """A step quantity of several micro-batches: the normalization mean or the budgeted bounds (one
-        micro-batch bounds itself: its correction reduces over DP×CP)."""
-        return self._needs_step_mean(num_micro_batches) or (self.budgeted and num_micro_batches > 1)
-
-    def can_stream(self, num_micro_batches: int) -> bool:
-        """Whether `train_step` can read the micro-batches once, as a stream: no lp_old recompute (bypass), no
-        reference pass, no step-wide normalization mean and no step budget, which all need a pass over every
-        micro-batch first."""
-        return not (self.needs_old_log_probs or self.needs_ref_log_probs
-                    or self._needs_step_prepass(num_micro_batches))
 
     def train_step(
         self,

@@ -1,7 +1,8 @@
 """The trainer: the main job (`python -m slime_corr.main`, `slime-corr`, `scripts/launch_torchrun.sh`). It composes
 the three layers (correction math, Megatron glue, rollout) and holds no math or protocol of its own:
 
-config   flags and the validated `TrainerConfig` (Megatron's names for parallelism/checkpoints, slime's for rollout)
+config   the validated `TrainerConfig` (Megatron's names for parallelism/checkpoints, slime's for rollout); its
+         checks of engines, model, PP/packing, MoE and --load in config_checks, its argparse flags in flags
 task     the toy task: seeded byte-level prompts, the lowercase reward
 policy   `build_policy`: the model on this rank, the frozen reference, how the engines serve it
 driver   rank 0's rollout side: engines, client, rollouts (sync or async), weight sync

@@ -18,6 +18,11 @@ tokens per GPU (as many per step on every DP rank; `--micro-batch-size` is then 
 
 Every check runs at parse time and names the flag; the process count is `WORLD_SIZE` (torchrun's), checked against
 TP × CP × PP.
+
+Where it lives: this module holds the dataclass, its batch defaults, derived values, the checks of batches, the
+rollout loop (async, staleness, π_old) and `from_args`; `config_checks` the checks of the engines, the model, PP and
+packing, MoE routes and `--load` (a mixin) with the shared choices; `flags` the argparse flags (`add_trainer_args`)
+and `split_sglang_passthrough`. Every name stays importable from here.
 """
 
 from __future__ import annotations
@@ -25,9 +30,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -35,26 +38,33 @@ from slime_corr.config import ConfigError
 from slime_corr.correction.proximal import PROX_LOGP_METHODS
 from slime_corr.mcore.model import TinyGPTArgs
 from slime_corr.mcore.nucleus import Truncation
-from slime_corr.models.hf_checkpoint import CheckpointError, check_tensor_parallel
+from slime_corr.models.hf_checkpoint import CheckpointError
 from slime_corr.models.selection import ModelSource
+from slime_corr.trainer.config_checks import (  # noqa: F401  (the choices and defaults, importable from here too)
+    CHAT_TEMPLATE_ALLOWANCE,
+    DEFAULT_MICRO_BATCH_SIZE,
+    DEFAULT_ROLLOUT_BATCH_SIZE,
+    DEFAULT_STEPS_PER_ROLLOUT,
+    ENGINE_DTYPES,
+    ENGINE_KINDS,
+    MOE_FLAGS,
+    PARAMS_DTYPES,
+    PRETRAINED_LR,
+    ROUTER_CHOICES,
+    SGLANG_DTYPES,
+    STALENESS_POLICIES,
+    TINY_MOE_LR,
+    WEIGHT_SYNC_MODES,
+    TrainerConfigChecks,
+    check_writable_dir,
+    flag_name,
+)
+from slime_corr.trainer.flags import KNOWN_SGLANG_FLAGS, add_trainer_args, split_sglang_passthrough  # noqa: F401
 from slime_corr.trainer.task import TASKS
-
-ENGINE_KINDS = ("sglang", "embedded")  # slime_corr.engines.launch.ENGINE_KINDS (not imported: no engine code here)
-SGLANG_DTYPES = ("bfloat16", "float32")
-WEIGHT_SYNC_MODES = ("disk", "distributed")
-ROUTER_CHOICES = ("auto", "on", "off")
-STALENESS_POLICIES = ("drop", "regenerate")
-ENGINE_DTYPES = ("bfloat16", "float32", "float64")
-PARAMS_DTYPES = ("float32", "float64")
-MOE_FLAGS = ("use_rollout_routing_replay", "log_routing_mismatch")
-TINY_MOE_LR = 1e-3  # --lr's default with --model tiny-moe
-PRETRAINED_LR = 1e-5  # --lr's default with a pretrained model (the tiny model's, 1e-2, would wreck it at once)
-CHAT_TEMPLATE_ALLOWANCE = 128  # tokens a chat template may add around the user message (system prompt, headers)
-DEFAULT_ROLLOUT_BATCH_SIZE, DEFAULT_STEPS_PER_ROLLOUT, DEFAULT_MICRO_BATCH_SIZE = 4, 4, 8
 
 
 @dataclass(frozen=True)
-class TrainerConfig:
+class TrainerConfig(TrainerConfigChecks):
     """What the trainer runs. Field names are the flag names with `-` replaced by `_` (`sglang_url` is a tuple)."""
 
     # parallelism (Megatron)
@@ -223,7 +233,7 @@ class TrainerConfig:
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                fail(f"--{_flag(name)} {value} must be an integer >= 1.")
+                fail(f"--{flag_name(name)} {value} must be an integer >= 1.")
         if not (math.isfinite(self.rollout_temperature) and self.rollout_temperature > 0):
             fail(f"--rollout-temperature {self.rollout_temperature} must be > 0: temperature 0 is greedy decoding, "
                  "not a policy to train (the log-probs are log_softmax(logits / T)); e.g. 1.0.")
@@ -263,7 +273,7 @@ class TrainerConfig:
         for name, choices in (("rollout_router", ROUTER_CHOICES), ("rollout_weight_sync", WEIGHT_SYNC_MODES),
                               ("engine_dtype", ENGINE_DTYPES), ("params_dtype", PARAMS_DTYPES)):
             if getattr(self, name) not in choices:
-                fail(f"--{_flag(name)} {getattr(self, name)!r} is not one of {', '.join(choices)}.")
+                fail(f"--{flag_name(name)} {getattr(self, name)!r} is not one of {', '.join(choices)}.")
         if not (isinstance(self.max_failed_sample_fraction, int | float)
                 and 0.0 <= self.max_failed_sample_fraction <= 1.0):
             fail(f"--max-failed-sample-fraction {self.max_failed_sample_fraction} must be in [0, 1]: the share of a "
@@ -272,10 +282,10 @@ class TrainerConfig:
                      "distributed_timeout_minutes"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-                fail(f"--{_flag(name)} {value} must be a finite number > 0.")
+                fail(f"--{flag_name(name)} {value} must be a finite number > 0.")
         for name in ("save", "work_dir"):
             if getattr(self, name):
-                check_writable_dir(f"--{_flag(name)}", getattr(self, name))
+                check_writable_dir(f"--{flag_name(name)}", getattr(self, name))
         if self.sglang_url and self.rollout_num_engines != 1:
             fail("--rollout-num-engines starts engines; with --sglang-url the engines are yours: drop one.")
         self._check_engine()
@@ -314,7 +324,7 @@ class TrainerConfig:
         if not self.async_rollout:
             for name in ("max_staleness", "staleness_policy"):
                 if getattr(self, name) is not None:
-                    raise ConfigError(f"--{_flag(name)} {getattr(self, name)}: bounds the asynchronous rollout "
+                    raise ConfigError(f"--{flag_name(name)} {getattr(self, name)}: bounds the asynchronous rollout "
                                       "producer, but the run is synchronous (every sample is at most "
                                       "--num-steps-per-rollout − 1 steps old): add --async-rollout or drop it.")
         if self.staleness_policy is not None and self.staleness_policy not in STALENESS_POLICIES:
@@ -349,138 +359,6 @@ class TrainerConfig:
         assert isinstance(steps, int)
         return (self.staleness_bound + 1) // steps - 1 if self.async_rollout else 0
 
-    def _check_engine(self) -> None:
-        if self.rollout_engine not in ENGINE_KINDS:
-            raise ConfigError(f"--rollout-engine {self.rollout_engine!r} is not one of {', '.join(ENGINE_KINDS)}.")
-        launched = not self.sglang_url and self.rollout_engine == "sglang"
-        passthrough = " ".join(self.sglang_server_args)
-        if self.sglang_url and (self.sglang_server_args or self.sglang_python):
-            what = passthrough or f"--sglang-python {self.sglang_python}"
-            raise ConfigError(f"{what}: these configure the SGLang servers the trainer launches; with --sglang-url "
-                              "the servers are yours (give them their flags when you start them): drop one.")
-        if not self.sglang_url and self.rollout_engine == "embedded" and (self.sglang_server_args
-                                                                           or self.sglang_python):
-            what = passthrough or f"--sglang-python {self.sglang_python}"
-            raise ConfigError(f"{what}: SGLang server flags, but --rollout-engine embedded starts no SGLang server; "
-                              "use --rollout-engine sglang, or drop them.")
-        if launched and self.engine_dtype not in SGLANG_DTYPES:
-            raise ConfigError(f"--engine-dtype {self.engine_dtype}: the SGLang server serves "
-                              f"{' or '.join(SGLANG_DTYPES)}; use --rollout-engine embedded for {self.engine_dtype}.")
-
-    def _check_tiny_model(self) -> None:
-        m = self.model
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings"):
-            value = getattr(m, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"--{_flag(name)} {value} must be an integer >= 1.")
-        if m.hidden_size % m.num_attention_heads:
-            raise ConfigError(f"--hidden-size {m.hidden_size} must be a multiple of --num-attention-heads "
-                              f"{m.num_attention_heads}.")
-        if m.vocab_size < 256:
-            raise ConfigError(f"--vocab-size {m.vocab_size} must be >= 256: prompts, responses and rewards are byte "
-                              "tokens.")
-        if m.vocab_size % self.tensor_model_parallel_size or m.num_attention_heads % self.tensor_model_parallel_size:
-            raise ConfigError(f"--tensor-model-parallel-size {self.tensor_model_parallel_size} must divide "
-                              f"--vocab-size {m.vocab_size} and --num-attention-heads {m.num_attention_heads}.")
-        longest = TASKS[self.task].max_prompt_chars + self.rollout_max_response_len + 2 * self.context_parallel_size
-        if longest > m.max_position_embeddings:
-            raise ConfigError(f"--rollout-max-response-len {self.rollout_max_response_len}: prompt + response (+ CP "
-                              f"padding) reach {longest} tokens, more than --max-position-embeddings "
-                              f"{m.max_position_embeddings}.")
-
-    def _check_pretrained(self) -> None:
-        """The checkpoint's heads, KV groups, FFN and vocabulary divide over TP; prompts (with a chat template's
-        allowance) and responses fit its positions; the task reads text. Resolves the model (a shipped one is
-        dequantized into the cache on first use)."""
-        task = TASKS[self.task]
-        if task.byte_tokens_only and not self.model_source.byte_tokens:
-            raise ConfigError(f"--task {self.task} scores byte tokens (the tiny model's task); a pretrained model "
-                              f"has its own tokenizer: choose one of "
-                              f"{', '.join(n for n, t in TASKS.items() if not t.byte_tokens_only)}.")
-        spec = self.model_source.spec()
-        assert spec is not None
-        try:
-            check_tensor_parallel(spec, self.tensor_model_parallel_size)
-        except CheckpointError as e:
-            raise ConfigError(str(e)) from None
-        if spec.is_moe and self.tensor_model_parallel_size > 1:
-            raise ConfigError(f"--tensor-model-parallel-size {self.tensor_model_parallel_size}: training a Mixture-of-"
-                              f"Experts model ({spec.path}) with TP > 1 needs Megatron's sequence parallelism, whose "
-                              "norms need TransformerEngine or apex (absent on CPU); use TP=1 with CP or DP.")
-        longest = CHAT_TEMPLATE_ALLOWANCE + task.max_prompt_chars + self.rollout_max_response_len
-        if longest > spec.max_position_embeddings:
-            raise ConfigError(f"--rollout-max-response-len {self.rollout_max_response_len}: prompt (with up to "
-                              f"{CHAT_TEMPLATE_ALLOWANCE} tokens of chat template) + response reach {longest} tokens, "
-                              f"more than the model's max_position_embeddings {spec.max_position_embeddings}.")
-
-    def _check_pipeline_and_packing(self) -> None:
-        from slime_corr.rollout.batching import packed_length
-
-        pp, layers = self.pipeline_model_parallel_size, self.model.num_layers
-        if self.model_source.is_pretrained and (pp > 1 or self.use_dynamic_batch_size):
-            flag = f"--pipeline-model-parallel-size {pp}" if pp > 1 else "--use-dynamic-batch-size"
-            raise ConfigError(f"{flag}: not supported yet with a pretrained model (--model / --hf-checkpoint): its "
-                              "Megatron model is built unsplit and its RoPE needs Megatron's THD attention for packed "
-                              "rows; use tensor, context or data parallelism with padded micro-batches.")
-        if layers % pp:
-            raise ConfigError(f"--pipeline-model-parallel-size {pp} must divide --num-layers {layers}: every "
-                              "pipeline stage holds the same number of layers.")
-        budget = self.max_tokens_per_gpu
-        if budget is not None and (not isinstance(budget, int) or budget < 1):
-            raise ConfigError(f"--max-tokens-per-gpu {budget} must be an integer >= 1.")
-        if self.use_dynamic_batch_size and budget is None:
-            raise ConfigError("--use-dynamic-batch-size needs --max-tokens-per-gpu N: the tokens a packed "
-                              "micro-batch may hold per GPU.")
-        if budget is not None and not self.use_dynamic_batch_size:
-            raise ConfigError(f"--max-tokens-per-gpu {budget} only applies to packed micro-batches: add "
-                              "--use-dynamic-batch-size, or drop --max-tokens-per-gpu.")
-        if budget is not None:
-            cp = self.context_parallel_size
-            prompt = TASKS[self.task].max_prompt_chars  # byte tokens (the tiny model; a pretrained one is refused above)
-            group = self.n_samples_per_prompt * packed_length(prompt + self.rollout_max_response_len, cp)
-            if budget * cp < group:
-                raise ConfigError(
-                    f"--max-tokens-per-gpu {budget}: a GRPO group (--n-samples-per-prompt {self.n_samples_per_prompt}"
-                    f" samples of up to {prompt} prompt + --rollout-max-response-len "
-                    f"{self.rollout_max_response_len} tokens) can take {group} tokens, {-(-group // cp)} per GPU "
-                    f"under --context-parallel-size {cp}, and a group is never split across micro-batches: use "
-                    f"--max-tokens-per-gpu >= {-(-group // cp)}.")
-
-    def _check_routing(self) -> None:
-        """Routes need an MoE model and an engine that returns them (the real SGLang server); replay is done on the
-        whole model (no PP: refused for bridge models anyway) and packed rows are refused for bridge models."""
-        if not self.asks_routes:
-            return
-        flag = "--use-rollout-routing-replay" if self.use_rollout_routing_replay else "--log-routing-mismatch"
-        spec = self.model_source.spec() if self.model_source.is_pretrained else None
-        if spec is None or not spec.is_moe:
-            what = f"{spec.model_type} at {spec.path}" if spec is not None else "the built-in tiny GPT"
-            raise ConfigError(f"{flag}: the model is dense ({what}): routing replay and routing mismatch need a "
-                              "Mixture-of-Experts model, e.g. --model tiny-moe or --hf-checkpoint of a qwen3_moe "
-                              "checkpoint; drop the flag for a dense model.")
-        if not self.sglang_url and self.rollout_engine == "embedded":
-            raise ConfigError(f"{flag}: --rollout-engine embedded does not return the routed experts; use "
-                              "--rollout-engine sglang (the trainer launches SGLang with "
-                              "--enable-return-routed-experts) or --sglang-url of servers started with it.")
-
-    def _check_load(self) -> None:
-        from slime_corr.mcore.checkpoint import TRACKER_FILE, iteration_dir, latest_iteration
-        from slime_corr.mcore.checkpoint import CheckpointError as CheckpointLoadError
-
-        root = Path(self.load)  # type: ignore[arg-type]
-        if not root.is_dir():
-            raise ConfigError(f"--load {root}: no such directory; pass the --save directory of an earlier run.")
-        try:
-            step = self.ckpt_step if self.ckpt_step is not None else latest_iteration(root)
-        except CheckpointLoadError as e:
-            raise ConfigError(f"--load {root}: {e}") from None
-        if step is None:
-            raise ConfigError(f"--load {root}: no {TRACKER_FILE} (no complete checkpoint was saved there).")
-        if not (iteration_dir(root, step) / "metadata.json").is_file():
-            saved = sorted(p.name for p in root.glob("iter_*"))
-            raise ConfigError(f"--ckpt-step {step}: {iteration_dir(root, step)} is not a complete checkpoint "
-                              f"(saved: {', '.join(saved) or 'none'}).")
-
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_args(cls, args: argparse.Namespace, *, world_size: int | None = None) -> TrainerConfig:
@@ -508,198 +386,6 @@ class TrainerConfig:
         return cls(**values, world_size=world, sglang_url=tuple(args.sglang_url or ()), model=model,
                    model_source=source, task=task, lr=lr,
                    sglang_server_args=tuple(getattr(args, "sglang_server_args", None) or ()))
-
-
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
-
-
-def check_writable_dir(flag: str, path: str | os.PathLike[str]) -> None:
-    """ConfigError unless `path` is a directory this process can write in, or can be created (its nearest existing
-    ancestor is a writable directory). Probes with a temporary file: permission bits lie to root and on read-only
-    mounts."""
-    import tempfile
-
-    target = Path(path)
-    if target.exists() and not target.is_dir():
-        raise ConfigError(f"{flag} {target}: is a file, not a directory; pass a directory (it is created if missing).")
-    existing = target
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ConfigError(f"{flag} {target}: {existing} is a file, so the directory cannot be created there; pass "
-                          "another path.")
-    try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as e:
-        where = "" if existing == target else f" (it would be created in {existing})"
-        raise ConfigError(f"{flag} {target}: cannot write there{where}: {e.strerror or e}; pass a directory you can "
-                          "write to.") from None
-
-
-def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The trainer's flags (see the module doc); the model's come from `mcore.model.add_tiny_model_args`."""
-    d = TrainerConfig()
-    g = parser.add_argument_group(title="parallelism, optimization and checkpoints (Megatron's flags)")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=d.tensor_model_parallel_size)
-    g.add_argument("--context-parallel-size", type=int, default=d.context_parallel_size,
-                   help="On CPU, CP is emulated: each CP rank runs the full sequence and keeps its zig-zag slice.")
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=d.pipeline_model_parallel_size,
-                   help="Pipeline stages (must divide --num-layers); the loss and its metrics live on the last one.")
-    g.add_argument("--micro-batch-size", type=int, default=None,
-                   help="Samples per micro-batch (padded; not used with --use-dynamic-batch-size). Default: gcd(8, "
-                        "the samples a DP rank trains per step).")
-    g.add_argument("--use-dynamic-batch-size", action="store_true",
-                   help="Packed (THD) micro-batches of whole GRPO groups up to --max-tokens-per-gpu tokens (slime's "
-                        "flag): no padding between samples; every DP rank runs as many micro-batches.")
-    g.add_argument("--max-tokens-per-gpu", type=int, default=None,
-                   help="Token budget of a packed micro-batch per GPU (with CP, a micro-batch holds N × CP tokens).")
-    g.add_argument("--global-batch-size", type=int, default=None,
-                   help="Samples per optimizer step (default: the rollout's samples / --num-steps-per-rollout).")
-    g.add_argument("--distributed-timeout-minutes", type=float, default=d.distributed_timeout_minutes,
-                   help="How long a rank waits on the others (a collective, or the driver's rollout with no sign of "
-                        "life from it) before the job stops with an error (Megatron's flag; fractions allowed).")
-    g.add_argument("--lr", type=float, default=None,
-                   help=f"Adam learning rate (default: {d.lr:g} for the tiny model, {PRETRAINED_LR:g} with --model / "
-                        "--hf-checkpoint).")
-    g.add_argument("--clip-grad", type=float, default=d.clip_grad, help="Gradient clipping by global L2 norm (0: off).")
-    g.add_argument("--params-dtype", choices=PARAMS_DTYPES, default=d.params_dtype,
-                   help="Dtype of the trained model (float64 makes runs comparable across parallel layouts).")
-    g.add_argument("--save", default=None, help="Checkpoint directory (Megatron-LM's layout, dist_checkpointing).")
-    g.add_argument("--save-interval", type=int, default=None, help="Save every N rollouts (and after the last).")
-    g.add_argument("--load", default=None, help="Resume from this checkpoint directory (model, optimizer, step, "
-                                                "RNG, rollout position).")
-    g.add_argument("--ckpt-step", type=int, default=None, help="Load this iteration of --load (default: latest).")
-
-    r = parser.add_argument_group(title="rollout (slime's flags)")
-    r.add_argument("--rollout-batch-size", type=int, default=None,
-                   help=f"Prompts per rollout (default: {DEFAULT_ROLLOUT_BATCH_SIZE}, rounded up to a multiple of DP).")
-    r.add_argument("--n-samples-per-prompt", type=int, default=d.n_samples_per_prompt, help="GRPO group size.")
-    r.add_argument("--num-steps-per-rollout", type=int, default=None,
-                   help="Optimizer steps trained on each rollout (decoupled mode: lp_old is computed once, before "
-                        "the first). Default: the rollout / --global-batch-size when given, else the largest of "
-                        f"{DEFAULT_STEPS_PER_ROLLOUT}..1 that gives every DP rank whole GRPO groups in every step.")
-    r.add_argument("--num-rollout", type=int, default=d.num_rollout, help="Rollouts of the run.")
-    r.add_argument("--rollout-max-response-len", type=int, default=d.rollout_max_response_len,
-                   help="Response length cap (SGLang's max_new_tokens).")
-    r.add_argument("--rollout-temperature", type=float, default=d.rollout_temperature,
-                   help="Sampling temperature (> 0); the trainer's log-probs use the same.")
-    r.add_argument("--rollout-top-p", type=float, default=d.rollout_top_p,
-                   help="Nucleus sampling, in (0, 1] (1.0: off). The trainer's log-probs are taken under the same "
-                        "truncated, renormalized distribution, the rollout's renormalized to the trainer's nucleus.")
-    r.add_argument("--rollout-top-k", type=int, default=d.rollout_top_k,
-                   help="Top-k sampling (-1 or 0: off), honoured by the trainer like --rollout-top-p.")
-    r.add_argument("--async-rollout", action="store_true",
-                   help="Generate rollout k+1 while rollout k trains (one rollout off-policy, as slime's "
-                        "train_async.py); the weights reach the engines between rollouts.")
-    r.add_argument("--max-staleness", type=int, default=None,
-                   help="With --async-rollout: the most optimizer steps between the weights that sampled a "
-                        "sample's oldest token and the step that trains it (AReaL's max_head_offpolicyness, "
-                        "Megatron-LM's --rl-generation-lag, prime-rl's max_off_policy_steps). The producer "
-                        "generates A = (K + 1) // --num-steps-per-rollout − 1 rollouts ahead; >= 2 × steps per "
-                        "rollout − 1. Default: one rollout ahead (2 × steps − 1).")
-    r.add_argument("--staleness-policy", choices=STALENESS_POLICIES, default=None,
-                   help="A sample older than --max-staleness at the step that trains it (e.g. pending in a "
-                        "checkpoint resumed with a smaller bound): drop it from the loss and its group's baseline, "
-                        "or regenerate its GRPO group with the engines' current weights. Default: drop.")
-    r.add_argument("--partial-rollout", action="store_true",
-                   help="With --async-rollout: sync the weights right after training, while the rollouts ahead are "
-                        "still generating (pause -> update -> continue; slime's flag): their requests continue under "
-                        "the new weights and each token keeps the version that sampled it.")
-    r.add_argument("--mask-offpolicy-in-partial-rollout", action="store_true",
-                   help="With --partial-rollout (slime's flag): the tokens a sample generated before its last weight "
-                        "update leave the loss.")
-    r.add_argument("--disable-grpo-std-normalization", dest="grpo_std_normalization", action="store_false",
-                   help="GRPO advantage = reward − group mean, without dividing by the group's std (Dr. GRPO).")
-    r.add_argument("--task", choices=sorted(TASKS), default=None,
-                   help="Prompts and reward: " + "; ".join(f"{t.name}: {t.description}" for t in TASKS.values())
-                        + ". Default: lowercase with the tiny model, arithmetic with --model / --hf-checkpoint.")
-    r.add_argument("--sglang-url", action="append", default=None,
-                   help="SGLang server or router URL (repeatable), checked at start-up. Default: embedded engines.")
-
-    p = parser.add_argument_group(title="decoupled mode's π_old")
-    p.add_argument("--prox-logp-method", choices=PROX_LOGP_METHODS, default=d.prox_logp_method,
-                   help="recompute: a forward-only pass before each rollout's first update (exact); loglinear: "
-                        "AReaL's log-linear interpolation between the behaviour and the current log-prob by weight "
-                        "version (no pass; exact at a rollout's first step).")
-    p.add_argument("--prox-logp-error-interval", type=int, default=d.prox_logp_error_interval,
-                   help="With loglinear: every N rollouts also recompute lp_old and log "
-                        "train/prox_logp_abs_error_mean and _max of the approximation against it (0: never).")
-
-    f = parser.add_argument_group(title="failures and bounded waits")
-    f.add_argument("--max-failed-sample-fraction", type=float, default=d.max_failed_sample_fraction,
-                   help="Stop the run (exit 1, the failures grouped by kind and server) when more than this share of a "
-                        "rollout's samples failed after their retries (0: any failure; 1: never).")
-    f.add_argument("--rollout-request-timeout", type=float, default=d.rollout_request_timeout,
-                   help="Seconds a /generate attempt may go without a byte from the server before it is aborted and "
-                        "retried (4 attempts per sample).")
-    f.add_argument("--rollout-health-check-interval", type=float, default=d.rollout_health_check_interval,
-                   help="Seconds between the health checks of every engine during a rollout (slime's flag).")
-    f.add_argument("--rollout-health-check-timeout", type=float, default=d.rollout_health_check_timeout,
-                   help="Seconds an engine may take to answer /health_generate (/health where it has none) before "
-                        "it counts as dead (slime's flag).")
-
-    e = parser.add_argument_group(title="rollout engines")
-    e.add_argument("--rollout-engine", choices=ENGINE_KINDS, default=d.rollout_engine,
-                   help="Engines the trainer starts when no --sglang-url is given. sglang (default): real SGLang "
-                        "servers (installed by scripts/run.sh on CPU; a GPU machine's own sglang), sampling_seed "
-                        "honoured only under SGLang's deterministic inference (not on CPU), so two runs differ. "
-                        "embedded: this package's engine, bit-reproducible (the same command logs the same "
-                        "metrics), for tests and runs without SGLang.")
-    e.add_argument("--sglang-python", default=None,
-                   help="The Python that runs the SGLang servers (default: this one if it has sglang, else "
-                        ".venv-sglang/ from scripts/setup_sglang.sh).")
-    e.add_argument("--rollout-num-engines", type=int, default=d.rollout_num_engines,
-                   help="Engines to start (no --sglang-url); several sit behind sglang-router. Any other "
-                        "--sglang-X [VALUE] flag is passed to every SGLang server as its --X [VALUE] (slime's "
-                        "pass-through), e.g. --sglang-mem-fraction-static 0.5, --sglang-max-total-tokens 32768.")
-    e.add_argument("--rollout-router", choices=ROUTER_CHOICES, default=d.rollout_router,
-                   help="sglang-router in front of several engines: auto = when installed.")
-    e.add_argument("--rollout-weight-sync", choices=WEIGHT_SYNC_MODES, default=d.rollout_weight_sync,
-                   help="How new weights reach the engines: a checkpoint on disk, or a broadcast over a process "
-                        "group (gloo on CPU).")
-    e.add_argument("--update-weight-buffer-size", type=int, default=d.update_weight_buffer_size,
-                   help="Bytes per bucket of the distributed weight sync.")
-    e.add_argument("--engine-dtype", choices=ENGINE_DTYPES, default=d.engine_dtype,
-                   help="Dtype the engines serve in (SGLang's --dtype; bfloat16 gives a real mismatch with the fp32 "
-                        "trainer, float32 about 1e-5).")
-    m = parser.add_argument_group(title="Mixture of Experts (slime's routing replay)")
-    m.add_argument("--use-rollout-routing-replay", action="store_true",
-                   help="R3 (slime's flag): the engines return the experts they routed every token to, and every "
-                        "trainer forward that computes log-probs to train on (lp_old, the reference's, each "
-                        "training pass) routes with them (Megatron's RouterReplay). MoE models and SGLang engines "
-                        "only; logs the routing-mismatch metrics too.")
-    m.add_argument("--log-routing-mismatch", action="store_true",
-                   help="Ask the engines for their routes and log how often the trainer's own router differs "
-                        "(diag/routing_mismatch_*) without replaying them.")
-    e.add_argument("--work-dir", default=None,
-                   help="Where the engines' weight files go (default: a temporary folder).")
-    return parser
-
-
-KNOWN_SGLANG_FLAGS = ("--sglang-url", "--sglang-python")
-
-
-def split_sglang_passthrough(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """(the trainer's own flags, slime's `--sglang-X [VALUE]` pass-through flags) of `argv`. A pass-through
-    flag's value is the next word unless that starts with `--` or the flag has `=VALUE`."""
-    own: list[str] = []
-    passthrough: list[str] = []
-    words = list(argv)
-    i = 0
-    while i < len(words):
-        word = words[i]
-        name = word.split("=", 1)[0]
-        if word.startswith("--sglang-") and name not in KNOWN_SGLANG_FLAGS:
-            passthrough.append(word)
-            if "=" not in word and i + 1 < len(words) and not words[i + 1].startswith("--"):
-                passthrough.append(words[i + 1])
-                i += 1
-        else:
-            own.append(word)
-        i += 1
-    return own, passthrough
 
 
 __all__ = ["TrainerConfig", "add_trainer_args", "check_writable_dir", "split_sglang_passthrough"]

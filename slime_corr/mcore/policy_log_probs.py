@@ -1,0 +1,139 @@
+"""How `RolloutCorrectionLoss` (slime_corr.mcore.loss_hook) gets the policy's log-probs: from a forward's logits
+(`log_probs`), by forward-only passes before a rollout's first update, or by decoupled mode's log-linear π_old.
+
+`log_probs` takes log π = log_softmax(logits / T) from vocab-parallel logits (`mcore.logprobs`), under the
+rollout's top-p / top-k when active (`mcore.nucleus`: −inf outside the nucleus).
+
+Decoupled mode recomputes lp_old with a forward-only pass over the rollout's micro-batches (`compute_old_log_probs`,
+stored as `batch["old_log_probs"]`); a KL term's reference log-probs (`batch["ref_log_probs"]`) come from the same
+kind of pass with `ref_model`; `prepare_rollout` runs both. Under PP the passes run through Megatron's pipelined
+schedule (`slime_corr.mcore.pipeline.forward_only`) and the log-probs are stored on the last stage only. Under an
+active truncation the policy's own pass also renormalizes the rollout log-probs to its nucleus
+(`nucleus.renormalize_batch`).
+
+`--prox-logp-method loglinear` replaces the pass by AReaL's log-linear interpolation (`_loglinear_old`, called by
+`loss_func`); a rollout with `measure_prox_error` set recomputes lp_old too and the step logs the approximation's
+error (`_pop_prox_error`, called by `reduce_step_metrics`).
+
+`PolicyLogProbs` is a mixin of `RolloutCorrectionLoss`: it reads the hook's `groups`, `model_forward`, `truncation`,
+`temperature`, `chunk_size`, `compute_entropy` and `ref_model`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from slime_corr.correction.proximal import loglinear_prox_log_probs, prox_error_sums
+from slime_corr.mcore.logprobs import vocab_parallel_log_probs
+from slime_corr.mcore.nucleus import NucleusLogProbs, nucleus_log_probs, renormalize_batch
+from slime_corr.mcore.pipeline import forward_only
+
+
+class PolicyLogProbs:
+    """`log_probs`; lp_old and the reference log-probs by forward-only passes; the loglinear π_old (module doc)."""
+
+    def log_probs(self, logits: Tensor, labels: Tensor, with_entropy: bool | None = None
+                  ) -> tuple[Tensor, Tensor | None]:
+        """(log π(labels), entropy or None) from vocab-parallel logits, with the rollout temperature (and under
+        the truncation when active: −inf outside the nucleus; the entropy stays the untruncated one's).
+        `with_entropy` defaults to `compute_entropy`."""
+        entropy = self.compute_entropy if with_entropy is None else with_entropy
+        if self.truncation.active:
+            nucleus = self._nucleus(logits, labels, entropy)
+            return nucleus.log_probs, nucleus.entropy
+        out = vocab_parallel_log_probs(
+            logits,
+            labels,
+            tp_group=self.groups.tp,
+            temperature=self.temperature,
+            chunk_size=self.chunk_size,
+            with_entropy=entropy,
+        )
+        if entropy:
+            return out  # type: ignore[return-value]
+        return out, None  # type: ignore[return-value]
+
+    def _nucleus(self, logits: Tensor, labels: Tensor, with_entropy: bool) -> NucleusLogProbs:
+        return nucleus_log_probs(logits, labels, self.truncation, tp_group=self.groups.tp,
+                                 temperature=self.temperature, chunk_size=self.chunk_size, with_entropy=with_entropy)
+
+    def compute_old_log_probs(self, model: torch.nn.Module, micro_batches: Sequence[dict[str, Tensor]]) -> list[Tensor]:
+        """Decoupled mode: log π_old for every micro-batch by a forward-only pass (no grad), stored in place
+        as `batch["old_log_probs"]` (local slice, fp32) and returned. Under PP on the last stage only (the loss's
+        stage; the others return [])."""
+        outputs = self._forward_log_probs(model, micro_batches, renormalize=True)
+        self._store(micro_batches, "old_log_probs", outputs)
+        return outputs
+
+    def _store(self, micro_batches: Sequence[dict[str, Tensor]], key: str, outputs: list[Tensor]) -> None:
+        """`batch[key]` = each micro-batch's output of a forward-only pass (none off the last PP stage)."""
+        if self.groups.pp_last:
+            for batch, lp in zip(micro_batches, outputs, strict=True):
+                batch[key] = lp
+
+    def prepare_rollout(self, model: torch.nn.Module, micro_batches: Sequence[dict[str, Tensor]]) -> None:
+        """Before a rollout's first update: the forward-only passes over its micro-batches that store lp_old
+        (decoupled mode, `model`) and the reference policy's log-probs (KL term, `ref_model`) in each batch, then
+        `on_rollout_prepared`. Under PP the log-probs are stored on the last stage only."""
+        if self.needs_old_log_probs and (self.prox_logp_method == "recompute" or self.measure_prox_error):
+            self.compute_old_log_probs(model, micro_batches)
+        if self.needs_ref_log_probs:
+            self._store(micro_batches, "ref_log_probs", self._forward_log_probs(self.ref_model, micro_batches))
+        if self.on_rollout_prepared is not None:
+            self.on_rollout_prepared(micro_batches)
+
+    def _forward_log_probs(self, model: Any, micro_batches: Sequence[dict[str, Tensor]], *,
+                           renormalize: bool = False) -> list[Tensor]:
+        """log π(labels) of `model`'s current weights for every micro-batch: a forward-only pass
+        (`pipeline.forward_only`: one micro-batch at a time without PP, Megatron's pipelined schedule with it; [] off
+        the last stage). Under an active truncation the log-probs are truncated; `renormalize` (the policy's own
+        pass) also puts each micro-batch under this nucleus (`nucleus.renormalize_batch`) and returns finite
+        log-probs."""
+        if not self.truncation.active:
+            return forward_only(model, micro_batches, self.model_forward,
+                                lambda b, logits: self.log_probs(logits, b["labels"], with_entropy=False)[0],
+                                self.groups)
+
+        def collect(b: dict[str, Tensor], logits: Tensor) -> Tensor:
+            n = self._nucleus(logits, b["labels"], False)
+            return torch.stack([n.log_probs, n.log_mass, n.in_nucleus.to(n.log_probs.dtype)], -1)
+
+        outputs = forward_only(model, micro_batches, self.model_forward, collect, self.groups)
+        if not renormalize or not outputs:  # ([] off the last PP stage)
+            return [o[..., 0] for o in outputs]
+        return [renormalize_batch(b, NucleusLogProbs(o[..., 0], o[..., 1], o[..., 2] > 0, None))
+                for b, o in zip(micro_batches, outputs, strict=True)]
+
+    def _loglinear_old(self, batch: dict[str, Tensor], log_probs: Tensor, recomputed: Tensor | None) -> Tensor:
+        """lp_old by AReaL's log-linear interpolation; its error against `recomputed` (when this rollout measures
+        it) accumulated for the step."""
+        for key in ("weight_lag", "prox_lag"):
+            if key not in batch:
+                raise KeyError(f"--prox-logp-method loglinear needs batch[{key!r}] (the trainer's micro-batches carry "
+                               "it: slime_corr.trainer.data.build_micro_batches); or use recompute.")
+        approx = loglinear_prox_log_probs(batch["rollout_log_probs"], log_probs, batch["weight_lag"],
+                                          batch["prox_lag"])
+        if recomputed is not None and torch.is_grad_enabled():
+            sums = prox_error_sums(approx, recomputed, batch["loss_mask"])
+            self._prox_error = sums if self._prox_error is None else torch.stack(
+                [self._prox_error[0] + sums[0], self._prox_error[1] + sums[1], self._prox_error[2].max(sums[2])])
+        return approx
+
+    def _pop_prox_error(self, like: Tensor) -> dict[str, Tensor]:
+        """The step's loglinear-vs-recompute error over DP×CP (collective when measured: same on every rank)."""
+        if self.prox_logp_method != "loglinear" or not self.measure_prox_error:
+            return {}
+        sums = self._prox_error if self._prox_error is not None else torch.zeros(3, dtype=torch.float64,
+                                                                                 device=like.device)
+        self._prox_error = None
+        groups = self.groups
+        total, top = sums[:2].clone(), sums[2:].clone()
+        for group in (groups.cp, groups.dp):
+            if group is not None and torch.distributed.get_world_size(group) > 1:
+                torch.distributed.all_reduce(total, group=group)
+                torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
+        return {"prox_logp_abs_error_mean": total[0] / total[1].clamp(min=1.0), "prox_logp_abs_error_max": top[0]}

@@ -1,0 +1,196 @@
+"""The validation of `TrainerConfig` that is not about batches and the rollout loop: the rollout engines, the model
+(the tiny GPT's shape, a pretrained checkpoint's TP split and positions), pipeline parallelism and packed micro-batches,
+MoE routes and the checkpoint to load; with the choices and defaults the flags and the config share.
+
+`TrainerConfig` (slime_corr.trainer.config) inherits these checks (`TrainerConfigChecks`) and calls them from its
+`_validate`; every check raises `ConfigError` naming the flag.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from slime_corr.config import ConfigError
+from slime_corr.models.hf_checkpoint import CheckpointError, check_tensor_parallel
+from slime_corr.trainer.task import TASKS
+
+ENGINE_KINDS = ("sglang", "embedded")  # slime_corr.engines.launch.ENGINE_KINDS (not imported: no engine code here)
+SGLANG_DTYPES = ("bfloat16", "float32")
+WEIGHT_SYNC_MODES = ("disk", "distributed")
+ROUTER_CHOICES = ("auto", "on", "off")
+STALENESS_POLICIES = ("drop", "regenerate")
+ENGINE_DTYPES = ("bfloat16", "float32", "float64")
+PARAMS_DTYPES = ("float32", "float64")
+MOE_FLAGS = ("use_rollout_routing_replay", "log_routing_mismatch")
+TINY_MOE_LR = 1e-3  # --lr's default with --model tiny-moe
+PRETRAINED_LR = 1e-5  # --lr's default with a pretrained model (the tiny model's, 1e-2, would wreck it at once)
+CHAT_TEMPLATE_ALLOWANCE = 128  # tokens a chat template may add around the user message (system prompt, headers)
+DEFAULT_ROLLOUT_BATCH_SIZE, DEFAULT_STEPS_PER_ROLLOUT, DEFAULT_MICRO_BATCH_SIZE = 4, 4, 8
+
+
+def flag_name(name: str) -> str:
+    """The flag of a `TrainerConfig` field: `rollout_batch_size` -> `rollout-batch-size`."""
+    return name.replace("_", "-")
+
+
+def check_writable_dir(flag: str, path: str | os.PathLike[str]) -> None:
+    """ConfigError unless `path` is a directory this process can write in, or can be created (its nearest existing
+    ancestor is a writable directory). Probes with a temporary file: permission bits lie to root and on read-only
+    mounts."""
+    import tempfile
+
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"{flag} {target}: is a file, not a directory; pass a directory (it is created if missing).")
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{flag} {target}: {existing} is a file, so the directory cannot be created there; pass "
+                          "another path.")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        where = "" if existing == target else f" (it would be created in {existing})"
+        raise ConfigError(f"{flag} {target}: cannot write there{where}: {e.strerror or e}; pass a directory you can "
+                          "write to.") from None
+
+
+
+class TrainerConfigChecks:
+    """`TrainerConfig`'s checks of the engines, the model, PP and packing, MoE routes and `--load` (a mixin: they
+    read the config's fields)."""
+
+    def _check_engine(self) -> None:
+        if self.rollout_engine not in ENGINE_KINDS:
+            raise ConfigError(f"--rollout-engine {self.rollout_engine!r} is not one of {', '.join(ENGINE_KINDS)}.")
+        launched = not self.sglang_url and self.rollout_engine == "sglang"
+        passthrough = " ".join(self.sglang_server_args)
+        if self.sglang_url and (self.sglang_server_args or self.sglang_python):
+            what = passthrough or f"--sglang-python {self.sglang_python}"
+            raise ConfigError(f"{what}: these configure the SGLang servers the trainer launches; with --sglang-url "
+                              "the servers are yours (give them their flags when you start them): drop one.")
+        if not self.sglang_url and self.rollout_engine == "embedded" and (self.sglang_server_args
+                                                                           or self.sglang_python):
+            what = passthrough or f"--sglang-python {self.sglang_python}"
+            raise ConfigError(f"{what}: SGLang server flags, but --rollout-engine embedded starts no SGLang server; "
+                              "use --rollout-engine sglang, or drop them.")
+        if launched and self.engine_dtype not in SGLANG_DTYPES:
+            raise ConfigError(f"--engine-dtype {self.engine_dtype}: the SGLang server serves "
+                              f"{' or '.join(SGLANG_DTYPES)}; use --rollout-engine embedded for {self.engine_dtype}.")
+
+    def _check_tiny_model(self) -> None:
+        m = self.model
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings"):
+            value = getattr(m, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"--{flag_name(name)} {value} must be an integer >= 1.")
+        if m.hidden_size % m.num_attention_heads:
+            raise ConfigError(f"--hidden-size {m.hidden_size} must be a multiple of --num-attention-heads "
+                              f"{m.num_attention_heads}.")
+        if m.vocab_size < 256:
+            raise ConfigError(f"--vocab-size {m.vocab_size} must be >= 256: prompts, responses and rewards are byte "
+                              "tokens.")
+        if m.vocab_size % self.tensor_model_parallel_size or m.num_attention_heads % self.tensor_model_parallel_size:
+            raise ConfigError(f"--tensor-model-parallel-size {self.tensor_model_parallel_size} must divide "
+                              f"--vocab-size {m.vocab_size} and --num-attention-heads {m.num_attention_heads}.")
+        longest = TASKS[self.task].max_prompt_chars + self.rollout_max_response_len + 2 * self.context_parallel_size
+        if longest > m.max_position_embeddings:
+            raise ConfigError(f"--rollout-max-response-len {self.rollout_max_response_len}: prompt + response (+ CP "
+                              f"padding) reach {longest} tokens, more than --max-position-embeddings "
+                              f"{m.max_position_embeddings}.")
+
+    def _check_pretrained(self) -> None:
+        """The checkpoint's heads, KV groups, FFN and vocabulary divide over TP; prompts (with a chat template's
+        allowance) and responses fit its positions; the task reads text. Resolves the model (a shipped one is
+        dequantized into the cache on first use)."""
+        task = TASKS[self.task]
+        if task.byte_tokens_only and not self.model_source.byte_tokens:
+            raise ConfigError(f"--task {self.task} scores byte tokens (the tiny model's task); a pretrained model "
+                              f"has its own tokenizer: choose one of "
+                              f"{', '.join(n for n, t in TASKS.items() if not t.byte_tokens_only)}.")
+        spec = self.model_source.spec()
+        assert spec is not None
+        try:
+            check_tensor_parallel(spec, self.tensor_model_parallel_size)
+        except CheckpointError as e:
+            raise ConfigError(str(e)) from None
+        if spec.is_moe and self.tensor_model_parallel_size > 1:
+            raise ConfigError(f"--tensor-model-parallel-size {self.tensor_model_parallel_size}: training a Mixture-of-"
+                              f"Experts model ({spec.path}) with TP > 1 needs Megatron's sequence parallelism, whose "
+                              "norms need TransformerEngine or apex (absent on CPU); use TP=1 with CP or DP.")
+        longest = CHAT_TEMPLATE_ALLOWANCE + task.max_prompt_chars + self.rollout_max_response_len
+        if longest > spec.max_position_embeddings:
+            raise ConfigError(f"--rollout-max-response-len {self.rollout_max_response_len}: prompt (with up to "
+                              f"{CHAT_TEMPLATE_ALLOWANCE} tokens of chat template) + response reach {longest} tokens, "
+                              f"more than the model's max_position_embeddings {spec.max_position_embeddings}.")
+
+    def _check_pipeline_and_packing(self) -> None:
+        from slime_corr.rollout.batching import packed_length
+
+        pp, layers = self.pipeline_model_parallel_size, self.model.num_layers
+        if self.model_source.is_pretrained and (pp > 1 or self.use_dynamic_batch_size):
+            flag = f"--pipeline-model-parallel-size {pp}" if pp > 1 else "--use-dynamic-batch-size"
+            raise ConfigError(f"{flag}: not supported yet with a pretrained model (--model / --hf-checkpoint): its "
+                              "Megatron model is built unsplit and its RoPE needs Megatron's THD attention for packed "
+                              "rows; use tensor, context or data parallelism with padded micro-batches.")
+        if layers % pp:
+            raise ConfigError(f"--pipeline-model-parallel-size {pp} must divide --num-layers {layers}: every "
+                              "pipeline stage holds the same number of layers.")
+        budget = self.max_tokens_per_gpu
+        if budget is not None and (not isinstance(budget, int) or budget < 1):
+            raise ConfigError(f"--max-tokens-per-gpu {budget} must be an integer >= 1.")
+        if self.use_dynamic_batch_size and budget is None:
+            raise ConfigError("--use-dynamic-batch-size needs --max-tokens-per-gpu N: the tokens a packed "
+                              "micro-batch may hold per GPU.")
+        if budget is not None and not self.use_dynamic_batch_size:
+            raise ConfigError(f"--max-tokens-per-gpu {budget} only applies to packed micro-batches: add "
+                              "--use-dynamic-batch-size, or drop --max-tokens-per-gpu.")
+        if budget is not None:
+            cp = self.context_parallel_size
+            prompt = TASKS[self.task].max_prompt_chars  # byte tokens (the tiny model; a pretrained one is refused above)
+            group = self.n_samples_per_prompt * packed_length(prompt + self.rollout_max_response_len, cp)
+            if budget * cp < group:
+                raise ConfigError(
+                    f"--max-tokens-per-gpu {budget}: a GRPO group (--n-samples-per-prompt {self.n_samples_per_prompt}"
+                    f" samples of up to {prompt} prompt + --rollout-max-response-len "
+                    f"{self.rollout_max_response_len} tokens) can take {group} tokens, {-(-group // cp)} per GPU "
+                    f"under --context-parallel-size {cp}, and a group is never split across micro-batches: use "
+                    f"--max-tokens-per-gpu >= {-(-group // cp)}.")
+
+    def _check_routing(self) -> None:
+        """Routes need an MoE model and an engine that returns them (the real SGLang server); replay is done on the
+        whole model (no PP: refused for bridge models anyway) and packed rows are refused for bridge models."""
+        if not self.asks_routes:
+            return
+        flag = "--use-rollout-routing-replay" if self.use_rollout_routing_replay else "--log-routing-mismatch"
+        spec = self.model_source.spec() if self.model_source.is_pretrained else None
+        if spec is None or not spec.is_moe:
+            what = f"{spec.model_type} at {spec.path}" if spec is not None else "the built-in tiny GPT"
+            raise ConfigError(f"{flag}: the model is dense ({what}): routing replay and routing mismatch need a "
+                              "Mixture-of-Experts model, e.g. --model tiny-moe or --hf-checkpoint of a qwen3_moe "
+                              "checkpoint; drop the flag for a dense model.")
+        if not self.sglang_url and self.rollout_engine == "embedded":
+            raise ConfigError(f"{flag}: --rollout-engine embedded does not return the routed experts; use "
+                              "--rollout-engine sglang (the trainer launches SGLang with "
+                              "--enable-return-routed-experts) or --sglang-url of servers started with it.")
+
+    def _check_load(self) -> None:
+        from slime_corr.mcore.checkpoint import TRACKER_FILE, iteration_dir, latest_iteration
+        from slime_corr.mcore.checkpoint import CheckpointError as CheckpointLoadError
+
+        root = Path(self.load)  # type: ignore[arg-type]
+        if not root.is_dir():
+            raise ConfigError(f"--load {root}: no such directory; pass the --save directory of an earlier run.")
+        try:
+            step = self.ckpt_step if self.ckpt_step is not None else latest_iteration(root)
+        except CheckpointLoadError as e:
+            raise ConfigError(f"--load {root}: {e}") from None
+        if step is None:
+            raise ConfigError(f"--load {root}: no {TRACKER_FILE} (no complete checkpoint was saved there).")
+        if not (iteration_dir(root, step) / "metadata.json").is_file():
+            saved = sorted(p.name for p in root.glob("iter_*"))
+            raise ConfigError(f"--ckpt-step {step}: {iteration_dir(root, step)} is not a complete checkpoint "
+                              f"(saved: {', '.join(saved) or 'none'}).")
