@@ -1,21 +1,22 @@
 """The pretrained policy (`--model smollm2-135m`) through the trainer's own pieces, in this process: `build_policy`
-(Megatron GPTModel from the HF checkpoint through mbridge), the rollout driver starting the embedded engine on it
-in fp32 (the HF model, its tokenizer and chat template, SGLang's /generate on loopback), the task's prompts and
+(Megatron GPTModel from the HF checkpoint through mbridge), the rollout driver starting the default engine on it in
+fp32 (the real SGLang server with the checkpoint's tokenizer and chat template, on loopback), the task's prompts and
 reward, the data path (`rollout_shards`, `build_micro_batches`) and the loss hook's forward-only pass (lp_old and
 the reference log-probs of the KL term). Teacher-forced log-probs of the tokens the engine sampled equal the
 engine's to 5e-5, before and after a weight update reaches the engine, over both weight-sync paths (HF-named
 weights: a checkpoint on disk, a broadcast over a gloo group). The engine also takes text in and gives text out.
 
-The bound is fp32 rounding through 30 layers of two implementations: 5.7e-6-7.2e-6 with the transformers 5.x
-releases this was written with, 2.8e-5 with transformers 5.24 (its op order moved; `model` pins only
-transformers>=5.0, so pip takes the newest). A weight update that did not reach the engine moves log-probs by
-> 1e-3. The bound holds with micro-batches of one sequence: the engine runs one sequence per forward (a seeded request is
-computed alone), and CPU fp32 matrix products give bitwise the same rows for the same sequence only while the
-number of rows stays small; a padded micro-batch of 4 sequences (~160 rows) rounds differently (SmolLM2's logits of
-one sequence differ by ~7e-5 between 40 and 80 rows, in Megatron and in HF alike), so its log-probs are held to 1e-4.
+The bound is fp32 rounding through 30 layers of two implementations: SGLang's CPU path (torch-native attention,
+its own norm and rotary code) gives up to 2.8e-5; the embedded engine (HF transformers 5.24) 1.1e-5, and 5.7e-6 to
+7.2e-6 with the transformers 5.x releases before it. A weight update that did not reach the engine moves log-probs
+by > 1e-3. The bound holds with micro-batches of one sequence: the engine runs one sequence per forward (a seeded
+request is computed alone), and CPU fp32 matrix products give bitwise the same rows for the same sequence only while
+the number of rows stays small; a padded micro-batch of 4 sequences (~160 rows) rounds differently (SmolLM2's
+logits of one sequence differ by ~7e-5 between 40 and 80 rows, in Megatron and in HF alike), so its log-probs are
+held to 1e-4.
 
-CI cost: one SmolLM2 policy, 3 short fp32 rollouts (4 samples of <= 4 tokens) and one greedy request, ~40 s
-here.
+CI cost: one SmolLM2 policy, a real SGLang server per test, 3 short fp32 rollouts (4 samples of <= 4 tokens) and
+one greedy request, ~2 min here.
 """
 
 from __future__ import annotations
