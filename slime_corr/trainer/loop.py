@@ -83,11 +83,21 @@ def init_distributed(timeout_minutes: float | None = None) -> bool:
     collective then fails after `timeout_minutes` (`--distributed-timeout-minutes`) instead of gloo's 30."""
     if dist.is_initialized():
         return False
-    if "RANK" not in os.environ:  # `python -m slime_corr.main`: a world of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
     timeout = {} if timeout_minutes is None else {"timeout": timedelta(minutes=timeout_minutes)}
-    dist.init_process_group("gloo", **timeout)
+    if "RANK" in os.environ:  # torchrun's world
+        dist.init_process_group("gloo", **timeout)
+        return True
+    # `python -m slime_corr.main`: a world of one on a free port; another process may take the port between the
+    # probe and the store's bind, so a lost race is retried on a new port
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    for attempt in range(3):
+        os.environ["MASTER_PORT"] = str(_free_port())
+        try:
+            dist.init_process_group("gloo", **timeout)
+            return True
+        except dist.DistNetworkError as e:
+            if "EADDRINUSE" not in str(e) or attempt == 2:
+                raise
     return True
 
 

@@ -64,8 +64,11 @@ def _launch(case: Case, tmp: Path) -> None:
         cmd = [c.replace("{tmp}", str(tmp)).replace("{name}", case.name) for c in cmd]
         start = time.monotonic()
         with open(out_path, "w") as out:
+            # SIGINT as a terminal gives it: a harness started in the background (`cmd &`) runs with SIGINT
+            # ignored, and the job would inherit that
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2],
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         ready = None
         interrupted = False
         while proc.poll() is None and time.monotonic() - start < JOB_LIMIT:
