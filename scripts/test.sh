@@ -21,6 +21,7 @@ if [ -n "$SECOND_RUN" ]; then
   (VENV=.venv-mcore019 MEGATRON_CORE=$MCORE019_VERSION EXTRAS=dev bash scripts/setup_env.sh \
     > .venv-mcore019/.python 2> .venv-mcore019/.setup.log) &
   SETUP019=$!
+  trap 'kill "$SETUP019" 2>/dev/null || true' EXIT  # a failed first run leaves no install running behind it
 fi
 # The real SGLang server for tests/real_sglang (CPU build, .venv-sglang/). If it cannot be installed the run goes on
 # and those tests say why: they skip on a developer machine and fail under CI (CI=true).
