@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from slime_corr.correction.proximal import loglinear_prox_log_probs, prox_error_sums
+from slime_corr.correction.reductions import active_groups
 from slime_corr.mcore.logprobs import vocab_parallel_log_probs
 from slime_corr.mcore.nucleus import NucleusLogProbs, nucleus_log_probs, renormalize_batch
 from slime_corr.mcore.pipeline import forward_only
@@ -130,10 +131,8 @@ class PolicyLogProbs:
         sums = self._prox_error if self._prox_error is not None else torch.zeros(3, dtype=torch.float64,
                                                                                  device=like.device)
         self._prox_error = None
-        groups = self.groups
         total, top = sums[:2].clone(), sums[2:].clone()
-        for group in (groups.cp, groups.dp):
-            if group is not None and torch.distributed.get_world_size(group) > 1:
-                torch.distributed.all_reduce(total, group=group)
-                torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
+        for group in active_groups(self.groups.cp, self.groups.dp):
+            torch.distributed.all_reduce(total, group=group)
+            torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
         return {"prox_logp_abs_error_mean": total[0] / total[1].clamp(min=1.0), "prox_logp_abs_error_max": top[0]}

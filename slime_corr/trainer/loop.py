@@ -90,13 +90,13 @@ def init_distributed(timeout_minutes: float | None = None) -> bool:
     # `python -m slime_corr.main`: a world of one on a free port; another process may take the port between the
     # probe and the store's bind, so a lost race is retried on a new port
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    for attempt in range(3):
+    for attempt in (1, 2, 3):
         os.environ["MASTER_PORT"] = str(_free_port())
         try:
             dist.init_process_group("gloo", **timeout)
-            return True
+            break
         except dist.DistNetworkError as e:
-            if "EADDRINUSE" not in str(e) or attempt == 2:
+            if "EADDRINUSE" not in str(e) or attempt == 3:
                 raise
     return True
 
