@@ -50,16 +50,6 @@ class _RegisterCpuAllocator(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, _RegisterCpuAllocator())
 
 
-def _start_parent_watch():
-    import os
-    import sys as _sys
+import _parent_watch  # noqa: E402 - this folder is on PYTHONPATH: that is how this file is imported
 
-    _sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    try:
-        import _parent_watch
-    finally:
-        _sys.path.pop(0)
-    _parent_watch.start()
-
-
-_start_parent_watch()
+_parent_watch.start()
