@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import tempfile
 import time
 from concurrent.futures import Future
@@ -35,6 +34,7 @@ from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.loss_terms import LossTermsConfig
 from slime_corr.monitoring.config import MonitoringConfig
 from slime_corr.rollout.sample import Sample
+from slime_corr.rollout.weight_group import free_port
 from slime_corr.trainer.config import TrainerConfig
 from slime_corr.trainer.watchdog import ABORT_KEY, DriverBeacon
 
@@ -91,7 +91,7 @@ def init_distributed(timeout_minutes: float | None = None) -> bool:
     # probe and the store's bind, so a lost race is retried on a new port
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     for attempt in (1, 2, 3):
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port())
         try:
             dist.init_process_group("gloo", **timeout)
             break
@@ -99,12 +99,6 @@ def init_distributed(timeout_minutes: float | None = None) -> bool:
             if "EADDRINUSE" not in str(e) or attempt == 3:
                 raise
     return True
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _is_exporting_rank() -> bool:
