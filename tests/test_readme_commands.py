@@ -1,6 +1,12 @@
 """Every main-job command line of the README runs as written (with `--num-rollout 1` and a `--run-dir` appended),
 the torchrun ones included: the commands are read from README.md, so an edited README is tested as it reads.
 
+The engine: the main job's command (`bash scripts/run.sh`), the tensor-parallel one (its TP shards are gathered into
+the weights the server loads) and those that name `--rollout-engine` run on the engine they get as written (the
+real SGLang server by default). The others (DP, CP, async) also get `--rollout-engine embedded`: what they add is
+the trainer's layout, and a real server per command (~3 GB, ~20 s of start-up, two at a time next to torchrun
+ranks) made this test the longest in CI.
+
 `PY` points the scripts at this interpreter (no install); `torchrun` is this interpreter's. Commands that train a
 pretrained model download nothing but take minutes on CPU: marked slow. Two commands run at a time.
 """
@@ -38,8 +44,15 @@ def _env() -> dict[str, str]:
             "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
 
 
+def _engine_flags(command: str) -> str:
+    """` --rollout-engine embedded` for the commands that do not run on their own engine (module doc)."""
+    as_written = (command == "bash scripts/run.sh" or "--tensor-model-parallel-size" in command
+                  or "--rollout-engine" in command)
+    return "" if as_written else " --rollout-engine embedded"
+
+
 def _run(command: str, run_dir: Path, out: dict) -> None:
-    full = f"{command} --num-rollout 1 --run-dir {run_dir}"
+    full = f"{command} --num-rollout 1 --run-dir {run_dir}{_engine_flags(command)}"
     proc = subprocess.run(full, shell=True, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
     out[command] = proc
 

@@ -12,8 +12,6 @@ The tests call the same functions.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -120,13 +118,10 @@ def main(argv: list[str] | None = None) -> None:
     from megatron.core import tensor_parallel
 
     from slime_corr.mcore.cpu_compat import apply_cpu_compat
+    from slime_corr.trainer.loop import init_distributed  # torchrun's group, or a one-process one
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1 and "MASTER_PORT" not in os.environ:  # plain `python -m`: a one-process group on loopback
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
-    dist.init_process_group("gloo", rank=int(os.environ.get("RANK", "0")), world_size=world)
+    init_distributed()
+    world = dist.get_world_size()
     apply_cpu_compat()
     ps.initialize_model_parallel(tensor_model_parallel_size=world)
     tensor_parallel.model_parallel_cuda_manual_seed(0)

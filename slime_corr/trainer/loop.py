@@ -87,13 +87,13 @@ def init_distributed(timeout_minutes: float | None = None) -> bool:
     if "RANK" in os.environ:  # torchrun's world
         dist.init_process_group("gloo", **timeout)
         return True
-    # `python -m slime_corr.main`: a world of one on a free port; another process may take the port between the
-    # probe and the store's bind, so a lost race is retried on a new port
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    # `python -m slime_corr.main`: a world of one on a free port, named in the init method rather than in
+    # os.environ (a RANK left there would make every child process, e.g. a test's next job, think it is under
+    # torchrun); another process may take the port between the probe and the bind, so a lost race is retried
     for attempt in (1, 2, 3):
-        os.environ["MASTER_PORT"] = str(free_port())
         try:
-            dist.init_process_group("gloo", **timeout)
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                                    **timeout)
             break
         except dist.DistNetworkError as e:
             if "EADDRINUSE" not in str(e) or attempt == 3:

@@ -29,8 +29,10 @@ import pytest
 
 from tests.rollout.fault_server import run_fault_server
 
+# the faults here are in a fault server, the router, the trainer or its checkpoints, not in the engine: the jobs that
+# start engines start embedded ones (tests/real_sglang kills a real SGLang server mid-run)
 TINY = ["--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-        "--rollout-max-response-len", "4", "--rollout-progress", "none"]
+        "--rollout-max-response-len", "4", "--rollout-progress", "none", "--rollout-engine", "embedded"]
 PARALLEL = 3  # jobs at once
 JOB_LIMIT = 400.0  # seconds a job may take in all (imports and start-up on a loaded 2-core machine included)
 READY = re.compile(r"^(SGLang at|embedded engines)", re.M)  # the engines are up: what a bound is measured from

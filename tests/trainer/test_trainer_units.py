@@ -6,7 +6,10 @@ counts on every DP rank), weight lags, and the KL / entropy loss terms against h
 from __future__ import annotations
 
 import math
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -390,3 +393,34 @@ def test_batch_defaults_are_valid_at_any_dp_size(world, tp, expected):
     explicit = TrainerConfig(world_size=world, tensor_model_parallel_size=tp, global_batch_size=expected[2] * 2,
                              rollout_batch_size=expected[0] * 2)
     assert explicit.num_steps_per_rollout == expected[1] and explicit.micro_batch_size == 8
+
+
+_ONE_PROCESS_GROUP = """
+import os, socket, subprocess, sys
+import torch.distributed as dist
+from slime_corr.trainer import loop
+
+taken = socket.socket()
+taken.bind(("127.0.0.1", 0))
+taken.listen()
+ports = iter([taken.getsockname()[1]])  # the first probe loses the race: its port is taken before the bind
+real_free_port = loop.free_port
+loop.free_port = lambda: next(ports, None) or real_free_port()
+assert loop.init_distributed(0.5) and dist.get_world_size() == 1 and dist.get_rank() == 0
+assert not loop.init_distributed()  # a second call joins the existing group
+leaked = sorted(k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k in os.environ)
+child = subprocess.run([sys.executable, "-c", "import os; print('RANK' in os.environ)"], capture_output=True, text=True)
+print("leaked", leaked, "child_sees_rank", child.stdout.strip())
+dist.destroy_process_group()
+"""
+
+
+def test_a_one_process_group_leaves_no_torchrun_variables_for_child_processes_and_retries_a_taken_port():
+    """A RANK/MASTER_PORT left in os.environ made the next job a test started look like a torchrun rank bound to the
+    first job's port (EADDRINUSE). The lost port race is forced by handing init_distributed a taken port: a real race
+    between the probe and the bind cannot be produced on demand."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-c", _ONE_PROCESS_GROUP], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "leaked [] child_sees_rank False" in out.stdout, out.stdout
