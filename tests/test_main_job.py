@@ -46,7 +46,7 @@ def test_main_job_stops_with_one_line_on_negative_custom_weights(tmp_path):
     cmd = [sys.executable, "-m", "slime_corr.main", "--num-rollout", "2", "--num-steps-per-rollout", "1",
            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--micro-batch-size", "4",
            "--rollout-max-response-len", "4", "--rollout-progress", "none", "--work-dir", str(tmp_path / "run"),
-           "--use-tis", "--custom-tis-function-path", f"{f}:negative"]
+           "--use-tis", "--custom-tis-function-path", f"{f}:negative", "--rollout-engine", "embedded"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert f"slime_corr.main: error: --custom-tis-function-path {f}:negative returned 16 negative weight(s)" \

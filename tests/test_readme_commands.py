@@ -2,10 +2,10 @@
 the torchrun ones included: the commands are read from README.md, so an edited README is tested as it reads.
 
 The engine: the main job's command (`bash scripts/run.sh`), the tensor-parallel one (its TP shards are gathered into
-the weights the server loads) and those that name `--rollout-engine` run on the engine they get as written (the
-real SGLang server by default). The others (DP, CP, async) also get `--rollout-engine embedded`: what they add is
-the trainer's layout, and a real server per command (~3 GB, ~20 s of start-up, two at a time next to torchrun
-ranks) made this test the longest in CI.
+the weights the server loads), those that name `--rollout-engine` and the pretrained ones (marked slow) run on the
+engine they get as written (the real SGLang server by default). The others (DP, CP, async) also get
+`--rollout-engine embedded`: what they add is the trainer's layout, and a real server per command (~3 GB, ~20 s of
+start-up, two at a time next to torchrun ranks) made this test the longest in CI.
 
 `PY` points the scripts at this interpreter (no install); `torchrun` is this interpreter's. Commands that train a
 pretrained model download nothing but take minutes on CPU: marked slow. Two commands run at a time.
@@ -28,12 +28,14 @@ JOB = re.compile(r"^(bash scripts/(run|launch_torchrun)\.sh|torchrun .*-m slime_
 
 def readme_commands() -> list[str]:
     """The main-job command lines of README.md: lines of ```bash blocks (continuations joined, comments dropped)
-    and inline `code` spans; placeholders (`...`, /path/to) left out."""
+    and inline `code` spans outside tables (a table row says what a script such as gpu_check.sh runs, not a command
+    to type); placeholders (`...`, /path/to) left out."""
     text = (ROOT / "README.md").read_text()
     lines: list[str] = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         lines += [re.sub(r"\s+#.*$", "", line).strip() for line in block.replace("\\\n", " ").splitlines()]
-    lines += re.findall(r"`([^`\n]+)`", text)
+    prose = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("|"))
+    lines += re.findall(r"`([^`\n]+)`", prose)
     commands = [re.sub(r"\s+", " ", c) for c in lines if JOB.match(c) and "..." not in c and "/path/to" not in c]
     return list(dict.fromkeys(commands))
 
@@ -47,7 +49,7 @@ def _env() -> dict[str, str]:
 def _engine_flags(command: str) -> str:
     """` --rollout-engine embedded` for the commands that do not run on their own engine (module doc)."""
     as_written = (command == "bash scripts/run.sh" or "--tensor-model-parallel-size" in command
-                  or "--rollout-engine" in command)
+                  or "--rollout-engine" in command or _pretrained(command))
     return "" if as_written else " --rollout-engine embedded"
 
 
