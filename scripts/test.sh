@@ -7,7 +7,8 @@
 # second one (set MCORE019=1 to run it anyway).
 #
 # Tests run in PYTEST_WORKERS processes (default 2; 0 = in this process), one test file per worker at a time
-# (pytest-xdist --dist loadfile: a module's shared SGLang server or Megatron state stays in one process). Most of
+# (pytest-xdist --dist loadfile: a module's shared SGLang server or Megatron state stays in one process), the
+# modules marked with their cost first, longest first (tests/conftest.py), so that the workers end together. Most of
 # the suite's time is spent waiting on subprocesses (torchrun ranks, SGLang servers starting), so two workers
 # finish sooner than one even on two cores.
 set -euo pipefail
@@ -31,7 +32,7 @@ fi
 # installed the run goes on and those tests say why: they skip on a developer machine and fail under CI (CI=true).
 wait "$SETUP_SGLANG" || echo "== scripts/setup_sglang.sh failed: tests/real_sglang cannot run" >&2
 PARALLEL=()
-[ "$WORKERS" != 0 ] && PARALLEL=(-n "$WORKERS" --dist loadfile)
+[ "$WORKERS" != 0 ] && PARALLEL=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder)  # longest first: tests/conftest.py
 "$PY" -m pytest -q "${PARALLEL[@]}" --durations=40 "$@"
 if [ -n "$SECOND_RUN" ]; then
   echo "== tests/mcore on megatron-core $MCORE019_VERSION (.venv-mcore019)"

@@ -1,4 +1,11 @@
-"""Suite-wide options: the device of the device-parametrized subset (`-m device`)."""
+"""Suite-wide options: the device of the device-parametrized subset (`-m device`), and the order modules run in.
+
+Order: modules marked `pytest.mark.cost(seconds)` (their rough CI time, subprocesses and servers included) run
+first, longest first, then the rest in collection order; a module's own tests keep their order. scripts/test.sh runs
+the modules in two pytest-xdist workers (`--dist loadfile --no-loadscope-reorder`), which take modules in this
+order: with the long ones first the two workers end together, instead of one finishing a long module alone while
+the other is idle (xdist's own order, most tests first, puts the long modules of few tests last).
+"""
 
 from __future__ import annotations
 
@@ -18,6 +25,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "device: runs on the device of --device / $SLIME_CORR_TEST_DEVICE "
                                        "(scripts/gpu_check.sh runs them on CUDA)")
+    config.addinivalue_line("markers", "cost(seconds): a module's rough CI time; the costliest modules run first")
+
+
+def _module_cost(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("cost")
+    return float(marker.args[0]) if marker is not None else 0.0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Longest modules first (module doc); stable, so every module's tests stay together and in order."""
+    position: dict[str, int] = {}
+    for item in items:
+        position.setdefault(item.nodeid.split("::")[0], len(position))
+    items.sort(key=lambda item: (-_module_cost(item), position[item.nodeid.split("::")[0]]))
 
 
 @pytest.fixture(scope="session")

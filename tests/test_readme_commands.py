@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.cost(240)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 JOB = re.compile(r"^(bash scripts/(run|launch_torchrun)\.sh|torchrun .*-m slime_corr\.main|python -m slime_corr\.main)")
 

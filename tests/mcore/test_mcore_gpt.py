@@ -29,6 +29,8 @@ from slime_corr.mcore.context_parallel import ParallelGroups, slice_batch_for_cp
 from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
 from slime_corr.mcore.model import TinyGPTArgs, build_tiny_gpt, emulated_cp_forward
 
+pytestmark = pytest.mark.cost(70)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
+
 ARGS = TinyGPTArgs(vocab_size=V, max_position_embeddings=S, hidden_size=32, num_attention_heads=4,
                    params_dtype=torch.float64)
 CASES = (

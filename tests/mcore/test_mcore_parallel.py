@@ -49,6 +49,8 @@ from slime_corr.mcore.logprobs import vocab_parallel_log_probs
 from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
 from slime_corr.rollout.batching import BATCH_KEYS, slice_micro_batch_for_cp
 
+pytestmark = pytest.mark.cost(50)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
+
 SEQ_MODES = ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 CUSTOM_FN = f"{Path(__file__).resolve().parents[2] / 'examples' / 'custom_tis.py'}:length_aware_geometric_is"
 # (TP, CP, DP, PP) layouts per world size

@@ -4,8 +4,11 @@ one worker per file) runs them beside the two-process layouts instead of after t
 
 from __future__ import annotations
 
+import pytest
 from mcore_helpers import spawn
 from test_mcore_parallel import _worker
+
+pytestmark = pytest.mark.cost(160)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 
 
 def test_presets_under_four_process_layouts_match_single_rank_reference():

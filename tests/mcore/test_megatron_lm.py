@@ -46,11 +46,12 @@ from mcore_helpers import B_GLOBAL, TEMPERATURE, S, V, local_rows, spawn, step_d
 
 from slime_corr.mcore.compat import has_megatron_training
 
-pytestmark = pytest.mark.skipif(
-    not has_megatron_training(),
-    reason="needs Megatron-LM's megatron.training (megatron-core >= 0.19); scripts/test.sh runs it in its "
-    "megatron-core 0.19 environment",
-)
+pytestmark = [
+    pytest.mark.skipif(not has_megatron_training(),
+                       reason="needs Megatron-LM's megatron.training (megatron-core >= 0.19); scripts/test.sh runs it "
+                              "in its megatron-core 0.19 environment"),
+    pytest.mark.cost(60),  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
+]
 
 LR = 0.05
 N_MB = 2  # micro-batches per optimizer step

@@ -4,11 +4,14 @@ The TP=2 matrix runs in one spawned launch (test_bridge_tp.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from models_helpers import CASES, V
 
 from slime_corr.models import MegatronHFBridge, build_gpt_from_hf, load_engine_module, load_hf_causal_lm
 from slime_corr.models.check import max_logit_diff, megatron_logits, round_trip_mismatches, sample_and_rescore
+
+pytestmark = pytest.mark.cost(70)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 
 IDS = torch.randint(0, V, (3, 24), generator=torch.Generator().manual_seed(0))
 

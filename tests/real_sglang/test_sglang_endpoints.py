@@ -21,6 +21,8 @@ from slime_corr.rollout.rollout import generate_sample
 from slime_corr.rollout.sample import Sample, SampleStatus
 from slime_corr.rollout.weight_sync import DistributedWeightSync
 
+pytestmark = pytest.mark.cost(150)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
+
 PROMPTS = [list(b"spell 42: "), list(b"spell 7: "), list(b"hello"), list(b"x")]
 LOGPROB_TOL = 1e-4  # fp32 server vs fp32 trainer (SGLANG_ON_CPU.md: 1.0-1.8e-5 measured)
 

@@ -19,6 +19,8 @@ from slime_corr.rollout.rollout import generate_sample
 from slime_corr.rollout.routing import RoutedExpertsSpec
 from slime_corr.rollout.sample import Sample, SampleStatus
 
+pytestmark = pytest.mark.cost(90)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
+
 ARGS = TinyMoEArgs()
 SPEC = RoutedExpertsSpec(ARGS.num_hidden_layers, ARGS.num_experts_per_tok, ARGS.num_experts)
 PROMPTS = [[5, 17, 200, 3], [9, 9, 1], [42], list(range(30, 50))]

@@ -17,6 +17,8 @@ from sglang_helpers import ServerSpec
 
 from slime_corr.models.selection import TINY_MOE, generated_checkpoint
 
+pytestmark = pytest.mark.cost(70)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
+
 RUN = ["--model", TINY_MOE, "--num-rollout", "1", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
        "--num-steps-per-rollout", "1", "--micro-batch-size", "8", "--rollout-max-response-len", "16",
        "--rollout-correction-preset", "decoupled_token_is"]

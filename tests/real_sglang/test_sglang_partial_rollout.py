@@ -14,6 +14,8 @@ import pytest
 from sglang_helpers import ServerSpec
 from test_sglang_trainer import RUN_TIMEOUT, metrics, versions
 
+pytestmark = pytest.mark.cost(80)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -18,6 +18,8 @@ from sglang_helpers import ServerSpec
 
 from slime_corr.rollout.client import SGLangClient
 
+pytestmark = pytest.mark.cost(360)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
          "--num-steps-per-rollout", "2", "--micro-batch-size", "4", "--rollout-max-response-len", "8"]

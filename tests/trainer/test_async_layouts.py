@@ -16,6 +16,8 @@ import pytest
 
 from tests.trainer.test_trainer_launch import LAYOUTS, assert_same_metrics, launch
 
+pytestmark = pytest.mark.cost(130)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
+
 # K = 5 optimizer steps at 2 steps per rollout: the producer runs (K+1)//2 - 1 = 2 rollouts ahead
 ASYNC = ["--num-rollout", "4", "--async-rollout", "--max-staleness", "5", "--prox-logp-method", "loglinear",
          "--prox-logp-error-interval", "1", "--log-mismatch-diagnostics"]

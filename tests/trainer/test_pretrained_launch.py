@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.cost(215)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 SHORT = ["--model", "smollm2-135m", "--rollout-correction-preset", "decoupled_seq_is_rs", "--rollout-batch-size", "2",
          "--n-samples-per-prompt", "4", "--num-steps-per-rollout", "1", "--micro-batch-size", "2",

@@ -15,8 +15,8 @@ the number of rows stays small; a padded micro-batch of 4 sequences (~160 rows) 
 logits of one sequence differ by ~7e-5 between 40 and 80 rows, in Megatron and in HF alike), so its log-probs are
 held to 1e-4.
 
-CI cost: one SmolLM2 policy, a real SGLang server per test, 3 short fp32 rollouts (4 samples of <= 4 tokens) and
-one greedy request, ~2 min here.
+CI cost: one SmolLM2 policy and one real SGLang server for the module, 3 short fp32 rollouts (4 samples of <= 4
+tokens) and one greedy request, ~90 s here.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ from slime_corr.loss_terms import LossTermsConfig
 from slime_corr.models import ModelSource, cached_hf_checkpoint
 from slime_corr.trainer.config import TrainerConfig
 from slime_corr.trainer.task import TASKS, Response
+
+pytestmark = pytest.mark.cost(330)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 
 FLAGS = dict(rollout_batch_size=2, n_samples_per_prompt=2, num_steps_per_rollout=1, micro_batch_size=4,
              rollout_max_response_len=4, rollout_temperature=0.7, engine_dtype="float32", task="arithmetic", seed=3)
@@ -70,6 +72,24 @@ def smollm2_policy() -> Iterator[tuple[TrainerConfig, object]]:
             dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def smollm2_engine(smollm2_policy, tmp_path_factory):
+    """The rollout driver with one real SGLang server on the policy's initial weights, shared by this module's tests
+    (a SmolLM2 fp32 server is the costliest part of each); `--rollout-weight-sync distributed`. Yields (driver, its
+    directory)."""
+    import dataclasses
+
+    from slime_corr.trainer.driver import RolloutDriver
+
+    base, policy = smollm2_policy
+    config = dataclasses.replace(base, rollout_weight_sync="distributed")
+    work = tmp_path_factory.mktemp("engine")
+    with RolloutDriver(config, policy.engine_module, work, "none", tokenizer=policy.tokenizer,
+                       engine_tokenizer=policy.engine_tokenizer, served_model_name=policy.name) as driver:
+        driver.start(policy.full_weights(), 0, policy.save_engine_checkpoint)
+        yield driver, work
+
+
 def _teacher_forced(policy, config, samples, step: int, micro_batch_size: int = 1):
     """The trainer's path from samples to log-probs: micro-batches, then the hook's forward-only pass. Returns
     (rollout log-probs, lp of the current weights, lp of the reference = initial weights) at trained tokens."""
@@ -95,76 +115,69 @@ def _perturb(policy, seed: int) -> None:
             p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 2e-3)
 
 
-def test_fp32_engine_logprobs_equal_the_trainers_through_both_weight_syncs(smollm2_policy, tmp_path):
-    import asyncio
-    import dataclasses
-
-    from slime_corr.rollout.weight_sync import sync_weights_from_disk
-    from slime_corr.trainer.data import weight_version
-    from slime_corr.trainer.driver import RolloutDriver
-
-    base, policy = smollm2_policy
-    config = dataclasses.replace(base, rollout_weight_sync="distributed")
-    initial = {n: t.clone() for n, t in policy.module.state_dict().items() if isinstance(t, torch.Tensor)}
-    task = TASKS["arithmetic"]
-    with RolloutDriver(config, policy.engine_module, tmp_path, "none", tokenizer=policy.tokenizer,
-                       engine_tokenizer=policy.engine_tokenizer, served_model_name=policy.name) as driver:
-        driver.start(policy.full_weights(), 0, policy.save_engine_checkpoint)
-        samples = driver.submit(0).result()
-        assert all(s.status in ("completed", "truncated") and s.response_length for s in samples), samples
-        rollout, current, reference = _teacher_forced(policy, config, samples, 0)
-        gap = (current - rollout).abs().max().item()
-        batched = (_teacher_forced(policy, config, samples, 0, micro_batch_size=4)[1] - rollout).abs().max().item()
-        texts = [policy.tokenizer.decode(s.response_tokens, skip_special_tokens=True) for s in samples]
-        print(f"step 0: responses {texts}, rewards {[s.reward for s in samples]}: max |lp trainer - lp engine "
-              f"(fp32)| = {gap:.2e} over {rollout.numel()} tokens (micro-batches of 1), {batched:.2e} (one padded "
-              "micro-batch of 4)")
-        assert gap <= 5e-5 and torch.equal(current, reference)
-        assert batched <= 1e-4  # CPU fp32 GEMMs round differently above ~64 rows: see the module doc
-        labels = [p.label for p in task.prompts(config.seed, 0, config.rollout_batch_size)]
-        assert [s.reward for s in samples] == [task.reward(Response(t, s.response_tokens, labels[s.group_id]))
-                                               for s, t in zip(samples, texts, strict=True)]
-
-        for step, path in ((1, "distributed"), (2, "disk")):
-            _perturb(policy, step)
-            if path == "distributed":  # the driver's own path for --rollout-weight-sync distributed
-                report = driver.sync_weights(policy.full_weights(), step, policy.save_engine_checkpoint)
-            else:  # the function the driver runs for --rollout-weight-sync disk
-                ckpt = policy.save_engine_checkpoint(policy.full_weights(), tmp_path / weight_version(step))
-                report = asyncio.run_coroutine_threadsafe(
-                    sync_weights_from_disk(driver.client, ckpt, weight_version(step)), driver.loop).result()
-            samples = driver.submit(step).result()
-            assert {s.weight_version for s in samples} == {weight_version(step)}
-            rollout, current, reference = _teacher_forced(policy, config, samples, step)
-            gap, moved = (current - rollout).abs().max().item(), (reference - rollout).abs().max().item()
-            print(f"after update {step} ({path} sync, {report.seconds:.2f} s): max |lp trainer - lp engine| = "
-                  f"{gap:.2e}, max |lp initial weights - lp engine| = {moved:.2e}")
-            assert gap <= 5e-5 and moved > 1e-3  # the engine serves the updated weights, not the initial ones
-    with torch.no_grad():  # the module's other tests start from the checkpoint's weights
-        policy.module.load_state_dict(initial, strict=False)
-
-
-def test_engine_serves_text_in_and_out_with_the_chat_template(smollm2_policy, tmp_path):
+def test_engine_serves_text_in_and_out_with_the_chat_template(smollm2_policy, smollm2_engine):
     """SGLang's /generate with `text`: the engine tokenizes with the checkpoint's tokenizer (the prompt ids the
-    trainer's chat template gives) and returns the decoded `text` of its `output_ids`."""
-    from slime_corr.trainer.driver import RolloutDriver
-
-    config, policy = smollm2_policy
+    trainer's chat template gives) and returns the decoded `text` of its `output_ids`. Runs first in this module:
+    greedy decoding of the checkpoint's own weights."""
+    _, policy = smollm2_policy
+    driver, work = smollm2_engine
     messages = [{"role": "user", "content": "What is 2+2? Answer with a number."}]
     prompt = policy.tokenizer.chat_prompt(messages)
-    with RolloutDriver(config, policy.engine_module, tmp_path, "none", tokenizer=policy.tokenizer,
-                       engine_tokenizer=policy.engine_tokenizer, served_model_name=policy.name) as driver:
-        driver.start(policy.full_weights(), 0, policy.save_engine_checkpoint)
-        url = driver.client.urls[0]
-        body = {"text": prompt, "sampling_params": {"max_new_tokens": 6, "temperature": 0.0}, "return_logprob": True}
-        req = urllib.request.Request(f"{url}/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            out = json.loads(resp.read())
-        with urllib.request.urlopen(f"{url}/model_info", timeout=30) as resp:
-            info = json.loads(resp.read())
+    url = driver.client.urls[0]
+    body = {"text": prompt, "sampling_params": {"max_new_tokens": 6, "temperature": 0.0}, "return_logprob": True}
+    req = urllib.request.Request(f"{url}/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        out = json.loads(resp.read())
+    with urllib.request.urlopen(f"{url}/model_info", timeout=30) as resp:
+        info = json.loads(resp.read())
     meta = out["meta_info"]
     ids = [t[1] for t in meta["output_token_logprobs"]]
     print(f"engine: {prompt!r} -> {out['text']!r}")
     assert meta["prompt_tokens"] == len(policy.tokenizer.chat_prompt_ids(messages))
     assert out["text"] == policy.tokenizer.decode(ids, skip_special_tokens=True) and "4" in out["text"]
-    assert Path(info["model_path"]).parent == tmp_path and info["served_model_name"] == "smollm2-135m"
+    assert Path(info["model_path"]).parent == work and info["served_model_name"] == "smollm2-135m"
+
+
+def test_fp32_engine_logprobs_equal_the_trainers_through_both_weight_syncs(smollm2_policy, smollm2_engine, tmp_path):
+    import asyncio
+
+    from slime_corr.rollout.weight_sync import sync_weights_from_disk
+    from slime_corr.trainer.data import weight_version
+
+    _, policy = smollm2_policy
+    driver, _ = smollm2_engine
+    config = driver.config
+    initial = {n: t.clone() for n, t in policy.module.state_dict().items() if isinstance(t, torch.Tensor)}
+    task = TASKS["arithmetic"]
+    samples = driver.submit(0).result()
+    assert all(s.status in ("completed", "truncated") and s.response_length for s in samples), samples
+    rollout, current, reference = _teacher_forced(policy, config, samples, 0)
+    gap = (current - rollout).abs().max().item()
+    batched = (_teacher_forced(policy, config, samples, 0, micro_batch_size=4)[1] - rollout).abs().max().item()
+    texts = [policy.tokenizer.decode(s.response_tokens, skip_special_tokens=True) for s in samples]
+    print(f"step 0: responses {texts}, rewards {[s.reward for s in samples]}: max |lp trainer - lp engine "
+          f"(fp32)| = {gap:.2e} over {rollout.numel()} tokens (micro-batches of 1), {batched:.2e} (one padded "
+          "micro-batch of 4)")
+    assert gap <= 5e-5 and torch.equal(current, reference)
+    assert batched <= 1e-4  # CPU fp32 GEMMs round differently above ~64 rows: see the module doc
+    labels = [p.label for p in task.prompts(config.seed, 0, config.rollout_batch_size)]
+    assert [s.reward for s in samples] == [task.reward(Response(t, s.response_tokens, labels[s.group_id]))
+                                           for s, t in zip(samples, texts, strict=True)]
+
+    for step, path in ((1, "distributed"), (2, "disk")):
+        _perturb(policy, step)
+        if path == "distributed":  # the driver's own path for --rollout-weight-sync distributed
+            report = driver.sync_weights(policy.full_weights(), step, policy.save_engine_checkpoint)
+        else:  # the function the driver runs for --rollout-weight-sync disk
+            ckpt = policy.save_engine_checkpoint(policy.full_weights(), tmp_path / weight_version(step))
+            report = asyncio.run_coroutine_threadsafe(
+                sync_weights_from_disk(driver.client, ckpt, weight_version(step)), driver.loop).result()
+        samples = driver.submit(step).result()
+        assert {s.weight_version for s in samples} == {weight_version(step)}
+        rollout, current, reference = _teacher_forced(policy, config, samples, step)
+        gap, moved = (current - rollout).abs().max().item(), (reference - rollout).abs().max().item()
+        print(f"after update {step} ({path} sync, {report.seconds:.2f} s): max |lp trainer - lp engine| = "
+              f"{gap:.2e}, max |lp initial weights - lp engine| = {moved:.2e}")
+        assert gap <= 5e-5 and moved > 1e-3  # the engine serves the updated weights, not the initial ones
+    with torch.no_grad():  # the policy leaves this test with the checkpoint's weights
+        policy.module.load_state_dict(initial, strict=False)

@@ -16,6 +16,8 @@ import pytest
 
 from tests.trainer.test_trainer_launch import assert_same_metrics, compared, launch
 
+pytestmark = pytest.mark.cost(60)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
+
 # a float64 engine: weights that differ by float64 rounding between layouts must not flip the engine's float32
 # rounding of a log-prob (1e-7), which the diagnostics compared to 1e-8 would see
 FLAGS = ["--rollout-correction-preset", "decoupled_token_is", "--kl-loss-coef", "0", "--entropy-coef", "0",

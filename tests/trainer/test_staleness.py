@@ -23,6 +23,8 @@ from slime_corr.trainer.config import TrainerConfig
 from slime_corr.trainer.data import oldest_version_step, stale_samples
 from tests.trainer.test_trainer_launch import compared, launch
 
+pytestmark = pytest.mark.cost(90)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
+
 
 def _sample(version: str | None, spans=(), status=SampleStatus.COMPLETED) -> Sample:
     return Sample(prompt_tokens=[1], response_tokens=[2, 3, 4], rollout_log_probs=[-1.0, -1.0, -1.0],

@@ -31,6 +31,9 @@ COMMON = ["--rollout-correction-preset", "decoupled_seq_is_rs", "--num-rollout",
           "--rollout-max-response-len", "8", "--params-dtype", "float64", "--engine-dtype", "float32",
           "--kl-loss-coef", "0.01", "--kl-loss-type", "k3", "--entropy-coef", "0.001", "--rollout-progress", "none",
           "--seed", "7", "--rollout-engine", "embedded"]  # bit-reproducible: runs are compared number for number
+
+pytestmark = pytest.mark.cost(220)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
+
 PACKED = ["--use-dynamic-batch-size", "--max-tokens-per-gpu"]
 LAYOUTS = {  # name: (processes, flags)
     # 2 groups of 68 or 72 tokens per DP rank and step: 140 tokens hold both on one rank and not on the other
