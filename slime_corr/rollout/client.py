@@ -50,6 +50,10 @@ from slime_corr.rollout.protocol import (
 from slime_corr.rollout.routing import RoutedExpertsSpec
 
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+# Seconds an idle pooled connection is kept: below the 5 s after which SGLang's server (uvicorn,
+# SGLANG_TIMEOUT_KEEP_ALIVE) closes it, so a request does not go out on a connection the server is closing
+# (aiohttp's default keeps them 15 s: ServerDisconnectedError, seen on control requests between weight syncs)
+KEEPALIVE_TIMEOUT = 4.0
 
 
 class GenerationError(Exception):
@@ -165,7 +169,8 @@ class SGLangClient(ControlPlane):
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             n = self.max_concurrency
-            connector = aiohttp.TCPConnector(limit=n * len(self.urls) + 8, limit_per_host=n + 4)
+            connector = aiohttp.TCPConnector(limit=n * len(self.urls) + 8, limit_per_host=n + 4,
+                                             keepalive_timeout=KEEPALIVE_TIMEOUT)
             self._session = aiohttp.ClientSession(timeout=self.timeout, connector=connector)
         return self._session
 

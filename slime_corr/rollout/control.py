@@ -104,7 +104,15 @@ class ControlPlane:
             kw["json"] = payload
         if params:
             kw["params"] = params
-        async with self._get_session().request(method, f"{url}{path}", **kw) as resp:
+        try:
+            return await self._send(method, f"{url}{path}", kw)
+        except aiohttp.ServerDisconnectedError:
+            # a kept-alive connection the server closed as the request went out, unread (SGLang's uvicorn closes
+            # idle ones after 5 s): sent once more; a server that is gone refuses that one
+            return await self._send(method, f"{url}{path}", kw)
+
+    async def _send(self, method: str, url: str, kw: dict[str, Any]) -> tuple[int, Any]:
+        async with self._get_session().request(method, url, **kw) as resp:
             return resp.status, await read_body(resp)
 
     async def _post(self, server: str, path: str, payload: dict[str, Any] | None = None,

@@ -42,6 +42,17 @@ def test_without_the_stand_ins_sglang_cannot_import_its_cpu_path(sglang_py):
     assert out.returncode != 0 and "sgl_kernel" in out.stderr
 
 
+def test_the_client_drops_idle_connections_before_sglang_closes_them(sglang_py):
+    """SGLang's HTTP server (uvicorn) closes a connection idle for SGLANG_TIMEOUT_KEEP_ALIVE seconds; the client
+    must not keep one longer (a request sent on it as the server closes it is never read)."""
+    from slime_corr.rollout.client import KEEPALIVE_TIMEOUT
+
+    code = "from sglang.srt.environ import envs; print(envs.SGLANG_TIMEOUT_KEEP_ALIVE.get())"
+    out = subprocess.run([sglang_py, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert KEEPALIVE_TIMEOUT < float(out.stdout.strip().splitlines()[-1])
+
+
 def test_a_server_launched_from_a_torchrun_rank_does_not_inherit_its_rendezvous(monkeypatch):
     """torchrun's WORLD_SIZE/RANK/MASTER_PORT in a server's environment make it wait for peers forever."""
     for k, v in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",

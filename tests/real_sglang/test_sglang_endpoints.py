@@ -123,6 +123,42 @@ def test_pause_modes_then_continue(servers, mode):
     _run(_flush(a))  # idle again: flushes (the client retries SGLang's 400 while the request is being released)
 
 
+def test_a_weight_update_mid_request_switches_the_token_versions_where_it_landed(servers, tiny_opt):
+    """A request is running on v0 when the weights change (pause abort -> update from disk to v1 -> continue): the
+    client resumes it, and the sample's version spans say which weights produced each token. Checked against the
+    trainer: the tokens before the boundary have v0's log-probs, those after it v1's (and not v0's). Leaves server A
+    on v1, as the next test does anyway."""
+    a, _ = servers
+    params = {"max_new_tokens": 150, "temperature": 1.0, "ignore_eos": True}
+
+    async def go():
+        async with SGLangClient(a) as c:
+            sample = Sample(prompt_tokens=list(PROMPTS[0]))
+            task = asyncio.create_task(generate_sample(c, sample, params, stream=True))
+            for _ in range(200):
+                if c._inflight:
+                    break
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.3)
+            await c.sync_weights_from_disk(tiny_opt["v1"], "v1")
+            return await task
+
+    sample = _run(go())
+    n = len(sample.response_tokens)
+    assert sample.status == SampleStatus.TRUNCATED and n == 150, sample.failure_reason
+    assert len(sample.weight_versions) == 2, sample.weight_versions
+    (v_first, start, cut), (v_second, cut2, end) = sample.weight_versions
+    assert (v_first, start, v_second, cut2, end) == ("v0", 0, "v1", cut, n) and 0 < cut < n, sample.weight_versions
+    seq = [(sample.prompt_tokens, sample.response_tokens)]
+    lp0, lp1 = (megatron_logprobs(tiny_opt[v], seq, 1.0)[0].float() for v in ("v0", "v1"))
+    got = sample.rollout_log_probs
+    before, after = (got[:cut] - lp0[:cut]).abs().max().item(), (got[cut:] - lp1[cut:]).abs().max().item()
+    wrong = (got[cut:] - lp0[cut:]).abs().max().item()
+    print(f"versions {sample.weight_versions}: max |lp_server - lp_trainer| = {before:.2e} on v0's tokens, "
+          f"{after:.2e} on v1's; {wrong:.2e} against v0 after the update")
+    assert before <= LOGPROB_TOL and after <= LOGPROB_TOL and wrong > 1e-2
+
+
 async def _flush(url: str) -> None:
     async with SGLangClient(url) as c:
         await c.flush_cache()

@@ -66,6 +66,10 @@ class FaultServer:
         self.calls: list[tuple[str, dict]] = []  # (path, JSON body or query) of every control call
         self.flush_statuses: list[int] = []  # statuses /flush_cache answers before it answers 200
         self.control_status: dict[str, int] = {}  # a control path -> the error status it answers
+        # control paths whose next request on a kept-alive connection finds it closed, unanswered (once each): as
+        # when a server closes an idle connection just as a request goes out on it (uvicorn: after 5 s idle)
+        self.close_reused: set[str] = set()
+        self._requests_on: Counter[int] = Counter()  # requests seen per connection (transport)
         self.rids: list[str] = []
         self.bodies: list[dict] = []  # every /generate and /abort_request body received
         self.timeout_sleep = timeout_sleep
@@ -90,6 +94,12 @@ class FaultServer:
     async def control(self, request: web.Request) -> web.Response:
         body = await request.json() if request.can_read_body else dict(request.query)
         self.calls.append((request.path, body))
+        self._requests_on[id(request.transport)] += 1
+        if request.path in self.close_reused and self._requests_on[id(request.transport)] > 1:
+            self.close_reused.discard(request.path)
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response()
         if request.path in self.control_status:
             return web.json_response({"error": {"message": "injected"}}, status=self.control_status[request.path])
         if request.path == "/flush_cache" and self.flush_statuses:

@@ -235,6 +235,33 @@ def test_control_calls_old_server_names_and_flush_retry(fault_server, tmp_path):
     ]
 
 
+def test_a_control_request_on_a_connection_the_server_closed_goes_out_again(fault_server):
+    """SGLang's server closes a connection idle for 5 s; a request that goes out on it as it closes is never read
+    (aiohttp: ServerDisconnectedError). The client keeps idle connections 4 s, and sends such a request once more
+    instead of failing the weight sync (or marking a live server dead). The fault server closes the connection on
+    demand: a real server does so at a moment a test cannot hit."""
+    from slime_corr.rollout.client import KEEPALIVE_TIMEOUT
+
+    url, server = fault_server
+    server.calls.clear()
+    server.close_reused.update({"/continue_generation", "/get_model_info"})
+
+    async def go():
+        async with _client(url) as c:
+            await c.pause("abort")
+            await c.continue_generation()  # on the pause's connection: closed unread, then sent again
+            info = await c.model_info()  # a GET too
+            return c.dead, c._get_session().connector._keepalive_timeout, info
+
+    dead, keepalive, info = asyncio.run(go())
+    assert not dead and info["weight_version"] == "fault"
+    assert [p for p, _ in server.calls] == ["/pause_generation", "/continue_generation", "/continue_generation",
+                                            "/get_model_info", "/get_model_info"]
+    assert not server.close_reused  # both were closed once
+    assert keepalive == KEEPALIVE_TIMEOUT < 5.0  # SGLang's SGLANG_TIMEOUT_KEEP_ALIVE: its real value is checked in
+    # tests/real_sglang/test_cpu_stand_ins.py
+
+
 def test_old_router_endpoints():
     """A router older than /workers: registration by /add_worker?url=, discovery by /list_workers."""
     with run_fault_server(old_router=True) as (url, server), run_fault_server() as (worker, _):
