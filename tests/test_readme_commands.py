@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -95,7 +96,16 @@ def test_every_readme_command_runs_as_written(tmp_path):
         if not ok or "Traceback" in proc.stderr:
             failures.append(f"{command}: exit {proc.returncode}\n{proc.stdout[-1500:]}\n{proc.stderr[-2500:]}")
     assert not failures, "\n\n".join(failures)
-    report = subprocess.run(["slime-corr", "report", str(tmp_path / "run0")], cwd=ROOT, env=_env(),
+    # the main job's command launched a real SGLang server and stopped it: its port (first line of its log, the
+    # server's command) no longer answers
+    main_job = tmp_path / "run0"
+    assert "SGLang servers (bfloat16" in results["bash scripts/run.sh"].stdout
+    logs = sorted((main_job / "engine_logs").glob("sglang-*.log"))
+    assert len(logs) == 1, logs
+    port = int(logs[0].read_text().split("--port ", 1)[1].split()[0])
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    report = subprocess.run(["slime-corr", "report", str(main_job)], cwd=ROOT, env=_env(),
                             capture_output=True, text=True, timeout=300)
     assert report.returncode == 0, report.stderr[-2000:]
 

@@ -92,23 +92,30 @@ def test_abort_by_rid_and_abort_all(servers):
         assert 0 < len(out.output_ids) < 200 and len(out.log_probs) == len(out.output_ids)
 
 
+async def _long_request_running(c: SGLangClient) -> asyncio.Task:
+    """A streamed request for 150 tokens of PROMPTS[0], in flight for 0.3 s when this returns; its task gives the
+    sample."""
+    sample = Sample(prompt_tokens=list(PROMPTS[0]))
+    params = {"max_new_tokens": 150, "temperature": 1.0, "ignore_eos": True}
+    task = asyncio.create_task(generate_sample(c, sample, params, stream=True))
+    for _ in range(200):
+        if c._inflight:
+            break
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.3)
+    return task
+
+
 @pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
 def test_pause_modes_then_continue(servers, mode):
     """abort: the running request comes back aborted and the sample resumes after continue (2 attempts); retract:
     held and finished after continue; in_place: kept in place, and /flush_cache answers 400 until continue (which
     is why a weight sync refuses in_place)."""
     a, _ = servers
-    params = {"max_new_tokens": 150, "temperature": 1.0, "ignore_eos": True}
 
     async def go():
         async with SGLangClient(a) as c:
-            sample = Sample(prompt_tokens=list(PROMPTS[0]))
-            task = asyncio.create_task(generate_sample(c, sample, params, stream=True))
-            for _ in range(200):
-                if c._inflight:
-                    break
-                await asyncio.sleep(0.02)
-            await asyncio.sleep(0.3)
+            task = await _long_request_running(c)
             await c.pause(mode)
             flush_status = _post(a, "/flush_cache", {}) if mode == "in_place" else None
             await asyncio.sleep(0.3)
@@ -129,17 +136,10 @@ def test_a_weight_update_mid_request_switches_the_token_versions_where_it_landed
     trainer: the tokens before the boundary have v0's log-probs, those after it v1's (and not v0's). Leaves server A
     on v1, as the next test does anyway."""
     a, _ = servers
-    params = {"max_new_tokens": 150, "temperature": 1.0, "ignore_eos": True}
 
     async def go():
         async with SGLangClient(a) as c:
-            sample = Sample(prompt_tokens=list(PROMPTS[0]))
-            task = asyncio.create_task(generate_sample(c, sample, params, stream=True))
-            for _ in range(200):
-                if c._inflight:
-                    break
-                await asyncio.sleep(0.02)
-            await asyncio.sleep(0.3)
+            task = await _long_request_running(c)
             await c.sync_weights_from_disk(tiny_opt["v1"], "v1")
             return await task
 

@@ -29,7 +29,7 @@ import pytest
 
 from tests.rollout.fault_server import run_fault_server
 
-pytestmark = pytest.mark.cost(260)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
+pytestmark = pytest.mark.cost(160)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 
 # the faults here are in a fault server, the router, the trainer or its checkpoints, not in the engine: the jobs that
 # start engines start embedded ones (tests/real_sglang kills a real SGLang server mid-run)

@@ -4,7 +4,10 @@ weights and each token keeps the version that sampled it; `--mask-offpolicy-in-p
 before a sample's last update out of the loss. The embedded engine is throttled (0.2 s per decoding step,
 `SLIME_CORR_EMBEDDED_STEP_DELAY`) so that generation outlasts a training step: the sync lands mid-request.
 
-CI cost: one one-process run (~15 s alone).
+A checkpoint takes the in-flight rollout whole (the weights wait for it at a save), so a run resumed from it trains
+its first step on the samples, token versions and masks the uninterrupted run trained on.
+
+CI cost: three one-process runs (~15 s each alone).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import json
 
 from slime_corr.rollout.sample import Sample
 from slime_corr.trainer.data import mask_offpolicy_tokens
-from tests.trainer.test_trainer_launch import launch
+from tests.trainer.test_trainer_launch import compared, launch
 
 
 def test_tokens_before_the_last_update_leave_the_loss():
@@ -40,3 +43,21 @@ def test_a_weight_update_reaches_the_requests_in_flight(tmp_path, monkeypatch):
     assert all(steps[s]["rollout/staleness_oldest_max"] <= 1 for s in (1, 2, 3))  # the bound still holds
     top = [json.loads(line) for line in (run["dir"] / "top_mismatch.jsonl").read_text().splitlines()]
     assert all(t["weight_version"] in (f"step-{t['step'] - 1}", f"step-{max(0, t['step'] - 2)}") for t in top)
+
+
+def test_a_checkpoint_holds_the_partial_run_s_pending_rollout_whole(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLIME_CORR_EMBEDDED_STEP_DELAY", "0.2")
+    flags = ["--async-rollout", "--partial-rollout", "--mask-offpolicy-in-partial-rollout", "--rollout-correction-preset",
+             "ppo_is_bypass", "--num-steps-per-rollout", "1", "--num-rollout", "4", "--kl-loss-coef", "0",
+             "--entropy-coef", "0"]
+    ckpt = tmp_path / "ckpt"
+    whole = launch(tmp_path / "whole", *flags, "--save", str(ckpt), "--save-interval", "2")
+    # saves after rollouts 1 and 3 (steps 2 and 4): the syncs after rollouts 0 and 2 land mid-request in rollouts 1
+    # and 3; the one after rollout 1 waits for rollout 2 whole, which the checkpoint holds
+    partial = [whole["steps"][s]["rollout/partial_samples"] for s in (1, 2, 3, 4)]
+    assert partial[0] == partial[2] == 0 and partial[1] + partial[3] > 0, partial
+    resumed = launch(tmp_path / "resumed", *flags, "--load", str(ckpt), "--ckpt-step", "2")
+    assert sorted(resumed["steps"]) == [3, 4]
+    # step 3 trains the pending rollout 2 from the checkpoint; rollout 3 is sampled anew (where an update lands
+    # inside a response depends on timing)
+    assert compared(resumed["steps"][3]) == compared(whole["steps"][3])
