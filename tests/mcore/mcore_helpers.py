@@ -55,7 +55,15 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any) -> None:
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # read by the children when they start
     try:
-        mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+        for attempt in (1, 2, 3):
+            try:
+                mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+                break
+            except mp.ProcessRaisedException as e:
+                # the port was free when probed and another process (a test worker beside this one) bound it
+                # before rank 0's store did: nothing ran yet, so the launch is repeated on a new port
+                if "EADDRINUSE" not in str(e) or attempt == 3:
+                    raise
     finally:
         if saved is None:
             del os.environ["CUDA_VISIBLE_DEVICES"]
