@@ -52,6 +52,9 @@ def engine_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+ROUTES_FLAG = "--enable-return-routed-experts"  # SGLang's; the embedded engine takes it from `sglang_args` too
+
+
 @contextlib.contextmanager
 def start_engines(spec: EngineSpec, checkpoint_dir: str, weight_version: str) -> Iterator[EngineGroup]:
     """Start the engines of `spec` serving `checkpoint_dir` as `weight_version`; stop them on exit."""
@@ -79,10 +82,11 @@ def start_engines(spec: EngineSpec, checkpoint_dir: str, weight_version: str) ->
             model = TorchEngineModel(checkpoint_dir, factory=spec.embedded_module, dtype=dtype)
             return start_local_engine(checkpoint_dir, model=model, weight_version=weight_version,
                                       tokenizer=spec.tokenizer, served_model_name=spec.served_model_name,
-                                      step_delay=float(os.environ.get(STEP_DELAY_ENV, "0")))
+                                      step_delay=float(os.environ.get(STEP_DELAY_ENV, "0")),
+                                      enable_return_routed_experts=ROUTES_FLAG in spec.sglang_args)
 
     with start_engine_group(spec.num_engines, make_engine, router=spec.router) as group:
         yield group
 
 
-__all__ = ["ENGINE_KINDS", "EngineSpec", "engine_device", "start_engines"]
+__all__ = ["ENGINE_KINDS", "ROUTES_FLAG", "EngineSpec", "engine_device", "start_engines"]

@@ -61,6 +61,7 @@ class ParallelGroups:
     cp_rank: int = 0
     pp_size: int = 1  # pipeline stages; the loss and its metrics live on the last one
     pp_last: bool = True
+    pp: ProcessGroup = None  # the pipeline group (MoE routes are merged over it)
 
     @classmethod
     def from_parallel_state(cls) -> ParallelGroups:
@@ -76,6 +77,7 @@ class ParallelGroups:
             cp_rank=ps.get_context_parallel_rank(),
             pp_size=ps.get_pipeline_model_parallel_world_size(),
             pp_last=ps.is_pipeline_last_stage(ignore_virtual=True),
+            pp=ps.get_pipeline_model_parallel_group(),
         )
 
     @classmethod
@@ -134,14 +136,14 @@ def slice_tensor_for_cp(x: Tensor, batch: dict[str, Any], groups: ParallelGroups
     return slice_micro_batch_for_cp({**cu, "x": x}, groups.cp_rank, groups.cp_size, keys=("x",))["x"]
 
 
-def packed_attention_mask(batch: dict[str, Any], length: int) -> Tensor:
+def block_causal_mask(starts: Tensor, length: int) -> Tensor:
     """[1, 1, T, T] bool, True where attention is masked (Megatron's convention): causal within each sample of a
-    packed row of `length` positions (`cu_seqlens_padded`), nothing across samples — what THD attention computes,
-    for attention implementations without it (the local layer spec on CPU). Positions past the last sample attend
-    among themselves."""
-    starts = packed_starts(batch).long()
-    ids = torch.searchsorted(starts[1:].contiguous(), torch.arange(length, device=starts.device), right=True)
+    packed row of `length` positions whose samples start at `starts` (`cu_seqlens_padded`), nothing across
+    samples — what THD attention computes, for attention implementations without it (the local layer spec on CPU,
+    `mcore.local_spec`). Positions past the last sample attend among themselves."""
+    starts = starts.long()
     pos = torch.arange(length, device=starts.device)
+    ids = torch.searchsorted(starts[1:].contiguous(), pos, right=True)
     allowed = (ids[:, None] == ids[None, :]) & (pos[None, :] <= pos[:, None])
     return (~allowed)[None, None]
 
@@ -164,7 +166,7 @@ __all__ = [
     "BATCH_KEYS",
     "batch_segments",
     "is_packed",
-    "packed_attention_mask",
+    "block_causal_mask",
     "packed_seq_params",
     "ParallelGroups",
     "seq_length_for_norm",

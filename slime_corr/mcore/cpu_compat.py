@@ -12,6 +12,8 @@ What it changes (each item was measured to break on CPU torch with megatron-core
 - `torch.cuda.synchronize()` does nothing (Megatron's timers call it);
 - activation recompute (`tensor_parallel.checkpoint`): saving / restoring the CUDA generator's state does nothing
   (there is none; torch's CPU state and the tracker's states are still saved and restored);
+- tied embeddings under pipeline parallelism: `LanguageModule.setup_embeddings_and_output_layer` moves the shared
+  weight with `.cuda()` before the first/last-stage all-reduce: `Tensor.cuda` is the identity during that call;
 - MoE routers: `moe_utils.te_general_gemm` is defined as None when TransformerEngine is absent (0.16.1 imports
   it only with TE but reads it unconditionally in `RouterGatingLinearFunction`: NameError without TE).
 `apply_cpu_compat_megatron_training()` adds what Megatron-LM's loop (`megatron.training`, 0.19+) needs:
@@ -160,6 +162,21 @@ class _NoOpStream:
         pass
 
 
+def _tensors_stay_on_cpu(method: Any) -> Any:
+    """`method` with `Tensor.cuda` the identity while it runs."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+        try:
+            return method(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = cuda  # type: ignore[method-assign]
+
+    return wrapper
+
+
 def apply_cpu_compat() -> bool:
     """Apply the CPU adaptations once (idempotent). Returns True if they are active, False on CUDA machines."""
     global _APPLIED
@@ -192,6 +209,10 @@ def apply_cpu_compat() -> bool:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    LanguageModule.setup_embeddings_and_output_layer = _tensors_stay_on_cpu(
+        LanguageModule.setup_embeddings_and_output_layer)
     _APPLIED = True
     return True
 

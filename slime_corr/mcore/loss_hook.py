@@ -102,7 +102,7 @@ from slime_corr.mcore.per_token_loss import check_model_config, check_per_token_
 from slime_corr.mcore.pipeline import MicroBatches, run_schedule
 from slime_corr.mcore.policy_log_probs import PolicyLogProbs
 from slime_corr.mcore.rollout_steps import pop_step
-from slime_corr.mcore.routing import routing_report
+from slime_corr.mcore.routing import TRAINER_ROUTES_KEY, routing_report, stage_routing_reports
 from slime_corr.mcore.step_metrics import (
     NONFINITE_COUNT,
     NONFINITE_FRACTION,
@@ -197,6 +197,7 @@ class RolloutCorrectionLoss(StepPrepass, PolicyLogProbs):
         self.step_batch_norm_mean: Tensor | None = None  # set by `prepare_step`
         self.step_stats = StepStatistics()
         self.last_step_metrics: dict[str, float] = {}
+        self._stage_routed: list[dict[str, Any]] = []  # PP + MoE: this step's micro-batches with routes to merge
 
     # ------------------------------------------------------------------ properties
     @property
@@ -225,6 +226,8 @@ class RolloutCorrectionLoss(StepPrepass, PolicyLogProbs):
         check_model_config(model)
         batch = self.next_micro_batch(data_iterator, model)
         logits = self.model_forward(model, batch)
+        if TRAINER_ROUTES_KEY in batch and self.groups.pp_size > 1:
+            self._stage_routed.append(batch)
         return logits, partial(self.loss_func, batch)
 
     def next_micro_batch(self, data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module) -> dict[str, Any]:
@@ -418,8 +421,11 @@ class RolloutCorrectionLoss(StepPrepass, PolicyLogProbs):
             fb = forward_backward_func or get_forward_backward_func()
             losses = run_schedule(fb, forward_step or self.forward_step, model, micro_batches, self.groups,
                                   forward_only=False)
+            if self._stage_routed:
+                stage_routing_reports(self._stage_routed, losses, self.groups)
         finally:
             self.step_batch_norm_mean = None
+            self._stage_routed.clear()
         return self.reduce_step_metrics(losses)
 
 

@@ -61,9 +61,9 @@ def build_tiny_gpt(args: TinyGPTArgs | argparse.Namespace | None = None, *, ddp:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
+    from slime_corr.mcore.local_spec import local_layer_spec
     from slime_corr.mcore.params import unsplit_name
 
     a = args or TinyGPTArgs()
@@ -93,7 +93,7 @@ def build_tiny_gpt(args: TinyGPTArgs | argparse.Namespace | None = None, *, ddp:
     def gpt(config: TransformerConfig, pre_process: bool, post_process: bool) -> torch.nn.Module:
         return GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
+            transformer_layer_spec=local_layer_spec(),
             vocab_size=a.vocab_size,
             max_sequence_length=a.max_position_embeddings,
             position_embedding_type="learned_absolute",
@@ -147,15 +147,15 @@ def single_rank_groups() -> Any:
 
 
 def emulated_cp_forward(model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
-    """The local layer spec's forward with what it lacks emulated, exactly: context parallelism (the full sequence,
-    `full_tokens` / `full_position_ids`, through the model, then this CP rank's slice of the logits: the loss sees
-    the layout of real CP attention) and packed (THD) rows (a block-diagonal causal attention mask over the
-    row's samples instead of `PackedSeqParams`). Without CP and packing it is `default_model_forward`. Under
-    pipeline parallelism only the last stage's output (the logits) is sliced; the others pass hidden states on."""
+    """The local layer spec's forward with context parallelism emulated, exactly: the full sequence
+    (`full_tokens` / `full_position_ids`) through the model, then this CP rank's slice of the logits (the loss
+    sees the layout of real CP attention). A packed (THD) row passes Megatron's `PackedSeqParams` of the full row
+    (`mcore.local_spec` runs them on CPU). Without CP it is `default_model_forward`. Under pipeline parallelism
+    only the last stage's output (the logits) is sliced; the others pass hidden states on."""
     from slime_corr.mcore.context_parallel import (
         ParallelGroups,
         is_packed,
-        packed_attention_mask,
+        packed_seq_params,
         slice_tensor_for_cp,
     )
 
@@ -165,8 +165,8 @@ def emulated_cp_forward(model: torch.nn.Module, batch: dict[str, Tensor]) -> Ten
                        "(the tokens and position ids before CP slicing).")
     tokens = batch.get("full_tokens", batch["tokens"])
     positions = batch.get("full_position_ids", batch["position_ids"])
-    mask = packed_attention_mask(batch, tokens.shape[-1]) if is_packed(batch) else batch.get("attention_mask")
-    out = model(input_ids=tokens, position_ids=positions, attention_mask=mask)
+    packed = {"packed_seq_params": packed_seq_params(batch)} if is_packed(batch) else {}
+    out = model(input_ids=tokens, position_ids=positions, attention_mask=batch.get("attention_mask"), **packed)
     return slice_tensor_for_cp(out, batch, groups) if groups.pp_last and groups.cp_size > 1 else out
 
 

@@ -4,7 +4,11 @@ and routing replay (Megatron's `RouterReplay`, `moe_enable_routing_replay=True`)
 Megatron's hidden states are sequence-first (`[S, B, H]`), so a router sees tokens in (s, b) order and returns
 `routing_map` `[S*B, num_experts]` (bool, k entries set per token). Routes here are batch-first expert ids
 `[B, S, layers, top_k]`, each row sorted ascending (a top-k *set*), the layout `models.tiny_moe.topk_routes` and
-the rollout's routed experts use.
+the rollout's routed experts use. Under pipeline parallelism a stage holds some of the layers: its routers replay
+their own layers of the routes (`TopKRouter.layer_number`), and the routes it captures have -1 at the other
+stages' layers until `stage_routing_reports` fills them in (MAX over the pipeline group, after the schedule).
+Under sequence parallelism (MoE with TP > 1) a router sees its TP rank's contiguous share of the sequence-first
+tokens: it replays that share, and captured routes are gathered over TP.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from torch import Tensor, nn
 # The trainer's own routes `[B, S, L, k]` of a training forward (what its routers chose, before any replay),
 # stored in the micro-batch by `routed_forward` for the loss function's routing-mismatch report.
 TRAINER_ROUTES_KEY = "trainer_routed_experts"
+# Under pipeline parallelism: the last stage's log-probs of a micro-batch, kept for `stage_routing_reports`
+ROUTING_LOG_PROBS_KEY = "routing_log_probs"
 
 
 def moe_routers(model: nn.Module) -> list[nn.Module]:
@@ -37,23 +43,59 @@ def routing_map_to_ids(routing_map: torch.Tensor, top_k: int) -> torch.Tensor:
     return ids[routing_map].view(-1, top_k)  # boolean indexing keeps row-major (ascending) order
 
 
+def _sequence_parallel(router: nn.Module) -> bool:
+    return bool(router.config.sequence_parallel) and router.tp_group.size() > 1
+
+
+def _local_share(router: nn.Module, ids: Tensor) -> Tensor:
+    """Sequence-first `[S*B, k]` ids -> the rows this router sees (its TP rank's sequence share under SP)."""
+    if not _sequence_parallel(router):
+        return ids
+    return ids.chunk(router.tp_group.size(), dim=0)[router.tp_group.rank()]
+
+
+def _gather_shares(router: nn.Module, ids: Tensor) -> Tensor:
+    """The inverse of `_local_share`: every TP rank's rows, in order (a collective over TP under SP)."""
+    if not _sequence_parallel(router):
+        return ids
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(ids) for _ in range(router.tp_group.size())]
+    dist.all_gather(parts, ids.contiguous(), group=router.tp_group)
+    return torch.cat(parts)
+
+
+def router_layers(routers: list[nn.Module]) -> list[int]:
+    """The 0-based index, in the whole model, of each router's layer (pipeline stages hold some of them)."""
+    return [int(r.layer_number) - 1 for r in routers]
+
+
+def _stage_routes(per_layer: list[Tensor], layers: list[int], num_layers: int, batch_size: int) -> Tensor:
+    """Each local router's `[S*B, k]` ids (sequence-first) -> `[B, S, num_layers, k]` (int64, rows ascending),
+    -1 at the layers of other pipeline stages."""
+    k = per_layer[0].shape[-1]
+    local = torch.stack([ids.view(-1, batch_size, k).transpose(0, 1) for ids in per_layer], dim=2)
+    out = local.new_full((*local.shape[:2], num_layers, k), -1)
+    out[:, :, layers] = local.sort(dim=-1).values
+    return out
+
+
 @contextmanager
 def capture_routes(model: nn.Module, batch_size: int) -> Iterator[list[torch.Tensor]]:
     """Inside the block, each forward of `model` on `batch_size` sequences appends its routes `[B, S, L, k]`
-    (int64) to the yielded list."""
+    (int64; L the model's layers, -1 at another pipeline stage's) to the yielded list."""
     routers = moe_routers(model)
     if not routers:
         raise ValueError("capture_routes: the model has no MoE router (num_moe_experts unset?)")
+    layers, num_layers = router_layers(routers), routers[0].config.num_layers
     per_layer: list[torch.Tensor] = []
     out: list[torch.Tensor] = []
 
     def hook(router: nn.Module, _inp, result) -> None:
         _probs, routing_map = result
-        k = router.config.moe_router_topk
-        ids = routing_map_to_ids(routing_map, k)
-        per_layer.append(ids.view(-1, batch_size, k).transpose(0, 1))  # [S*B, k] -> [B, S, k]
+        per_layer.append(_gather_shares(router, routing_map_to_ids(routing_map, router.config.moe_router_topk)))
         if len(per_layer) == len(routers):
-            out.append(torch.stack(per_layer, dim=2))
+            out.append(_stage_routes(per_layer, layers, num_layers, batch_size))
             per_layer.clear()
 
     handles = [r.register_forward_hook(hook) for r in routers]
@@ -65,8 +107,9 @@ def capture_routes(model: nn.Module, batch_size: int) -> Iterator[list[torch.Ten
 
 
 def _check_routes(routers: list[nn.Module], routes: torch.Tensor) -> None:
-    if routes.dim() != 4 or routes.shape[2] != len(routers):
-        raise ValueError(f"replay_routes: routes {tuple(routes.shape)} must be [batch, seq, {len(routers)} layers, "
+    layers = routers[0].config.num_layers
+    if routes.dim() != 4 or routes.shape[2] != layers:
+        raise ValueError(f"replay_routes: routes {tuple(routes.shape)} must be [batch, seq, {layers} layers, "
                          "top_k]")
     k = routers[0].config.moe_router_topk
     if routes.shape[-1] != k:
@@ -76,13 +119,6 @@ def _check_routes(routers: list[nn.Module], routes: torch.Tensor) -> None:
 def _router_order(routes: torch.Tensor, layer: int) -> torch.Tensor:
     """`[B, S, L, k]` -> layer `layer`'s `[S*B, k]` int64 in the router's (sequence-first) token order."""
     return routes[:, :, layer].transpose(0, 1).reshape(-1, routes.shape[-1]).long()
-
-
-def _layer_routes(per_layer: list[Tensor], batch_size: int) -> Tensor:
-    """Each layer's `[S*B, k]` ids (the router's sequence-first order) -> `[B, S, L, k]`, each row ascending."""
-    k = per_layer[0].shape[-1]
-    stacked = torch.stack([ids.view(-1, batch_size, k).transpose(0, 1) for ids in per_layer], dim=2)
-    return stacked.sort(dim=-1).values
 
 
 class ReplayHandle:
@@ -97,11 +133,13 @@ class ReplayHandle:
         self._own: list[Tensor | None] = [None] * len(routers)
 
     def own_routes(self, batch_size: int) -> Tensor:
-        """`[B, S, L, k]` (int64, rows ascending): the experts each router would have chosen itself in the last
-        replayed forward (its own top-k of the scores it computed, before the replay replaced them)."""
+        """`[B, S, L, k]` (int64, rows ascending; -1 at another pipeline stage's layers): the experts each router
+        would have chosen itself in the last replayed forward (its own top-k of the scores it computed, before the
+        replay replaced them)."""
         if any(ids is None for ids in self._own):
             raise RuntimeError("own_routes: no replayed forward ran inside replay_routes")
-        return _layer_routes(self._own, batch_size)  # type: ignore[arg-type]
+        own = [_gather_shares(r, ids) for r, ids in zip(self.routers, self._own, strict=True)]  # type: ignore[arg-type]
+        return _stage_routes(own, router_layers(self.routers), self.routers[0].config.num_layers, batch_size)
 
     def _record_own(self) -> None:
         """Wrap each router's `RouterReplay.get_replay_topk` (on the instance) so that a replayed forward also
@@ -126,8 +164,8 @@ class ReplayHandle:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         _check_routes(self.routers, routes)
-        for i, r in enumerate(self.routers):
-            r.router_replay.set_target_indices(_router_order(routes, i))  # also queued for the backward
+        for r, layer in zip(self.routers, router_layers(self.routers), strict=True):
+            r.router_replay.set_target_indices(_local_share(r, _router_order(routes, layer)))  # queued for backward too
             r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def backward_phase(self) -> None:
@@ -209,16 +247,24 @@ def routing_report(batch: dict[str, Any], log_probs: Tensor, groups: Any) -> dic
     pairs, this rank's sums; {} without `batch[TRAINER_ROUTES_KEY]`): the trainer's own routes vs the engine's at
     the trained positions (`loss_mask`: position t's logits, which token t's experts compute, predict the trained
     token t+1), and |log π_θ − log π_rollout| split by a routing difference there (`correction.routing`).
-    Under emulated CP the full-row routes are cut to this rank's slice first."""
+    Under emulated CP the full-row routes are cut to this rank's slice first. Under pipeline parallelism the
+    other stages' routes are not known yet: the log-probs are kept in the batch and `stage_routing_reports` adds
+    the entries after the schedule ({} here)."""
+    if TRAINER_ROUTES_KEY not in batch:
+        return {}
+    if groups.pp_size > 1:
+        batch[ROUTING_LOG_PROBS_KEY] = log_probs.detach()
+        return {}
+    return _routing_entries(batch, log_probs, groups)
+
+
+def _routing_entries(batch: dict[str, Any], log_probs: Tensor, groups: Any) -> dict[str, Tensor]:
     from slime_corr.correction.reporting import ratio_pair
     from slime_corr.correction.routing import routing_mismatch_pairs
     from slime_corr.mcore.context_parallel import slice_tensor_for_cp
     from slime_corr.rollout.batching import ROUTE_KEY
 
-    own = batch.get(TRAINER_ROUTES_KEY)
-    if own is None:
-        return {}
-    engine = batch[ROUTE_KEY]
+    own, engine = batch[TRAINER_ROUTES_KEY], batch[ROUTE_KEY]
     mask = batch["loss_mask"]
     if own.shape[1] != mask.shape[-1]:  # full rows (emulated CP): this rank's slice
         own, engine = slice_tensor_for_cp(own, batch, groups), slice_tensor_for_cp(engine, batch, groups)
@@ -227,5 +273,22 @@ def routing_report(batch: dict[str, Any], log_probs: Tensor, groups: Any) -> dic
     return {key: ratio_pair(num, den) for key, (num, den) in pairs.items()}
 
 
-__all__ = ["TRAINER_ROUTES_KEY", "moe_routers", "routing_map_to_ids", "capture_routes", "replay_routes",
+def stage_routing_reports(batches: list[dict[str, Any]], reports: list[dict[str, Any]], groups: Any) -> None:
+    """After a pipelined training step: each micro-batch's own routes, recorded stage by stage (-1 at the other
+    stages' layers), merged by a MAX over the pipeline group (one all-reduce per micro-batch, every stage); then
+    the last stage adds each micro-batch's routing entries to its report (`reports`, in schedule order)."""
+    import torch.distributed as dist
+
+    for batch in batches:
+        dist.all_reduce(batch[TRAINER_ROUTES_KEY], op=dist.ReduceOp.MAX, group=groups.pp)
+    if not groups.pp_last:
+        return
+    if len(reports) != len(batches):
+        raise RuntimeError(f"stage_routing_reports: {len(reports)} micro-batch reports for {len(batches)} routed "
+                           "micro-batches")
+    for report, batch in zip(reports, batches, strict=True):
+        report.update(_routing_entries(batch, batch.pop(ROUTING_LOG_PROBS_KEY), groups))
+
+
+__all__ = ["TRAINER_ROUTES_KEY", "ROUTING_LOG_PROBS_KEY", "moe_routers", "router_layers", "stage_routing_reports", "routing_map_to_ids", "capture_routes", "replay_routes",
            "ReplayHandle", "model_tokens", "routed_forward", "routing_report"]

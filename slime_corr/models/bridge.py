@@ -8,8 +8,8 @@ worked around in `_local_spec_bridge` while its weight loading and export run un
 - the local spec names the norms `input_layernorm` / `pre_mlp_layernorm` (TE fuses them into the linear layers as
   `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight`): mapped here;
 - `LLaMABridge` reads `hf_config.rope_theta`, which transformers 5 moved into `rope_parameters`;
-- `Qwen2Bridge` rewrites its class-level name mapping for tied embeddings (leaking into later untied models);
-  with one pipeline stage a tied model has no output layer, so nothing needs remapping;
+- `Qwen2Bridge` rewrites its class-level name mapping for tied embeddings (leaking into later untied models):
+  a tied model's output layer exists only on the last of several pipeline stages, mapped here to the embedding;
 - MoE: mbridge names experts as TE's grouped GEMM does (`mlp.experts.linear_fc1.weight{e}`); the local spec's
   SequentialMLP has `mlp.experts.local_experts.{e}.linear_fc1.weight`: mapped here (`_CPU_MOE_CONFIG` says why).
 
@@ -46,7 +46,8 @@ _LOCAL_SPEC_NORMS = {"input_layernorm.weight": "input_layernorm.weight",
 # Megatron local-spec expert weight (SequentialMLP, no grouped GEMM), per decoder layer
 # MoE layers with the local spec: experts one by one (SequentialMLP; grouped GEMM needs TE or CUTLASS), the
 # all-gather token dispatcher (the all-to-all one creates a CUDA stream; all-gather needs fixed sequence lengths
-# in the pipeline schedule, which holds with one pipeline stage), no TE/apex fusions.
+# in the pipeline schedule at config time; under PP `build_model` sets variable_seq_lengths after that check: the
+# all-gather runs over the TP/EP ranks of one micro-batch, whose lengths agree), no TE/apex fusions.
 _CPU_MOE_CONFIG = dict(moe_grouped_gemm=False, moe_token_dispatcher_type="allgather", variable_seq_lengths=False,
                        persist_layer_norm=False, bias_activation_fusion=False, bias_dropout_fusion=False)
 _LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(?P<e>\d+)\.(?P<fc>linear_fc[12])\.weight")
@@ -69,10 +70,10 @@ def _local_spec_bridge(spec: HFModelSpec, hf_config: Any, dtype: torch.dtype) ->
             pass
 
         def _get_transformer_layer_spec(self, vp_stage: int | None = None) -> Any:
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+            from slime_corr.mcore.local_spec import local_layer_spec
 
             self.has_vp_stage = False
-            return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=self.config.qk_layernorm,
+            return local_layer_spec(normalization="RMSNorm", qk_layernorm=self.config.qk_layernorm,
                                             num_experts=self.config.num_moe_experts, moe_grouped_gemm=False)
 
         def _get_gptmodel_args(self) -> dict[str, Any]:
@@ -80,6 +81,8 @@ def _local_spec_bridge(spec: HFModelSpec, hf_config: Any, dtype: torch.dtype) ->
                         position_embedding_type="rope", rotary_base=spec.rope_theta)
 
         def _weight_name_mapping_mcore_to_hf(self, name: str) -> list[str]:
+            if name == "output_layer.weight" and getattr(hf_config, "tie_word_embeddings", False):
+                return ["model.embed_tokens.weight"]  # the last stage's copy of the tied embedding
             layer, _, suffix = name.removeprefix("decoder.layers.").partition(".")
             if name.startswith("decoder.layers.") and suffix in _LOCAL_SPEC_NORMS:
                 return [f"model.layers.{layer}.{_LOCAL_SPEC_NORMS[suffix]}"]
@@ -93,6 +96,23 @@ def _local_spec_bridge(spec: HFModelSpec, hf_config: Any, dtype: torch.dtype) ->
     return LocalSpecBridge(hf_config, dtype=dtype)
 
 
+def _run_whole_sequences(model: nn.Module) -> None:
+    """Emulated CP: the model sees whole rows, so its rotary embeddings (the table, and per sample in packed rows,
+    `cu_seqlens`) must not be split over parallel_state's CP group: they get a one-rank CP group."""
+    import copy
+
+    from megatron.core.transformer.attention import Attention
+
+    from slime_corr.mcore.model import single_rank_groups
+
+    one = single_rank_groups().cp
+    model.rotary_pos_emb.cp_group = one
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.pg_collection = copy.copy(module.pg_collection)
+            module.pg_collection.cp = one
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The GPTModel inside DDP / Float16Module wrappers."""
     while hasattr(model, "module"):
@@ -101,7 +121,8 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 class MegatronHFBridge:
-    """One HF checkpoint's Megatron side on the current `parallel_state` (TP from it; one pipeline stage).
+    """One HF checkpoint's Megatron side on the current `parallel_state`: TP and PP from it (this rank's stage of
+    the layers; with PP the stages exchange each micro-batch's shape, `variable_seq_lengths`).
 
     `config_overrides` go to Megatron's `TransformerConfig` (e.g. `recompute_granularity`); the defaults are those
     the rollout-correction loss needs: no dropout, `calculate_per_token_loss=True`. `emulated_context_parallel`:
@@ -116,18 +137,29 @@ class MegatronHFBridge:
 
         self.hf_dir = Path(hf_dir)
         self.spec = read_hf_checkpoint(hf_dir)
-        if ps.get_pipeline_model_parallel_world_size() != 1:
-            raise CheckpointError("--pipeline-model-parallel-size > 1 is not supported with HF checkpoints yet")
+        pp = ps.get_pipeline_model_parallel_world_size()
+        if self.spec.num_layers % pp:
+            raise CheckpointError(f"--pipeline-model-parallel-size {pp} must divide the model's {self.spec.num_layers} "
+                                  "layers: every pipeline stage holds the same number of layers")
+        self.first_stage = ps.is_pipeline_first_stage(ignore_virtual=True)
+        self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        self.pipeline_parallel = pp > 1
         check_tensor_parallel(self.spec, ps.get_tensor_model_parallel_world_size())
         self.dtype = dtype
         self.emulated_context_parallel = emulated_context_parallel
         if emulated_context_parallel:
             config_overrides = {"context_parallel_size": 1, **(config_overrides or {})}
+        # Megatron requires sequence parallelism for MoE with TP > 1 (local-spec norms: mcore.local_spec)
+        self.sequence_parallel = self.spec.is_moe and ps.get_tensor_model_parallel_world_size() > 1
+        if self.sequence_parallel:
+            from slime_corr.mcore.local_spec import allow_sequence_parallel_norms
+
+            allow_sequence_parallel_norms()
         self._mb = _local_spec_bridge(self.spec, AutoConfig.from_pretrained(hf_dir, local_files_only=True), dtype)
         self._mb.set_extra_args(
             **(_CPU_MOE_CONFIG if self.spec.is_moe else {}),
             use_cpu_initialization=not torch.cuda.is_available(),
-            sequence_parallel=False,
+            sequence_parallel=self.sequence_parallel,
             masked_softmax_fusion=False,
             hidden_dropout=0.0,
             attention_dropout=0.0,
@@ -141,12 +173,12 @@ class MegatronHFBridge:
 
     def build_model(self, load_weights: bool = True) -> nn.Module:
         """A GPTModel (vocab-parallel logits) with the checkpoint's weights unless `load_weights=False`."""
-        model = self._mb._model_provider([])(pre_process=True, post_process=True)
+        model = self._mb._model_provider([])(pre_process=self.first_stage, post_process=self.last_stage)
         model = model.to(self.dtype)  # the local spec's torch RMSNorm ignores params_dtype
         if self.emulated_context_parallel:  # RoPE reads parallel_state's CP group, not the config's size
-            from slime_corr.mcore.model import single_rank_groups
-
-            model.rotary_pos_emb.cp_group = single_rank_groups().cp
+            _run_whole_sequences(model)
+        if self.pipeline_parallel:  # stages exchange each micro-batch's activation shape (lengths vary)
+            model.config.variable_seq_lengths = True
         if load_weights:
             self.load_weights(model)
         return model

@@ -38,6 +38,7 @@ Megatron-Core partitions THD batches (``get_thd_batch_on_this_cp_rank``, i.e. Tr
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -200,9 +201,10 @@ def _cumulative(lengths: Sequence[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lengths, dtype=torch.long).cumsum(0).tolist()], dtype=torch.int32)
 
 
-def packed_length(total_length: int, cp_size: int) -> int:
-    """Positions a sample of `total_length` tokens takes in a packed micro-batch under CP size `cp_size`."""
-    return _round_up(total_length, cp_pad_multiple(cp_size))
+def packed_length(total_length: int, cp_size: int, sp_size: int = 1) -> int:
+    """Positions a sample of `total_length` tokens takes in a packed micro-batch under CP size `cp_size` (and
+    sequence parallelism over `sp_size` TP ranks)."""
+    return _round_up(total_length, cp_pad_multiple(cp_size, sp_size))
 
 
 def padding_sample(pad_token_id: int = 0) -> Sample:
@@ -217,9 +219,10 @@ def empty_micro_batch(cp_size: int = 1, pad_token_id: int = 0, packed: bool = Tr
                              pad_token_id=pad_token_id, packed=packed)
 
 
-def cp_pad_multiple(cp_size: int) -> int:
-    """What the sequence length must be a multiple of for :func:`zigzag_slice` (2 * cp_size; 1 without CP)."""
-    return 2 * cp_size if cp_size > 1 else 1
+def cp_pad_multiple(cp_size: int, sp_size: int = 1) -> int:
+    """What the sequence length must be a multiple of: 2 * cp_size for :func:`zigzag_slice` (1 without CP), and
+    the TP size under sequence parallelism (`sp_size`: Megatron splits the sequence over the TP ranks)."""
+    return math.lcm(2 * cp_size if cp_size > 1 else 1, sp_size)
 
 
 def zigzag_slice(tensor: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1) -> torch.Tensor:

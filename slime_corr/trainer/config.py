@@ -204,6 +204,15 @@ class TrainerConfig(TrainerConfigChecks):
         return Truncation(top_p=self.rollout_top_p, top_k=self.rollout_top_k)
 
     @property
+    def sequence_parallel_size(self) -> int:
+        """The TP size when the model runs with sequence parallelism (an MoE model at TP > 1, as Megatron requires:
+        `models.bridge`), else 1: micro-batch rows are padded to a multiple of it."""
+        tp = self.tensor_model_parallel_size
+        if tp > 1 and self.model_source.is_pretrained and self.model_source.spec().is_moe:
+            return tp
+        return 1
+
+    @property
     def asks_routes(self) -> bool:
         """The rollout asks the engines for the routed experts (replay, or the routing-mismatch metrics)."""
         return self.use_rollout_routing_replay or self.log_routing_mismatch

@@ -117,10 +117,6 @@ class TrainerConfigChecks:
             check_tensor_parallel(spec, self.tensor_model_parallel_size)
         except CheckpointError as e:
             raise ConfigError(str(e)) from None
-        if spec.is_moe and self.tensor_model_parallel_size > 1:
-            raise ConfigError(f"--tensor-model-parallel-size {self.tensor_model_parallel_size}: training a Mixture-of-"
-                              f"Experts model ({spec.path}) with TP > 1 needs Megatron's sequence parallelism, whose "
-                              "norms need TransformerEngine or apex (absent on CPU); use TP=1 with CP or DP.")
         longest = CHAT_TEMPLATE_ALLOWANCE + task.max_prompt_chars + self.rollout_max_response_len
         if longest > spec.max_position_embeddings:
             raise ConfigError(f"--rollout-max-response-len {self.rollout_max_response_len}: prompt (with up to "
@@ -130,15 +126,12 @@ class TrainerConfigChecks:
     def _check_pipeline_and_packing(self) -> None:
         from slime_corr.rollout.batching import packed_length
 
-        pp, layers = self.pipeline_model_parallel_size, self.model.num_layers
-        if self.model_source.is_pretrained and (pp > 1 or self.use_dynamic_batch_size):
-            flag = f"--pipeline-model-parallel-size {pp}" if pp > 1 else "--use-dynamic-batch-size"
-            raise ConfigError(f"{flag}: not supported yet with a pretrained model (--model / --hf-checkpoint): its "
-                              "Megatron model is built unsplit and its RoPE needs Megatron's THD attention for packed "
-                              "rows; use tensor, context or data parallelism with padded micro-batches.")
+        pp = self.pipeline_model_parallel_size
+        spec = self.model_source.spec() if self.model_source.is_pretrained else None
+        layers, what = (spec.num_layers, "the model's layers") if spec else (self.model.num_layers, "--num-layers")
         if layers % pp:
-            raise ConfigError(f"--pipeline-model-parallel-size {pp} must divide --num-layers {layers}: every "
-                              "pipeline stage holds the same number of layers.")
+            raise ConfigError(f"--pipeline-model-parallel-size {pp} must divide {what} ({layers}): every pipeline "
+                              "stage holds the same number of layers.")
         budget = self.max_tokens_per_gpu
         if budget is not None and (not isinstance(budget, int) or budget < 1):
             raise ConfigError(f"--max-tokens-per-gpu {budget} must be an integer >= 1.")
@@ -150,8 +143,11 @@ class TrainerConfigChecks:
                               "--use-dynamic-batch-size, or drop --max-tokens-per-gpu.")
         if budget is not None:
             cp = self.context_parallel_size
-            prompt = TASKS[self.task].max_prompt_chars  # byte tokens (the tiny model; a pretrained one is refused above)
-            group = self.n_samples_per_prompt * packed_length(prompt + self.rollout_max_response_len, cp)
+            prompt = TASKS[self.task].max_prompt_chars  # byte tokens; a tokenizer makes no more of ASCII text
+            if self.model_source.is_pretrained and not self.model_source.byte_tokens:
+                prompt += CHAT_TEMPLATE_ALLOWANCE
+            group = self.n_samples_per_prompt * packed_length(prompt + self.rollout_max_response_len, cp,
+                                                              self.sequence_parallel_size)
             if budget * cp < group:
                 raise ConfigError(
                     f"--max-tokens-per-gpu {budget}: a GRPO group (--n-samples-per-prompt {self.n_samples_per_prompt}"
@@ -161,8 +157,10 @@ class TrainerConfigChecks:
                     f"--max-tokens-per-gpu >= {-(-group // cp)}.")
 
     def _check_routing(self) -> None:
-        """Routes need an MoE model and an engine that returns them (the real SGLang server); replay is done on the
-        whole model (no PP: refused for bridge models anyway) and packed rows are refused for bridge models."""
+        """Routes need a Mixture-of-Experts model. Every engine kind returns them: the SGLang servers the trainer
+        launches get `--enable-return-routed-experts`, the embedded engine reads them from the HF model's routers
+        (`engines.embedded.routes`), and `--sglang-url` servers must have been started with that flag (a response
+        without routes is an error naming that flag). Replay works in every layout (`mcore.routing`)."""
         if not self.asks_routes:
             return
         flag = "--use-rollout-routing-replay" if self.use_rollout_routing_replay else "--log-routing-mismatch"
@@ -172,10 +170,6 @@ class TrainerConfigChecks:
             raise ConfigError(f"{flag}: the model is dense ({what}): routing replay and routing mismatch need a "
                               "Mixture-of-Experts model, e.g. --model tiny-moe or --hf-checkpoint of a qwen3_moe "
                               "checkpoint; drop the flag for a dense model.")
-        if not self.sglang_url and self.rollout_engine == "embedded":
-            raise ConfigError(f"{flag}: --rollout-engine embedded does not return the routed experts; use "
-                              "--rollout-engine sglang (the trainer launches SGLang with "
-                              "--enable-return-routed-experts) or --sglang-url of servers started with it.")
 
     def _check_load(self) -> None:
         from slime_corr.mcore.checkpoint import TRACKER_FILE, iteration_dir, latest_iteration

@@ -99,18 +99,20 @@ def plan_rollout(samples: Sequence[Sample], group_size: int, num_steps: int, dp_
 
 
 def plan_micro_batches(samples: Sequence[Sample], parts: Sequence[Sequence[int]], group_size: int,
-                       micro_batch_size: int, max_tokens: int | None = None, cp_size: int = 1) -> list[list[list[int]]]:
+                       micro_batch_size: int, max_tokens: int | None = None, cp_size: int = 1, sp_size: int = 1
+                       ) -> list[list[list[int]]]:
     """One step's micro-batches [dp_rank][micro-batch] (sample indices) from its DP `parts` (whole groups, group
     after group): `micro_batch_size` samples each, or with `max_tokens` (per GPU; a micro-batch holds
     max_tokens · CP, each CP rank 1/CP) whole groups packed by `pack_by_tokens`, each sample taking its packed
-    length under CP. Every DP rank gets the same number of micro-batches (empty ones, [], at the end)."""
+    length under CP (and sequence parallelism over `sp_size` TP ranks). Every DP rank gets the same number of
+    micro-batches (empty ones, [], at the end)."""
     if max_tokens is None:
         return [[list(part[i:i + micro_batch_size]) for i in range(0, len(part), micro_batch_size)]
                 for part in parts]
     out = []
     for part in parts:
         groups = [list(part[i:i + group_size]) for i in range(0, len(part), group_size)]
-        sizes = [sum(packed_length(samples[i].total_length, cp_size) for i in g) for g in groups]
+        sizes = [sum(packed_length(samples[i].total_length, cp_size, sp_size) for i in g) for g in groups]
         out.append([[i for g in b for i in groups[g]] for b in pack_by_tokens(sizes, max_tokens * cp_size)])
     count = max(len(mbs) for mbs in out)
     return [mbs + [[] for _ in range(count - len(mbs))] for mbs in out]
@@ -118,7 +120,7 @@ def plan_micro_batches(samples: Sequence[Sample], parts: Sequence[Sequence[int]]
 
 def rollout_shards(samples: Sequence[Sample], group_size: int, num_steps: int, dp_size: int,
                    normalize_std: bool = True, *, micro_batch_size: int, max_tokens: int | None = None,
-                   cp_size: int = 1) -> list[RankShard]:
+                   cp_size: int = 1, sp_size: int = 1) -> list[RankShard]:
     """Per DP rank, its `RankShard` of the rollout (micro-batches by `plan_micro_batches`), with GRPO advantages
     over the trainable samples (the others get 0 and are masked out of the loss)."""
     trained = [i for i, s in enumerate(samples) if s.status in TRAINABLE]
@@ -127,7 +129,7 @@ def rollout_shards(samples: Sequence[Sample], group_size: int, num_steps: int, d
         advantages[i] = a
     shards = [RankShard() for _ in range(dp_size)]
     for step in plan_rollout(samples, group_size, num_steps, dp_size):
-        plan = plan_micro_batches(samples, step, group_size, micro_batch_size, max_tokens, cp_size)
+        plan = plan_micro_batches(samples, step, group_size, micro_batch_size, max_tokens, cp_size, sp_size)
         for shard, micro_batches in zip(shards, plan, strict=True):
             shard.steps.append([[TrainSample(samples[i], advantages[i], i) for i in mb] for mb in micro_batches])
     return shards
@@ -168,21 +170,22 @@ def _with_routes(samples: list[Sample], routes: RoutedExpertsSpec | None) -> lis
 
 
 def build_micro_batches(shard: RankShard, first_step: int, *, cp_rank: int = 0, cp_size: int = 1,
-                        pad_token_id: int = 0, packed: bool = False, routes: RoutedExpertsSpec | None = None
-                        ) -> list[list[dict[str, torch.Tensor]]]:
+                        pad_token_id: int = 0, packed: bool = False, routes: RoutedExpertsSpec | None = None,
+                        sp_size: int = 1) -> list[list[dict[str, torch.Tensor]]]:
     """This rank's micro-batches of the rollout, per optimizer step (`first_step` = the optimizer step the rollout's
     first update makes; the weight lag of step k is measured against `first_step + k`); `packed`: THD rows.
     `routes`: the MoE shape of the engine's routes (`Sample.routed_experts`), when they were asked for: every
-    micro-batch then carries them, whole under CP (emulated CP runs whole sequences)."""
+    micro-batch then carries them, whole under CP (emulated CP runs whole sequences). `sp_size`: the TP size
+    under sequence parallelism (rows padded to a multiple of it)."""
     steps = []
     for k, micro_batches in enumerate(shard.steps):
         out = []
         for part in micro_batches:
             part = part or [TrainSample(padding_sample(pad_token_id), 0.0, -1)]  # an empty micro-batch
             samples = _with_routes([t.sample for t in part], routes)
-            batch = build_micro_batch(samples, [t.advantage for t in part], pad_to_multiple=cp_pad_multiple(cp_size),
-                                      pad_token_id=pad_token_id, packed=packed,
-                                      weight_lag=[token_lags(s, first_step + k) for s in samples])
+            batch = build_micro_batch(samples, [t.advantage for t in part],
+                                      pad_to_multiple=cp_pad_multiple(cp_size, sp_size), pad_token_id=pad_token_id,
+                                      packed=packed, weight_lag=[token_lags(s, first_step + k) for s in samples])
             mask_not_trained(batch, samples)
             batch["rewards"] = torch.tensor([float(s.reward or 0.0) for s in samples], dtype=torch.float64)
             batch["group_ids"] = torch.tensor([s.group_id for s in samples])

@@ -23,7 +23,7 @@ from typing import Any
 from torch import Tensor
 
 from slime_corr.engines.embedded.model import ByteTokenizer, Tokenizer
-from slime_corr.engines.launch import EngineSpec, engine_device, start_engines
+from slime_corr.engines.launch import ROUTES_FLAG, EngineSpec, engine_device, start_engines
 from slime_corr.monitoring.progress import ProgressSampleBuffer, RolloutProgress
 from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.data_iterator import background_event_loop
@@ -90,7 +90,7 @@ class RolloutDriver:
                               dtype=cfg.engine_dtype, served_model_name=self.served_model_name, seed=cfg.seed,
                               log_dir=self.log_dir, sglang_python=cfg.sglang_python,
                               sglang_args=(*cfg.sglang_server_args,
-                                           *(("--enable-return-routed-experts",) if cfg.asks_routes else ())),
+                                           *((ROUTES_FLAG,) if cfg.asks_routes else ())),
                               skip_tokenizer_init=self.engine_tokenizer is None, device=engine_device(),
                               embedded_module=self.engine_module, tokenizer=self.engine_tokenizer)
             group = self._stack.enter_context(start_engines(spec, save(weights, self.weights_dir / version), version))

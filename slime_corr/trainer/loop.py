@@ -347,7 +347,8 @@ class _Job:
         shards = rollout_shards(samples, cfg.n_samples_per_prompt, cfg.num_steps_per_rollout, cfg.data_parallel_size,
                                 cfg.grpo_std_normalization, micro_batch_size=cfg.micro_batch_size,
                                 max_tokens=cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None,
-                                cp_size=cfg.context_parallel_size) if self.is_driver else None
+                                cp_size=cfg.context_parallel_size, sp_size=cfg.sequence_parallel_size
+                                ) if self.is_driver else None
         if shards is not None:
             record.micro_batches = [len(step) for step in shards[0].steps]
             record.empty_micro_batches = [sum(not mb for shard in shards for mb in shard.steps[k])
@@ -355,7 +356,8 @@ class _Job:
         shard = scatter_shards(shards, self.dp_rank_of)
         micro_batches = build_micro_batches(shard, first_step, cp_rank=ps.get_context_parallel_rank(),
                                             cp_size=cfg.context_parallel_size, pad_token_id=self.policy.pad_token_id,
-                                            packed=cfg.use_dynamic_batch_size, routes=self.routes)
+                                            packed=cfg.use_dynamic_batch_size, routes=self.routes,
+                                            sp_size=cfg.sequence_parallel_size)
         record.data = time.perf_counter() - start
         interval = cfg.prox_logp_error_interval
         self.hook.measure_prox_error = bool(interval) and self.state.rollout % interval == 0

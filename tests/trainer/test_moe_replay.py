@@ -1,13 +1,14 @@
 """Rollout routing replay in the trainer (`--use-rollout-routing-replay`) on the tiny Qwen3-MoE, float64:
 
-- parse-time refusals (dense model, the embedded engine, TP > 1);
+- parse-time checks (a dense model refused, PP must divide the layers, sequence parallelism at TP > 1);
 - the trainer's path (samples -> `trainer.data` micro-batches -> the loss hook's lp_old / reference pass and a
   training step through Megatron's schedule, the policy's `routed_forward`) against a plain reference: each
   sample alone (batch of one, no padding) through the Megatron model under `replay_routes`, its log-probs and the
   routing mismatch counted by hand (layer 0 by Python sets: the first router's input does not depend on replay);
-- the same step metrics (log-prob mismatch, loss, routing mismatch) whatever the layout: padded micro-batches of 4
-  and of 1 sequence in one process, CP=2 and DP=2 in one 2-process launch. Packed micro-batches are refused for
-  models built through the bridge (RoPE over packed rows needs THD attention), so they are not a layout here.
+- the same step (loss, KL, log-prob mismatch, routing mismatch, the gradient's norm) whatever the layout: padded
+  micro-batches of 4 and of 1 sequence and packed THD rows (one or two groups per row) in one process; CP=2
+  (padded and packed), DP=2, PP=2 (padded and packed: the stages' routes merged after the schedule) and TP=2
+  (sequence parallel, padded and packed) in one 2-process launch.
 
 The engine's routes are the model's own for half the tokens and random top-2 sets for the others, so replay
 changes the log-probs (checked) and the routing mismatch is far from 0 and 1.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import random
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -31,9 +33,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mcore"))  # mcore_
 
 GROUP, GROUPS = 4, 2
 TEMPERATURE = 0.8
-KEYS = ("train_rollout_logprob_abs_diff", "mismatch_k3_kl", "loss", "kl_loss", "routing_mismatch_frac",
+
+
+class Layout(NamedTuple):
+    """Parallel sizes and micro-batches: padded micro-batches of `mbs` samples, or packed THD rows of whole groups
+    up to `max_tokens` per GPU (the test's groups take 45 and 43 tokens: one group per row, or both)."""
+
+    cp: int = 1
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    mbs: int = 4
+    max_tokens: int | None = None
+
+
+LAYOUTS_ONE_PROCESS = [Layout(), Layout(mbs=1), Layout(max_tokens=50), Layout(max_tokens=100)]
+LAYOUTS_SPAWNED = [Layout(cp=2), Layout(dp=2, mbs=2), Layout(cp=2, max_tokens=30), Layout(pp=2, mbs=2),
+                   Layout(pp=2, max_tokens=50), Layout(tp=2), Layout(tp=2, max_tokens=100)]
+KEYS = ("grad_norm", "train_rollout_logprob_abs_diff", "mismatch_k3_kl", "loss", "kl_loss", "routing_mismatch_frac",
         "routing_mismatch_token_frac", "routing_mismatch_layer_0", "routing_mismatch_layer_1",
         "logprob_abs_diff_routing_diff", "logprob_abs_diff_routing_same")
+# Megatron's router takes its softmax in float32: the gradient's sums over tokens (in another order in another
+# layout) round at float32's precision; everything else is float64
+REL = {key: 1e-6 if key == "grad_norm" else 1e-9 for key in KEYS}
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +72,14 @@ def _config(cache: str, **kw) -> TrainerConfig:
     return TrainerConfig(**{**base, **kw})
 
 
-def test_refused_at_parse_time(cache):
+def test_parse_time_checks(cache):
     with pytest.raises(ConfigError, match="--use-rollout-routing-replay: the model is dense"):
         TrainerConfig(use_rollout_routing_replay=True)
-    with pytest.raises(ConfigError, match="--log-routing-mismatch: --rollout-engine embedded does not return"):
-        _config(cache, use_rollout_routing_replay=False, log_routing_mismatch=True, rollout_engine="embedded")
-    with pytest.raises(ConfigError, match="TP > 1 needs Megatron's sequence parallelism"):
-        _config(cache, tensor_model_parallel_size=2, world_size=2)
+    with pytest.raises(ConfigError, match="--pipeline-model-parallel-size 4 must divide the model's layers"):
+        _config(cache, pipeline_model_parallel_size=4, world_size=4)
+    # MoE at TP > 1 runs with sequence parallelism (Megatron's requirement): rows padded to a multiple of TP
+    assert _config(cache, tensor_model_parallel_size=2, world_size=2).sequence_parallel_size == 2
+    assert _config(cache, context_parallel_size=2, world_size=2).sequence_parallel_size == 1
     ok = _config(cache, sglang_url=("http://127.0.0.1:1",), rollout_engine="embedded")  # routes from that server
     assert ok.routed_experts_spec().bytes_per_token == 4
 
@@ -139,8 +162,9 @@ def _reference(rank: int, world: int, cache: str, samples: list[Sample], out: di
 
 
 def _trainer_step(rank: int, world: int, cache: str, samples: list[Sample], layouts: list, out: dict) -> None:
-    """The trainer's path in each (cp, dp, micro_batch_size) layout: micro-batches, lp_old + reference pass, one
-    training step; rank 0 records the step metrics and the trained tokens' lp_old / reference log-probs."""
+    """The trainer's path in each `Layout`: micro-batches, lp_old + reference pass, one training step; the rank
+    that holds the step metrics (the last pipeline stage's first rank) records them and the trained tokens' lp_old
+    / reference log-probs."""
     import torch.distributed as dist
     from mcore_helpers import init_layout
     from megatron.core import parallel_state as ps
@@ -150,31 +174,57 @@ def _trainer_step(rank: int, world: int, cache: str, samples: list[Sample], layo
     from slime_corr.trainer.data import build_micro_batches, rollout_shards
     from slime_corr.trainer.policy import build_policy
 
-    for cp, dp, mbs in layouts:
-        init_layout(1, cp)
-        cfg = _config(cache, context_parallel_size=cp, world_size=cp * dp, micro_batch_size=mbs)
+    for layout in layouts:
+        cp, dp, pp, tp, mbs, max_tokens = layout
+        init_layout(tp, cp, pp)
+        # the flags' budget bounds the longest possible group; the test's samples are shorter and pack tighter
+        packing = dict(use_dynamic_batch_size=True, max_tokens_per_gpu=128) if max_tokens else {}
+        cfg = _config(cache, context_parallel_size=cp, pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp,
+                      world_size=cp * dp * pp * tp, micro_batch_size=mbs, **packing)
         policy = build_policy(cfg, with_reference=True)
+        assert policy.module.config.sequence_parallel == (tp > 1)  # Megatron's requirement for MoE with TP
         hook = RolloutCorrectionLoss(RolloutCorrectionConfig.preset("decoupled_token_is"), temperature=TEMPERATURE,
                                      model_forward=policy.forward, seq_length_for_norm=cfg.rollout_max_response_len,
                                      loss_terms=LossTermsConfig(kl_loss_coef=0.1), ref_model=policy.reference)
-        shards = rollout_shards(samples, GROUP, 1, dp, micro_batch_size=mbs)
+        shards = rollout_shards(samples, GROUP, 1, dp, micro_batch_size=mbs, max_tokens=max_tokens, cp_size=cp,
+                                sp_size=cfg.sequence_parallel_size)
         shard = shards[ps.get_data_parallel_rank()]
         (batches,) = build_micro_batches(shard, 0, cp_rank=ps.get_context_parallel_rank(), cp_size=cp,
-                                         routes=cfg.routed_experts_spec())
+                                         routes=cfg.routed_experts_spec(), packed=max_tokens is not None,
+                                         sp_size=cfg.sequence_parallel_size)
+        assert all(("cu_seqlens" in b) == (max_tokens is not None) for b in batches)
         hook.prepare_rollout(policy.model, batches)
-        metrics = hook.train_step(policy.model, batches, recompute_old_log_probs=False)
-        lps = [(b["old_log_probs"][b["loss_mask"] > 0], b["ref_log_probs"][b["loss_mask"] > 0]) for b in batches]
-        if rank == 0:
-            out[(cp, dp, mbs)] = {"metrics": metrics, "lps": lps}
+        metrics = {**hook.train_step(policy.model, batches, recompute_old_log_probs=False),
+                   "grad_norm": _grad_norm(policy.model)}
+        reporting = ps.is_pipeline_last_stage() and rank == ps.get_pipeline_model_parallel_last_rank() and \
+            ps.get_data_parallel_rank(with_context_parallel=True) == 0 and ps.get_tensor_model_parallel_rank() == 0
+        if reporting:
+            lps = [(b["old_log_probs"][b["loss_mask"] > 0], b["ref_log_probs"][b["loss_mask"] > 0]) for b in batches]
+            out[layout] = {"metrics": metrics, "lps": lps}
         if dist.get_world_size() > 1:
             dist.barrier()
 
 
+def _grad_norm(model: torch.nn.Module) -> float:
+    """The norm of the whole model's gradient (Megatron DDP's main_grad after finalize_model_grads), each
+    parameter counted once: TP shards summed over TP, stages over PP, replicated weights (norms, routers) once."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    total = torch.zeros((), dtype=torch.float64)
+    for p in model.parameters():
+        if param_is_not_tensor_parallel_duplicate(p):
+            total += p.main_grad.double().square().sum()
+    if dist.get_world_size() > 1:
+        dist.all_reduce(total, group=ps.get_model_parallel_group())
+    return float(total.sqrt())
+
+
 def _metrics_spawned(rank: int, world: int, cache: str, samples: list[Sample], path: str) -> None:
     out: dict = {}
-    _trainer_step(rank, world, cache, samples, [(2, 1, 4), (1, 2, 2)], out)
-    if rank == 0:
-        torch.save({k: v["metrics"] for k, v in out.items()}, path)
+    _trainer_step(rank, world, cache, samples, LAYOUTS_SPAWNED, out)
+    torch.save({k: v["metrics"] for k, v in out.items()}, f"{path}.{rank}")
 
 
 @pytest.fixture(scope="module")
@@ -204,13 +254,18 @@ def reference(cache):
     return samples, lp, want
 
 
-def test_replay_equals_the_plain_reference_padded(cache, reference):
+@pytest.fixture(scope="module")
+def one_process(cache, reference) -> dict:
     from mcore_helpers import run_in_process
 
-    samples, lp, want = reference
     got: dict = {}
-    run_in_process(_trainer_step, cache, samples, [(1, 1, 4), (1, 1, 1)], got)
-    for layout, result in got.items():
+    run_in_process(_trainer_step, cache, reference[0], LAYOUTS_ONE_PROCESS, got)
+    return got
+
+
+def test_replay_equals_the_plain_reference_padded_and_packed(reference, one_process):
+    _, lp, want = reference
+    for layout, result in one_process.items():
         m = result["metrics"]
         for key, value in want.items():
             assert m[key] == pytest.approx(value, rel=1e-9, abs=1e-12), (key, layout)
@@ -218,18 +273,26 @@ def test_replay_equals_the_plain_reference_padded(cache, reference):
         ref_lp = torch.cat([r for _, r in result["lps"]])
         assert torch.allclose(old, lp, rtol=0, atol=1e-12)  # lp_old under replay = the plain replayed forward
         assert torch.equal(old, ref_lp)  # the reference replays the engine's routes too (same initial weights)
-    for key in KEYS:  # micro-batches of 4 (padded) and of 1 sequence: the same step
-        assert got[(1, 1, 1)]["metrics"][key] == pytest.approx(got[(1, 1, 4)]["metrics"][key], rel=1e-9,
-                                                              abs=1e-12), key
-    print({k: round(v, 6) for k, v in got[(1, 1, 4)]["metrics"].items() if k in KEYS})
+    base = one_process[LAYOUTS_ONE_PROCESS[0]]["metrics"]
+    for layout in LAYOUTS_ONE_PROCESS[1:]:  # padded micro-batches of 1 sequence, packed rows: the same step
+        for key in KEYS:
+            assert one_process[layout]["metrics"][key] == pytest.approx(base[key], rel=REL[key], abs=1e-12), \
+                (key, layout)
+    print({k: round(v, 6) for k, v in base.items() if k in KEYS})
 
 
-def test_replay_metrics_under_cp2_and_dp2(cache, reference, tmp_path):
+def test_replay_step_under_cp_dp_pp_tp(cache, reference, one_process, tmp_path):
+    """Every 2-process layout logs the one-process step: loss, KL, log-prob and routing mismatch."""
     from mcore_helpers import spawn
 
     samples, _, want = reference
     path = tmp_path / "spawned.pt"
     spawn(_metrics_spawned, 2, cache, samples, str(path))
-    for layout, m in torch.load(path, weights_only=False).items():
+    got = {**torch.load(f"{path}.0", weights_only=False), **torch.load(f"{path}.1", weights_only=False)}
+    assert set(got) == set(LAYOUTS_SPAWNED)
+    base = one_process[LAYOUTS_ONE_PROCESS[0]]["metrics"]
+    for layout, m in got.items():
         for key, value in want.items():
             assert m[key] == pytest.approx(value, rel=1e-9, abs=1e-12), (key, layout)
+        for key in KEYS:
+            assert m[key] == pytest.approx(base[key], rel=REL[key], abs=1e-12), (key, layout)

@@ -83,10 +83,10 @@ BAD = [
      "--rollout-max-response-len 8100: prompt (with up to 128 tokens of chat template) + response reach 8236"),
     (["--model", "smollm2-135m", "--hf-checkpoint", "/tmp"], {}, "both choose the model: give one"),
     (["--hf-checkpoint", "/nonexistent/llama"], {}, "--hf-checkpoint /nonexistent/llama: not a directory"),
-    (["--model", "smollm2-135m", "--pipeline-model-parallel-size", "2"], {"WORLD_SIZE": "2"},
-     "--pipeline-model-parallel-size 2: not supported yet with a pretrained model"),
-    (["--model", "smollm2-135m", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096"], {},
-     "--use-dynamic-batch-size: not supported yet with a pretrained model"),
+    (["--model", "smollm2-135m", "--pipeline-model-parallel-size", "4"], {"WORLD_SIZE": "4"},
+     "--pipeline-model-parallel-size 4 must divide the model's layers (30)"),
+    (["--model", "smollm2-135m", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "200"], {},
+     "samples of up to 136 prompt + --rollout-max-response-len 12 tokens) can take 1184 tokens"),  # 8 + 128 of template
     (["--model", "llama-7b"], {}, "argument --model: invalid choice: 'llama-7b'"),
     (["--task", "poetry"], {}, "argument --task: invalid choice: 'poetry'"),
 ]
@@ -100,5 +100,5 @@ def test_bad_model_flags_are_refused_at_parse_time_naming_the_flag(argv, env, me
         main([*argv, "--self-check"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and message in err, err
-    if "divide" in message:
+    if "does not divide the model" in message:
         assert "num_attention_heads=9" in err and "sizes that fit: 1, 3" in err

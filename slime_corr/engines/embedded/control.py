@@ -124,7 +124,7 @@ class EngineControl:
             "max_context_length": int(e.model.max_seq_len), "version": VERSION, "host": e.host, "port": e.port,
             "incremental_streaming_output": e.incremental, "disaggregation_mode": "null",
             "max_running_requests": e.max_running, "weight_version": e.weight_version,
-            "startup_time": self.started, "frontend": "python",
+            "enable_return_routed_experts": e.return_routes, "startup_time": self.started, "frontend": "python",
             "internal_states": [{"paused": HOLD_PAUSE in e.holds, "num_running": len(e.active),
                                  "memory_released": sorted(e.released)}],
         })

@@ -13,6 +13,7 @@ not depend on what it was batched with or when it ran. Log-probs follow SGLang: 
 the sampled token, not renormalised after top-p/top-k/min-p filtering; ``T == 0`` is greedy with the raw
 ``log_softmax(logits)``. The matched stop token / EOS stays in ``output_ids`` and the log-probs; only ``text``
 is trimmed. Requests arriving during a pause (or while memory is released) wait until generation continues.
+A Mixture-of-Experts model returns ``meta_info.routed_experts`` as SGLang 0.5.23 does (:mod:`.routes`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from slime_corr.engines.embedded.model import (
     eos_ids,
 )
 from slime_corr.engines.embedded.requests import EngineRequest, EngineStats, parse_generate, response_payload
+from slime_corr.engines.embedded.routes import routes_enabled
 from slime_corr.engines.embedded.sampling import position_generator, sample_next_token
 
 
@@ -62,8 +64,10 @@ class LocalEngine:
         step_delay: float = 0.0,
         tokenizer: Tokenizer | None = None,
         group_timeout: float = 600.0,
+        enable_return_routed_experts: bool = False,
     ) -> None:
         self.model = model
+        self.return_routes = routes_enabled(model, enable_return_routed_experts)
         self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
         self.step_delay = step_delay  # seconds slept after each step: throttles generation for demos / tests
         self.model_path = model_path
@@ -156,9 +160,11 @@ class LocalEngine:
                                          "err_type": "InternalServerError"})
                     continue
             version = self.weight_version
-            for req, (tok, lp) in zip(batch, results, strict=True):
+            for req, (tok, lp, routes) in zip(batch, results, strict=True):
                 if req.finish is not None:  # aborted while the step ran: the token is discarded
                     continue
+                if routes is not None:
+                    req.add_routes(routes)
                 req.output_ids.append(tok)
                 req.logprobs.append(lp)
                 req.versions.append(version)
@@ -168,9 +174,12 @@ class LocalEngine:
             await asyncio.sleep(self.step_delay)  # let handlers run between steps
 
     @torch.inference_mode()
-    def _step(self, batch: list[EngineRequest]) -> list[tuple[int, float]]:
-        """One token for each request: unseeded ones share a padded forward, seeded ones get one each."""
+    def _step(self, batch: list[EngineRequest]) -> list[tuple[int, float, torch.Tensor | None]]:
+        """One token for each request: unseeded ones share a padded forward, seeded ones get one each. With the
+        token and its log-prob, the MoE routes of the rows this forward computed first for a request that asked
+        for them (the whole sequence at its first step, then its last token), else None."""
         rows: dict[int, torch.Tensor] = {}
+        new_routes: dict[int, torch.Tensor] = {}
         shared = [i for i, r in enumerate(batch) if not r.seeded]
         groups = [shared] if shared else []
         groups += [[i] for i, r in enumerate(batch) if r.seeded]
@@ -179,7 +188,13 @@ class LocalEngine:
             ids = torch.zeros(len(seqs), max(len(s) for s in seqs), dtype=torch.long)
             for j, s in enumerate(seqs):
                 ids[j, : len(s)] = torch.tensor(s)
-            logits = self.model.logits(ids)
+            if any(batch[i].return_routes for i in idx):
+                logits, routes = self.model.logits_and_routes(ids)  # type: ignore[attr-defined]
+                for j, i in enumerate(idx):
+                    if batch[i].return_routes:
+                        new_routes[i] = routes[j, batch[i].route_rows : len(seqs[j])].to("cpu", copy=True)
+            else:
+                logits = self.model.logits(ids)
             for j, i in enumerate(idx):
                 rows[i] = logits[j, len(seqs[j]) - 1].float().clone()
         out = []
@@ -191,7 +206,8 @@ class LocalEngine:
             for t, bias in (req.params.get("logit_bias") or {}).items():
                 row[int(t)] += float(bias)
             position = len(req.prompt) + len(req.output_ids)
-            out.append(sample_next_token(row, req.params, position_generator(req.seed, position)))
+            tok, lp = sample_next_token(row, req.params, position_generator(req.seed, position))
+            out.append((tok, lp, new_routes.get(i)))
         return out
 
     def _stop_ids(self, req: EngineRequest) -> set[int]:
@@ -227,7 +243,7 @@ class LocalEngine:
         try:
             body = await request.json()
             reqs, is_batch, stream = parse_generate(body, self.model, self.tokenizer, self.active,
-                                                   f"local-{self.port}")
+                                                   f"local-{self.port}", self.return_routes)
         except (BadRequest, ValueError, TypeError, KeyError, IndexError) as e:
             return web.json_response({"error": str(e)}, status=400)
         for req in reqs:  # like SGLang, a request that arrives during a pause waits for continue_generation
@@ -327,12 +343,15 @@ def start_local_engine(
     step_delay: float = 0.0,
     served_model_name: str = "slime-corr-tiny",
     group_timeout: float = 600.0,
+    enable_return_routed_experts: bool = False,
 ) -> Iterator[LocalEngineHandle]:
     """Serve a local engine on 127.0.0.1 (a free port) in a background thread; stops it on exit.
 
     ``checkpoint_dir`` None creates a fresh tiny checkpoint (seed ``seed``) in a temporary directory.
     ``model`` overrides the default :class:`TorchEngineModel` (e.g. a Megatron or Hugging Face model adapter),
-    ``tokenizer`` the byte-level one.
+    ``tokenizer`` the byte-level one. ``enable_return_routed_experts`` (SGLang's ``--enable-return-routed-experts``):
+    True returns MoE routes when asked (a dense model raises, as SGLang fails to start), False (SGLang's default)
+    ignores ``return_routed_experts``.
     """
     tmp = None
     if checkpoint_dir is None and model is None:
@@ -344,7 +363,8 @@ def start_local_engine(
     engine = LocalEngine(model, model_path=checkpoint_dir or "", weight_version=weight_version,
                          incremental_streaming_output=incremental_streaming_output,
                          max_running_requests=max_running_requests, step_delay=step_delay, tokenizer=tokenizer,
-                         served_model_name=served_model_name, group_timeout=group_timeout)
+                         served_model_name=served_model_name, group_timeout=group_timeout,
+                         enable_return_routed_experts=enable_return_routed_experts)
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(engine.app, handle_signals=False, access_log=None)
     started = threading.Event()
@@ -400,13 +420,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--weight-version", default="default")
     ap.add_argument("--group-timeout", type=float, default=600.0,
                     help="seconds a weight-update group waits for its peers")
+    ap.add_argument("--enable-return-routed-experts", dest="routes", action="store_true",
+                    help="return the MoE routes a request asks for (return_routed_experts), as SGLang's flag")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     with start_local_engine(args.checkpoint, dtype=torch.float32 if args.fp32 else torch.bfloat16,
                             incremental_streaming_output=args.incremental_streaming_output, seed=args.seed,
                             step_delay=args.step_delay, weight_version=args.weight_version,
-                            group_timeout=args.group_timeout) as h:
+                            group_timeout=args.group_timeout, enable_return_routed_experts=args.routes) as h:
         print(f"READY {h.url}", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             threading.Event().wait()

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slime_corr.engines.embedded.routes import MoERouters
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.pt"
 
@@ -199,7 +201,8 @@ class TorchEngineModel:
     fp32 training forward); logits are returned as float32. The factory must return a module mapping [B, T] ids
     to [B, T, V] logits (a tensor, or an output with ``.logits`` as Hugging Face causal LMs return) with a config
     as ``cfg`` or ``config`` giving ``vocab_size``, ``eos_token_id`` (int, list or None) and ``max_seq_len`` or
-    ``max_position_embeddings``. Weight names are the module's ``state_dict`` keys.
+    ``max_position_embeddings``. Weight names are the module's ``state_dict`` keys. A Mixture-of-Experts module (its
+    config has ``num_experts_per_tok``) also gives the experts its routers pick (:meth:`logits_and_routes`).
     """
 
     def __init__(
@@ -224,6 +227,7 @@ class TorchEngineModel:
         self.max_seq_len = int(getattr(cfg, "max_seq_len", None) or getattr(cfg, "max_position_embeddings", None)
                                or 1 << 30)
         self.module = module
+        self.routers = MoERouters.find(module)  # None: a dense model
         self.checkpoint_dir = checkpoint_dir
 
     @torch.inference_mode()
@@ -233,6 +237,15 @@ class TorchEngineModel:
             torch.set_num_threads(self.num_threads)
         out = self.module(input_ids)
         return getattr(out, "logits", out).float()
+
+    def logits_and_routes(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`logits` and the MoE routes of the same forward: int32 ``[B, T, layers, top_k]``, each layer's
+        experts in its router's top-k order (:class:`~.routes.MoERouters`; a dense model raises ValueError)."""
+        if self.routers is None:
+            raise ValueError("logits_and_routes: the served model is dense (no MoE router)")
+        with self.routers.capture(input_ids) as routes:
+            logits = self.logits(input_ids)
+        return logits, routes[0]
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The module's ``state_dict`` tensors (views sharing the served storage)."""

@@ -11,13 +11,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from slime_corr.engines.embedded.control import BadRequest
 from slime_corr.engines.embedded.model import EngineModel, Tokenizer
+from slime_corr.engines.embedded.routes import check_start_len
 from slime_corr.engines.embedded.sampling import request_seed
 from slime_corr.rollout.protocol import SAMPLING_KEYS
+from slime_corr.rollout.routing import encode_routed_experts
 
 # Accepted by the schema but not implemented by this engine: a request using them gets a 400, never a silent no-op.
 _UNSUPPORTED = ("stop_regex", "json_schema", "regex", "ebnf", "structural_tag", "beam_width", "watermark", "choice")
+# What SGLang's request model (pydantic, lax mode) takes as a boolean
+_BOOLS = {"true": True, "t": True, "yes": True, "y": True, "on": True, "1": True,
+          "false": False, "f": False, "no": False, "n": False, "off": False, "0": False}
 
 
 @dataclass
@@ -39,11 +46,32 @@ class EngineRequest:
     trim: int | None = None  # text length after trimming a matched stop string
     created: float = field(default_factory=time.perf_counter)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # MoE (`return_routed_experts` on an engine that returns them): each token's experts from the forward that
+    # first computed it, [rows, layers, top_k] int32 chunks; rows = prompt + output - 1 once a forward ran
+    return_routes: bool = False
+    routes_start: int = 0  # routed_experts_start_len
+    route_chunks: list[torch.Tensor] = field(default_factory=list)
+    route_rows: int = 0
 
     def finish_with(self, reason: dict[str, Any]) -> None:
         if self.finish is None:
             self.finish = reason
+            if not self.admitted:  # aborted while waiting (held, or retracted by a pause): SGLang returns no routes
+                self.route_chunks.clear()
         self.changed.set()
+
+    def add_routes(self, rows: torch.Tensor) -> None:
+        """The routes of the rows a forward computed first (those after ``route_rows``)."""
+        self.route_chunks.append(rows)
+        self.route_rows += rows.shape[0]
+
+    def routed_experts(self) -> str | None:
+        """``meta_info.routed_experts`` of the finished request: rows ``[routes_start, prompt + output - 1)``, or
+        None when it was not asked for, is not finished, or never ran a forward."""
+        if not self.return_routes or self.finish is None or not self.route_chunks:
+            return None
+        end = len(self.prompt) + len(self.output_ids) - 1
+        return encode_routed_experts(torch.cat(self.route_chunks)[self.routes_start : end])
 
     def text(self, tokenizer: Tokenizer, ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=bool(self.params.get("skip_special_tokens", True)))
@@ -77,8 +105,12 @@ class EngineStats:
 
 
 def parse_generate(body: Any, model: EngineModel, tokenizer: Tokenizer, active: Mapping[str, EngineRequest],
-                   rid_tag: str = "local") -> tuple[list[EngineRequest], bool, bool]:
-    """Validate a /generate body; returns (requests, is_batch, stream). Raises BadRequest naming the field."""
+                   rid_tag: str = "local", routes_enabled: bool = False) -> tuple[list[EngineRequest], bool, bool]:
+    """Validate a /generate body; returns (requests, is_batch, stream). Raises BadRequest naming the field.
+
+    ``routes_enabled``: the engine returns MoE routes (SGLang's ``--enable-return-routed-experts``); without it
+    ``return_routed_experts`` is ignored, as SGLang does. A ``routed_experts_start_len`` outside ``[0, prompt]``
+    fails its request with SGLang's 400 (a request finished before it runs)."""
     if not isinstance(body, dict):
         raise BadRequest("invalid type: expected struct GenerateRequest")
     input_ids, text = body.get("input_ids"), body.get("text")
@@ -105,6 +137,10 @@ def parse_generate(body: Any, model: EngineModel, tokenizer: Tokenizer, active: 
     lp_start = body.get("logprob_start_len")
     if lp_start not in (None, -1) or body.get("top_logprobs_num") or body.get("token_ids_logprob"):
         raise BadRequest("only output log-probs are supported (logprob_start_len=-1, no top_logprobs)")
+    want_routes = _lax_bool(body.get("return_routed_experts", False), "return_routed_experts")
+    start_len = body.get("routed_experts_start_len", 0)
+    if not isinstance(start_len, int):
+        raise BadRequest("routed_experts_start_len: Input should be a valid integer")
     reqs = []
     for prompt, params, rid, rlp in zip(prompts, sps, rids, ret_lps, strict=True):
         check_request(params, prompt, model)
@@ -112,10 +148,24 @@ def parse_generate(body: Any, model: EngineModel, tokenizer: Tokenizer, active: 
             rid = f"{rid_tag}-{time.monotonic_ns()}-{len(active)}-{len(reqs)}"
         if rid in active or any(r.rid == rid for r in reqs):
             raise BadRequest(f"Duplicate request ID detected: {rid}")
-        reqs.append(EngineRequest(rid, list(prompt), dict(params), bool(rlp),
-                                  bool(body.get("return_text_in_logprobs")), request_seed(params),
-                                  params.get("sampling_seed") is not None))
+        req = EngineRequest(rid, list(prompt), dict(params), bool(rlp), bool(body.get("return_text_in_logprobs")),
+                            request_seed(params), params.get("sampling_seed") is not None,
+                            return_routes=want_routes and routes_enabled, routes_start=int(start_len))
+        error = check_start_len(int(start_len), len(prompt)) if want_routes else None
+        if error is not None:
+            req.finish = {"type": "abort", "message": error, "status_code": 400, "err_type": "BadRequestError"}
+        reqs.append(req)
     return reqs, is_batch, stream
+
+
+def _lax_bool(value: Any, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _BOOLS:
+        return _BOOLS[value.lower()]
+    raise BadRequest(f"{name}: Input should be a valid boolean")
 
 
 def check_request(params: Any, prompt: Any, model: EngineModel) -> None:
@@ -171,4 +221,7 @@ def response_payload(req: EngineRequest, tokenizer: Tokenizer, weight_version: s
             spans.append({"version": v, "start": i, "end": i + 1})
     if len(spans) > 1:
         meta["weight_versions"] = spans
+    routes = req.routed_experts()  # with the finishing event only, the whole request's in a delta stream too
+    if routes is not None:
+        meta["routed_experts"] = routes
     return {"text": text, "output_ids": req.output_ids[start:], "meta_info": meta}

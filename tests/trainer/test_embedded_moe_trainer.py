@@ -1,0 +1,76 @@
+"""The main job on the tiny Qwen3-MoE (`--model tiny-moe`) with the embedded engine, which returns the routed
+experts as SGLang does (`engines.embedded.routes`), through `slime_corr.main.main` (in this process):
+
+- fp32 engine, `--use-rollout-routing-replay`: the engine's routes are the fp32 trainer's own, so the routing
+  mismatch is exactly 0 (and the log-probs agree to fp32 rounding);
+- bf16 engine, `--log-routing-mismatch`: some router decisions differ (> 0, few), and the tokens routed differently
+  carry a much larger log-prob mismatch than the others (what replay is for);
+- torchrun, TP=2 (Megatron's sequence parallelism, which MoE with TP needs) with packed micro-batches and replay,
+  2 rollouts of 2 steps: each rollout's first step, on the weights the engine sampled with, has no routing
+  mismatch; the second step's trainer routes have moved (> 0, replay still routes with the engine's).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from slime_corr.models.selection import TINY_MOE, generated_checkpoint
+
+pytestmark = pytest.mark.cost(50)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
+
+RUN = ["--model", TINY_MOE, "--rollout-engine", "embedded", "--num-rollout", "1", "--rollout-batch-size", "4",
+       "--n-samples-per-prompt", "4", "--num-steps-per-rollout", "1", "--micro-batch-size", "8",
+       "--rollout-max-response-len", "16", "--rollout-correction-preset", "decoupled_token_is",
+       "--rollout-progress", "none"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("models")
+    generated_checkpoint(TINY_MOE, str(root))
+    return str(root)
+
+
+def _run(cache: str, run_dir: Path, *flags: str) -> dict:
+    from slime_corr.main import main
+
+    start = time.perf_counter()
+    assert main([*RUN, "--model-cache-dir", cache, "--run-dir", str(run_dir), *flags]) == 0
+    (row,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    keys = ("diag/routing_mismatch_frac", "diag/routing_mismatch_token_frac", "diag/logprob_abs_diff_routing_diff",
+            "diag/logprob_abs_diff_routing_same", "rollout_corr/train_rollout_logprob_abs_diff")
+    print(f"{flags}: {time.perf_counter() - start:.1f}s", {k: round(row[k], 6) for k in keys})
+    return row
+
+
+def test_replay_with_an_fp32_engine_has_no_routing_mismatch(cache, tmp_path):
+    row = _run(cache, tmp_path / "replay", "--engine-dtype", "float32", "--use-rollout-routing-replay")
+    assert row["rollout/trained_samples"] == 16 and row["train/grad_norm"] > 0
+    assert row["diag/routing_mismatch_frac"] == 0.0 and row["diag/routing_mismatch_token_frac"] == 0.0
+    assert row["rollout_corr/train_rollout_logprob_abs_diff"] < 1e-5
+
+
+def test_bf16_engine_routes_differ_from_the_trainers(cache, tmp_path):
+    row = _run(cache, tmp_path / "plain", "--engine-dtype", "bfloat16", "--log-routing-mismatch")
+    assert row["rollout/trained_samples"] == 16
+    assert 0 < row["diag/routing_mismatch_frac"] < 0.3  # bf16 engine vs fp32 trainer: a few decisions differ
+    assert row["diag/logprob_abs_diff_routing_diff"] > 3 * row["diag/logprob_abs_diff_routing_same"]
+
+
+def test_tensor_parallel_packed_replay_through_torchrun(cache, tmp_path):
+    from tests.trainer.test_pretrained_launch import launch
+
+    flags = [*RUN, "--model-cache-dir", cache, "--engine-dtype", "float32", "--use-rollout-routing-replay",
+             "--tensor-model-parallel-size", "2", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "256",
+             "--num-rollout", "2", "--num-steps-per-rollout", "2"]
+    steps = launch(tmp_path / "tp2", flags, nproc=2)["steps"]
+    frac = {step: r["diag/routing_mismatch_frac"] for step, r in steps.items()}
+    print(frac)
+    assert sorted(frac) == [1, 2, 3, 4]
+    assert frac[1] == 0.0 and frac[3] == 0.0  # the engine's weights: its experts are the trainer's own
+    assert frac[2] > 0 and frac[4] > 0  # one update later the trainer's routers choose otherwise
+    assert all(r["rollout/trained_samples"] > 0 and r["train/grad_norm"] > 0 for r in steps.values())
