@@ -81,6 +81,10 @@ def parse_run_config(argv: Sequence[str] | None = None, *, check_urls: bool = Tr
             check_prox_logp_method(trainer.prox_logp_method, correction, trainer.truncation.active)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if trainer.use_routing_replay and correction.use_rollout_logprobs:
+            raise ConfigError("--use-routing-replay replays the routes of the recomputed lp_old pass, which bypass "
+                              "mode (--use-rollout-logprobs) skips: use a decoupled preset, or "
+                              "--use-rollout-routing-replay (the engines' routes).")
         loss_terms = LossTermsConfig.from_args(args)
         monitoring = MonitoringConfig.from_args(args, run_dir=args.run_dir or args.work_dir or _new_run_dir())
         _check_run_dir(monitoring.run_dir, "--run-dir" if args.run_dir else "--work-dir" if args.work_dir else

@@ -242,6 +242,31 @@ def routed_forward(inner: Callable[[nn.Module, dict[str, Tensor]], Tensor], *, r
     return forward
 
 
+def old_routes_forward(inner: Callable[[nn.Module, dict[str, Tensor]], Tensor]
+                       ) -> Callable[[nn.Module, dict[str, Tensor]], Tensor]:
+    """slime's R2 (`--use-routing-replay`) as a `model_forward(model, batch)`: the first forward of a micro-batch,
+    the policy's lp_old pass (forward-only, before the rollout's first update), records the experts its routers
+    choose in `batch[ROUTE_KEY]` (`[B, S, L, k]` of the tokens the model runs on; under PP each stage its own
+    layers, -1 at the others', which it never replays); every later forward of that micro-batch (the reference's,
+    each training pass) routes with them, so the update's routes stay those of π_old whatever the weights became."""
+    from slime_corr.rollout.batching import ROUTE_KEY
+
+    def forward(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+        routes = batch.get(ROUTE_KEY)
+        if routes is None:
+            if torch.is_grad_enabled():
+                raise RuntimeError("--use-routing-replay: a training forward ran before the lp_old pass recorded the "
+                                   "micro-batch's routes (decoupled mode computes lp_old first)")
+            with capture_routes(model, model_tokens(batch).shape[0]) as captured:
+                out = inner(model, batch)
+            batch[ROUTE_KEY] = captured[-1]
+            return out
+        with replay_routes(model, routes):
+            return inner(model, batch)
+
+    return forward
+
+
 def routing_report(batch: dict[str, Any], log_probs: Tensor, groups: Any) -> dict[str, Tensor]:
     """The loss function's routing-mismatch entries of one micro-batch (Megatron `[numerator, denominator]`
     pairs, this rank's sums; {} without `batch[TRAINER_ROUTES_KEY]`): the trainer's own routes vs the engine's at
@@ -290,5 +315,6 @@ def stage_routing_reports(batches: list[dict[str, Any]], reports: list[dict[str,
         report.update(_routing_entries(batch, batch.pop(ROUTING_LOG_PROBS_KEY), groups))
 
 
-__all__ = ["TRAINER_ROUTES_KEY", "ROUTING_LOG_PROBS_KEY", "moe_routers", "router_layers", "stage_routing_reports", "routing_map_to_ids", "capture_routes", "replay_routes",
-           "ReplayHandle", "model_tokens", "routed_forward", "routing_report"]
+__all__ = ["TRAINER_ROUTES_KEY", "ROUTING_LOG_PROBS_KEY", "moe_routers", "router_layers", "routing_map_to_ids",
+           "capture_routes", "replay_routes", "ReplayHandle", "model_tokens", "old_routes_forward", "routed_forward",
+           "routing_report", "stage_routing_reports"]

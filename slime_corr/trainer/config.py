@@ -127,9 +127,11 @@ class TrainerConfig(TrainerConfigChecks):
     model: TinyGPTArgs = field(default_factory=lambda: TinyGPTArgs(vocab_size=256))
     model_source: ModelSource = field(default_factory=ModelSource)
     task: str = "lowercase"
-    # Mixture of Experts (slime's --use-rollout-routing-replay; --log-routing-mismatch is slime_corr's)
+    # Mixture of Experts (slime's --use-rollout-routing-replay, R3, and --use-routing-replay, R2;
+    # --log-routing-mismatch is slime_corr's)
     use_rollout_routing_replay: bool = False
     log_routing_mismatch: bool = False
+    use_routing_replay: bool = False
 
     def __post_init__(self) -> None:
         self._derive_batch_defaults()
@@ -211,6 +213,11 @@ class TrainerConfig(TrainerConfigChecks):
         if tp > 1 and self.model_source.is_pretrained and self.model_source.spec().is_moe:
             return tp
         return 1
+
+    @property
+    def replays_routes(self) -> bool:
+        """The trainer's forwards replay routes: the engines' (R3) or its own lp_old pass's (R2)."""
+        return self.use_rollout_routing_replay or self.use_routing_replay
 
     @property
     def asks_routes(self) -> bool:

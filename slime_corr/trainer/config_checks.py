@@ -22,7 +22,7 @@ ROUTER_CHOICES = ("auto", "on", "off")
 STALENESS_POLICIES = ("drop", "regenerate")
 ENGINE_DTYPES = ("bfloat16", "float32", "float64")
 PARAMS_DTYPES = ("float32", "float64")
-MOE_FLAGS = ("use_rollout_routing_replay", "log_routing_mismatch")
+MOE_FLAGS = ("use_rollout_routing_replay", "log_routing_mismatch", "use_routing_replay")
 TINY_MOE_LR = 1e-3  # --lr's default with --model tiny-moe
 PRETRAINED_LR = 1e-5  # --lr's default with a pretrained model (the tiny model's, 1e-2, would wreck it at once)
 CHAT_TEMPLATE_ALLOWANCE = 128  # tokens a chat template may add around the user message (system prompt, headers)
@@ -128,10 +128,11 @@ class TrainerConfigChecks:
 
         pp = self.pipeline_model_parallel_size
         spec = self.model_source.spec() if self.model_source.is_pretrained else None
-        layers, what = (spec.num_layers, "the model's layers") if spec else (self.model.num_layers, "--num-layers")
+        layers = spec.num_layers if spec else self.model.num_layers
+        what = f"the model's {layers} layers" if spec else f"--num-layers {layers}"
         if layers % pp:
-            raise ConfigError(f"--pipeline-model-parallel-size {pp} must divide {what} ({layers}): every pipeline "
-                              "stage holds the same number of layers.")
+            raise ConfigError(f"--pipeline-model-parallel-size {pp} must divide {what}: every pipeline stage holds "
+                              "the same number of layers.")
         budget = self.max_tokens_per_gpu
         if budget is not None and (not isinstance(budget, int) or budget < 1):
             raise ConfigError(f"--max-tokens-per-gpu {budget} must be an integer >= 1.")
@@ -161,9 +162,27 @@ class TrainerConfigChecks:
         launches get `--enable-return-routed-experts`, the embedded engine reads them from the HF model's routers
         (`engines.embedded.routes`), and `--sglang-url` servers must have been started with that flag (a response
         without routes is an error naming that flag). Replay works in every layout (`mcore.routing`)."""
+        if self.use_routing_replay:
+            self._check_old_routes_replay()
         if not self.asks_routes:
             return
         flag = "--use-rollout-routing-replay" if self.use_rollout_routing_replay else "--log-routing-mismatch"
+        self._check_moe(flag)
+
+    def _check_old_routes_replay(self) -> None:
+        """R2 replays the routes the policy took in the trainer's own lp_old pass: one replay source, an MoE model,
+        a recomputed lp_old (bypass mode, checked with the correction flags in `main`, has none either)."""
+        if self.asks_routes:
+            other = "--use-rollout-routing-replay" if self.use_rollout_routing_replay else "--log-routing-mismatch"
+            raise ConfigError(f"--use-routing-replay (R2: replay the routes of the trainer's lp_old pass) with {other} "
+                              "(the engines' routes): choose one source of routes; drop one of the two.")
+        self._check_moe("--use-routing-replay")
+        if self.prox_logp_method != "recompute":
+            raise ConfigError("--use-routing-replay records the routes in the recomputed lp_old pass, which "
+                              f"--prox-logp-method {self.prox_logp_method} skips: use --prox-logp-method recompute, "
+                              "or --use-rollout-routing-replay (the engines' routes).")
+
+    def _check_moe(self, flag: str) -> None:
         spec = self.model_source.spec() if self.model_source.is_pretrained else None
         if spec is None or not spec.is_moe:
             what = f"{spec.model_type} at {spec.path}" if spec is not None else "the built-in tiny GPT"

@@ -154,8 +154,12 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     m.add_argument("--use-rollout-routing-replay", action="store_true",
                    help="R3 (slime's flag): the engines return the experts they routed every token to, and every "
                         "trainer forward that computes log-probs to train on (lp_old, the reference's, each "
-                        "training pass) routes with them (Megatron's RouterReplay). MoE models and SGLang engines "
-                        "only; logs the routing-mismatch metrics too.")
+                        "training pass) routes with them (Megatron's RouterReplay). MoE models only; logs the "
+                        "routing-mismatch metrics too.")
+    m.add_argument("--use-routing-replay", action="store_true",
+                   help="R2 (slime's flag): the trainer's lp_old pass records the experts its routers choose, and "
+                        "the reference's and every training forward of that rollout route with them. MoE models, "
+                        "decoupled mode (a recomputed lp_old) only.")
     m.add_argument("--log-routing-mismatch", action="store_true",
                    help="Ask the engines for their routes and log how often the trainer's own router differs "
                         "(diag/routing_mismatch_*) without replaying them.")

@@ -116,6 +116,10 @@ def build_policy(config: TrainerConfig, *, with_reference: bool) -> Policy:
         from slime_corr.mcore.routing import routed_forward
 
         forward = routed_forward(forward, replay=config.use_rollout_routing_replay)
+    elif config.use_routing_replay:  # MoE: the lp_old pass's routes replayed
+        from slime_corr.mcore.routing import old_routes_forward
+
+        forward = old_routes_forward(forward)
     if config.model_source.is_pretrained:
         return _pretrained_policy(config, forward, with_reference)
 
@@ -144,8 +148,8 @@ def build_policy(config: TrainerConfig, *, with_reference: bool) -> Policy:
 def _pretrained_policy(config: TrainerConfig, forward: ModelForward, with_reference: bool) -> Policy:
     """The `--model` / `--hf-checkpoint` policy: Megatron GPTModel from the HF checkpoint in `--params-dtype`
     (every rank loads its TP shard), the reference a second copy of the checkpoint's weights. With
-    `--use-rollout-routing-replay` both are built with Megatron's `RouterReplay` and the reference replays the
-    engine's routes too (its KL term then compares the two policies on the same expert path)."""
+    `--use-rollout-routing-replay` / `--use-routing-replay` both are built with Megatron's `RouterReplay` and the
+    reference replays the same routes too (its KL term then compares the two policies on the same expert path)."""
     from megatron.core import tensor_parallel
 
     from slime_corr.models import ChatTokenizer, build_gpt_from_hf, load_engine_module, write_hf_checkpoint
@@ -154,7 +158,7 @@ def _pretrained_policy(config: TrainerConfig, forward: ModelForward, with_refere
     assert hf_dir is not None
     torch.manual_seed(config.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
-    overrides = {"moe_enable_routing_replay": True} if config.use_rollout_routing_replay else None
+    overrides = {"moe_enable_routing_replay": True} if config.replays_routes else None
     model, bridge = build_gpt_from_hf(hf_dir, dtype=config.torch_params_dtype, ddp=True, config_overrides=overrides,
                                       emulated_context_parallel=config.context_parallel_size > 1)
     reference = None

@@ -11,12 +11,14 @@ rows, and export HF's weights bitwise from either stage."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from mcore_helpers import spawn
 from models_helpers import CASES, V, make_tiny_checkpoint
 
 from slime_corr.models.tiny_moe import TinyMoEArgs, make_tiny_moe_checkpoint
 
+pytestmark = pytest.mark.cost(30)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 IDS = torch.randint(0, V, (2, 20), generator=torch.Generator().manual_seed(3))
 
 

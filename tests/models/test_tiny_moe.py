@@ -103,20 +103,19 @@ def _tp2_worker(rank: int, world: int, d: str) -> None:
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     model, bridge = build_gpt_from_hf(d, ddp=True)
+    assert bridge.transformer_config.sequence_parallel  # Megatron's requirement for MoE with TP > 1
     hf = load_hf_causal_lm(d)
-    model.eval()  # forward-only (the lp_old / reference pass)
-    diff = max_logit_diff(model, hf, IDS)
-    assert diff <= 1e-5, (rank, diff)
+    for train in (False, True):  # forward-only (lp_old / reference) and training mode
+        model.train(train)
+        diff = max_logit_diff(model, hf, IDS)
+        assert diff <= 1e-5, (rank, train, diff)
     assert round_trip_mismatches(bridge, model) == [], rank  # expert shards gathered back bitwise
-    model.train()  # Megatron: MoE with TP > 1 trains only with sequence parallelism, which the torch norms of the
-    with pytest.raises(ValueError, match="sequence parallelism"):  # local spec refuse (TE / apex norms needed)
-        megatron_logits(model, IDS)
     ps.destroy_model_parallel()
 
 
-def test_tp2_forward_only(moe_dir):
-    """TP=2 (2 gloo processes): experts and attention split by mbridge, logits equal HF's in eval mode; training
-    mode is refused by Megatron on CPU (see `_tp2_worker`)."""
+def test_tp2_sequence_parallel(moe_dir):
+    """TP=2 (2 gloo processes): experts and attention split by mbridge, sequence parallelism on (the local spec's
+    torch norms allowed it by `mcore.local_spec`), logits equal HF's in eval and training mode."""
     spawn(_tp2_worker, 2, str(moe_dir))
 
 

@@ -5,6 +5,8 @@ experts as SGLang does (`engines.embedded.routes`), through `slime_corr.main.mai
   mismatch is exactly 0 (and the log-probs agree to fp32 rounding);
 - bf16 engine, `--log-routing-mismatch`: some router decisions differ (> 0, few), and the tokens routed differently
   carry a much larger log-prob mismatch than the others (what replay is for);
+- `--use-routing-replay` (R2: the lp_old pass's own routes replayed) trains on the embedded engine without asking
+  it for routes, and bypass mode (no lp_old pass) is refused at parse time;
 - torchrun, TP=2 (Megatron's sequence parallelism, which MoE with TP needs) with packed micro-batches and replay,
   2 rollouts of 2 steps: each rollout's first step, on the weights the engine sampled with, has no routing
   mismatch; the second step's trainer routes have moved (> 0, replay still routes with the engine's).
@@ -59,6 +61,24 @@ def test_bf16_engine_routes_differ_from_the_trainers(cache, tmp_path):
     assert row["rollout/trained_samples"] == 16
     assert 0 < row["diag/routing_mismatch_frac"] < 0.3  # bf16 engine vs fp32 trainer: a few decisions differ
     assert row["diag/logprob_abs_diff_routing_diff"] > 3 * row["diag/logprob_abs_diff_routing_same"]
+
+
+def test_r2_trains_and_bypass_mode_is_refused(cache, tmp_path, capsys):
+    from slime_corr.main import main
+
+    start = time.perf_counter()
+    run_dir = tmp_path / "r2"
+    assert main([*RUN, "--model-cache-dir", cache, "--run-dir", str(run_dir), "--use-routing-replay",
+                 "--num-steps-per-rollout", "2"]) == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    print(f"R2: {time.perf_counter() - start:.1f}s")
+    assert [r["rollout/trained_samples"] for r in rows] == [8, 8] and all(r["train/grad_norm"] > 0 for r in rows)
+    assert not any(k.startswith("diag/routing") for k in rows[0])  # no engine routes to compare with
+    with pytest.raises(SystemExit) as e:
+        main([*RUN, "--model-cache-dir", cache, "--use-routing-replay", "--rollout-correction-preset",
+              "ppo_is_bypass", "--self-check"])
+    assert e.value.code == 2
+    assert "--use-routing-replay replays the routes of the recomputed lp_old pass" in capsys.readouterr().err
 
 
 def test_tensor_parallel_packed_replay_through_torchrun(cache, tmp_path):

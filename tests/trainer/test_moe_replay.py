@@ -31,6 +31,8 @@ from slime_corr.trainer.config import TrainerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mcore"))  # mcore_helpers
 
+pytestmark = pytest.mark.cost(60)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
+
 GROUP, GROUPS = 4, 2
 TEMPERATURE = 0.8
 
@@ -75,7 +77,7 @@ def _config(cache: str, **kw) -> TrainerConfig:
 def test_parse_time_checks(cache):
     with pytest.raises(ConfigError, match="--use-rollout-routing-replay: the model is dense"):
         TrainerConfig(use_rollout_routing_replay=True)
-    with pytest.raises(ConfigError, match="--pipeline-model-parallel-size 4 must divide the model's layers"):
+    with pytest.raises(ConfigError, match="--pipeline-model-parallel-size 4 must divide the model's 2 layers"):
         _config(cache, pipeline_model_parallel_size=4, world_size=4)
     # MoE at TP > 1 runs with sequence parallelism (Megatron's requirement): rows padded to a multiple of TP
     assert _config(cache, tensor_model_parallel_size=2, world_size=2).sequence_parallel_size == 2
@@ -296,3 +298,64 @@ def test_replay_step_under_cp_dp_pp_tp(cache, reference, one_process, tmp_path):
             assert m[key] == pytest.approx(value, rel=1e-9, abs=1e-12), (key, layout)
         for key in KEYS:
             assert m[key] == pytest.approx(base[key], rel=REL[key], abs=1e-12), (key, layout)
+
+
+def _old_routes_replay(rank: int, world: int, cache: str, samples: list[Sample], out: dict) -> None:
+    """R2 in one process: the lp_old pass records the policy's routes; after the router weights are flipped (its
+    own choices then differ) the reference pass and the training step still route with the recorded ones."""
+    from mcore_helpers import init_layout
+
+    from slime_corr.loss_terms import LossTermsConfig
+    from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
+    from slime_corr.mcore.routing import capture_routes, moe_routers, routing_map_to_ids
+    from slime_corr.rollout.batching import ROUTE_KEY
+    from slime_corr.trainer.data import build_micro_batches, rollout_shards
+    from slime_corr.trainer.policy import build_policy
+
+    init_layout(1, 1)
+    cfg = _config(cache, use_rollout_routing_replay=False, use_routing_replay=True)
+    assert cfg.routed_experts_spec() is None  # nothing asked from the engines
+    policy = build_policy(cfg, with_reference=True)
+    hook = RolloutCorrectionLoss(RolloutCorrectionConfig.preset("decoupled_token_is"), temperature=TEMPERATURE,
+                                 model_forward=policy.forward, seq_length_for_norm=cfg.rollout_max_response_len,
+                                 loss_terms=LossTermsConfig(kl_loss_coef=0.1), ref_model=policy.reference)
+    (shard,) = rollout_shards(samples, GROUP, 1, 1, micro_batch_size=4)
+    (batches,) = build_micro_batches(shard, 0)
+    hook.prepare_rollout(policy.model, batches)
+    model = policy.module
+    with torch.no_grad():
+        for b in batches:
+            with capture_routes(model, b["tokens"].shape[0]) as own:
+                model(input_ids=b["tokens"], position_ids=b["position_ids"], attention_mask=None)
+            assert torch.equal(b[ROUTE_KEY], own[0])  # the lp_old pass's routes are the policy's own
+        for r in moe_routers(model):
+            r.weight.neg_()  # the routers now prefer the experts they ranked last
+    routed: list[torch.Tensor] = []
+    hooks = [r.register_forward_hook(lambda m, _i, o: routed.append(routing_map_to_ids(o[1], 2)))
+             for r in moe_routers(model)]
+    hook.train_step(policy.model, batches, recompute_old_log_probs=False)
+    for h in hooks:
+        h.remove()
+    recorded = [b[ROUTE_KEY][:, :, layer].transpose(0, 1).reshape(-1, 2) for b in batches for layer in range(2)]
+    out["same"] = all(torch.equal(a, b) for a, b in zip(routed, recorded, strict=True))
+    with torch.no_grad(), capture_routes(model, batches[0]["tokens"].shape[0]) as flipped:
+        model(input_ids=batches[0]["tokens"], position_ids=batches[0]["position_ids"], attention_mask=None)
+    out["own_differ"] = float((flipped[0] != batches[0][ROUTE_KEY]).any(-1).double().mean())
+
+
+def test_r2_replays_the_lp_old_pass_routes(cache):
+    from mcore_helpers import run_in_process
+
+    out: dict = {}
+    run_in_process(_old_routes_replay, cache, _samples(), out)
+    assert out["own_differ"] > 0.5  # without replay the training pass would route otherwise
+    assert out["same"]
+
+
+def test_r2_flags_are_checked(cache):
+    with pytest.raises(ConfigError, match="--use-routing-replay .* with --use-rollout-routing-replay"):
+        _config(cache, use_routing_replay=True)
+    with pytest.raises(ConfigError, match="--prox-logp-method loglinear skips"):
+        _config(cache, use_rollout_routing_replay=False, use_routing_replay=True, prox_logp_method="loglinear")
+    with pytest.raises(ConfigError, match="--use-routing-replay: the model is dense"):
+        TrainerConfig(use_routing_replay=True)

@@ -84,7 +84,7 @@ BAD = [
     (["--model", "smollm2-135m", "--hf-checkpoint", "/tmp"], {}, "both choose the model: give one"),
     (["--hf-checkpoint", "/nonexistent/llama"], {}, "--hf-checkpoint /nonexistent/llama: not a directory"),
     (["--model", "smollm2-135m", "--pipeline-model-parallel-size", "4"], {"WORLD_SIZE": "4"},
-     "--pipeline-model-parallel-size 4 must divide the model's layers (30)"),
+     "--pipeline-model-parallel-size 4 must divide the model's 30 layers"),
     (["--model", "smollm2-135m", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "200"], {},
      "samples of up to 136 prompt + --rollout-max-response-len 12 tokens) can take 1184 tokens"),  # 8 + 128 of template
     (["--model", "llama-7b"], {}, "argument --model: invalid choice: 'llama-7b'"),
