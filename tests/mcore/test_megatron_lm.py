@@ -249,10 +249,8 @@ def _run(args, rollouts, weights=None):
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.rerun_state_machine import RerunDataIterator
     from megatron.training import get_timers
-    from megatron.training.training import train_step, training_log
 
     from slime_corr.arguments import config_from_args
-    from slime_corr.mcore.compat import get_forward_backward_func
     from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
     from slime_corr.mcore.rollout_steps import RolloutStepIterator
 
@@ -276,6 +274,19 @@ def _run(args, rollouts, weights=None):
         logits = emulated_cp_forward(model, batch)
         return logits, partial(hook.loss_func, batch, model=model)
 
+    results, logs, optimizer = train_iterations(forward_step, data, model, model_config)
+    step_metrics.append(hook.pop_step_metrics())  # the last step's
+    return results, optimizer.grads, local_rollouts, step_metrics, logs, config, _stage_param_names(model[0])
+
+
+def train_iterations(forward_step, data, model, model_config) -> tuple[list[dict], list[str], SGDStub]:
+    """Megatron-LM's real `train_step` and `training_log` for each of the rollouts' steps (pretrain()'s loop, with
+    `SGDStub` as the optimizer): the reduced loss dicts, the printed log lines, the optimizer."""
+    from megatron.training import get_timers
+    from megatron.training.training import train_step, training_log
+
+    from slime_corr.mcore.compat import get_forward_backward_func
+
     optimizer = SGDStub(model)
     results, logs, total_loss_dict = [], [], {}
     get_timers()("interval-time", log_level=0).start(barrier=True)
@@ -289,8 +300,7 @@ def _run(args, rollouts, weights=None):
                          None, 0)
         results.append({k: v.item() for k, v in loss_dict.items()})
         logs.append(buf.getvalue())
-    step_metrics.append(hook.pop_step_metrics())  # the last step's
-    return results, optimizer.grads, local_rollouts, step_metrics, logs, config, _stage_param_names(model[0])
+    return results, logs, optimizer
 
 
 def _check_case(name, flags, tag_prefix):

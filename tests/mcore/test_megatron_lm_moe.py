@@ -26,15 +26,13 @@ Checked, over 2 rollouts (3 steps, the weights changing in between):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 from functools import partial
 
 import pytest
 import torch
 from mcore_helpers import B_GLOBAL, TEMPERATURE, S, local_rows, spawn, step_data
-from test_megatron_lm import BASE_ARGV, LR, SchedulerStub, SGDStub, _init_parallel, _parse
+from test_megatron_lm import BASE_ARGV, LR, ROLLOUTS, _init_parallel, _parse, train_iterations
 
 from slime_corr.mcore.compat import has_megatron_training
 from slime_corr.rollout.batching import ROUTE_KEY
@@ -47,7 +45,6 @@ pytestmark = [
 ]
 
 N_MB = 2  # micro-batches per optimizer step
-ROLLOUTS = (2, 1)  # optimizer steps per rollout: lp_old is recomputed at each rollout's first step only
 E, K, LAYERS = 4, 2, 2
 # Megatron-LM's MoE flags as they work on CPU: the all-gather dispatcher (the all-to-all one makes a CUDA stream),
 # experts one by one (no --moe-grouped-gemm: TE / CUTLASS), no linear biases (an expert's biased fc2 output is
@@ -194,10 +191,9 @@ def _run(args, rollouts):
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.rerun_state_machine import RerunDataIterator
     from megatron.training import get_timers
-    from megatron.training.training import get_megatron_ddp_config, train_step, training_log
+    from megatron.training.training import get_megatron_ddp_config
 
     from slime_corr.arguments import config_from_args
-    from slime_corr.mcore.compat import get_forward_backward_func
     from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
     from slime_corr.mcore.megatron_lm import routed_model_forward
     from slime_corr.mcore.rollout_steps import RolloutStepIterator
@@ -230,19 +226,7 @@ def _run(args, rollouts):
         batch = hook.next_micro_batch(data_iterator, model)
         return hook.model_forward(model, batch), partial(hook.loss_func, batch, model=model)
 
-    optimizer = SGDStub(model)
-    results, logs, total_loss_dict = [], [], {}
-    get_timers()("interval-time", log_level=0).start(barrier=True)
-    for iteration in range(sum(ROLLOUTS)):
-        loss_dict, skipped, _, _, _, grad_norm, _, _ = train_step(
-            forward_step, data, model, optimizer, SchedulerStub(), model_config, get_forward_backward_func(),
-            iteration=iteration)
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf):
-            training_log(loss_dict, total_loss_dict, LR, iteration + 1, 1.0, False, skipped, grad_norm, None,
-                         None, 0)
-        results.append({k: v.item() for k, v in loss_dict.items()})
-        logs.append(buf.getvalue())
+    results, logs, optimizer = train_iterations(forward_step, data, model, model_config)
     return results, optimizer.grads, local_rollouts, logs, forwards
 
 
