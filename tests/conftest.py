@@ -42,6 +42,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A model cache (`--model-cache-dir`) holding the generated tiny Qwen3-MoE (`--model tiny-moe`)."""
+    from slime_corr.models.selection import TINY_MOE, generated_checkpoint
+
+    root = tmp_path_factory.mktemp("models")
+    generated_checkpoint(TINY_MOE, str(root))
+    return str(root)
+
+
+@pytest.fixture(scope="session")
 def test_device(request: pytest.FixtureRequest) -> torch.device:
     """The device the `device` tests put their tensors on; asking for CUDA without one is an error, not a skip."""
     name = request.config.getoption("--device") or os.environ.get(DEVICE_ENV) or "cpu"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from sglang_helpers import ServerSpec
 
-from slime_corr.models.selection import TINY_MOE, generated_checkpoint
+from slime_corr.models.selection import TINY_MOE
 
 pytestmark = pytest.mark.cost(70)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 
@@ -25,35 +25,28 @@ RUN = ["--model", TINY_MOE, "--num-rollout", "1", "--rollout-batch-size", "4", "
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("models")
-    generated_checkpoint(TINY_MOE, str(root))
-    return str(root)
-
-
-@pytest.fixture(scope="module")
-def server(launch, cache):
-    (s,) = launch(ServerSpec(str(Path(cache) / TINY_MOE), dtype="bfloat16",
+def server(launch, tiny_moe_cache):
+    (s,) = launch(ServerSpec(str(Path(tiny_moe_cache) / TINY_MOE), dtype="bfloat16",
                              extra_args=("--enable-return-routed-experts",), name="moe-bf16"))
     return s.url
 
 
-def _run(url: str, cache: str, run_dir: Path, *flags: str) -> dict:
+def _run(url: str, tiny_moe_cache: str, run_dir: Path, *flags: str) -> dict:
     from slime_corr.main import main
 
     start = time.perf_counter()
-    assert main([*RUN, "--model-cache-dir", cache, "--sglang-url", url, "--run-dir", str(run_dir), *flags]) == 0
+    assert main([*RUN, "--model-cache-dir", tiny_moe_cache, "--sglang-url", url, "--run-dir", str(run_dir), *flags]) == 0
     (row,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     print(f"{flags}: {time.perf_counter() - start:.1f}s", {k: round(v, 2) for k, v in row.items()
                                                           if k.startswith("perf/")})
     return row
 
 
-def test_routing_replay_in_the_main_job(server, cache, tmp_path):
+def test_routing_replay_in_the_main_job(server, tiny_moe_cache, tmp_path):
     keys = ("diag/routing_mismatch_frac", "diag/routing_mismatch_token_frac", "diag/logprob_abs_diff_routing_diff",
             "diag/logprob_abs_diff_routing_same", "rollout_corr/train_rollout_logprob_abs_diff")
-    plain = _run(server, cache, tmp_path / "plain", "--log-routing-mismatch")
-    replay = _run(server, cache, tmp_path / "replay", "--use-rollout-routing-replay")
+    plain = _run(server, tiny_moe_cache, tmp_path / "plain", "--log-routing-mismatch")
+    replay = _run(server, tiny_moe_cache, tmp_path / "replay", "--use-rollout-routing-replay")
     for name, row in (("log-routing-mismatch", plain), ("replay", replay)):
         print(name, {k: round(row[k], 5) for k in keys})
         assert row["rollout/trained_samples"] == 16 and row["train/grad_norm"] > 0

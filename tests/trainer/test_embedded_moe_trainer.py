@@ -1,15 +1,14 @@
 """The main job on the tiny Qwen3-MoE (`--model tiny-moe`) with the embedded engine, which returns the routed
 experts as SGLang does (`engines.embedded.routes`), through `slime_corr.main.main` (in this process):
 
-- fp32 engine, `--use-rollout-routing-replay`: the engine's routes are the fp32 trainer's own, so the routing
-  mismatch is exactly 0 (and the log-probs agree to fp32 rounding);
 - bf16 engine, `--log-routing-mismatch`: some router decisions differ (> 0, few), and the tokens routed differently
   carry a much larger log-prob mismatch than the others (what replay is for);
 - `--use-routing-replay` (R2: the lp_old pass's own routes replayed) trains on the embedded engine without asking
   it for routes, and bypass mode (no lp_old pass) is refused at parse time;
-- torchrun, TP=2 (Megatron's sequence parallelism, which MoE with TP needs) with packed micro-batches and replay,
-  2 rollouts of 2 steps: each rollout's first step, on the weights the engine sampled with, has no routing
-  mismatch; the second step's trainer routes have moved (> 0, replay still routes with the engine's).
+- torchrun, TP=2 (Megatron's sequence parallelism, which MoE with TP needs) with packed micro-batches, an fp32
+  engine and replay, 2 rollouts of 2 steps: each rollout's first step, on the weights the engine sampled with, has
+  no routing mismatch (the engine's routes are the trainer's own) and log-probs equal to fp32 rounding; the second
+  step's trainer routes have moved (> 0, replay still routes with the engine's).
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from slime_corr.models.selection import TINY_MOE, generated_checkpoint
+from slime_corr.models.selection import TINY_MOE
 
 pytestmark = pytest.mark.cost(50)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 
@@ -30,18 +29,11 @@ RUN = ["--model", TINY_MOE, "--rollout-engine", "embedded", "--num-rollout", "1"
        "--rollout-progress", "none"]
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("models")
-    generated_checkpoint(TINY_MOE, str(root))
-    return str(root)
-
-
-def _run(cache: str, run_dir: Path, *flags: str) -> dict:
+def _run(tiny_moe_cache: str, run_dir: Path, *flags: str) -> dict:
     from slime_corr.main import main
 
     start = time.perf_counter()
-    assert main([*RUN, "--model-cache-dir", cache, "--run-dir", str(run_dir), *flags]) == 0
+    assert main([*RUN, "--model-cache-dir", tiny_moe_cache, "--run-dir", str(run_dir), *flags]) == 0
     (row,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     keys = ("diag/routing_mismatch_frac", "diag/routing_mismatch_token_frac", "diag/logprob_abs_diff_routing_diff",
             "diag/logprob_abs_diff_routing_same", "rollout_corr/train_rollout_logprob_abs_diff")
@@ -49,48 +41,44 @@ def _run(cache: str, run_dir: Path, *flags: str) -> dict:
     return row
 
 
-def test_replay_with_an_fp32_engine_has_no_routing_mismatch(cache, tmp_path):
-    row = _run(cache, tmp_path / "replay", "--engine-dtype", "float32", "--use-rollout-routing-replay")
-    assert row["rollout/trained_samples"] == 16 and row["train/grad_norm"] > 0
-    assert row["diag/routing_mismatch_frac"] == 0.0 and row["diag/routing_mismatch_token_frac"] == 0.0
-    assert row["rollout_corr/train_rollout_logprob_abs_diff"] < 1e-5
-
-
-def test_bf16_engine_routes_differ_from_the_trainers(cache, tmp_path):
-    row = _run(cache, tmp_path / "plain", "--engine-dtype", "bfloat16", "--log-routing-mismatch")
+def test_bf16_engine_routes_differ_from_the_trainers(tiny_moe_cache, tmp_path):
+    row = _run(tiny_moe_cache, tmp_path / "plain", "--engine-dtype", "bfloat16", "--log-routing-mismatch")
     assert row["rollout/trained_samples"] == 16
     assert 0 < row["diag/routing_mismatch_frac"] < 0.3  # bf16 engine vs fp32 trainer: a few decisions differ
     assert row["diag/logprob_abs_diff_routing_diff"] > 3 * row["diag/logprob_abs_diff_routing_same"]
 
 
-def test_r2_trains_and_bypass_mode_is_refused(cache, tmp_path, capsys):
+def test_r2_trains_and_bypass_mode_is_refused(tiny_moe_cache, tmp_path, capsys):
     from slime_corr.main import main
 
     start = time.perf_counter()
     run_dir = tmp_path / "r2"
-    assert main([*RUN, "--model-cache-dir", cache, "--run-dir", str(run_dir), "--use-routing-replay",
+    assert main([*RUN, "--model-cache-dir", tiny_moe_cache, "--run-dir", str(run_dir), "--use-routing-replay",
                  "--num-steps-per-rollout", "2"]) == 0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     print(f"R2: {time.perf_counter() - start:.1f}s")
     assert [r["rollout/trained_samples"] for r in rows] == [8, 8] and all(r["train/grad_norm"] > 0 for r in rows)
     assert not any(k.startswith("diag/routing") for k in rows[0])  # no engine routes to compare with
     with pytest.raises(SystemExit) as e:
-        main([*RUN, "--model-cache-dir", cache, "--use-routing-replay", "--rollout-correction-preset",
+        main([*RUN, "--model-cache-dir", tiny_moe_cache, "--use-routing-replay", "--rollout-correction-preset",
               "ppo_is_bypass", "--self-check"])
     assert e.value.code == 2
     assert "--use-routing-replay replays the routes of the recomputed lp_old pass" in capsys.readouterr().err
 
 
-def test_tensor_parallel_packed_replay_through_torchrun(cache, tmp_path):
+def test_tensor_parallel_packed_replay_through_torchrun(tiny_moe_cache, tmp_path):
     from tests.trainer.test_pretrained_launch import launch
 
-    flags = [*RUN, "--model-cache-dir", cache, "--engine-dtype", "float32", "--use-rollout-routing-replay",
+    flags = [*RUN, "--model-cache-dir", tiny_moe_cache, "--engine-dtype", "float32", "--use-rollout-routing-replay",
              "--tensor-model-parallel-size", "2", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "256",
              "--num-rollout", "2", "--num-steps-per-rollout", "2"]
     steps = launch(tmp_path / "tp2", flags, nproc=2)["steps"]
     frac = {step: r["diag/routing_mismatch_frac"] for step, r in steps.items()}
     print(frac)
     assert sorted(frac) == [1, 2, 3, 4]
-    assert frac[1] == 0.0 and frac[3] == 0.0  # the engine's weights: its experts are the trainer's own
+    for first in (1, 3):  # the engine's weights: its experts are the trainer's own, its log-probs too
+        r = steps[first]
+        assert r["diag/routing_mismatch_frac"] == 0.0 and r["diag/routing_mismatch_token_frac"] == 0.0
+        assert r["rollout_corr/train_rollout_logprob_abs_diff"] < 1e-5
     assert frac[2] > 0 and frac[4] > 0  # one update later the trainer's routers choose otherwise
     assert all(r["rollout/trained_samples"] > 0 and r["train/grad_norm"] > 0 for r in steps.values())

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from slime_corr.config import ConfigError, RolloutCorrectionConfig
-from slime_corr.models.selection import TINY_MOE, ModelSource, generated_checkpoint
+from slime_corr.models.selection import TINY_MOE, ModelSource
 from slime_corr.rollout.sample import Sample, SampleStatus
 from slime_corr.trainer.config import TrainerConfig
 
@@ -60,29 +60,22 @@ KEYS = ("grad_norm", "train_rollout_logprob_abs_diff", "mismatch_k3_kl", "loss",
 REL = {key: 1e-6 if key == "grad_norm" else 1e-9 for key in KEYS}
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("models")
-    generated_checkpoint(TINY_MOE, str(root))
-    return str(root)
-
-
-def _config(cache: str, **kw) -> TrainerConfig:
-    base = dict(model_source=ModelSource(model=TINY_MOE, cache_dir=cache), use_rollout_routing_replay=True,
+def _config(tiny_moe_cache: str, **kw) -> TrainerConfig:
+    base = dict(model_source=ModelSource(model=TINY_MOE, cache_dir=tiny_moe_cache), use_rollout_routing_replay=True,
                 params_dtype="float64", n_samples_per_prompt=GROUP, rollout_batch_size=GROUPS,
                 num_steps_per_rollout=1, micro_batch_size=4, rollout_temperature=TEMPERATURE)
     return TrainerConfig(**{**base, **kw})
 
 
-def test_parse_time_checks(cache):
+def test_parse_time_checks(tiny_moe_cache):
     with pytest.raises(ConfigError, match="--use-rollout-routing-replay: the model is dense"):
         TrainerConfig(use_rollout_routing_replay=True)
     with pytest.raises(ConfigError, match="--pipeline-model-parallel-size 4 must divide the model's 2 layers"):
-        _config(cache, pipeline_model_parallel_size=4, world_size=4)
+        _config(tiny_moe_cache, pipeline_model_parallel_size=4, world_size=4)
     # MoE at TP > 1 runs with sequence parallelism (Megatron's requirement): rows padded to a multiple of TP
-    assert _config(cache, tensor_model_parallel_size=2, world_size=2).sequence_parallel_size == 2
-    assert _config(cache, context_parallel_size=2, world_size=2).sequence_parallel_size == 1
-    ok = _config(cache, sglang_url=("http://127.0.0.1:1",), rollout_engine="embedded")  # routes from that server
+    assert _config(tiny_moe_cache, tensor_model_parallel_size=2, world_size=2).sequence_parallel_size == 2
+    assert _config(tiny_moe_cache, context_parallel_size=2, world_size=2).sequence_parallel_size == 1
+    ok = _config(tiny_moe_cache, sglang_url=("http://127.0.0.1:1",), rollout_engine="embedded")  # routes from that server
     assert ok.routed_experts_spec().bytes_per_token == 4
 
 
@@ -125,7 +118,7 @@ def _samples() -> list[Sample]:
     return out
 
 
-def _reference(rank: int, world: int, cache: str, samples: list[Sample], out: dict) -> None:
+def _reference(rank: int, world: int, tiny_moe_cache: str, samples: list[Sample], out: dict) -> None:
     """Engine routes for the samples (own routes, half of the tokens replaced by random sets), and the plain
     per-sample reference: replayed log-probs, unreplayed ones, the own routes under replay and at layer 0."""
     from mcore_helpers import init_layout
@@ -134,7 +127,7 @@ def _reference(rank: int, world: int, cache: str, samples: list[Sample], out: di
     from slime_corr.trainer.policy import build_policy
 
     init_layout(1, 1)
-    policy = build_policy(_config(cache), with_reference=False)
+    policy = build_policy(_config(tiny_moe_cache), with_reference=False)
     model = policy.module.eval()
     g = torch.Generator().manual_seed(1)
     for s in samples:
@@ -163,7 +156,7 @@ def _reference(rank: int, world: int, cache: str, samples: list[Sample], out: di
         out.setdefault("engine", []).append(routes[p - 1:].long())
 
 
-def _trainer_step(rank: int, world: int, cache: str, samples: list[Sample], layouts: list, out: dict) -> None:
+def _trainer_step(rank: int, world: int, tiny_moe_cache: str, samples: list[Sample], layouts: list, out: dict) -> None:
     """The trainer's path in each `Layout`: micro-batches, lp_old + reference pass, one training step; the rank
     that holds the step metrics (the last pipeline stage's first rank) records them and the trained tokens' lp_old
     / reference log-probs."""
@@ -181,7 +174,7 @@ def _trainer_step(rank: int, world: int, cache: str, samples: list[Sample], layo
         init_layout(tp, cp, pp)
         # the flags' budget bounds the longest possible group; the test's samples are shorter and pack tighter
         packing = dict(use_dynamic_batch_size=True, max_tokens_per_gpu=128) if max_tokens else {}
-        cfg = _config(cache, context_parallel_size=cp, pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp,
+        cfg = _config(tiny_moe_cache, context_parallel_size=cp, pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp,
                       world_size=cp * dp * pp * tp, micro_batch_size=mbs, **packing)
         policy = build_policy(cfg, with_reference=True)
         assert policy.module.config.sequence_parallel == (tp > 1)  # Megatron's requirement for MoE with TP
@@ -223,20 +216,20 @@ def _grad_norm(model: torch.nn.Module) -> float:
     return float(total.sqrt())
 
 
-def _metrics_spawned(rank: int, world: int, cache: str, samples: list[Sample], path: str) -> None:
+def _metrics_spawned(rank: int, world: int, tiny_moe_cache: str, samples: list[Sample], path: str) -> None:
     out: dict = {}
-    _trainer_step(rank, world, cache, samples, LAYOUTS_SPAWNED, out)
+    _trainer_step(rank, world, tiny_moe_cache, samples, LAYOUTS_SPAWNED, out)
     torch.save({k: v["metrics"] for k, v in out.items()}, f"{path}.{rank}")
 
 
 @pytest.fixture(scope="module")
-def reference(cache):
+def reference(tiny_moe_cache):
     """The samples with their engine routes, and the step metrics of the plain per-sample reference."""
     from mcore_helpers import run_in_process
 
     samples = _samples()
     ref: dict = {}
-    run_in_process(_reference, cache, samples, ref)
+    run_in_process(_reference, tiny_moe_cache, samples, ref)
     trained = [i for i, s in enumerate(samples) if s.status != SampleStatus.FAILED]
     lp = torch.cat([ref["lp"][i] for i in trained])
     lp_plain = torch.cat([ref["lp_plain"][i] for i in trained])
@@ -257,11 +250,11 @@ def reference(cache):
 
 
 @pytest.fixture(scope="module")
-def one_process(cache, reference) -> dict:
+def one_process(tiny_moe_cache, reference) -> dict:
     from mcore_helpers import run_in_process
 
     got: dict = {}
-    run_in_process(_trainer_step, cache, reference[0], LAYOUTS_ONE_PROCESS, got)
+    run_in_process(_trainer_step, tiny_moe_cache, reference[0], LAYOUTS_ONE_PROCESS, got)
     return got
 
 
@@ -283,13 +276,13 @@ def test_replay_equals_the_plain_reference_padded_and_packed(reference, one_proc
     print({k: round(v, 6) for k, v in base.items() if k in KEYS})
 
 
-def test_replay_step_under_cp_dp_pp_tp(cache, reference, one_process, tmp_path):
+def test_replay_step_under_cp_dp_pp_tp(tiny_moe_cache, reference, one_process, tmp_path):
     """Every 2-process layout logs the one-process step: loss, KL, log-prob and routing mismatch."""
     from mcore_helpers import spawn
 
     samples, _, want = reference
     path = tmp_path / "spawned.pt"
-    spawn(_metrics_spawned, 2, cache, samples, str(path))
+    spawn(_metrics_spawned, 2, tiny_moe_cache, samples, str(path))
     got = {**torch.load(f"{path}.0", weights_only=False), **torch.load(f"{path}.1", weights_only=False)}
     assert set(got) == set(LAYOUTS_SPAWNED)
     base = one_process[LAYOUTS_ONE_PROCESS[0]]["metrics"]
@@ -300,7 +293,7 @@ def test_replay_step_under_cp_dp_pp_tp(cache, reference, one_process, tmp_path):
             assert m[key] == pytest.approx(base[key], rel=REL[key], abs=1e-12), (key, layout)
 
 
-def _old_routes_replay(rank: int, world: int, cache: str, samples: list[Sample], out: dict) -> None:
+def _old_routes_replay(rank: int, world: int, tiny_moe_cache: str, samples: list[Sample], out: dict) -> None:
     """R2 in one process: the lp_old pass records the policy's routes; after the router weights are flipped (its
     own choices then differ) the reference pass and the training step still route with the recorded ones."""
     from mcore_helpers import init_layout
@@ -313,7 +306,7 @@ def _old_routes_replay(rank: int, world: int, cache: str, samples: list[Sample],
     from slime_corr.trainer.policy import build_policy
 
     init_layout(1, 1)
-    cfg = _config(cache, use_rollout_routing_replay=False, use_routing_replay=True)
+    cfg = _config(tiny_moe_cache, use_rollout_routing_replay=False, use_routing_replay=True)
     assert cfg.routed_experts_spec() is None  # nothing asked from the engines
     policy = build_policy(cfg, with_reference=True)
     hook = RolloutCorrectionLoss(RolloutCorrectionConfig.preset("decoupled_token_is"), temperature=TEMPERATURE,
@@ -343,19 +336,19 @@ def _old_routes_replay(rank: int, world: int, cache: str, samples: list[Sample],
     out["own_differ"] = float((flipped[0] != batches[0][ROUTE_KEY]).any(-1).double().mean())
 
 
-def test_r2_replays_the_lp_old_pass_routes(cache):
+def test_r2_replays_the_lp_old_pass_routes(tiny_moe_cache):
     from mcore_helpers import run_in_process
 
     out: dict = {}
-    run_in_process(_old_routes_replay, cache, _samples(), out)
+    run_in_process(_old_routes_replay, tiny_moe_cache, _samples(), out)
     assert out["own_differ"] > 0.5  # without replay the training pass would route otherwise
     assert out["same"]
 
 
-def test_r2_flags_are_checked(cache):
+def test_r2_flags_are_checked(tiny_moe_cache):
     with pytest.raises(ConfigError, match="--use-routing-replay .* with --use-rollout-routing-replay"):
-        _config(cache, use_routing_replay=True)
+        _config(tiny_moe_cache, use_routing_replay=True)
     with pytest.raises(ConfigError, match="--prox-logp-method loglinear skips"):
-        _config(cache, use_rollout_routing_replay=False, use_routing_replay=True, prox_logp_method="loglinear")
+        _config(tiny_moe_cache, use_rollout_routing_replay=False, use_routing_replay=True, prox_logp_method="loglinear")
     with pytest.raises(ConfigError, match="--use-routing-replay: the model is dense"):
         TrainerConfig(use_routing_replay=True)
