@@ -45,9 +45,9 @@ _LOCAL_SPEC_NORMS = {"input_layernorm.weight": "input_layernorm.weight",
                      "pre_mlp_layernorm.weight": "post_attention_layernorm.weight"}
 # Megatron local-spec expert weight (SequentialMLP, no grouped GEMM), per decoder layer
 # MoE layers with the local spec: experts one by one (SequentialMLP; grouped GEMM needs TE or CUTLASS), the
-# all-gather token dispatcher (the all-to-all one creates a CUDA stream; all-gather needs fixed sequence lengths
-# in the pipeline schedule at config time; under PP `build_model` sets variable_seq_lengths after that check: the
-# all-gather runs over the TP/EP ranks of one micro-batch, whose lengths agree), no TE/apex fusions.
+# all-gather token dispatcher (the all-to-all one creates a CUDA stream; Megatron refuses all-gather with
+# variable_seq_lengths at config time, so under PP `build_model` sets that flag afterwards: the all-gather runs over
+# the TP/EP ranks of one micro-batch, whose lengths agree), no TE/apex fusions.
 _CPU_MOE_CONFIG = dict(moe_grouped_gemm=False, moe_token_dispatcher_type="allgather", variable_seq_lengths=False,
                        persist_layer_norm=False, bias_activation_fusion=False, bias_dropout_fusion=False)
 _LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(?P<e>\d+)\.(?P<fc>linear_fc[12])\.weight")
@@ -74,7 +74,7 @@ def _local_spec_bridge(spec: HFModelSpec, hf_config: Any, dtype: torch.dtype) ->
 
             self.has_vp_stage = False
             return local_layer_spec(normalization="RMSNorm", qk_layernorm=self.config.qk_layernorm,
-                                            num_experts=self.config.num_moe_experts, moe_grouped_gemm=False)
+                                    num_experts=self.config.num_moe_experts, moe_grouped_gemm=False)
 
         def _get_gptmodel_args(self) -> dict[str, Any]:
             return dict(vocab_size=spec.vocab_size, max_sequence_length=spec.max_position_embeddings,
