@@ -1,9 +1,8 @@
 """`--partial-rollout` (slime's flag): the weights reach the engines right after training, while the next rollout
 is still generating (pause -> update -> continue through the client), so its requests finish under the new
 weights and each token keeps the version that sampled it; `--mask-offpolicy-in-partial-rollout` takes the tokens
-before a sample's last update out of the loss. The embedded engine is throttled (0.3 s per decoding step,
-`SLIME_CORR_EMBEDDED_STEP_DELAY`) so that generation outlasts a training step: the sync lands mid-request (24
-tokens, ~7 s, in the in-flight test: a loaded CI machine slows the training step down as well).
+before a sample's last update out of the loss. The embedded engine is throttled (0.2 s per decoding step,
+`SLIME_CORR_EMBEDDED_STEP_DELAY`) so that generation outlasts a training step: the sync lands mid-request.
 
 A checkpoint takes the in-flight rollout whole (the weights wait for it at a save), so a run resumed from it trains
 its first step on the samples, token versions and masks the uninterrupted run trained on.
@@ -32,10 +31,10 @@ def test_tokens_before_the_last_update_leave_the_loss():
 
 
 def test_a_weight_update_reaches_the_requests_in_flight(tmp_path, monkeypatch):
-    monkeypatch.setenv("SLIME_CORR_EMBEDDED_STEP_DELAY", "0.3")
+    monkeypatch.setenv("SLIME_CORR_EMBEDDED_STEP_DELAY", "0.2")
     run = launch(tmp_path / "partial", "--async-rollout", "--partial-rollout", "--mask-offpolicy-in-partial-rollout",
                  "--rollout-correction-preset", "ppo_is_bypass", "--num-steps-per-rollout", "1", "--num-rollout", "3",
-                 "--kl-loss-coef", "0", "--entropy-coef", "0", "--rollout-max-response-len", "24")
+                 "--kl-loss-coef", "0", "--entropy-coef", "0")
     steps = run["steps"]
     partial = [steps[s]["rollout/partial_samples"] for s in (1, 2, 3)]
     masked = [steps[s]["rollout/offpolicy_masked_tokens"] for s in (1, 2, 3)]
@@ -47,7 +46,7 @@ def test_a_weight_update_reaches_the_requests_in_flight(tmp_path, monkeypatch):
 
 
 def test_a_checkpoint_holds_the_partial_run_s_pending_rollout_whole(tmp_path, monkeypatch):
-    monkeypatch.setenv("SLIME_CORR_EMBEDDED_STEP_DELAY", "0.3")
+    monkeypatch.setenv("SLIME_CORR_EMBEDDED_STEP_DELAY", "0.2")
     flags = ["--async-rollout", "--partial-rollout", "--mask-offpolicy-in-partial-rollout", "--rollout-correction-preset",
              "ppo_is_bypass", "--num-steps-per-rollout", "1", "--num-rollout", "4", "--kl-loss-coef", "0",
              "--entropy-coef", "0"]
