@@ -1,13 +1,19 @@
 """`--partial-rollout` (slime's flag): the weights reach the engines right after training, while the next rollout
 is still generating (pause -> update -> continue through the client), so its requests finish under the new
 weights and each token keeps the version that sampled it; `--mask-offpolicy-in-partial-rollout` takes the tokens
-before a sample's last update out of the loss. The embedded engine is throttled (0.2 s per decoding step,
-`SLIME_CORR_EMBEDDED_STEP_DELAY`) so that generation outlasts a training step: the sync lands mid-request.
+before a sample's last update out of the loss.
+
+Timing: rollout k+1 starts generating when rollout k is done, which is also when the step that trains rollout k
+starts; the sync lands one training step (~0.4 s here, longer under load) into rollout k+1. The embedded engine is
+throttled (`SLIME_CORR_EMBEDDED_STEP_DELAY`, 0.02 s after each decoding step of ~0.1 s) and samples 32 tokens: its
+first token comes ~0.1 s in, its last ~3.5 s in, so the sync lands inside the responses whatever the load within
+a factor of ~4 either way. (A throttle near the training step's length, as 0.2 s was, makes the update land before
+or after the first token by chance: the engine sleeps after rollout k's last token before it starts rollout k+1.)
 
 A checkpoint takes the in-flight rollout whole (the weights wait for it at a save), so a run resumed from it trains
 its first step on the samples, token versions and masks the uninterrupted run trained on.
 
-CI cost: three one-process runs (~15 s each alone).
+CI cost: three one-process runs (~15-20 s each alone).
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ import json
 from slime_corr.rollout.sample import Sample
 from slime_corr.trainer.data import mask_offpolicy_tokens
 from tests.trainer.test_trainer_launch import compared, launch
+
+THROTTLE = ("SLIME_CORR_EMBEDDED_STEP_DELAY", "0.02")
+LONG = ["--rollout-max-response-len", "32"]
 
 
 def test_tokens_before_the_last_update_leave_the_loss():
@@ -31,14 +40,14 @@ def test_tokens_before_the_last_update_leave_the_loss():
 
 
 def test_a_weight_update_reaches_the_requests_in_flight(tmp_path, monkeypatch):
-    monkeypatch.setenv("SLIME_CORR_EMBEDDED_STEP_DELAY", "0.2")
-    run = launch(tmp_path / "partial", "--async-rollout", "--partial-rollout", "--mask-offpolicy-in-partial-rollout",
-                 "--rollout-correction-preset", "ppo_is_bypass", "--num-steps-per-rollout", "1", "--num-rollout", "3",
+    monkeypatch.setenv(*THROTTLE)
+    run = launch(tmp_path / "partial", *LONG, "--async-rollout", "--partial-rollout",
+                 "--mask-offpolicy-in-partial-rollout", "--rollout-correction-preset", "ppo_is_bypass", "--num-steps-per-rollout", "1", "--num-rollout", "3",
                  "--kl-loss-coef", "0", "--entropy-coef", "0")
     steps = run["steps"]
     partial = [steps[s]["rollout/partial_samples"] for s in (1, 2, 3)]
     masked = [steps[s]["rollout/offpolicy_masked_tokens"] for s in (1, 2, 3)]
-    assert partial[0] == 0 and sum(partial) > 0, partial  # rollout 0 is generated before any update
+    assert partial[0] == 0 and partial[1] > 0 and partial[2] > 0, partial  # rollout 0: before any update
     assert all((p > 0) == (m > 0) for p, m in zip(partial, masked, strict=True)), (partial, masked)
     assert all(steps[s]["rollout/staleness_oldest_max"] <= 1 for s in (1, 2, 3))  # the bound still holds
     top = [json.loads(line) for line in (run["dir"] / "top_mismatch.jsonl").read_text().splitlines()]
@@ -46,8 +55,8 @@ def test_a_weight_update_reaches_the_requests_in_flight(tmp_path, monkeypatch):
 
 
 def test_a_checkpoint_holds_the_partial_run_s_pending_rollout_whole(tmp_path, monkeypatch):
-    monkeypatch.setenv("SLIME_CORR_EMBEDDED_STEP_DELAY", "0.2")
-    flags = ["--async-rollout", "--partial-rollout", "--mask-offpolicy-in-partial-rollout", "--rollout-correction-preset",
+    monkeypatch.setenv(*THROTTLE)
+    flags = [*LONG, "--async-rollout", "--partial-rollout", "--mask-offpolicy-in-partial-rollout", "--rollout-correction-preset",
              "ppo_is_bypass", "--num-steps-per-rollout", "1", "--num-rollout", "4", "--kl-loss-coef", "0",
              "--entropy-coef", "0"]
     ckpt = tmp_path / "ckpt"
@@ -55,7 +64,7 @@ def test_a_checkpoint_holds_the_partial_run_s_pending_rollout_whole(tmp_path, mo
     # saves after rollouts 1 and 3 (steps 2 and 4): the syncs after rollouts 0 and 2 land mid-request in rollouts 1
     # and 3; the one after rollout 1 waits for rollout 2 whole, which the checkpoint holds
     partial = [whole["steps"][s]["rollout/partial_samples"] for s in (1, 2, 3, 4)]
-    assert partial[0] == partial[2] == 0 and partial[1] + partial[3] > 0, partial
+    assert partial[0] == partial[2] == 0 and partial[1] > 0 and partial[3] > 0, partial
     resumed = launch(tmp_path / "resumed", *flags, "--load", str(ckpt), "--ckpt-step", "2")
     assert sorted(resumed["steps"]) == [3, 4]
     # step 3 trains the pending rollout 2 from the checkpoint; rollout 3 is sampled anew (where an update lands
