@@ -246,7 +246,7 @@ def old_routes_forward(inner: Callable[[nn.Module, dict[str, Tensor]], Tensor]
                        ) -> Callable[[nn.Module, dict[str, Tensor]], Tensor]:
     """slime's R2 (`--use-routing-replay`) as a `model_forward(model, batch)`: the first forward of a micro-batch,
     the policy's lp_old pass (forward-only, before the rollout's first update), records the experts its routers
-    choose in `batch[ROUTE_KEY]` (`[B, S, L, k]` of the tokens the model runs on; under PP each stage its own
+    choose in `batch[ROUTE_KEY]` (`[B, S, L, k]` int16 of the tokens the model runs on; under PP each stage its own
     layers, -1 at the others', which it never replays); every later forward of that micro-batch (the reference's,
     each training pass) routes with them, so the update's routes stay those of π_old whatever the weights became."""
     from slime_corr.rollout.batching import ROUTE_KEY
@@ -259,7 +259,7 @@ def old_routes_forward(inner: Callable[[nn.Module, dict[str, Tensor]], Tensor]
                                    "micro-batch's routes (decoupled mode computes lp_old first)")
             with capture_routes(model, model_tokens(batch).shape[0]) as captured:
                 out = inner(model, batch)
-            batch[ROUTE_KEY] = captured[-1]
+            batch[ROUTE_KEY] = captured[-1].to(torch.int16)  # kept to the last pass: compact (-1 needs a sign)
             return out
         with replay_routes(model, routes):
             return inner(model, batch)

@@ -177,21 +177,26 @@ def _lp(model, b):
     return torch.log_softmax(logits / TEMPERATURE, -1).gather(-1, b["labels"].unsqueeze(-1))[..., 0]
 
 
-def _rollout_data(args) -> list[list[dict]]:
-    """Global micro-batches per rollout; lp_rollout = the initial model's log-probs + noise (some sequences are
-    rejected by RS, IS weights are truncated) with uneven masks (CP ranks hold different token counts)."""
-    model = _gpt(_model_config(args, full=True), args)
-    g = torch.Generator().manual_seed(5)
+def rollout_data(lp, g: torch.Generator, prepare=None) -> list[list[dict]]:
+    """Global micro-batches per rollout; lp_rollout = `lp(batch)` (the initial model's log-probs) + noise (some
+    sequences are rejected by RS, IS weights are truncated) with uneven masks (CP ranks hold different token
+    counts). `prepare(batch, g)` adds to each micro-batch first (the MoE test: its routes)."""
     rollouts = []
     for r, steps in enumerate(ROLLOUTS):
         batches = [b for k in range(steps) for b in step_data(seed=10 * r + k)]
         for b in batches:
             del b["old_log_probs"]
+            if prepare is not None:
+                prepare(b, g)
             with torch.no_grad():
                 noise = torch.where(torch.rand(B_GLOBAL, 1, generator=g) < 0.5, 0.02, 0.5)
-                b["rollout_log_probs"] = (_lp(model, b) + noise * torch.randn(B_GLOBAL, S, generator=g)) * b["loss_mask"]
+                b["rollout_log_probs"] = (lp(b) + noise * torch.randn(B_GLOBAL, S, generator=g)) * b["loss_mask"]
         rollouts.append(batches)
     return rollouts
+
+
+def _rollout_data(args) -> list[list[dict]]:
+    return rollout_data(partial(_lp, _gpt(_model_config(args, full=True), args)), torch.Generator().manual_seed(5))
 
 
 def reference(cfg, args, rollouts):

@@ -31,8 +31,8 @@ from functools import partial
 
 import pytest
 import torch
-from mcore_helpers import B_GLOBAL, TEMPERATURE, S, local_rows, spawn, step_data
-from test_megatron_lm import BASE_ARGV, LR, ROLLOUTS, _init_parallel, _parse, train_iterations
+from mcore_helpers import B_GLOBAL, TEMPERATURE, S, local_rows, spawn
+from test_megatron_lm import BASE_ARGV, LR, ROLLOUTS, _init_parallel, _parse, rollout_data, train_iterations
 
 from slime_corr.mcore.compat import has_megatron_training
 from slime_corr.rollout.batching import ROUTE_KEY
@@ -122,23 +122,14 @@ def _lp(model, b, replay: bool = True):
     return torch.log_softmax(logits / TEMPERATURE, -1).gather(-1, b["labels"].unsqueeze(-1))[..., 0]
 
 
+def _random_routes(b: dict, g: torch.Generator) -> None:
+    """Each token and layer: K distinct experts of E, rows ascending (uint8, as the engine's)."""
+    b[ROUTE_KEY] = torch.rand(B_GLOBAL, S, LAYERS, E, generator=g).argsort(-1)[..., :K].sort(-1).values.to(torch.uint8)
+
+
 def _rollout_data(args) -> list[list[dict]]:
-    """Global micro-batches per rollout with random routes (each token and layer: K distinct experts of E, rows
-    ascending) and lp_rollout = the replayed initial model's log-probs + noise."""
-    model = _gpt(args)
-    g = torch.Generator().manual_seed(5)
-    rollouts = []
-    for r, steps in enumerate(ROLLOUTS):
-        batches = [b for k in range(steps) for b in step_data(seed=10 * r + k)]
-        for b in batches:
-            del b["old_log_probs"]
-            b[ROUTE_KEY] = torch.rand(B_GLOBAL, S, LAYERS, E, generator=g).argsort(-1)[..., :K].sort(-1).values.to(
-                torch.uint8)
-            with torch.no_grad():
-                noise = torch.where(torch.rand(B_GLOBAL, 1, generator=g) < 0.5, 0.02, 0.5)
-                b["rollout_log_probs"] = (_lp(model, b) + noise * torch.randn(B_GLOBAL, S, generator=g)) * b["loss_mask"]
-        rollouts.append(batches)
-    return rollouts
+    """test_megatron_lm's data with random routes; lp_rollout from the initial model replaying them."""
+    return rollout_data(partial(_lp, _gpt(args)), torch.Generator().manual_seed(5), _random_routes)
 
 
 def _grads(model, loss: torch.Tensor) -> dict[int, torch.Tensor]:
