@@ -7,7 +7,6 @@ Multi-process tests spawn ONE set of processes and loop over (TP, CP, DP) layout
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from slime_corr.rollout.weight_group import free_port
+
 N_MB = 2  # micro-batches per step
 B_GLOBAL = 4  # rows of one global micro-batch (split over DP)
 S = 16  # divisible by 2 * CP for CP <= 4
@@ -23,13 +24,7 @@ V = 32  # divisible by TP
 TEMPERATURE = 0.7
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+def _entry(rank: int, port: int, world: int, fn: Callable[..., Any], args: tuple) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -46,6 +41,19 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
         dist.destroy_process_group()
 
 
+def spawn_on_free_port(entry: Callable[..., Any], nprocs: int, *args: Any) -> None:
+    """`entry(rank, port, *args)` in `nprocs` spawned processes, `port` a free loopback port for their store.
+    The port is free when probed; when another process (a test worker beside this one) binds it before rank 0's
+    store does, nothing ran yet (EADDRINUSE at the store), so the launch is repeated on a new port, 3 tries."""
+    for attempt in (1, 2, 3):
+        try:
+            mp.spawn(entry, args=(free_port(), *args), nprocs=nprocs, join=True)
+            return
+        except mp.ProcessRaisedException as e:
+            if "EADDRINUSE" not in str(e) or attempt == 3:
+                raise
+
+
 def spawn(fn: Callable[..., Any], world: int, *args: Any) -> None:
     """Run `fn(rank, world, *args)` in `world` gloo processes on a free loopback port; raise on any failure.
 
@@ -55,15 +63,7 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any) -> None:
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # read by the children when they start
     try:
-        for attempt in (1, 2, 3):
-            try:
-                mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
-                break
-            except mp.ProcessRaisedException as e:
-                # the port was free when probed and another process (a test worker beside this one) bound it
-                # before rank 0's store did: nothing ran yet, so the launch is repeated on a new port
-                if "EADDRINUSE" not in str(e) or attempt == 3:
-                    raise
+        spawn_on_free_port(_entry, world, world, fn, args)
     finally:
         if saved is None:
             del os.environ["CUDA_VISIBLE_DEVICES"]
@@ -79,7 +79,7 @@ def run_in_process(fn: Callable[..., Any], *args: Any) -> None:
     threads = torch.get_num_threads()
     saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
     try:
-        _entry(0, 1, free_port(), fn, args)
+        _entry(0, free_port(), 1, fn, args)
     finally:
         ps.destroy_model_parallel()
         torch.set_num_threads(threads)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mcore"))  # mcore_helpers (spawn, free_port)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mcore"))  # mcore_helpers (spawn)
 
 from models_helpers import CASES, make_tiny_checkpoint  # noqa: E402
 
@@ -32,11 +32,11 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def single_rank() -> Iterator[None]:
     """A world of one gloo process with Megatron's parallel state (TP=1), torn down after the module."""
     import torch.distributed as dist
-    from mcore_helpers import free_port
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
     from slime_corr.mcore.cpu_compat import apply_cpu_compat
+    from slime_corr.rollout.weight_group import free_port
 
     with pytest.MonkeyPatch.context() as mp:  # later tests' subprocesses must not inherit this port
         mp.setenv("MASTER_ADDR", "127.0.0.1")

@@ -22,7 +22,6 @@ tokens) and one greedy request, ~90 s here.
 from __future__ import annotations
 
 import json
-import socket
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch
 from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.loss_terms import LossTermsConfig
 from slime_corr.models import ModelSource, cached_hf_checkpoint
+from slime_corr.rollout.weight_group import free_port
 from slime_corr.trainer.config import TrainerConfig
 from slime_corr.trainer.task import TASKS, Response
 
@@ -40,12 +40,6 @@ pytestmark = pytest.mark.cost(350)  # CI seconds, roughly: the costliest modules
 
 FLAGS = dict(rollout_batch_size=2, n_samples_per_prompt=2, num_steps_per_rollout=1, micro_batch_size=4,
              rollout_max_response_len=4, rollout_temperature=0.7, engine_dtype="float32", task="arithmetic", seed=3)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +55,7 @@ def smollm2_policy() -> Iterator[tuple[TrainerConfig, object]]:
     config = TrainerConfig(model_source=ModelSource(model="smollm2-135m"), **FLAGS)
     with pytest.MonkeyPatch.context() as mp:  # later tests' subprocesses must not inherit this port
         mp.setenv("MASTER_ADDR", "127.0.0.1")
-        mp.setenv("MASTER_PORT", str(_free_port()))
+        mp.setenv("MASTER_PORT", str(free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)
         try:
             ps.initialize_model_parallel(tensor_model_parallel_size=1)

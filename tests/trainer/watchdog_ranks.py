@@ -5,20 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ranks(rank: int, port: int, timeout_s: float, out: str) -> None:
@@ -73,8 +65,10 @@ def _ranks(rank: int, port: int, timeout_s: float, out: str) -> None:
 
 def run_watchdog_ranks(timeout_s: float) -> dict:
     """Spawn the two ranks; their findings merged (seconds: each wait's duration)."""
+    from tests.mcore.mcore_helpers import spawn_on_free_port
+
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_ranks, args=(_free_port(), timeout_s, out), nprocs=2, join=True)
+        spawn_on_free_port(_ranks, 2, timeout_s, out)
         merged: dict = {"seconds": []}
         for rank in (0, 1):
             seen = json.loads(Path(out, f"rank{rank}.json").read_text())
