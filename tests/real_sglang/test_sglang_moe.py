@@ -94,15 +94,21 @@ def test_routes_across_abort_and_resume(server, hf):
                 if c._inflight:
                     break
                 await asyncio.sleep(0.02)
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.5)  # 120 tokens take ~2.5 s here
             await c.pause("abort")
             await asyncio.sleep(0.2)
             await c.continue_generation()
             return await task
 
-    sample = asyncio.run(go())
-    assert sample.attempts == 2 and sample.response_length == 120, (sample.attempts, sample.failure_reason)
-    _check(hf, [sample], 1.0)
+    # bounded: under load the request can still be on its way to the scheduler at the pause, which then holds it
+    # until continue (1 attempt, nothing to resume): such a sample is checked too, and the run repeated
+    for _ in range(3):
+        sample = asyncio.run(go())
+        assert sample.attempts in (1, 2) and sample.response_length == 120, (sample.attempts, sample.failure_reason)
+        _check(hf, [sample], 1.0)
+        if sample.attempts == 2:
+            break
+    assert sample.attempts == 2, "in 3 tries the pause never caught the request running on the server"
 
 
 def _megatron_route_check(rank: int, world: int, moe_dir: str, samples: list[Sample], out: dict) -> None:
