@@ -1,187 +1,321 @@
 #!/usr/bin/env bash
-# One command on a GPU machine (H100/H200, CUDA; no internet beyond pip's wheels): install, then run what only a GPU
-# can check, writing ONE report file.
+# One command on a GPU machine (H100/H200, CUDA torch already installed, often no network): run what only a GPU can
+# check, with a Python that is already there, and write ONE report. Nothing is downloaded, ever.
 #
-#   bash scripts/gpu_check.sh                       # everything, report in runs/gpu_check/report-<time>.md
-#   bash scripts/gpu_check.sh --report FILE         # the report there
-#   bash scripts/gpu_check.sh --only tests,bench    # some steps: env,install,tests,sglang,bench,e2e
-#   bash scripts/gpu_check.sh --dry-run             # print the plan (every command), run nothing
-#   bash scripts/gpu_check.sh --cpu                 # the CPU-runnable parts with this machine's python (CI)
+#   bash scripts/gpu_check.sh --python /usr/bin/python3              # that interpreter (no venv is created)
+#   bash scripts/gpu_check.sh --python PY --wheels DIR               # first install what PY lacks from DIR's wheels
+#   bash scripts/gpu_check.sh --only device,main --report FILE       # some steps; the report there
+#   bash scripts/gpu_check.sh --dry-run                              # print the plan (every command), run nothing
+#   bash scripts/gpu_check.sh --cpu                                  # the CPU-runnable parts (CI runs a part)
 #
-# Steps (each PASS / FAIL / SKIP in the report, with the tail of its output; the exit status is 1 if any FAILed):
-#   env      nvidia-smi, python, torch, CUDA, NCCL
-#   install  a venv ($GPU_CHECK_VENV, default .venv-gpu) with torch==$TORCH_VERSION from pip (the CUDA wheel on
-#            Linux x86_64) and slime_corr[dev,sglang]
-#   tests    the device-parametrized subset on CUDA (`pytest -m device --device cuda`): the correction and the losses
-#            on the GPU against the CPU, DP=2, CP=2 and TP=2 (vocab-parallel log-probs) over NCCL with one GPU
-#            per rank (with one GPU: two processes on it, gloo on CUDA tensors, since NCCL refuses two ranks on one
-#            GPU), plus the meta-device checks
-#   sglang   the real SGLang server on the GPU with a small model behind the client and the trainer:
-#            `python -m slime_corr.main --rollout-engine sglang --num-rollout 2` and `pytest -m sglang`
-#            (each SKIPped with a line saying so when this checkout has no such flag / marker)
-#   bench    bench/vs_verl.py on CUDA, eager and compiled (--compile), 1 thread
-#   e2e      bench/e2e.py (with --rollout-engine sglang when the trainer has it)
-# Environment: TORCH_VERSION (2.13.0), GPU_CHECK_VENV, GPU_CHECK_PYTEST_K (a pytest -k expression),
-# GPU_CHECK_PYTEST_ARGS (extra pytest args, split at spaces),
-# GPU_CHECK_BENCH_ARGS (extra vs_verl.py args), GPU_CHECK_E2E_ARGS (extra e2e.py args).
+# --python PY   the interpreter (default: $PYTHON, else .venv/bin/python, else python3); the project runs from this
+#               source tree (PYTHONPATH), so PY needs only the dependencies: torch (CUDA), megatron-core, aiohttp...
+# --wheels DIR  install the packages PY lacks from the wheels in DIR (`pip install --no-index --no-deps --target
+#               .gpu_check_site`, put first on PYTHONPATH; a package PY already has is never replaced, torch
+#               included); verl's wheel there also serves bench/vs_verl.py. Make DIR on a machine with a network:
+#               pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+#                 -d DIR megatron-core mbridge verl ...
+# Steps (each PASS / FAIL / SKIP with its reason in the report, the tail of its output, and a summary at the end;
+# the exit status is 1 when a step FAILed, 2 for bad arguments):
+#   env       the interpreter, torch, CUDA, NCCL, the GPUs (nvidia-smi) and which dependencies PY has
+#   wheels    install the missing packages from --wheels DIR (SKIP without it)
+#   device    `pytest -m device --device cuda` (correction and losses, DP=2 / CP=2 / TP=2 over NCCL or gloo on
+#             CUDA tensors, the tiny GPT + embedded engine + one optimizer step on the GPU), one file per run
+#   meta      the device checks without a GPU (meta device: model building, engine, trainer step, weight sync)
+#   failing   the tests that failed on the first GPU run (design/GPU_MEASURED.md, section 3)
+#   main      `python -m slime_corr.main --rollout-engine embedded --num-rollout 2 --device cuda`
+#   sglang    the same with `--rollout-engine sglang`, and `pytest -m sglang` (SKIP when PY cannot import sglang)
+#   megatron  Megatron-LM's own train_step with the loss hook (tests/mcore/test_megatron_lm.py)
+#   bench     bench/vs_verl.py --device cuda, eager, then with --compile (SKIP without verl's wheel: not fetched)
+#   e2e       bench/e2e.py (the SGLang engine when importable, else the embedded one) on the GPU
+# Without a GPU (torch.cuda.is_available() False) every GPU step is a SKIP naming that; --cpu runs the CPU parts.
+# Environment: GPU_CHECK_PYTEST_K (a pytest -k expression for device/meta), GPU_CHECK_PYTEST_ARGS,
+# GPU_CHECK_BENCH_ARGS (extra vs_verl.py args), GPU_CHECK_E2E_ARGS (extra e2e.py args), GPU_CHECK_STEP_TIMEOUT
+# (seconds per step, default 1800), GPU_CHECK_SITE (where --wheels installs, default .gpu_check_site).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
+STEPS="env,wheels,device,meta,failing,main,sglang,megatron,bench,e2e"
+
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
+die() { echo "gpu_check.sh: $*" >&2; exit 2; }
 
 MODE=gpu
-ONLY="env,install,tests,sglang,bench,e2e"
+ONLY=$STEPS
 REPORT=""
 DRY=0
+PY=""
+WHEELS=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
     --cpu) MODE=cpu ;;
-    --only) ONLY="$2"; shift ;;
-    --report) REPORT="$2"; shift ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
-    *) echo "gpu_check.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+    --only|--report|--python|--wheels)
+      [ $# -ge 2 ] && [ -n "$2" ] || die "$1 needs a value (see --help)"
+      case "$1" in --only) ONLY=$2 ;; --report) REPORT=$2 ;; --python) PY=$2 ;; --wheels) WHEELS=$2 ;; esac
+      shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) die "unknown argument '$1' (see --help)" ;;
   esac
   shift
 done
 for step in ${ONLY//,/ }; do
-  case "$step" in env|install|tests|sglang|bench|e2e) ;;
-    *) echo "gpu_check.sh: --only: unknown step '$step' (env,install,tests,sglang,bench,e2e)" >&2; exit 2 ;;
-  esac
+  case ",$STEPS," in *",$step,"*) ;; *) die "--only: unknown step '$step' ($STEPS)" ;; esac
 done
-TORCH_VERSION=${TORCH_VERSION:-2.13.0}
-VENV=${GPU_CHECK_VENV:-.venv-gpu}
-if [ "$MODE" = cpu ]; then
-  DEVICE=cpu
+if [ -z "$PY" ]; then
   PY=${PYTHON:-python3}
-  [ -x "$ROOT/.venv/bin/python" ] && [ -z "${PYTHON:-}" ] && PY="$ROOT/.venv/bin/python"
-else
-  DEVICE=cuda
-  PY="$VENV/bin/python"
+  [ -z "${PYTHON:-}" ] && [ -x "$ROOT/.venv/bin/python" ] && PY="$ROOT/.venv/bin/python"
 fi
-REPORT=${REPORT:-runs/gpu_check/report-$(date -u +%Y%m%dT%H%M%SZ).md}
+command -v "$PY" >/dev/null 2>&1 || die "--python $PY: no such interpreter"
+[ -z "$WHEELS" ] || [ -d "$WHEELS" ] || die "--wheels $WHEELS: no such directory"
+[ -z "$WHEELS" ] || WHEELS=$(cd "$WHEELS" && pwd)
+
+STAMP=$(date -u +%Y%m%dT%H%M%SZ)
+REPORT=${REPORT:-runs/gpu_check/report-$STAMP.md}
 mkdir -p "$(dirname "$REPORT")"
+WORK="$(dirname "$REPORT")/work-$STAMP"
+SITE=${GPU_CHECK_SITE:-$ROOT/.gpu_check_site}
+STEP_TIMEOUT=${GPU_CHECK_STEP_TIMEOUT:-1800}
+# the project from this tree, the wheels' packages after it; nothing may reach a package index or the Hub
+export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export PIP_NO_INDEX=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+: >"$REPORT"
 FAILED=0
+SUMMARY=()
 
 wants() { case ",$ONLY," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 note() { echo "$*" | tee -a "$REPORT"; }
+py_has() { "$PY" -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec(sys.argv[1]) else 1)" "$1" 2>/dev/null; }
 
 # run NAME CMD...: one step; its status and the last 60 lines of its output go to the report
 run() {
   local name=$1; shift
   if [ "$DRY" = 1 ]; then
     note "- [plan] $name: $*"
+    SUMMARY+=("| $name | plan | |")
     return 0
   fi
   local log; log=$(mktemp)
   local t0=$SECONDS
   echo ">>> $name: $*" >&2
-  "$@" >"$log" 2>&1
+  if command -v timeout >/dev/null 2>&1 && ! declare -F "$1" >/dev/null; then  # a function runs as it is
+    timeout "$STEP_TIMEOUT" "$@" >"$log" 2>&1
+  else
+    "$@" >"$log" 2>&1
+  fi
   local rc=$?
-  local status=PASS
-  [ $rc -ne 0 ] && status=FAIL && FAILED=1
+  local status=PASS why="exit 0"
+  if [ $rc -ne 0 ]; then
+    status=FAIL why="exit $rc"; FAILED=1
+    [ $rc -eq 124 ] && why="exit 124: over GPU_CHECK_STEP_TIMEOUT=${STEP_TIMEOUT}s"
+  fi
   note ""
-  note "### $name: $status (exit $rc, $((SECONDS - t0)) s)"
+  note "### $name: $status ($why, $((SECONDS - t0)) s)"
   note '```'
   note "\$ $*"
   grep -v '^USDT:' "$log" | tail -n 60 | tee -a "$REPORT" >/dev/null
   note '```'
   rm -f "$log"
+  SUMMARY+=("| $name | $status | $why, $((SECONDS - t0)) s |")
   return $rc
 }
 
-skip() { note ""; note "### $1: SKIP ($2)"; }
+skip() {
+  if [ "$DRY" = 1 ]; then note "- [plan] $1: SKIP ($2)"; else note ""; note "### $1: SKIP ($2)"; fi
+  SUMMARY+=("| $1 | SKIP | $2 |")
+}
+
+# needs STEP MODULE...: true when PY can import every module, else a SKIP naming the missing ones
+needs() {
+  local step=$1 missing=() m; shift
+  [ "$DRY" = 1 ] && return 0
+  for m in "$@"; do py_has "$m" || missing+=("$m"); done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  skip "$step" "$PY cannot import ${missing[*]}: pass --wheels DIR holding their wheels"
+  return 1
+}
 
 note "# slime_corr GPU check ($MODE mode$([ "$DRY" = 1 ] && echo ', dry run'))"
 note ""
-note "$(date -u '+%Y-%m-%d %H:%M:%S UTC'), git $(git rev-parse --short HEAD 2>/dev/null || echo '?'), steps: $ONLY, device: $DEVICE"
+note "$(date -u '+%Y-%m-%d %H:%M:%S UTC'), git $(git rev-parse --short HEAD 2>/dev/null || echo '?'), python: $PY, \
+wheels: ${WHEELS:-none}, steps: $ONLY"
+
+# ---------------------------------------------------------------------------------------------- the device
+if [ "$MODE" = cpu ]; then
+  DEVICE=cpu NO_GPU=""
+elif [ "$DRY" = 1 ]; then
+  DEVICE=cuda NO_GPU=""
+else
+  DEVICE=cuda
+  NO_GPU=$("$PY" -c "import torch; print('' if torch.cuda.is_available() else f'no GPU: torch {torch.__version__} \
+sees none (torch.cuda.is_available() is False); --cpu runs the CPU parts')" 2>&1 | tail -n 1)
+  "$PY" -c "import torch" 2>/dev/null || NO_GPU="no GPU check: $PY cannot import torch"
+fi
+# gpu_step STEP: true when the step may run on the device, else a SKIP saying why
+gpu_step() { [ -z "$NO_GPU" ] && return 0; skip "$1" "$NO_GPU"; return 1; }
 
 # ---------------------------------------------------------------------------------------------- env
+ENV_PY='import importlib, importlib.metadata as md, platform, sys
+import torch
+print("python", platform.python_version(), sys.executable)
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+for i in range(torch.cuda.device_count()):
+    p = torch.cuda.get_device_properties(i)
+    print(f"  cuda:{i} {p.name} {p.total_memory // 2**20} MiB")
+if torch.cuda.is_available():
+    print("nccl", torch.cuda.nccl.version())
+for dist in ("megatron-core", "mbridge", "transformers", "safetensors", "aiohttp", "numpy", "pyyaml", "pytest",
+             "triton", "sglang", "sglang-router", "verl", "tensorboard"):
+    try:
+        print(f"  {dist} {md.version(dist)}")
+    except md.PackageNotFoundError:
+        print(f"  {dist} MISSING")'
+show_env() { "$PY" -c "$ENV_PY"; }
 if wants env; then
+  run "env: python, torch, CUDA, packages" show_env
   if command -v nvidia-smi >/dev/null 2>&1; then
     run "env: nvidia-smi" nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  elif [ "$MODE" = gpu ]; then
-    [ "$DRY" = 1 ] && note "- [plan] env: nvidia-smi (not found on this machine)" || {
-      note ""; note "### env: FAIL (no nvidia-smi: not a GPU machine; use --cpu)"; FAILED=1; }
   else
-    skip "env: nvidia-smi" "CPU mode"
+    skip "env: nvidia-smi" "not on PATH"
   fi
 fi
 
-# ---------------------------------------------------------------------------------------------- install
-install_gpu_venv() (  # a subshell: set -e stays inside
+# ---------------------------------------------------------------------------------------------- wheels
+# install_wheels: the wheels of DIR whose distribution PY lacks, with no index and no dependencies
+install_wheels() (
   set -e
-  [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-  "$VENV/bin/python" -m pip install -q --upgrade pip
-  # torch first, from pip's default index: on Linux x86_64 that wheel is the CUDA build (its CUDA libraries come
-  # as nvidia-* wheels, no system CUDA toolkit needed)
-  "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION"
-  "$VENV/bin/python" -m pip install -q -e ".[dev,sglang]"
-  "$VENV/bin/python" -c "import torch; assert torch.cuda.is_available(), 'torch sees no GPU'; \
-print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0), 'nccl', torch.cuda.nccl.version())"
+  missing=()
+  for whl in "$WHEELS"/*.whl; do
+    [ -e "$whl" ] || continue
+    dist=$(basename "$whl" | cut -d- -f1)
+    if "$PY" -c "import importlib.metadata as m, sys; m.version(sys.argv[1])" "$dist" 2>/dev/null; then
+      echo "have $dist: $(basename "$whl") not installed"
+    else
+      missing+=("$whl")
+    fi
+  done
+  [ ${#missing[@]} -eq 0 ] && { echo "nothing missing"; exit 0; }
+  mkdir -p "$SITE"
+  if "$PY" -m pip --version >/dev/null 2>&1; then
+    "$PY" -m pip install --no-index --no-deps --no-build-isolation --target "$SITE" "${missing[@]}"
+  else  # a wheel is a zip laid out for site-packages
+    for whl in "${missing[@]}"; do "$PY" -m zipfile -e "$whl" "$SITE"; done
+  fi
+  printf 'installed into %s: %s\n' "$SITE" "$(basename -a "${missing[@]}" | tr '\n' ' ')"
 )
-if wants install; then
-  if [ "$MODE" = gpu ]; then
-    run "install: $VENV (torch==$TORCH_VERSION CUDA wheel, slime_corr[dev,sglang])" install_gpu_venv
+if wants wheels; then
+  if [ -z "$WHEELS" ]; then
+    skip "wheels" "no --wheels DIR: nothing to install (nothing is ever downloaded)"
   else
-    run "install: none in CPU mode, using $PY" "$PY" -c "import torch, slime_corr; print(torch.__version__, slime_corr.__file__)"
+    run "wheels: what $PY lacks, from $WHEELS" install_wheels
   fi
 fi
 
-# ---------------------------------------------------------------------------------------------- tests
-if wants tests; then
-  pytest_k=()
-  [ -n "${GPU_CHECK_PYTEST_K:-}" ] && pytest_k=(-k "$GPU_CHECK_PYTEST_K")
-  # shellcheck disable=SC2086
-  run "tests: device subset on $DEVICE" "$PY" -m pytest -q -m device --device "$DEVICE" -p no:cacheprovider -p no:warnings \
-    tests/correction/test_device.py tests/mcore/test_mcore_device.py "${pytest_k[@]}" ${GPU_CHECK_PYTEST_ARGS:-}
-  # shellcheck disable=SC2086
-  run "tests: meta-device allocation checks" "$PY" -m pytest -q -p no:cacheprovider -p no:warnings -m "not device" \
-    tests/correction/test_device.py tests/mcore/test_mcore_device.py "${pytest_k[@]}" ${GPU_CHECK_PYTEST_ARGS:-}
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -p no:warnings)
+pytest_k=()
+[ -n "${GPU_CHECK_PYTEST_K:-}" ] && pytest_k=(-k "$GPU_CHECK_PYTEST_K")
+# shellcheck disable=SC2206
+pytest_extra=(${GPU_CHECK_PYTEST_ARGS:-})
+
+# ---------------------------------------------------------------------------------------------- device tests
+if wants device && gpu_step "device" && needs "device" pytest; then
+  # one file per pytest process: tests/mcore's conftest adapts Megatron to the CPU for the rest of its process
+  for f in tests/correction/test_device.py tests/mcore/test_mcore_device.py; do
+    run "device: pytest -m device --device $DEVICE $f" "${PYTEST[@]}" -m device --device "$DEVICE" "$f" \
+      "${pytest_k[@]}" "${pytest_extra[@]}"
+  done
+fi
+if wants meta && needs "meta" pytest; then
+  run "meta: device checks without a GPU" "${PYTEST[@]}" -m "not device" tests/test_device.py \
+    tests/rollout/test_engine_device.py tests/mcore/test_device_placement.py tests/mcore/test_mcore_device.py \
+    "${pytest_k[@]}" "${pytest_extra[@]}"
 fi
 
-# ---------------------------------------------------------------------------------------------- sglang
+# ---------------------------------------------------------------------------------------------- failing before
+if wants failing && gpu_step "failing" && needs "failing" pytest; then
+  run "failing: torch.compile against eager (tests/correction)" "${PYTEST[@]}" \
+    "tests/correction/test_compiled.py::test_compiled_equals_eager[cfg0-dtype0-1e-10]" \
+    "tests/correction/test_compiled.py::test_compiled_equals_eager[cfg1-dtype1-2e-05]" \
+    "tests/correction/test_packed.py::test_packed_under_torch_compile_matches_eager"
+  run "failing: one-rank Megatron steps in the test process (tests/mcore)" "${PYTEST[@]}" \
+    "tests/mcore/test_mcore_parallel.py::test_presets_on_one_rank_padded_and_packed_match_the_reference" \
+    "tests/mcore/test_token_budget.py::test_token_budget_packed_step_equals_the_padded_step"
+fi
+
+# ---------------------------------------------------------------------------------------------- the main job
+MAIN=("$PY" -m slime_corr.main --num-rollout 2 --device "$DEVICE")
+if wants main && gpu_step "main" && needs "main" megatron.core aiohttp; then
+  run "main: the main job, embedded engine, on $DEVICE" "${MAIN[@]}" --rollout-engine embedded \
+    --run-dir "$WORK/main-embedded"
+fi
 if wants sglang; then
   if [ "$MODE" = cpu ]; then
-    skip "sglang: the real server" "CPU mode: the real SGLang server needs the GPU"
-  elif [ "$DRY" = 0 ] && ! "$PY" -m slime_corr.main --help 2>/dev/null | grep -q -- "--rollout-engine"; then
-    skip "sglang: trainer" "this checkout's trainer has no --rollout-engine flag yet (the real-SGLang issue adds it)"
-  else
-    run "sglang: trainer with the real SGLang engine" "$PY" -m slime_corr.main --rollout-engine sglang --num-rollout 2
+    skip "sglang" "CPU mode: SGLang's CPU server is tested by tests/real_sglang (scripts/test.sh)"
+  elif gpu_step "sglang"; then
+    if [ "$DRY" = 0 ] && ! py_has sglang; then
+      skip "sglang" "$PY cannot import sglang (SGLang's CUDA build; install it, or pass --wheels DIR)"
+    else
+      run "sglang: the main job, SGLang server, on $DEVICE" "${MAIN[@]}" --rollout-engine sglang \
+        --sglang-python "$PY" --run-dir "$WORK/main-sglang"
+      # the suite pins itself to the CPU (tests/conftest.py): here the SGLang tests run on the GPU
+      run "sglang: pytest -m sglang on $DEVICE" env SLIME_CORR_DEVICE="$DEVICE" "${PYTEST[@]}" -m sglang \
+        tests/real_sglang
+    fi
   fi
+fi
+if wants megatron; then
   if [ "$MODE" = cpu ]; then
-    :
-  elif [ "$DRY" = 0 ] && ! "$PY" -m pytest --markers 2>/dev/null | grep -q "@pytest.mark.sglang"; then
-    skip "sglang: pytest -m sglang" "no test in this checkout is marked sglang"
-  else
-    run "sglang: pytest -m sglang" "$PY" -m pytest -q -m sglang -p no:cacheprovider
+    skip "megatron" "CPU mode: tests/mcore/test_megatron_lm.py is part of the CPU suite"
+  elif gpu_step "megatron" && needs "megatron" pytest megatron.training; then
+    run "megatron: Megatron-LM's train_step with the loss hook" "${PYTEST[@]}" tests/mcore/test_megatron_lm.py
   fi
 fi
 
 # ---------------------------------------------------------------------------------------------- benches
+VERL_VERSION=$(sed -n 's/^VERL_VERSION = "\(.*\)"$/\1/p' bench/vs_verl.py)
+VERL_CACHE=bench/.cache/verl
+# verl_here: verl's wheel (or its unpacked tree) in bench/.cache/verl, copied there from --wheels when it is there
+verl_here() {
+  [ -d "$VERL_CACHE/verl-$VERL_VERSION/verl" ] && return 0
+  compgen -G "$VERL_CACHE/verl-$VERL_VERSION-*.whl" >/dev/null && return 0
+  if [ -n "$WHEELS" ] && compgen -G "$WHEELS/verl-$VERL_VERSION-*.whl" >/dev/null; then
+    mkdir -p "$VERL_CACHE" && cp "$WHEELS"/verl-"$VERL_VERSION"-*.whl "$VERL_CACHE"/ && return 0
+  fi
+  return 1
+}
 if wants bench; then
-  # vs_verl fetches verl's wheel from PyPI into bench/.cache (git-ignored) on first use
-  # shellcheck disable=SC2086
-  if [ "$MODE" = cpu ]; then
+  # shellcheck disable=SC2206
+  bench_extra=(${GPU_CHECK_BENCH_ARGS:-})
+  if [ "$DRY" = 0 ] && ! verl_here; then
+    skip "bench" "verl $VERL_VERSION's wheel is in neither $VERL_CACHE nor --wheels DIR (it is not fetched)"
+  elif [ "$MODE" = cpu ]; then
     run "bench: vs_verl.py on cpu (small)" "$PY" bench/vs_verl.py --threads 1 --repeats 3 --sizes 8x256 \
-      --rows metrics,ppo ${GPU_CHECK_BENCH_ARGS:-}
-  else
-    run "bench: vs_verl.py on cuda, eager and compiled" "$PY" bench/vs_verl.py --device cuda --compile \
-      --threads 1 ${GPU_CHECK_BENCH_ARGS:-}
+      --rows metrics,ppo "${bench_extra[@]}"
+  elif gpu_step "bench"; then
+    run "bench: vs_verl.py on cuda, eager" "$PY" bench/vs_verl.py --device cuda --threads 1 "${bench_extra[@]}"
+    run "bench: vs_verl.py on cuda, eager and --compile" "$PY" bench/vs_verl.py --device cuda --compile \
+      --threads 1 "${bench_extra[@]}"
   fi
 fi
 if wants e2e; then
   if [ "$MODE" = cpu ]; then
-    skip "e2e: bench/e2e.py" "CPU mode (minutes on CPU: run it by hand)"
-  else
-    e2e_flags=()
-    if [ "$DRY" = 1 ] || "$PY" -m slime_corr.main --help 2>/dev/null | grep -q -- "--rollout-engine"; then
-      e2e_flags=(-- --rollout-engine sglang)
-    fi
-    # shellcheck disable=SC2086
-    run "e2e: bench/e2e.py" "$PY" bench/e2e.py --repeats 3 ${GPU_CHECK_E2E_ARGS:-} "${e2e_flags[@]}"
+    skip "e2e" "CPU mode (minutes on a CPU: run bench/e2e.py by hand)"
+  elif gpu_step "e2e" && needs "e2e" megatron.core aiohttp; then
+    engine=embedded
+    { [ "$DRY" = 1 ] || py_has sglang; } && engine=sglang
+    # shellcheck disable=SC2206
+    run "e2e: bench/e2e.py, $engine engine, on $DEVICE" "$PY" bench/e2e.py --repeats 3 --rollout-engine "$engine" \
+      ${GPU_CHECK_E2E_ARGS:-} -- --device "$DEVICE"
   fi
 fi
 
+# ---------------------------------------------------------------------------------------------- the summary
+note ""
+note "## Summary"
+note ""
+note "| step | status | why |"
+note "|---|---|---|"
+for line in "${SUMMARY[@]}"; do note "$line"; done
 note ""
 if [ "$DRY" = 1 ]; then
   note "dry run: nothing was run"

@@ -17,4 +17,4 @@ fi
 PRESET=(--rollout-correction-preset decoupled_seq_is_rs)
 WORLD_SIZE=$NPROC RANK=0 "$PY" -m slime_corr.main "${PRESET[@]}" "$@" --self-check > /dev/null
 MAIN_PY=$PY bash scripts/setup_sglang.sh --for-run "$@" >/dev/null  # the real SGLang server, when the run needs it
-exec "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m slime_corr.main "${PRESET[@]}" "$@"
+exec "$PY" -m slime_corr.trainer.torchrun --standalone --nproc-per-node "$NPROC" -m slime_corr.main "${PRESET[@]}" "$@"

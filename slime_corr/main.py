@@ -17,9 +17,18 @@ prints the configuration.
 
 from __future__ import annotations
 
-import argparse
-import os
 import signal
+
+from slime_corr.trainer import interrupts  # the standard library only: before the slow imports
+
+if __name__ == "__main__":
+    interrupts.exit_at_once("slime_corr.main")  # until main() starts anything, a Ctrl-C just exits (130)
+elif __name__ == "__mp_main__":  # a "spawn" child re-importing this module (Megatron's checkpoint writer manager):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the job's to handle; the job ends it
+
+import argparse
+import json
+import os
 import sys
 import time
 import warnings
@@ -32,7 +41,7 @@ from slime_corr.correction.proximal import check_prox_logp_method
 from slime_corr.engines.sglang_server import server_args
 from slime_corr.loss_terms import LossTermsConfig, add_loss_terms_args
 from slime_corr.monitoring.config import MonitoringConfig, add_monitoring_args
-from slime_corr.monitoring.logger import METRICS_FILE
+from slime_corr.monitoring.logger import CONFIG_FILE, METRICS_FILE
 from slime_corr.trainer.config import (
     TrainerConfig,
     add_trainer_args,
@@ -88,7 +97,7 @@ def parse_run_config(argv: Sequence[str] | None = None, *, check_urls: bool = Tr
         loss_terms = LossTermsConfig.from_args(args)
         monitoring = MonitoringConfig.from_args(args, run_dir=args.run_dir or args.work_dir or _new_run_dir())
         _check_run_dir(monitoring.run_dir, "--run-dir" if args.run_dir else "--work-dir" if args.work_dir else
-                       "the default run directory", resuming=bool(trainer.load))
+                       "the default run directory", resuming=trainer.load)
     except ConfigError as e:
         parser.error(str(e))
     if check_urls:
@@ -108,16 +117,29 @@ def _new_run_dir() -> str:
     return path
 
 
-def _check_run_dir(run_dir: str | None, flag: str, resuming: bool) -> None:
-    """Writable, and not holding another run's metrics (a resumed run, --load, continues its own)."""
+def _check_run_dir(run_dir: str | None, flag: str, resuming: str | None) -> None:
+    """Writable, and not holding another run's metrics: a resumed run (`resuming`: its --load) continues only the
+    metrics of the run that saved (or resumed from) that checkpoint directory."""
     if not run_dir:
         return
     check_writable_dir(flag, run_dir)
     metrics = Path(run_dir) / METRICS_FILE
-    if not resuming and metrics.is_file() and metrics.stat().st_size:
+    if not (metrics.is_file() and metrics.stat().st_size):
+        return
+    if not resuming:
         raise ConfigError(f"{flag} {run_dir} already holds a run's {METRICS_FILE}: a run never appends to another "
                           "run's metrics. Pass a new --run-dir (or none: a new runs/DATE-TIME), or add --load to resume "
                           "that run.")
+    try:
+        saved = json.loads((Path(run_dir) / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        saved = {}
+    ckpts = {str(Path(p).resolve()) for p in (saved.get("save"), saved.get("load")) if isinstance(p, str) and p}
+    if str(Path(resuming).resolve()) not in ckpts:
+        raise ConfigError(f"{flag} {run_dir} holds the metrics of another run (its {CONFIG_FILE} names the "
+                          f"checkpoints {sorted(ckpts) or 'of no run'}, and this run resumes from --load {resuming}): a "
+                          "run never appends to another run's metrics. Pass the --run-dir of the run that saved "
+                          f"{resuming}, or a new one.")
 
 
 def _check_sglang_urls(parser: argparse.ArgumentParser, urls: Sequence[str]) -> None:
@@ -142,12 +164,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from slime_corr.mcore.checkpoint import CheckpointError
     from slime_corr.rollout.control import ControlError
     from slime_corr.rollout.rollout import RolloutFailedError
+    from slime_corr.trainer.agreement import EngineAgreementError
     from slime_corr.trainer.loop import RunProgress, run
     from slime_corr.trainer.watchdog import PeerError, StuckRankError, collective_error
 
     rank = int(os.environ.get("RANK", "0"))
     progress = RunProgress()
-    signal.signal(signal.SIGTERM, _interrupt)  # torchrun stops its workers with SIGTERM: end as on Ctrl-C
+    interrupts.install()  # Ctrl-C, and torchrun's SIGTERM to its workers: one KeyboardInterrupt, never mid-save
     try:
         run(run_config, progress)
     except KeyboardInterrupt:
@@ -160,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"slime_corr.main: error{_on_rank(rank)}: {e}", file=sys.stderr, flush=True)
         return 1
     except (ConfigError, CheckpointError, ControlError, TimeoutError, RolloutFailedError, StuckRankError,
-            FileExistsError, InputValueError, SGLangLaunchError) as e:  # a clear message, not a traceback
+            FileExistsError, InputValueError, SGLangLaunchError, EngineAgreementError) as e:  # a clear message, not a traceback
         print(f"slime_corr.main: error{_on_rank(rank)}: {e}", file=sys.stderr, flush=True)
         return 1
     except RuntimeError as e:
@@ -174,10 +197,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _on_rank(rank: int) -> str:
     return f" (rank {rank})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
 
 
 def _interrupted_line(run_config, progress) -> str:  # noqa: ANN001 - RunConfig, RunProgress (imported lazily)

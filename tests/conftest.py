@@ -1,4 +1,5 @@
-"""Suite-wide options: the device of the device-parametrized subset (`-m device`), and the order modules run in.
+"""Suite-wide options: the device of the device-parametrized subset (`-m device`; everything else runs on the CPU), and
+the order modules run in.
 
 Order: modules marked `pytest.mark.cost(seconds)` (their rough CI time, subprocesses and servers included) run
 first, longest first, then the rest in collection order; a module's own tests keep their order. scripts/test.sh runs
@@ -14,7 +15,13 @@ import os
 import pytest
 import torch
 
+from slime_corr.device import DEVICE_ENV as RUN_DEVICE_ENV
+
 DEVICE_ENV = "SLIME_CORR_TEST_DEVICE"
+# The suite tests the CPU path (what CI runs): on a GPU machine too, every test and the jobs it launches compute on
+# the CPU (`slime_corr.device`), unless $SLIME_CORR_DEVICE says otherwise; the `-m device` tests choose their
+# device themselves (`--device`).
+os.environ.setdefault(RUN_DEVICE_ENV, "cpu")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -17,6 +17,8 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager
@@ -31,6 +33,19 @@ RouterChoice = Literal["auto", "on", "off"]
 
 class _HasUrl(Protocol):
     url: str
+
+
+class StartupAborted(RuntimeError):
+    """The run was interrupted (Ctrl-C) while engines were starting: the start-ups still waiting give up."""
+
+
+_startups_aborted = threading.Event()  # set by _enter_all when the thread that waits for the start-ups is interrupted
+
+
+def startup_wait(seconds: float, what: str) -> None:
+    """Sleep between two polls of a starting engine; raises StartupAborted once the start-ups are aborted."""
+    if _startups_aborted.wait(seconds):
+        raise StartupAborted(f"{what}: start-up interrupted")
 
 
 @dataclass
@@ -72,7 +87,10 @@ def spawn_local_engine(checkpoint_dir: str | None = None, *, fp32: bool = False,
         assert proc.stdout is not None
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)
-        line = proc.stdout.readline() if sel.select(startup_timeout) else ""
+        deadline = time.monotonic() + startup_timeout
+        while not sel.select(0) and proc.poll() is None and time.monotonic() < deadline:
+            startup_wait(0.1, "the embedded engine")
+        line = proc.stdout.readline() if sel.select(0) else ""
         if not line.startswith("READY "):
             raise RuntimeError(f"engine process did not start within {startup_timeout}s (exit code "
                                f"{proc.poll()}): {line!r}")
@@ -138,13 +156,22 @@ def start_engine_group(
 
 def _enter_all(stack: contextlib.ExitStack, managers: list[AbstractContextManager[Any]]) -> list[Any]:
     """Enter the context managers concurrently (engine processes start in parallel); each one entered is
-    exited by ``stack``; the first failure is raised once all have finished starting."""
-    with ThreadPoolExecutor(max_workers=len(managers)) as pool:
-        futures = [pool.submit(cm.__enter__) for cm in managers]
+    exited by ``stack``; the first failure is raised once all have finished starting. Interrupted (Ctrl-C), the
+    start-ups still waiting give up at their next poll (`startup_wait`), so the interrupt ends this within
+    seconds, not when the slowest server has started."""
+    pool = ThreadPoolExecutor(max_workers=len(managers))
+    futures = [pool.submit(cm.__enter__) for cm in managers]
+    try:
         wait(futures)
-    for cm, f in zip(managers, futures, strict=True):
-        if f.exception() is None:
-            stack.push(cm.__exit__)
+    except BaseException:
+        _startups_aborted.set()
+        raise
+    finally:
+        pool.shutdown(wait=True)
+        _startups_aborted.clear()
+        for cm, f in zip(managers, futures, strict=True):
+            if f.exception() is None:  # started: stopped with the stack
+                stack.push(cm.__exit__)
     for f in futures:
         if f.exception() is not None:
             raise f.exception()  # type: ignore[misc]

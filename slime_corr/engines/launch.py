@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from slime_corr.device import engine_device
 from slime_corr.engines.group import EngineGroup, start_engine_group
 
 ENGINE_KINDS = ("sglang", "embedded")
@@ -41,15 +42,10 @@ class EngineSpec:
     sglang_python: str | None = None
     sglang_args: tuple[str, ...] = ()
     skip_tokenizer_init: bool = False
-    device: str = "cpu"
+    device: str = "cpu"  # SGLang's --device: `engine_device()`, slime_corr.device's decision
     # embedded
     embedded_module: Callable[[str], Any] | None = None
     tokenizer: Any = None
-
-
-def engine_device() -> str:
-    """Where launched SGLang servers run: this machine's GPU when torch sees one, else the CPU."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 ROUTES_FLAG = "--enable-return-routed-experts"  # SGLang's; the embedded engine takes it from `sglang_args` too

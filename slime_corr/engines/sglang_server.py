@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from slime_corr.engines.group import EngineProcess
+from slime_corr.engines.group import EngineProcess, startup_wait
 from slime_corr.rollout.weight_group import free_port
 
 CPU_STAND_INS = Path(__file__).resolve().parent / "sglang_cpu"
@@ -39,6 +39,7 @@ SETUP_HINT = ("install it with `bash scripts/setup_sglang.sh` (CPU; into .venv-s
               "at a Python that has sglang (GPU machines: pip install 'sglang[srt]'), or use --rollout-engine "
               "embedded")
 STOP_GRACE_S = 5.0
+WARMUP_SLICE_S = 10.0  # seconds per try of the warm-up /generate (an interrupt is seen between tries)
 TORCHRUN_VARIABLES = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT"})
 
@@ -146,15 +147,20 @@ def _wait_until_serving(url: str, proc: subprocess.Popen, log_path: Path, timeou
         if time.monotonic() > deadline:
             raise SGLangLaunchError(f"the SGLang server for {url} did not answer /health within {timeout:.0f} s; its "
                                     f"log ({log_path}) ends with:\n{_tail(log_path)}")
-        time.sleep(0.5)
+        startup_wait(0.5, f"the SGLang server for {url}")
     body = json.dumps({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}).encode()
     request = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=max(10.0, deadline - time.monotonic())) as r:
-            r.read()
-    except (urllib.error.URLError, TimeoutError, OSError) as e:
-        raise SGLangLaunchError(f"the SGLang server at {url} failed its warm-up /generate ({e}); its log "
-                                f"({log_path}) ends with:\n{_tail(log_path)}") from None
+    while True:  # in slices of WARMUP_SLICE_S, so that an interrupt is seen (a repeated one-token request is harmless)
+        try:
+            with urllib.request.urlopen(request, timeout=WARMUP_SLICE_S) as r:
+                r.read()
+            return
+        except (urllib.error.URLError, TimeoutError, OSError) as e:
+            timed_out = isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError)
+            if not timed_out or time.monotonic() > deadline:
+                raise SGLangLaunchError(f"the SGLang server at {url} failed its warm-up /generate ({e}); its log "
+                                        f"({log_path}) ends with:\n{_tail(log_path)}") from None
+        startup_wait(0, f"the SGLang server for {url}")
 
 
 def _get(url: str, timeout: float) -> int | None:

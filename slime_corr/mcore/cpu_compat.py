@@ -1,10 +1,13 @@
 """Run Megatron-Core on a CPU-only torch (tests, CI, laptops). Every CPU adaptation lives here.
 
 Call `apply_cpu_compat()` once, after importing megatron and before building models or running a schedule.
-It does nothing when CUDA is available, so the same code and tests run unchanged on a GPU machine.
+Whether it is needed is `slime_corr.device`'s decision: it does nothing when this process computes on CUDA, so the
+same code and tests run unchanged on a GPU machine. "The CPU" below is the device `slime_corr.device` chose: the
+CPU, or in device checks without a GPU the device a test points it at (`device.use("meta")`), so Megatron's own
+buffers follow the device there too.
 
 What it changes (each item was measured to break on CPU torch with megatron-core 0.16):
-- `torch.cuda.current_device()` returns "cpu" (many Megatron buffers use it as their device);
+- `torch.cuda.current_device` answers "cpu" (many Megatron buffers use it as their device);
 - `get_default_causal_mask` builds the mask on CPU (it hard-codes device="cuda");
 - the CUDA RNG tracker / `model_parallel_cuda_manual_seed` keep named CPU generator states instead;
 - `pipeline_parallel.schedules` tensor factories turn device="cuda" into CPU (its token counter);
@@ -34,27 +37,34 @@ from typing import Any
 
 import torch
 
+from slime_corr import device
+
 _APPLIED = False
 
 
 def cpu_compat_needed() -> bool:
-    """True when torch has no usable CUDA device (the adaptations are then required)."""
-    return not torch.cuda.is_available()
+    """True when this process does not compute on CUDA (`slime_corr.device`): the adaptations are then required."""
+    return device.current().needs_cpu_compat
+
+
+def _host() -> str:
+    """The device Megatron's "cuda" means once the adaptations are on: the one `slime_corr.device` chose ("cpu";
+    "meta" in a device check), the CPU if that is CUDA."""
+    placement = device.current()
+    return "cpu" if placement.is_cuda else str(placement.device)
 
 
 def is_cpu_compat_applied() -> bool:
     return _APPLIED
 
 
-def _cpu_device(device: Any) -> Any:
-    """Map any CUDA device spec to CPU; leave others alone."""
-    if device is None:
+def _cpu_device(spec: Any) -> Any:
+    """Map any CUDA device spec to the CPU (`_host`); leave others alone."""
+    if spec is None:
         return None
-    if isinstance(device, int):
-        return "cpu"
-    if "cuda" in str(device):
-        return "cpu"
-    return device
+    if isinstance(spec, int) or "cuda" in str(spec):
+        return _host()
+    return spec
 
 
 class _CPUTorchProxy(types.ModuleType):
@@ -127,7 +137,7 @@ class CPURNGStatesTracker:
 
 def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
     """CPU version of `transformer.utils.get_default_causal_mask` (True = masked out)."""
-    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool, device=_host()), diagonal=1)
 
 
 def _install_rng_tracker() -> None:
@@ -185,7 +195,7 @@ def apply_cpu_compat() -> bool:
     if _APPLIED:
         return True
 
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.current_device = _host  # type: ignore[assignment]
     torch.cuda.current_stream = lambda *a, **k: _NoOpStream()  # type: ignore[assignment]
     torch.cuda.default_stream = lambda *a, **k: _NoOpStream()  # type: ignore[assignment]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]

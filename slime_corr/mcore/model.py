@@ -1,8 +1,9 @@
 """A tiny Megatron `GPTModel` (local layer spec, learned absolute positions) for tests and the CPU demo job.
 
 `build_tiny_gpt` wires what the rollout-correction loss needs: `calculate_per_token_loss=True`,
-`finalize_model_grads` as the grad-finalize hook and Megatron DDP (gradient all-reduce over DP×CP).
-On CPU call `slime_corr.mcore.cpu_compat.apply_cpu_compat()` first.
+`finalize_model_grads` as the grad-finalize hook and Megatron DDP (gradient all-reduce over DP×CP). The model is
+made on the CPU (`use_cpu_initialization`: the same weights at any TP) and moved to the device `slime_corr.device`
+chose before DDP wraps it. On CPU call `slime_corr.mcore.cpu_compat.apply_cpu_compat()` first.
 
 `single_rank_groups()` + `build_tiny_gpt(..., pg_collection=...)` build the same architecture unsharded beside a
 TP-sharded trainer in the same process (the embedded rollout engine): its layers then never touch the trainer's
@@ -19,6 +20,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from slime_corr.device import place_module
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,8 @@ def build_tiny_gpt(args: TinyGPTArgs | argparse.Namespace | None = None, *, ddp:
     DP/CP rank for a given seed; TP shards come from `use_cpu_initialization` of the full weights. Under pipeline
     parallelism this rank's stage: its share of the layers, the embedding on the first stage, the output layer on
     the last (the stages exchange activations in `params_dtype`), with the weights the unsplit model has for the
-    seed (a stage's own initialization would draw other random numbers): a seed gives one model at any TP and PP.
+    seed (a stage's own initialization would draw other random numbers): a seed gives one model at any TP and PP,
+    on any device (made on the CPU, then moved to `slime_corr.device`'s).
 
     `pg_collection` (e.g. `single_rank_groups()`): the model's own process groups instead of parallel_state's; the
     weights are then left uninitialized (to be loaded) and the global RNG is not touched."""
@@ -110,6 +114,7 @@ def build_tiny_gpt(args: TinyGPTArgs | argparse.Namespace | None = None, *, ddp:
         unsplit = gpt(dataclasses.replace(config, pipeline_model_parallel_size=1), True, True).state_dict()
         rename = unsplit_name(model)
         model.load_state_dict({name: unsplit[rename(name)] for name in model.state_dict()})
+    model = place_module(model)
     if ddp:
         model = DistributedDataParallel(
             config, DistributedDataParallelConfig(grad_reduce_in_fp32=dtype != torch.float64), module=model

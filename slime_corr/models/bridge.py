@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from slime_corr.device import current, place_module
 from slime_corr.models.gguf_checkpoint import MARKER
 from slime_corr.models.hf_checkpoint import (
     MODEL_EXTRA_HINT,
@@ -40,6 +41,7 @@ from slime_corr.models.hf_checkpoint import (
 
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
+TIED_SOURCE = "model.embed_tokens.weight"  # what a tied LM head reads
 # Megatron local-spec norm -> HF norm, per decoder layer
 _LOCAL_SPEC_NORMS = {"input_layernorm.weight": "input_layernorm.weight",
                      "pre_mlp_layernorm.weight": "post_attention_layernorm.weight"}
@@ -158,7 +160,7 @@ class MegatronHFBridge:
         self._mb = _local_spec_bridge(self.spec, AutoConfig.from_pretrained(hf_dir, local_files_only=True), dtype)
         self._mb.set_extra_args(
             **(_CPU_MOE_CONFIG if self.spec.is_moe else {}),
-            use_cpu_initialization=not torch.cuda.is_available(),
+            use_cpu_initialization=current().cpu_initialization,
             sequence_parallel=self.sequence_parallel,
             masked_softmax_fusion=False,
             hidden_dropout=0.0,
@@ -172,9 +174,11 @@ class MegatronHFBridge:
         return self._mb.config
 
     def build_model(self, load_weights: bool = True) -> nn.Module:
-        """A GPTModel (vocab-parallel logits) with the checkpoint's weights unless `load_weights=False`."""
+        """A GPTModel (vocab-parallel logits) with the checkpoint's weights unless `load_weights=False`, on the
+        device `slime_corr.device` chose."""
         model = self._mb._model_provider([])(pre_process=self.first_stage, post_process=self.last_stage)
-        model = model.to(self.dtype)  # the local spec's torch RMSNorm ignores params_dtype
+        # the local spec's torch RMSNorm ignores params_dtype and Megatron's device: both set here
+        model = place_module(model.to(self.dtype))
         if self.emulated_context_parallel:  # RoPE reads parallel_state's CP group, not the config's size
             _run_whole_sequences(model)
         if self.pipeline_parallel:  # stages exchange each micro-batch's activation shape (lengths vary)
@@ -213,7 +217,9 @@ def write_hf_checkpoint(weights: dict[str, torch.Tensor], source_dir: str | os.P
                         out_dir: str | os.PathLike[str]) -> Path:
     """`weights` (HF names) as one safetensors file in `out_dir`, beside every other file of the source checkpoint
     (config, tokenizer, chat template; not its weights). The weights file is written under a temporary name and
-    renamed: a reader never sees half of it."""
+    renamed: a reader never sees half of it. A tied model (`tie_word_embeddings`) gets an explicit `lm_head.weight`
+    (the embedding's copy): Hugging Face leaves it out, and SGLang 0.5.23's Qwen3-MoE, which never ties, would serve
+    a zero LM head (every log-prob -log(vocab)); models that tie ignore it."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -222,6 +228,9 @@ def write_hf_checkpoint(weights: dict[str, torch.Tensor], source_dir: str | os.P
         if f.is_file() and not f.name.endswith(".safetensors") and f.name not in (WEIGHTS_INDEX, MARKER):
             shutil.copy2(f, out / f.name)
     _name_architecture(out / "config.json")
+    if json.loads((out / "config.json").read_text()).get("tie_word_embeddings") and "lm_head.weight" not in weights \
+            and TIED_SOURCE in weights:
+        weights = {**weights, "lm_head.weight": weights[TIED_SOURCE].clone()}  # safetensors stores no shared memory
     tmp = out / (WEIGHTS_FILE + ".tmp")
     save_file({name: t.contiguous() for name, t in weights.items()}, str(tmp), metadata={"format": "pt"})
     tmp.replace(out / WEIGHTS_FILE)

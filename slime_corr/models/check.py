@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     from slime_corr.mcore.cpu_compat import apply_cpu_compat
     from slime_corr.trainer.loop import init_distributed  # torchrun's group, or a one-process one
 
-    init_distributed()
+    init_distributed(device="cpu")  # the HF reference runs on the CPU: the Megatron model there too
     world = dist.get_world_size()
     apply_cpu_compat()
     ps.initialize_model_parallel(tensor_model_parallel_size=world)

@@ -138,9 +138,31 @@ def read_hf_checkpoint(path: str | os.PathLike[str], flag: str = "--hf-checkpoin
     if not any(p.glob("*.safetensors")):
         hint = " (it has PyTorch .bin weights: save them as safetensors)" if any(p.glob("*.bin")) else ""
         raise CheckpointError(f"{flag} {path}: no *.safetensors weights{hint}")
+    for weights in sorted(p.glob("*.safetensors")):
+        why = safetensors_problem(weights)
+        if why is not None:
+            raise CheckpointError(f"{flag} {path}: {weights.name} {why}: copy or save the checkpoint again")
     if not ((p / "tokenizer.json").is_file() or (p / "tokenizer.model").is_file()):
         raise CheckpointError(f"{flag} {path}: no tokenizer (tokenizer.json or tokenizer.model) next to the weights")
     return spec
+
+
+def safetensors_problem(file: Path) -> str | None:
+    """Why `file` is not a whole safetensors file, or None: its header (an 8-byte little-endian length, then JSON
+    naming each tensor's byte range) must parse and its byte ranges must fit in the file (a cut-off copy does not).
+    Reads the header only."""
+    size = file.stat().st_size
+    try:
+        with open(file, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if size < 8 or n > size - 8:
+                return f"is not a safetensors file ({size} bytes; its first 8 bytes announce a {n}-byte header)"
+            header = json.loads(fh.read(n))
+        ends = [int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"]
+    except (OSError, ValueError, TypeError, KeyError, IndexError) as e:
+        return f"is not a safetensors file (its header does not parse: {e})"
+    need = 8 + n + max(ends, default=0)
+    return f"is truncated: {size} bytes, its header needs {need}" if size < need else None
 
 
 def check_tensor_parallel(spec: HFModelSpec, tp: int, flag: str = "--tensor-model-parallel-size") -> None:

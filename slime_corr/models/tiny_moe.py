@@ -38,6 +38,7 @@ class TinyMoEArgs:
     rope_theta: float = 10000.0
     seed: int = 0
     weight_std: float = 0.2  # std 0.02 init gives near-uniform logits and near-tied router scores
+    tie_word_embeddings: bool = False  # tied: the checkpoint has no lm_head.weight (as Hugging Face saves one)
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -50,7 +51,7 @@ def tiny_moe_config(args: TinyMoEArgs):  # -> transformers.Qwen3MoeConfig
 
     fields = {k: v for k, v in asdict(args).items() if k not in ("seed", "weight_std")}
     return Qwen3MoeConfig(
-        **fields, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, tie_word_embeddings=False,
+        **fields, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
         router_aux_loss_coef=0.0, output_router_logits=False, attention_bias=False, use_sliding_window=False,
         eos_token_id=args.vocab_size - 1, bos_token_id=None, pad_token_id=None,
         architectures=["Qwen3MoeForCausalLM"],

@@ -61,7 +61,7 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, keep: torch
     kept = torch.ones_like(r, dtype=torch.bool) if keep is None else keep.to(torch.bool)
     _, g = torch.unique(group_ids, return_inverse=True)
     k = kept.to(torch.float64)
-    n = torch.zeros(int(g.max()) + 1 if g.numel() else 0, dtype=torch.float64).index_add_(0, g, k)
+    n = torch.zeros(int(g.max()) + 1 if g.numel() else 0, dtype=torch.float64, device=r.device).index_add_(0, g, k)
     mean = torch.zeros_like(n).index_add_(0, g, r * k) / n.clamp_min(1)
     centered = (r - mean[g]) * k
     adv = centered

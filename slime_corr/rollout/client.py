@@ -41,6 +41,7 @@ import aiohttp
 from slime_corr.rollout.control import ControlPlane
 from slime_corr.rollout.protocol import (
     GenerateOutput,
+    NonFiniteLogProbError,
     ResponseError,
     StreamAccumulator,
     StreamErrorEvent,
@@ -78,7 +79,8 @@ class GenerationError(Exception):
 # reason prefix -> kind (the reasons `SGLangClient._attempt` gives)
 _KINDS = (("HTTP 4", "HTTP 4xx"), ("HTTP 5", "HTTP 5xx"), ("timeout", "timeout"),
           ("connection failed", "connection refused"), ("connection broken", "connection broken"),
-          ("bad response", "bad response"), ("stream error event", "stream error event"),
+          ("bad response", "bad response"), ("non-finite log-prob", "non-finite log-prob"),
+          ("stream error event", "stream error event"),
           ("aborted by server", "aborted by server"), ("the client stayed paused", "paused"))
 
 
@@ -153,6 +155,7 @@ class SGLangClient(ControlPlane):
         self._load: dict[str, int] = dict.fromkeys(self.urls, 0)  # requests assigned (queued or in flight)
         self._rr = itertools.count()
         self._session: aiohttp.ClientSession | None = None
+        self._closed = False  # close() was called: no new session until the client is entered again
         self._running: asyncio.Event | None = None  # cleared between pause() and continue_generation()
         self._inflight: dict[str, str] = {}  # rid -> target, of requests sent and not answered yet
         self.failovers = 0  # attempts retried after a connection failure or a dead engine
@@ -160,6 +163,7 @@ class SGLangClient(ControlPlane):
 
     # ---- session ---------------------------------------------------------------------------------------
     async def __aenter__(self) -> SGLangClient:
+        self._closed = False
         self._get_session()
         return self
 
@@ -167,6 +171,8 @@ class SGLangClient(ControlPlane):
         await self.close()
 
     def _get_session(self) -> aiohttp.ClientSession:
+        if self._closed:  # a task still running at shutdown must not open a session nobody closes
+            raise GenerationError("the client is closed (the run is ending): nothing more is sent", False)
         if self._session is None or self._session.closed:
             n = self.max_concurrency
             connector = aiohttp.TCPConnector(limit=n * len(self.urls) + 8, limit_per_host=n + 4,
@@ -175,7 +181,8 @@ class SGLangClient(ControlPlane):
         return self._session
 
     async def close(self) -> None:
-        """Close the HTTP session."""
+        """Close the HTTP session; until the client is entered again (`async with`), nothing more is sent."""
+        self._closed = True
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -294,6 +301,8 @@ class SGLangClient(ControlPlane):
                     out = parse_generate_response(obj, want_lp, routes)
         except GenerationError:
             raise
+        except NonFiniteLogProbError as e:  # another engine may serve it (retried elsewhere when there is one)
+            raise GenerationError(f"non-finite log-prob: {e}", retryable=True) from e
         except ResponseError as e:
             raise GenerationError(f"bad response: {e}", retryable=True) from e
         except StreamErrorEvent as e:

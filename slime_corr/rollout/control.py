@@ -27,6 +27,9 @@ from typing import Any
 import aiohttp
 
 PROBE_TIMEOUT = 3.0  # seconds a health probe or a discovery request may take
+# A weight update may take the client's control_timeout plus this per GB it carries: loading from disk or receiving a
+# broadcast, then copying into the model, runs at >= 1 GB/s on GPU servers and at tens of MB/s on a loaded CPU one.
+WEIGHT_LOAD_S_PER_GB = 30.0
 
 
 class ControlError(RuntimeError):
@@ -52,8 +55,9 @@ class EnginesDownError(ControlError):
                      "and --rollout-health-check-timeout set how soon this is found.",)
 
 
-def _is_success(status: int, body: Any) -> str | None:
-    """None when a control answer is a full success, else why not (206 partial_success is a failure)."""
+def _is_success(status: int, body: Any, weight_call: bool = False) -> str | None:
+    """None when a control answer is a full success, else why not (206 partial_success is a failure). A weight
+    call (`weight_call`) succeeds only on SGLang's own answer, a JSON object with ``"success": true``."""
     if status == 206 or (isinstance(body, dict) and body.get("status") == "partial_success"):
         failed = body.get("failed") if isinstance(body, dict) else None
         return f"HTTP {status} partial_success (failed: {failed})"
@@ -61,6 +65,9 @@ def _is_success(status: int, body: Any) -> str | None:
         return f"HTTP {status}: {str(body)[:300]}"
     if isinstance(body, dict) and body.get("success") is False:
         return f"success=false: {body.get('message')}"
+    if weight_call and not (isinstance(body, dict) and body.get("success") is True):
+        return (f"HTTP {status} without SGLang's answer {{\"success\": true, ...}} (got {str(body)[:120]!r}): the "
+                "update is not known to have been applied; is it an SGLang server?")
     return None
 
 
@@ -253,11 +260,12 @@ class ControlPlane:
     # ---- fan-out -------------------------------------------------------------------------------------
     async def _fan_out(self, path: str, payload: dict[str, Any] | Callable[[str], dict[str, Any]] | None = None,
                        *, workers: Sequence[str] | None = None, timeout: float | None = None,
-                       allow_404: bool = False) -> dict[str, Any]:
+                       allow_404: bool = False, weight_call: bool = False) -> dict[str, Any]:
         """POST ``path`` to each live worker (``payload`` may depend on the worker); {worker: body} or raise.
 
         A worker that cannot be reached and fails a health probe is marked dead and left out. ``allow_404``:
-        a 404 (an older server without the endpoint) counts as success with body ``None``.
+        a 404 (an older server without the endpoint) counts as success with body ``None``. ``weight_call``: only
+        SGLang's ``{"success": true}`` counts as success (see `_is_success`).
         """
         targets = list(workers) if workers is not None else await self.workers()
         if not targets:
@@ -271,10 +279,14 @@ class ControlPlane:
                 if not await self._alive(w):
                     await self._mark_dead(w, f"{path}: {type(e).__name__}: {e}")
                     return w, "dead", None
+                if isinstance(e, TimeoutError):  # alive (its health check answers), yet this call went unanswered
+                    return w, (f"no answer within {timeout or self.control_timeout:.0f} s though its health check "
+                               "answers (the bound: the client's control_timeout, the trainer's "
+                               "--rollout-control-timeout); is the server stuck? Its log says"), None
                 return w, f"request failed: {e!r}", None
             if allow_404 and status == 404:
                 return w, None, None
-            return w, _is_success(status, answer), answer
+            return w, _is_success(status, answer, weight_call), answer
 
         results = await asyncio.gather(*(one(w) for w in targets))
         failures = {w: why for w, why, _ in results if why not in (None, "dead")}
@@ -422,7 +434,22 @@ class ControlPlane:
             payload["weight_version"] = weight_version
         if load_format is not None:
             payload["load_format"] = load_format
-        await self._fan_out("/update_weights_from_disk", payload)
+        timeout = self.control_timeout + WEIGHT_LOAD_S_PER_GB * _folder_bytes(model_path) / 1e9
+        done = await self._fan_out("/update_weights_from_disk", payload, weight_call=True, timeout=timeout)
+        if weight_version is not None:
+            await self.check_weight_version("/update_weights_from_disk", weight_version, list(done))
+
+    async def check_weight_version(self, path: str, expected: str, workers: Sequence[str]) -> None:
+        """Raise ControlError unless every worker of `workers` reports ``expected`` as its weight version
+        (``/model_info``): a server that answered a weight update with success without applying it is found here."""
+        infos = await asyncio.gather(*(self.model_info(w) for w in workers))
+        reported = {w: info.get("weight_version") if isinstance(info, dict) else None
+                    for w, info in zip(workers, infos, strict=True)}
+        wrong = {w: v for w, v in reported.items() if v != expected}
+        if wrong:
+            raise ControlError(path, {w: f"answered success, but then reports weight version {v!r}, not "
+                                         f"{expected!r}: the server did not apply the update" for w, v in wrong.items()},
+                               [w for w in workers if w not in wrong])
 
     async def sync_weights_from_disk(self, model_path: str, weight_version: str, pause_mode: str = "abort") -> None:
         """The usual sequence: pause -> update from disk -> flush_cache (retried) -> continue (always)."""
@@ -460,7 +487,7 @@ class ControlPlane:
         await self._fan_out("/init_weights_update_group", lambda w: {
             "master_address": master_address, "master_port": master_port, "rank_offset": ranks[w],
             "world_size": world_size or rank_offset + len(ws), "group_name": group_name, "backend": backend},
-            workers=ws)
+            workers=ws, weight_call=True)
         return ranks
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
@@ -476,16 +503,22 @@ class ControlPlane:
     async def update_weights_from_distributed(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]],
         group_name: str = "weight_update_group", flush_cache: bool = False, weight_version: str | None = None,
-        load_format: str | None = None, workers: Sequence[str] | None = None,
+        load_format: str | None = None, workers: Sequence[str] | None = None, nbytes: int = 0,
     ) -> dict[str, Any]:
-        """``POST /update_weights_from_distributed``: the workers receive the tensors by broadcast from rank 0."""
+        """``POST /update_weights_from_distributed``: the workers receive the tensors (``nbytes`` in all, which
+        sets the call's bound) by broadcast from rank 0."""
         payload: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
                                    "flush_cache": flush_cache}
         if weight_version is not None:
             payload["weight_version"] = weight_version
         if load_format is not None:
             payload["load_format"] = load_format
-        return await self._fan_out("/update_weights_from_distributed", payload, workers=workers)
+        timeout = self.control_timeout + WEIGHT_LOAD_S_PER_GB * nbytes / 1e9
+        done = await self._fan_out("/update_weights_from_distributed", payload, workers=workers, weight_call=True,
+                                   timeout=timeout)
+        if weight_version is not None:
+            await self.check_weight_version("/update_weights_from_distributed", weight_version, list(done))
+        return done
 
     # ---- router --------------------------------------------------------------------------------------
     async def add_worker(self, worker_url: str) -> Any:
@@ -505,6 +538,12 @@ class ControlPlane:
         if status == 404:
             status, body = await self._get(self.urls[0], "/list_workers")
         return body
+
+
+def _folder_bytes(path: str) -> int:
+    """Bytes of the files in the folder `path` (not recursive: a checkpoint's weight files)."""
+    with os.scandir(path) as entries:
+        return sum(e.stat().st_size for e in entries if e.is_file())
 
 
 async def read_body(resp: aiohttp.ClientResponse) -> Any:

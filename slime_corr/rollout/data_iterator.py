@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from slime_corr.device import collective_device
 from slime_corr.rollout.batching import (
     build_micro_batch,
     cp_pad_multiple,
@@ -67,7 +68,7 @@ def background_event_loop() -> Iterator[asyncio.AbstractEventLoop]:
         yield loop
     finally:
         with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(_cancel_pending(), loop).result(timeout=CANCEL_TIMEOUT)
+            asyncio.run_coroutine_threadsafe(cancel_pending_tasks(), loop).result(timeout=CANCEL_TIMEOUT)
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
         loop.close()
@@ -76,7 +77,8 @@ def background_event_loop() -> Iterator[asyncio.AbstractEventLoop]:
 CANCEL_TIMEOUT = 10.0  # seconds the rollout's cancelled tasks get to finish their clean-up
 
 
-async def _cancel_pending() -> None:
+async def cancel_pending_tasks() -> None:
+    """Cancel every other task of the running loop and wait for them to finish their clean-up."""
     tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
     for task in tasks:
         task.cancel()
@@ -226,11 +228,9 @@ def mask_not_trained(batch: dict[str, torch.Tensor], samples: Sequence[Sample]) 
     return batch
 
 
-def _group_device(group: dist.ProcessGroup | None) -> str:
-    """Where a collective over `group` takes its tensors: the current GPU for NCCL, else the CPU."""
-    if group is not None and dist.get_backend(group) == "nccl":
-        return f"cuda:{torch.cuda.current_device()}"
-    return "cpu"
+def _group_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a collective over `group` takes its tensors (`slime_corr.device`); the CPU without a group."""
+    return torch.device("cpu") if group is None else collective_device(dist.get_backend(group))
 
 
 def _sample_positions(batch: dict[str, torch.Tensor], i: int) -> tuple[int, slice]:

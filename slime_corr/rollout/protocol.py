@@ -90,6 +90,11 @@ def _check_finish(fr: Any) -> dict[str, Any] | None:
     return fr
 
 
+class NonFiniteLogProbError(ResponseError):
+    """The engine's log-prob of a sampled token is NaN, inf or null: its forward overflowed, or it serves another
+    model than the trainer's."""
+
+
 def _parse_chunk(obj: Any, want_logprobs: bool) -> tuple[list[int], list[float], dict[str, Any]]:
     """Check one response object; returns (output_ids, log_probs, meta_info)."""
     if not isinstance(obj, dict):
@@ -117,7 +122,8 @@ def _parse_chunk(obj: Any, want_logprobs: bool) -> tuple[list[int], list[float],
             if etok != tok:
                 raise ResponseError(f"output_token_logprobs[{i}]: token {etok} != output_ids[{i}] {tok}")
             if not isinstance(lp, int | float) or isinstance(lp, bool) or not math.isfinite(lp):
-                raise ResponseError(f"output_token_logprobs[{i}]: log-prob {lp!r} is not a finite number")
+                raise NonFiniteLogProbError(f"output_token_logprobs[{i}] (response token {i}, id {tok}): log-prob "
+                                            f"{lp!r} is not a finite number")
             if lp > 1e-4:
                 raise ResponseError(f"output_token_logprobs[{i}]: log-prob {lp} > 0")
             log_probs.append(float(lp))

@@ -237,6 +237,9 @@ FAILURE_HINTS = {
     "bad response": "{server} answers /generate with something that is not SGLang's JSON (or without per-token "
                     "log-probs): is it an SGLang server (not a proxy or another service), returning "
                     "meta_info.output_token_logprobs?",
+    "non-finite log-prob": "{server} returned a NaN, inf or null log-prob for a sampled token: its forward "
+                           "overflowed (in bfloat16/float16: try --engine-dtype float32), or it serves another model "
+                           "than the trainer's (a tied-embedding checkpoint, a config key read otherwise): its log",
     "HTTP 5xx": "{server} failed the requests: its log",
     "HTTP 4xx": "{server} refused the requests as invalid: its version and log (which field it rejects)",
     "stream error event": "{server} reported an error inside the stream: its log",

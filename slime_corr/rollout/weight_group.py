@@ -4,7 +4,8 @@ Rank 0 is the trainer, ranks ``rank_offset ..`` the engines (one per engine here
 lives beside any default ``torch.distributed`` group (the trainer's own ``torchrun`` world): it is built from its
 own TCP store on ``master_address:master_port`` (rank 0 hosts it) with the key prefixes SGLang's
 ``init_custom_process_group`` gives its group (``<group>/<group>//<device>/``), so either side can be a real
-SGLang server. Backends: ``gloo`` (CPU tensors) and ``nccl`` (CUDA tensors, when torch has it).
+SGLang server. Backends: ``gloo`` (CPU tensors) and ``nccl`` (CUDA tensors on the device :mod:`slime_corr.device`
+chose, when torch has NCCL); which one the trainer asks for is :func:`slime_corr.device.weight_sync_backend`'s.
 
 Tensors travel one bucket at a time, either one broadcast per tensor or, with ``load_format="flattened_bucket"``
 (SGLang's name), the bucket's bytes concatenated into one uint8 tensor: one collective per bucket.
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from slime_corr.device import collective_device
 
 BACKENDS = ("gloo", "nccl")
 FLATTENED_BUCKET = "flattened_bucket"
@@ -56,23 +59,27 @@ class WeightUpdateGroup:
             raise ValueError(f"rank {rank} is outside the group of world_size {world_size}")
         if not group_name:
             raise ValueError("group_name: must not be empty")
-        nccl = getattr(dist, "ProcessGroupNCCL", None)
-        if backend == "nccl" and (nccl is None or not torch.cuda.is_available()):
-            raise ValueError("backend 'nccl' needs CUDA and a torch built with NCCL; use backend='gloo' on CPU")
         self.rank, self.world_size, self.group_name, self.backend = rank, world_size, group_name, backend
-        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        delta = datetime.timedelta(seconds=timeout)
-        self._store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0,
-                                    timeout=delta, wait_for_workers=True)
+        self.device = collective_device(backend)
+        self._store: dist.Store | None = None
+        self._pg = self._join(master_address, int(master_port), datetime.timedelta(seconds=timeout))
+
+    def _join(self, master_address: str, master_port: int, timeout: datetime.timedelta) -> dist.ProcessGroup:
+        """The group's backend over its own TCP store (rank 0 hosts it), with SGLang's key prefixes."""
+        nccl = getattr(dist, "ProcessGroupNCCL", None)
+        if self.backend == "nccl" and (nccl is None or self.device.type != "cuda"):
+            raise ValueError(f"backend 'nccl' needs CUDA and a torch built with NCCL (this process computes on "
+                             f"{self.device}); use backend='gloo' on CPU")
+        self._store = dist.TCPStore(master_address, master_port, self.world_size, is_master=self.rank == 0,
+                                    timeout=timeout, wait_for_workers=True)
         store = dist.PrefixStore(f"{self.device.type}/", dist.PrefixStore(
-            f"{group_name}/", dist.PrefixStore(group_name, self._store)))
-        if backend == "gloo":
-            self._pg = dist.ProcessGroupGloo(store, rank, world_size, delta)
-        else:
-            assert nccl is not None
-            opts = nccl.Options()
-            opts._timeout = delta
-            self._pg = nccl(store, rank, world_size, opts)
+            f"{self.group_name}/", dist.PrefixStore(self.group_name, self._store)))
+        if self.backend == "gloo":
+            return dist.ProcessGroupGloo(store, self.rank, self.world_size, timeout)
+        assert nccl is not None
+        opts = nccl.Options()
+        opts._timeout = timeout
+        return nccl(store, self.rank, self.world_size, opts)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """In-place broadcast of ``tensor`` from ``src`` to every member (blocking)."""

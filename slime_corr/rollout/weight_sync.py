@@ -1,7 +1,9 @@
 """Trainer-side weight sync: to every engine from a checkpoint on disk, or over a process group (slime's path).
 
 Distributed sync (:class:`DistributedWeightSync`): the trainer (rank 0) and every live engine form a
-weight-update group (``/init_weights_update_group``; gloo on CPU, NCCL on GPUs); each sync then pauses the
+weight-update group (``/init_weights_update_group``; its backend is the caller's, the trainer's from
+:func:`slime_corr.device.weight_sync_backend`: NCCL from a GPU to engines on other GPUs, else gloo, the default
+here); each sync then pauses the
 engines, opens a weight-update session (``/begin_weight_update``), sends the weights bucket by bucket - for each
 bucket one ``/update_weights_from_distributed`` request per engine with the names, dtypes and shapes, while the
 trainer broadcasts the tensors -, closes the session, flushes the cache and continues generation. The engines
@@ -114,7 +116,8 @@ class DistributedWeightSync:
         assert self.group is not None
         post = asyncio.ensure_future(self.client.update_weights_from_distributed(
             bucket.names, bucket.dtypes, bucket.shapes, self.group_name, flush_cache=False,
-            weight_version=weight_version, load_format=self.load_format, workers=self.workers))
+            weight_version=weight_version, load_format=self.load_format, workers=self.workers,
+            nbytes=bucket.nbytes))
         flattened = self.load_format == FLATTENED_BUCKET
         send = asyncio.ensure_future(asyncio.to_thread(self.group.send_bucket, bucket.tensors, flattened))
         await _both(send, post)

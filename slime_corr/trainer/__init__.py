@@ -10,4 +10,5 @@ data     a rollout -> every rank's micro-batches (GRPO advantages, whole groups 
 update   several optimizer steps per rollout through Megatron's schedule and the loss hook; baselines after rejection
 checkpoint  what a resume needs (dist_checkpointing for model and optimizer, position, RNG, the pending rollout)
 loop     the run: launch, loop, logging from one rank
+interrupts  Ctrl-C / SIGTERM: one KeyboardInterrupt, never lost, never in the middle of a checkpoint
 """

@@ -36,6 +36,8 @@ import torch
 
 from slime_corr.config import ConfigError
 from slime_corr.correction.proximal import PROX_LOGP_METHODS
+from slime_corr.device import DeviceError, resolve
+from slime_corr.engines.router import router_available
 from slime_corr.mcore.model import TinyGPTArgs
 from slime_corr.mcore.nucleus import Truncation
 from slime_corr.models.hf_checkpoint import CheckpointError
@@ -67,7 +69,8 @@ from slime_corr.trainer.task import TASKS
 class TrainerConfig(TrainerConfigChecks):
     """What the trainer runs. Field names are the flag names with `-` replaced by `_` (`sglang_url` is a tuple)."""
 
-    # parallelism (Megatron)
+    # where it computes (slime_corr.device: None = $SLIME_CORR_DEVICE, else auto) and parallelism (Megatron)
+    device: str | None = None
     tensor_model_parallel_size: int = 1
     context_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -105,6 +108,8 @@ class TrainerConfig(TrainerConfigChecks):
     # failures and bounded waits
     max_failed_sample_fraction: float = 0.5
     rollout_request_timeout: float = 60.0
+    rollout_control_timeout: float = 60.0  # a control call's bound; weight updates add WEIGHT_LOAD_S_PER_GB
+    engine_agreement_check: bool = True  # the first trained step's engine-trainer agreement (trainer.agreement)
     rollout_health_check_interval: float = 30.0
     rollout_health_check_timeout: float = 30.0
     distributed_timeout_minutes: float = 10.0
@@ -243,6 +248,11 @@ class TrainerConfig(TrainerConfigChecks):
         def fail(msg: str) -> None:
             raise ConfigError(msg)
 
+        if self.device is not None:  # the device module owns the rule (cuda needs a GPU); $SLIME_CORR_DEVICE: from_args
+            try:
+                resolve(self.device)
+            except DeviceError as e:
+                fail(str(e))
         positive = ("tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
                     "rollout_batch_size", "n_samples_per_prompt", "num_steps_per_rollout", "micro_batch_size",
                     "num_rollout", "rollout_max_response_len", "rollout_num_engines", "update_weight_buffer_size")
@@ -290,12 +300,15 @@ class TrainerConfig(TrainerConfigChecks):
                               ("engine_dtype", ENGINE_DTYPES), ("params_dtype", PARAMS_DTYPES)):
             if getattr(self, name) not in choices:
                 fail(f"--{flag_name(name)} {getattr(self, name)!r} is not one of {', '.join(choices)}.")
+        if self.rollout_router == "on" and not self.sglang_url and not router_available():
+            fail("--rollout-router on: sglang-router is not installed here (pip install sglang-router); use "
+                 "--rollout-router auto (a router when it is installed) or off (the client balances the engines).")
         if not (isinstance(self.max_failed_sample_fraction, int | float)
                 and 0.0 <= self.max_failed_sample_fraction <= 1.0):
             fail(f"--max-failed-sample-fraction {self.max_failed_sample_fraction} must be in [0, 1]: the share of a "
                  "rollout's samples that may fail before the run stops (0: any failure stops it; 1: never stops).")
-        for name in ("rollout_request_timeout", "rollout_health_check_interval", "rollout_health_check_timeout",
-                     "distributed_timeout_minutes"):
+        for name in ("rollout_request_timeout", "rollout_control_timeout", "rollout_health_check_interval",
+                     "rollout_health_check_timeout", "distributed_timeout_minutes"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 fail(f"--{flag_name(name)} {value} must be a finite number > 0.")
@@ -382,7 +395,7 @@ class TrainerConfig(TrainerConfigChecks):
         defaults to WORLD_SIZE. `--task` and `--lr` default to the model's: lowercase and 1e-2 for the tiny one,
         arithmetic and PRETRAINED_LR for a pretrained one."""
         names = [f for f in cls.__dataclass_fields__ if f not in ("world_size", "model", "sglang_url", "model_source",
-                                                                  "task", "lr", "sglang_server_args",
+                                                                  "task", "lr", "sglang_server_args", "device",
                                                                   *MOE_FLAGS)]
         values = {n: getattr(args, n) for n in names}
         values.update({n: bool(getattr(args, n, False)) for n in MOE_FLAGS})
@@ -397,9 +410,14 @@ class TrainerConfig(TrainerConfigChecks):
             raise ConfigError(str(e)) from None
         text_model = source.is_pretrained and not source.byte_tokens
         task = args.task or ("arithmetic" if text_model else "lowercase")
+        try:  # the flag, else $SLIME_CORR_DEVICE: checked at parse time too
+            resolve(getattr(args, "device", None))
+        except DeviceError as e:
+            raise ConfigError(str(e)) from None
         lr = args.lr if args.lr is not None else PRETRAINED_LR if text_model else \
             TINY_MOE_LR if source.byte_tokens else cls.lr
-        return cls(**values, world_size=world, sglang_url=tuple(args.sglang_url or ()), model=model,
+        return cls(**values, device=getattr(args, "device", None), world_size=world,
+                   sglang_url=tuple(args.sglang_url or ()), model=model,
                    model_source=source, task=task, lr=lr,
                    sglang_server_args=tuple(getattr(args, "sglang_server_args", None) or ()))
 

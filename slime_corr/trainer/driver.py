@@ -22,11 +22,13 @@ from typing import Any
 
 from torch import Tensor
 
+from slime_corr.device import engine_device, weight_sync_backend
 from slime_corr.engines.embedded.model import ByteTokenizer, Tokenizer
-from slime_corr.engines.launch import ROUTES_FLAG, EngineSpec, engine_device, start_engines
+from slime_corr.engines.launch import ROUTES_FLAG, EngineSpec, start_engines
 from slime_corr.monitoring.progress import ProgressSampleBuffer, RolloutProgress
 from slime_corr.rollout.client import SGLangClient
-from slime_corr.rollout.data_iterator import background_event_loop
+from slime_corr.rollout.control import WEIGHT_LOAD_S_PER_GB
+from slime_corr.rollout.data_iterator import CANCEL_TIMEOUT, background_event_loop, cancel_pending_tasks
 from slime_corr.rollout.rollout import (
     RolloutFailedError,
     RolloutReport,
@@ -100,9 +102,12 @@ class RolloutDriver:
             self.description = f"{kind} ({cfg.engine_dtype}; trainer in {cfg.params_dtype}): {group.describe()}{logs}"
         self.loop = self._stack.enter_context(background_event_loop())
         self.client = self._run(_open_client(urls, cfg))
-        self._stack.callback(lambda: self._run(self.client.close()))  # type: ignore[union-attr]
-        if cfg.rollout_weight_sync == "distributed":
-            self.syncer = DistributedWeightSync(self.client, bucket_bytes=cfg.update_weight_buffer_size)
+        self._stack.callback(self._close_client)
+        if cfg.rollout_weight_sync == "distributed":  # engines this job starts share its device
+            self.syncer = DistributedWeightSync(
+                self.client, bucket_bytes=cfg.update_weight_buffer_size,
+                backend=weight_sync_backend(engines_share_device=not cfg.sglang_url),
+                timeout=cfg.rollout_control_timeout + WEIGHT_LOAD_S_PER_GB * cfg.update_weight_buffer_size / 1e9)
             self._stack.callback(self.syncer.close)
         if cfg.sglang_url:  # the servers start with their own weights: serve the trainer's policy
             self.sync_weights(weights, step, save)
@@ -114,6 +119,17 @@ class RolloutDriver:
         assert self.client is not None
         return with_health_watch(self.client, aw, self.config.rollout_health_check_interval,
                                  self.config.rollout_health_check_timeout, generate)
+
+    def _close_client(self) -> None:
+        """Cancel the rollouts still running (a Ctrl-C or an error mid-rollout), then close the client's
+        session: nothing reopens one after it (bounded: a stuck request does not hold up the exit)."""
+        assert self.loop is not None and self.client is not None
+
+        async def close(client: SGLangClient) -> None:
+            await cancel_pending_tasks()
+            await client.close()
+
+        asyncio.run_coroutine_threadsafe(close(self.client), self.loop).result(timeout=CANCEL_TIMEOUT)
 
     def _run(self, coro: Any) -> Any:
         assert self.loop is not None
@@ -203,8 +219,13 @@ class RolloutDriver:
 
 async def _open_client(urls: list[str], cfg: TrainerConfig) -> SGLangClient:
     # no total cap on an attempt (a long generation streams for long): silence is what times out
-    client = SGLangClient(urls, request_timeout=None, read_timeout=cfg.rollout_request_timeout)
-    await client.wait_healthy()
+    client = SGLangClient(urls, request_timeout=None, read_timeout=cfg.rollout_request_timeout,
+                          control_timeout=cfg.rollout_control_timeout)
+    try:
+        await client.wait_healthy()
+    except BaseException:  # an engine that never became healthy, or a Ctrl-C: no session left open
+        await client.close()
+        raise
     return client
 
 

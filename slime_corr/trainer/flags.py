@@ -8,6 +8,8 @@ import argparse
 from collections.abc import Sequence
 
 from slime_corr.correction.proximal import PROX_LOGP_METHODS
+from slime_corr.device import DEVICE_CHOICES, DEVICE_ENV
+from slime_corr.rollout.control import WEIGHT_LOAD_S_PER_GB
 from slime_corr.trainer.config_checks import (
     DEFAULT_ROLLOUT_BATCH_SIZE,
     DEFAULT_STEPS_PER_ROLLOUT,
@@ -28,6 +30,9 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
     d = TrainerConfig()
     g = parser.add_argument_group(title="parallelism, optimization and checkpoints (Megatron's flags)")
+    g.add_argument("--device", choices=DEVICE_CHOICES, default=None,
+                   help="Where the trainer and the embedded engines compute: cuda (GPU LOCAL_RANK, NCCL), cpu (gloo), "
+                        f"auto (cuda when torch sees a GPU). Default: ${DEVICE_ENV}, else auto.")
     g.add_argument("--tensor-model-parallel-size", type=int, default=d.tensor_model_parallel_size)
     g.add_argument("--context-parallel-size", type=int, default=d.context_parallel_size,
                    help="On CPU, CP is emulated: each CP rank runs the full sequence and keeps its zig-zag slice.")
@@ -120,6 +125,14 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     f.add_argument("--rollout-request-timeout", type=float, default=d.rollout_request_timeout,
                    help="Seconds a /generate attempt may go without a byte from the server before it is aborted and "
                         "retried (4 attempts per sample).")
+    f.add_argument("--no-engine-agreement-check", dest="engine_agreement_check", action="store_false",
+                   help="Do not stop the run when, on its first trained step (same weights on both sides), the "
+                        "engine's log-probs and the trainer's disagree beyond what their precisions explain (mean "
+                        "|lp_train - lp_rollout| > 0.01 nats in fp32, 0.25 with bf16/fp16 on either side).")
+    f.add_argument("--rollout-control-timeout", type=float, default=d.rollout_control_timeout,
+                   help="Seconds an engine may take to answer a control call (pause, continue, flush, abort, weight-"
+                        "group set-up) before the run stops naming it; a weight update gets this plus "
+                        f"{WEIGHT_LOAD_S_PER_GB:.0f} s per GB it carries.")
     f.add_argument("--rollout-health-check-interval", type=float, default=d.rollout_health_check_interval,
                    help="Seconds between the health checks of every engine during a rollout (slime's flag).")
     f.add_argument("--rollout-health-check-timeout", type=float, default=d.rollout_health_check_timeout,
@@ -144,7 +157,7 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="sglang-router in front of several engines: auto = when installed.")
     e.add_argument("--rollout-weight-sync", choices=WEIGHT_SYNC_MODES, default=d.rollout_weight_sync,
                    help="How new weights reach the engines: a checkpoint on disk, or a broadcast over a process "
-                        "group (gloo on CPU).")
+                        "group (NCCL from a GPU to --sglang-url engines, gloo otherwise).")
     e.add_argument("--update-weight-buffer-size", type=int, default=d.update_weight_buffer_size,
                    help="Bytes per bucket of the distributed weight sync.")
     e.add_argument("--engine-dtype", choices=ENGINE_DTYPES, default=d.engine_dtype,

@@ -31,10 +31,13 @@ import torch
 import torch.distributed as dist
 
 from slime_corr.config import RolloutCorrectionConfig
+from slime_corr.device import setup
 from slime_corr.loss_terms import LossTermsConfig
 from slime_corr.monitoring.config import MonitoringConfig
 from slime_corr.rollout.sample import Sample
 from slime_corr.rollout.weight_group import free_port
+from slime_corr.trainer import interrupts
+from slime_corr.trainer.agreement import check_agreement
 from slime_corr.trainer.config import TrainerConfig
 from slime_corr.trainer.watchdog import ABORT_KEY, DriverBeacon
 
@@ -78,21 +81,24 @@ class RunProgress:
     checkpoint: str | None = None  # the last checkpoint saved (or loaded)
 
 
-def init_distributed(timeout_minutes: float | None = None) -> bool:
-    """Join torchrun's process group (gloo), or make a one-process one; True when this call created it. Every
-    collective then fails after `timeout_minutes` (`--distributed-timeout-minutes`) instead of gloo's 30."""
+def init_distributed(timeout_minutes: float | None = None, device: str | None = None) -> bool:
+    """Decide this process's device (`slime_corr.device.setup(device)`: `--device`; on CUDA the GPU LOCAL_RANK),
+    then join torchrun's process group with its backend (NCCL on CUDA, gloo on CPU), or make a one-process one;
+    True when this call created it. Every collective then fails after `timeout_minutes`
+    (`--distributed-timeout-minutes`) instead of the backend's default."""
+    backend = setup(device).backend
     if dist.is_initialized():
         return False
     timeout = {} if timeout_minutes is None else {"timeout": timedelta(minutes=timeout_minutes)}
     if "RANK" in os.environ:  # torchrun's world
-        dist.init_process_group("gloo", **timeout)
+        dist.init_process_group(backend, **timeout)
         return True
     # `python -m slime_corr.main`: a world of one on a free port, named in the init method rather than in
     # os.environ (a RANK left there would make every child process, e.g. a test's next job, think it is under
     # torchrun); another process may take the port between the probe and the bind, so a lost race is retried
     for attempt in (1, 2, 3):
         try:
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                                     **timeout)
             break
         except dist.DistNetworkError as e:
@@ -116,7 +122,7 @@ def run(config: RunConfig, progress: RunProgress | None = None) -> list[RolloutR
     from slime_corr.mcore.cpu_compat import apply_cpu_compat
 
     cfg = config.trainer
-    created = init_distributed(cfg.distributed_timeout_minutes)
+    created = init_distributed(cfg.distributed_timeout_minutes, cfg.device)
     ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_model_parallel_size,
                                  context_parallel_size=cfg.context_parallel_size,
                                  pipeline_model_parallel_size=cfg.pipeline_model_parallel_size)
@@ -149,6 +155,7 @@ class _Job:
         self.beacon = DriverBeacon(cfg.distributed_timeout_minutes * 60)
         stack.callback(self.beacon.close)
         self._checkpoint_carry = 0.0  # a save's seconds, logged with the next rollout's steps
+        self._agreement_checked = False  # the start-up agreement check (trainer.agreement) is done
         dp_ranks: list[int | None] = [None] * dist.get_world_size()
         dist.all_gather_object(dp_ranks, ps.get_data_parallel_rank())
         self.dp_rank_of = [int(r) for r in dp_ranks]  # type: ignore[arg-type]
@@ -234,6 +241,7 @@ class _Job:
         ahead: list[Future[list[Sample]]] = []  # the driver's rollouts submitted after the one training, in order
         records = []
         for rollout in range(state.rollout, cfg.num_rollout):
+            interrupts.raise_if_interrupted()  # a Ctrl-C whose KeyboardInterrupt was dropped on its way
             record = RolloutRecord()
             start = time.perf_counter()
             samples: list[Sample] = []
@@ -379,10 +387,11 @@ class _Job:
         from slime_corr.trainer.checkpoint import save_train_state
 
         start = time.perf_counter()
-        path = save_train_state(self.cfg, self.state, self.policy.module, self.optimizer)
-        self.progress.checkpoint = str(path)
-        seconds = time.perf_counter() - start
-        self.say(f"  checkpoint: {path} ({seconds:.2f}s)")
+        with interrupts.deferred():  # a Ctrl-C during the write ends the run once the checkpoint is whole
+            path = save_train_state(self.cfg, self.state, self.policy.module, self.optimizer)
+            self.progress.checkpoint = str(path)
+            seconds = time.perf_counter() - start
+            self.say(f"  checkpoint: {path} ({seconds:.2f}s)")
         return seconds
 
     # ------------------------------------------------------------------ metrics
@@ -436,6 +445,10 @@ class _Job:
                        "perf/empty_micro_batches": float(record.empty_micro_batches[k]),
                        **(diagnostic_metrics(result.diagnostics) if loss_part else {})}
             self.logger.log(step, metrics)
+            if loss_part and not self._agreement_checked:  # the run's first trained step: same weights both sides
+                self._agreement_checked = True
+                if cfg.engine_agreement_check:
+                    check_agreement(metrics, cfg.engine_dtype, cfg.params_dtype, step)
             if loss_part and result.diagnostics.top:
                 self.logger.log_samples(step, top_mismatch_records(result.diagnostics, samples,
                                                                    self.policy.tokenizer.decode))

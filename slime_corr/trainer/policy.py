@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from slime_corr.device import current
 from slime_corr.engines.embedded.model import ByteTokenizer, Tokenizer
 from slime_corr.trainer.config import TrainerConfig
 
@@ -37,13 +38,14 @@ ModelForward = Callable[[nn.Module, dict[str, Tensor]], Tensor]
 
 class EngineGPT:
     """The trainer's GPTModel architecture served by the embedded engine (`TorchEngineModel`'s module): built
-    unsharded with its own single-rank process groups, weights from `WEIGHTS_FILE` (the trainer's names)."""
+    unsharded with its own single-rank process groups, weights from `WEIGHTS_FILE` (the trainer's names), on the
+    device `slime_corr.device` chose (position ids follow the token ids)."""
 
     def __init__(self, model_args: Any, checkpoint_dir: str) -> None:
         from slime_corr.mcore.model import build_tiny_gpt, single_rank_groups
 
         self.module = build_tiny_gpt(model_args, ddp=False, pg_collection=single_rank_groups())
-        state = torch.load(Path(checkpoint_dir) / WEIGHTS_FILE, weights_only=True)
+        state = torch.load(Path(checkpoint_dir) / WEIGHTS_FILE, map_location=current().device, weights_only=True)
         result = self.module.load_state_dict(state, strict=False)  # the file holds tensors, not _extra_state
         missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
         if missing or result.unexpected_keys:
@@ -52,8 +54,9 @@ class EngineGPT:
         self.cfg = types.SimpleNamespace(vocab_size=model_args.vocab_size, eos_token_id=None,
                                          max_seq_len=model_args.max_position_embeddings)
 
-    def to(self, dtype: torch.dtype) -> EngineGPT:
-        self.module = self.module.to(dtype)
+    def to(self, *args: Any, **kwargs: Any) -> EngineGPT:
+        """`nn.Module.to` of the module (a dtype, a device)."""
+        self.module = self.module.to(*args, **kwargs)
         return self
 
     def eval(self) -> EngineGPT:
@@ -64,7 +67,7 @@ class EngineGPT:
         return self.module.state_dict()
 
     def __call__(self, input_ids: Tensor) -> Tensor:
-        position_ids = torch.arange(input_ids.shape[1]).unsqueeze(0).expand_as(input_ids)
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
         return self.module(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
 
 

@@ -1,6 +1,7 @@
 """The update loop: several optimizer steps on one rollout, through Megatron's schedule and the loss hook.
 
-Before a rollout's first step, ONE forward-only pass over ALL the rollout's micro-batches (`hook.prepare_rollout`:
+Every micro-batch goes to the device (`slime_corr.device.to_device`: pinned memory, non_blocking on CUDA) once, when
+its rollout starts training. Before a rollout's first step, ONE forward-only pass over ALL the rollout's micro-batches (`hook.prepare_rollout`:
 lp_old in decoupled mode, the reference log-probs for the KL term; under pipeline parallelism Megatron's pipelined
 forward-only schedule), so the later steps train π_θ ≠ π_old (PPO clipping, `ois` and `pg_clipfrac` act); in
 bypass mode lp_old is lp_rollout at every step. Then each optimizer step runs Megatron's `forward_backward_func`
@@ -30,6 +31,7 @@ import torch
 from torch import Tensor
 
 from slime_corr.correction.diagnostics import DiagnosticsResult
+from slime_corr.device import to_device
 from slime_corr.mcore.compat import get_forward_backward_func
 from slime_corr.mcore.context_parallel import batch_segments
 from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
@@ -120,6 +122,9 @@ class Updater:
         every rank calls it). Under PP every stage returns the last stage's results."""
         times, results = RolloutTimes(), []
         start = time.perf_counter()
+        for micro_batches in steps:
+            for batch in micro_batches:
+                to_device(batch)  # in place: every pass below sees the same dicts, on the device
         rejected = self._prepare(steps)
         times.prepare = time.perf_counter() - start
         fb = get_forward_backward_func()

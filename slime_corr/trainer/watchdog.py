@@ -7,7 +7,7 @@ rank would hold the job that long. Instead they wait on a key-value store (a `to
 hosts): the driver beats every second from a thread of its own and publishes each rollout's outcome (its error
 message when it failed, so every rank stops with it). A rank stops with `PeerError` when the driver failed, and with
 `StuckRankError` when it has shown no sign of life for `--distributed-timeout-minutes` (a stopped or frozen
-process). Every collective runs under the same timeout (`init_process_group(timeout=...)`, Megatron's flag), so a
+process; the store, inside the driver, then answers nothing either: each look at it is bounded). Every collective runs under the same timeout (`init_process_group(timeout=...)`, Megatron's flag), so a
 rank stuck elsewhere ends the job in as many minutes; `collective_error` words gloo's timeout and lost-peer errors.
 """
 
@@ -16,13 +16,16 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 BEAT_SECONDS = 1.0  # how often the driver beats
 POLL_SECONDS = 0.2  # how often a waiting rank looks at the store
 ABORT_KEY = "abort"  # the driver's error, when it failed
+T = TypeVar("T")
 
 
 class StuckRankError(RuntimeError):
@@ -83,32 +86,64 @@ class DriverBeacon:
         """Until the driver published `key` (`what` it is doing, for the error); see the class doc."""
         if self.store is None:
             return
+        store = self.store
+        stuck = StuckRankError(
+            f"rank 0 (the rollout driver) showed no sign of life for {self.timeout / 60:g} min while {what} "
+            "(--distributed-timeout-minutes): is it stopped (SIGSTOP, a debugger) or frozen? Its log and "
+            "py-spy dump --pid PID show where it is.")
+
+        def look() -> tuple[str | None, int]:  # (the driver's error, or "done" once `key` is out; the beat count)
+            if store.check([ABORT_KEY]):
+                return store.get(ABORT_KEY).decode(), 0
+            if store.check([key]):
+                return "done", 0
+            return None, store.add("beat", 0)
+
         last_beat, last_change = -1, time.monotonic()
         while True:
-            try:
-                if self.store.check([ABORT_KEY]):
-                    raise PeerError(self.store.get(ABORT_KEY).decode(), reported=True)
-                if self.store.check([key]):
-                    return
-                beat = self.store.add("beat", 0)
+            try:  # the store lives in rank 0: stopped, it never answers, so each look is bounded
+                outcome, beat = _within(max(self.timeout - (time.monotonic() - last_change), POLL_SECONDS), look)
+            except TimeoutError:
+                raise stuck from None
             except (RuntimeError, OSError) as e:
-                if isinstance(e, PeerError):
-                    raise
                 raise PeerError(f"rank 0 (the rollout driver) is gone while {what}: {e}") from None
+            if outcome == "done":
+                return
+            if outcome is not None:
+                raise PeerError(outcome, reported=True)
             now = time.monotonic()
             if beat != last_beat:
                 last_beat, last_change = beat, now
             elif now - last_change > self.timeout:
-                raise StuckRankError(
-                    f"rank 0 (the rollout driver) showed no sign of life for {self.timeout / 60:g} min while {what} "
-                    "(--distributed-timeout-minutes): is it stopped (SIGSTOP, a debugger) or frozen? Its log and "
-                    "py-spy dump --pid PID show where it is.")
+                raise stuck
             time.sleep(POLL_SECONDS)
 
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2 * BEAT_SECONDS)
+
+
+def _within(seconds: float, fn: Callable[[], T]) -> T:
+    """`fn()`, or TimeoutError after `seconds`: it runs in a daemon thread, which a call that never returns (a store
+    whose host process is stopped) leaves behind without holding up the exit."""
+    result: list[tuple[bool, Any]] = []
+
+    def call() -> None:
+        try:
+            result.append((True, fn()))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            result.append((False, e))
+
+    thread = threading.Thread(target=call, name="slime_corr-store-call", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if not result:
+        raise TimeoutError(f"no answer within {seconds:.1f} s")
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value
 
 
 def collective_error(error: BaseException, timeout_minutes: float) -> str | None:

@@ -189,6 +189,21 @@ def test_nonfinite_sample_is_rejected_not_propagated():
     assert float(metrics["mis_nonfinite_seq_count"][0]) == 1
 
 
+@pytest.mark.parametrize("break_it,message", [
+    (lambda b: b[4].__setitem__(2, b[5][2] - 1), r"sample 2: response_length \d+ and total_length \d+: a response is "
+                                                 r"part of its sample"),
+    (lambda b: b[5].__setitem__(1, b[5][1] + 1), r"sample 1: loss_masks has \d+ entries, response_length \d+"),
+    (lambda b: b[5].pop(), r"train_log_probs, .*response_lengths must have one entry per sample, got lengths \[\d+, \d+\]"),
+    (lambda b: b[3].__setitem__(0, b[3][0][:-1]), r"pg_loss has shape \(\d+,\); expected \(\d+,\)"),
+])
+def test_inconsistent_lengths_are_named(break_it, message):
+    fn = load_function("slime_corr.integrations.slime.compute_mis_weights_with_cp")
+    batch = make_batch(seed=3)
+    break_it(batch)
+    with pytest.raises(ValueError, match="slime hook: " + message):
+        call_like_slime(fn, mis_args("truncate", "token"), batch)
+
+
 def test_slime_mis_yaml_loads_with_slime_meaning(caplog):
     args = apply_yaml(slime_args(use_tis=False), FIXTURE)
     config, notices = config_from_slime_args(args)

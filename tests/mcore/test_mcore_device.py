@@ -1,15 +1,21 @@
 """The Megatron glue creates its tensors on its inputs' device: the loss hook's `loss_func` (vocab-parallel log-probs,
 the correction, the loss, Megatron's report, the diagnostics), the grad norm, the step report and the CP index, run
-on `meta` under `DeviceCheck` with fake TP / CP / DP groups of 2 whose collectives accept only `meta` tensors."""
+on `meta` under `DeviceCheck` with fake TP / CP / DP groups of 2 whose collectives accept only `meta` tensors. On the
+test device (`-m device`): TP = 2 log-probs over two processes, and the main job's path in one (the device from
+`slime_corr.device`, the tiny GPT, the embedded engine serving it, one optimizer step)."""
 
 from __future__ import annotations
 
+import math
+import os
+from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
 
 from slime_corr.config import RolloutCorrectionConfig as C
+from slime_corr.device import setup as setup_device
 from slime_corr.device_check import DeviceCheck, fake_process_groups
 from slime_corr.losses import PolicyLossOutput
 from slime_corr.mcore import params
@@ -84,16 +90,25 @@ def test_cp_index_and_dp_cp_reduction_on_the_inputs_device() -> None:
     assert zigzag_indices(8, 0, 2).tolist() == [0, 1, 6, 7]  # the CPU default is unchanged
 
 
+def _rank_placement(rank: int, world: int, device_name: str) -> tuple[torch.device, str]:
+    """A spawned rank's device and backend for the test device `device_name`: on CUDA `slime_corr.device` (GPU
+    LOCAL_RANK, set current) with NCCL when there is one GPU per rank, else every rank on the named GPU with gloo
+    (NCCL refuses two ranks on one GPU); CPU or meta as named, with gloo."""
+    requested = torch.device(device_name)
+    if requested.type != "cuda":
+        return requested, "gloo"
+    one_per_rank = torch.cuda.device_count() >= world
+    os.environ["LOCAL_RANK"] = str(rank if one_per_rank else requested.index or 0)
+    placement = setup_device("cuda")
+    return placement.device, placement.backend if one_per_rank else "gloo"
+
+
 def _tp_worker(rank: int, store: str, device_name: str) -> None:
     import torch.distributed as dist
 
     from slime_corr.mcore.logprobs import vocab_parallel_log_probs
 
-    device, backend = torch.device(device_name), "gloo"
-    if device.type == "cuda":
-        if torch.cuda.device_count() >= 2:  # NCCL needs one GPU per rank
-            device, backend = torch.device("cuda", rank), "nccl"
-        torch.cuda.set_device(device)
+    device, backend = _rank_placement(rank, 2, device_name)
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=2)
     try:
         g = torch.Generator().manual_seed(0)
@@ -124,3 +139,66 @@ def test_tp2_log_probs_on_device(test_device: torch.device, tmp_path) -> None:
     import torch.multiprocessing as mp
 
     mp.spawn(_tp_worker, args=(str(tmp_path / "store"), str(test_device)), nprocs=2, join=True)
+
+
+def _job_worker(rank: int, store: str, device_name: str, checkpoint: str) -> None:
+    """The main job's device path in one process: `slime_corr.device` decides, the tiny GPT is built there, the
+    embedded engine serves its weights there and agrees with it, and one optimizer step trains there."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from slime_corr.device import to_device
+    from slime_corr.engines.embedded.engine import LocalEngine
+    from slime_corr.engines.embedded.model import TorchEngineModel
+    from slime_corr.mcore.cpu_compat import apply_cpu_compat
+    from slime_corr.mcore.loss_hook import default_model_forward
+    from slime_corr.mcore.model import TinyGPTArgs, build_tiny_gpt, single_rank_groups
+    from slime_corr.mcore.params import full_named_tensors
+    from slime_corr.rollout.sample import Sample, SampleStatus
+    from slime_corr.trainer.data import build_micro_batches, rollout_shards
+    from slime_corr.trainer.policy import EngineGPT, save_engine_gpt_checkpoint
+    from slime_corr.trainer.update import Updater
+
+    placement = setup_device("cuda" if torch.device(device_name).type == "cuda" else "cpu")
+    dist.init_process_group(placement.backend, init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        ps.initialize_model_parallel()
+        apply_cpu_compat()  # a no-op on CUDA
+        args = TinyGPTArgs(vocab_size=256)
+        model = build_tiny_gpt(args, ddp=True)
+        assert {p.device for p in model.parameters()} == {placement.device}
+        single_rank_groups()
+        save_engine_gpt_checkpoint(dict(full_named_tensors(model.module)), Path(checkpoint))
+        engine = LocalEngine(TorchEngineModel(checkpoint, factory=lambda d: EngineGPT(args, d), dtype=torch.float32))
+        seqs = [[104, 105, 33, 10], [111, 107]]
+        last, _ = engine._forward(seqs, with_routes=False)
+        assert last.device == placement.device
+        for row, seq in zip(last, seqs, strict=True):
+            batch = to_device({"tokens": torch.tensor([seq]), "position_ids": torch.arange(len(seq))[None]})
+            with torch.no_grad():
+                want = default_model_forward(model, batch)[0, -1]
+            torch.testing.assert_close(row, want, rtol=1e-4, atol=1e-4)
+        samples = [Sample(prompt_tokens=[65, 66], response_tokens=[97] * (1 + i), rollout_log_probs=torch.full(
+            (1 + i,), -5.0), reward=float(i % 2), group_id=i // 4, index=i, weight_version="step-0",
+            status=SampleStatus.TRUNCATED) for i in range(8)]
+        (shard,) = rollout_shards(samples, group_size=4, num_steps=1, dp_size=1, micro_batch_size=4)
+        hook = RolloutCorrectionLoss(C.preset("decoupled_token_is"), model_forward=default_model_forward)
+        updater = Updater(model, torch.optim.Adam(model.parameters(), lr=1e-3), hook, clip_grad=1.0,
+                          rebaseline=True, normalize_std=True)
+        (result,), _ = updater.train_rollout(build_micro_batches(shard, first_step=0))
+        assert result.metrics["grad_norm"] > 0 and all(map(math.isfinite, result.metrics.values())), result.metrics
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@pytest.mark.device
+@pytest.mark.slow  # a spawn; the CPU suite runs the same path in tests/trainer (the main job)
+def test_the_tiny_gpt_its_engine_and_a_step_run_on_device(test_device: torch.device, tmp_path) -> None:
+    """What the main job does on a GPU, in one spawned process: the model built on the test device, the embedded
+    engine's logits equal to the trainer's there, and one decoupled optimizer step (lp_old pass, token IS, GRPO
+    re-baselining, Megatron's schedule, DDP, Adam) with finite metrics."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_job_worker, args=(str(tmp_path / "store"), str(test_device), str(tmp_path / "engine")), nprocs=1,
+             join=True)

@@ -4,10 +4,19 @@ The TP=2 matrix runs in one spawned launch (test_bridge_tp.py)."""
 
 from __future__ import annotations
 
+import json
+from unittest import mock
+
 import pytest
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core.utils import GlobalMemoryBuffer
 from models_helpers import CASES, V
+from safetensors.torch import load_file
 
+from slime_corr import device
+from slime_corr.device_check import DeviceCheck
+from slime_corr.engines.embedded.model import TorchEngineModel
 from slime_corr.models import MegatronHFBridge, build_gpt_from_hf, load_engine_module, load_hf_causal_lm
 from slime_corr.models.check import max_logit_diff, megatron_logits, round_trip_mismatches, sample_and_rescore
 
@@ -33,6 +42,10 @@ def test_tiny_checkpoints_convert_exactly(single_rank, tiny_dirs, tmp_path):
         assert {p.name for p in d.iterdir()} <= {p.name for p in out.iterdir()}  # config, tokenizer copied
         with torch.no_grad():
             assert torch.equal(load_hf_causal_lm(out)(IDS).logits, hf(IDS).logits), case
+        written = load_file(out / "model.safetensors")  # a tied model's LM head is written out (SGLang's MoE)
+        tied = json.loads((d / "config.json").read_text()).get("tie_word_embeddings", False)
+        assert tied == ("lm_head.weight" not in load_file(d / "model.safetensors")), case
+        assert torch.equal(written["lm_head.weight"], written["model.embed_tokens.weight"]) == tied, case
 
 
 def test_weights_written_by_the_trainer_reach_a_fresh_model(single_rank, tiny_dirs, tmp_path):
@@ -82,3 +95,23 @@ def test_smollm2_converts_exactly_and_rescoring_matches_sampling(single_rank, sm
     # fp32 through 30 layers: 1.63e-5 with transformers 5.24 (its op order moved from the <= 1e-5 seen with earlier
     # 5.x releases; `model` pins only transformers>=5.0)
     assert len(r.tokens) >= 1 and tf_gap <= 5e-5 and kv_gap <= 1e-4
+
+
+def test_the_bridge_builds_and_runs_on_the_chosen_device(single_rank, tiny_dirs):
+    """Pointed at `meta` (`slime_corr.device`): the trained model (and its DDP buffers), the reference and the
+    engine's HF module are built there, and a forward touches no CPU tensor (RoPE's frequencies, Megatron's
+    attention buffer: made where Megatron makes them on a GPU). Megatron's attention buffer is a fresh one: this
+    module's CPU forwards left theirs on the CPU."""
+    d = tiny_dirs["llama_untied_theta"]
+    ids = torch.zeros(2, 6, dtype=torch.long, device="meta")
+    with device.use("meta"), mock.patch.object(ps, "_GLOBAL_MEMORY_BUFFER", GlobalMemoryBuffer()):
+        model, bridge = build_gpt_from_hf(d, ddp=True)
+        reference = bridge.build_model()
+        engine = TorchEngineModel(str(d), factory=load_engine_module)
+        with DeviceCheck("meta") as check:
+            reference(input_ids=ids, position_ids=torch.arange(6, device="meta").expand(2, 6), attention_mask=None)
+        check.assert_clean()
+    meta = torch.device("meta")
+    assert {p.device for p in model.parameters()} == {p.main_grad.device for p in model.parameters()} == {meta}
+    assert {p.device for p in reference.parameters()} == {p.device for p in engine.module.parameters()} == {meta}
+

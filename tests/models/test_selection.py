@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -101,6 +102,22 @@ def test_incomplete_checkpoints_are_named(tiny_dirs, tmp_path, remove, write, wo
     with pytest.raises(CheckpointError) as e:
         read_hf_checkpoint(d)
     assert all(w in str(e.value) for w in ["--hf-checkpoint", *words]), e.value
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda b: b[: len(b) // 2], [r"model\.safetensors is truncated: \d+ bytes, its header needs \d+"]),
+    (lambda b: b"garbage, not weights" * 4, [r"model\.safetensors is not a safetensors file \(\d+ bytes; its first"]),
+    (lambda b: b[:8] + b"{not json" + b[17:], [r"model\.safetensors is not a safetensors file \(its header does not "
+                                               r"parse"]),
+])
+def test_damaged_weights_are_named(tiny_dirs, tmp_path, damage, words):
+    d = tmp_path / "ckpt"
+    shutil.copytree(tiny_dirs["llama_tied"], d)
+    weights = d / "model.safetensors"
+    weights.write_bytes(damage(weights.read_bytes()))
+    with pytest.raises(CheckpointError) as e:
+        read_hf_checkpoint(d)
+    assert all(re.search(w, str(e.value)) for w in ["--hf-checkpoint", *words]), e.value
 
 
 def test_missing_config_field_is_named(tiny_dirs, tmp_path):

@@ -8,8 +8,10 @@ import pytest
 import torch
 from mcore_helpers import spawn
 
+from slime_corr import device
+from slime_corr.engines.embedded.model import TorchEngineModel
 from slime_corr.mcore.routing import capture_routes, moe_routers, replay_routes, routing_map_to_ids
-from slime_corr.models import build_gpt_from_hf, load_hf_causal_lm
+from slime_corr.models import build_gpt_from_hf, load_engine_module, load_hf_causal_lm
 from slime_corr.models.check import max_logit_diff, megatron_logits, round_trip_mismatches
 from slime_corr.models.hf_checkpoint import CheckpointError, read_hf_checkpoint, spec_from_config
 from slime_corr.models.tiny_moe import TinyMoEArgs, hf_router_logits, make_tiny_moe_checkpoint, topk_routes
@@ -153,3 +155,16 @@ def test_replay_with_activation_recompute(single_rank, moe_dir):
     assert worst <= 1e-12, worst
     stale = _two_micro_batches(recompute, first, second, switch=False)
     assert max((ref[n] - stale[n]).abs().max().item() for n in ref) > 1e-6
+
+
+def test_the_moe_model_and_its_engine_module_are_built_on_the_chosen_device(single_rank, moe_dir):
+    """Pointed at `meta` (`slime_corr.device`): the trained MoE GPTModel (experts, routers, DDP buffers), its
+    reference and the engine's HF Qwen3-MoE are built there (their forwards route by value: not runnable on meta)."""
+    meta = torch.device("meta")
+    with device.use("meta"):
+        model, bridge = build_gpt_from_hf(moe_dir, ddp=True)
+        reference = bridge.build_model()
+        engine = TorchEngineModel(str(moe_dir), factory=load_engine_module)
+    assert {p.device for p in model.parameters()} == {p.main_grad.device for p in model.parameters()} == {meta}
+    assert {p.device for p in reference.parameters()} == {p.device for p in engine.module.parameters()} == {meta}
+    assert engine.device == meta and engine.routers is not None

@@ -1,12 +1,22 @@
-"""Helpers of the real-SGLang tests: the trainer's teacher-forced log-probs of sampled sequences."""
+"""Helpers of the real-SGLang tests: the trainer's teacher-forced log-probs of sampled sequences, and a request held
+in flight for certain (SGLang's own throttle and the stream's first token)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import sys
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from slime_corr.rollout import protocol
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mcore"))  # mcore_helpers (run_in_process)
 
@@ -45,3 +55,48 @@ class ServerSpec:
     dtype: str = "float32"
     extra_args: tuple[str, ...] = ()
     name: str = "sglang"
+
+
+@contextlib.contextmanager
+def slowed_down(url: str, forward_sleep: float) -> Iterator[None]:
+    """SGLang's own throttle (`POST /slow_down {"forward_sleep_time": s}`): every forward the server runs sleeps
+    `s` first, so a request for n tokens stays in flight at least n * s on any machine, fast or loaded. A test that
+    must act while a request runs takes this instead of guessing the server's speed. Off again on exit."""
+    _post_json(url, "/slow_down", {"forward_sleep_time": forward_sleep})
+    try:
+        yield
+    finally:
+        _post_json(url, "/slow_down", {"forward_sleep_time": None})
+
+
+def _post_json(url: str, path: str, body: dict) -> None:
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:  # noqa: S310 - a loopback test server
+        assert resp.status == 200, (path, resp.status)
+
+
+@contextlib.contextmanager
+def tokens_streamed() -> Iterator[Callable[[int], Awaitable[None]]]:
+    """An observer of the client's streams (it wraps `StreamAccumulator.feed`, changing nothing): yields
+    `wait(n)`, which returns once `n` requests have each received at least one token from the server, i.e. are
+    running there (their prefill is done), as the server itself reports by streaming."""
+    started: set[int] = set()
+    feed = protocol.StreamAccumulator.feed
+
+    def observed(acc: protocol.StreamAccumulator, obj: Any) -> None:
+        feed(acc, obj)
+        if acc.out.output_ids:
+            started.add(id(acc))
+
+    async def wait(n: int, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout  # bounded: a server that never streams fails the test
+        while len(started) < n:
+            assert time.monotonic() < deadline, f"{len(started)} of {n} requests streamed a token in {timeout} s"
+            await asyncio.sleep(0.01)
+
+    protocol.StreamAccumulator.feed = observed
+    try:
+        yield wait
+    finally:
+        protocol.StreamAccumulator.feed = feed

@@ -6,15 +6,17 @@ fp32, `vocab_parallel_log_probs`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import urllib.error
 import urllib.request
+from collections.abc import AsyncIterator
 
 import pytest
 import torch
 from conftest import ServerSpec
 from safetensors.torch import load_file
-from sglang_helpers import megatron_logprobs
+from sglang_helpers import megatron_logprobs, slowed_down, tokens_streamed
 
 from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.rollout import generate_sample
@@ -69,41 +71,42 @@ def test_generate_plain_and_both_streaming_modes_match_the_trainer(servers, tiny
 
 
 def test_abort_by_rid_and_abort_all(servers):
+    """Two requests running on the server (each has streamed a token; SGLang's throttle keeps them running for
+    >= 10 s): the abort by rid ends the first, then abort_all the second, each with its tokens so far."""
     a, _ = servers
     long = {"max_new_tokens": 200, "temperature": 1.0, "ignore_eos": True}
 
     async def go():
         async with SGLangClient(a) as c:
-            jobs = [asyncio.create_task(c.generate(list(p), long, stream=True)) for p in PROMPTS[:2]]
-            for _ in range(200):  # bounded: until both are running on the server
-                if len(c._inflight) == 2:
-                    break
-                await asyncio.sleep(0.02)
-            first_rid = sorted(c._inflight)[0]
-            await asyncio.sleep(0.3)
-            await c.abort(rid=first_rid)
-            await asyncio.sleep(0.3)
-            await c.abort(abort_all=True)
-            return await asyncio.gather(*jobs)
+            with tokens_streamed() as streamed:
+                jobs = [asyncio.create_task(c.generate(list(p), long, stream=True)) for p in PROMPTS[:2]]
+                await streamed(2)
+            await c.abort(rid=sorted(c._inflight)[0])
+            done, running = await asyncio.wait(jobs, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+            assert len(done) == len(running) == 1, "the abort by rid ended no request, or both"
+            await c.abort(abort_all=True)  # the other one still runs: >= 10 s in all
+            return [task.result() for task in done] + [await running.pop()]
 
-    first, second = _run(go())
+    with slowed_down(a, SLOW_FORWARD):
+        first, second = _run(go())
     for out in (first, second):
         assert out.finish_type == "abort", out.finish_reason
         assert 0 < len(out.output_ids) < 200 and len(out.log_probs) == len(out.output_ids)
 
 
-async def _long_request_running(c: SGLangClient) -> asyncio.Task:
-    """A streamed request for 150 tokens of PROMPTS[0], in flight for 0.3 s when this returns; its task gives the
-    sample."""
+SLOW_FORWARD = 0.05  # s per forward (SGLang's /slow_down): 200 tokens stay in flight >= 10 s on any machine
+
+
+@contextlib.asynccontextmanager
+async def _long_request_running(c: SGLangClient, url: str) -> AsyncIterator[asyncio.Task]:
+    """A streamed request for 150 tokens of PROMPTS[0], running on the server (it has streamed a token) when this
+    yields, and for >= 3 s more (SGLang's throttle, on until the block ends); its task gives the sample."""
     sample = Sample(prompt_tokens=list(PROMPTS[0]))
     params = {"max_new_tokens": 150, "temperature": 1.0, "ignore_eos": True}
-    task = asyncio.create_task(generate_sample(c, sample, params, stream=True))
-    for _ in range(200):
-        if c._inflight:
-            break
-        await asyncio.sleep(0.02)
-    await asyncio.sleep(0.3)
-    return task
+    with slowed_down(url, 0.02), tokens_streamed() as streamed:
+        task = asyncio.create_task(generate_sample(c, sample, params, stream=True))
+        await streamed(1)
+        yield task
 
 
 @pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
@@ -114,8 +117,7 @@ def test_pause_modes_then_continue(servers, mode):
     a, _ = servers
 
     async def go():
-        async with SGLangClient(a) as c:
-            task = await _long_request_running(c)
+        async with SGLangClient(a) as c, _long_request_running(c, a) as task:
             await c.pause(mode)
             flush_status = _post(a, "/flush_cache", {}) if mode == "in_place" else None
             await asyncio.sleep(0.3)
@@ -138,8 +140,7 @@ def test_a_weight_update_mid_request_switches_the_token_versions_where_it_landed
     a, _ = servers
 
     async def go():
-        async with SGLangClient(a) as c:
-            task = await _long_request_running(c)
+        async with SGLangClient(a) as c, _long_request_running(c, a) as task:
             await c.sync_weights_from_disk(tiny_opt["v1"], "v1")
             return await task
 

@@ -11,7 +11,10 @@ import asyncio
 import pytest
 import torch
 from conftest import ServerSpec
+from safetensors.torch import load_file
+from sglang_helpers import slowed_down, tokens_streamed
 
+from slime_corr.models.bridge import write_hf_checkpoint
 from slime_corr.models.hf_checkpoint import load_hf_causal_lm
 from slime_corr.models.tiny_moe import TinyMoEArgs, hf_router_logits, make_tiny_moe_checkpoint, topk_routes
 from slime_corr.rollout.client import SGLangClient
@@ -22,6 +25,7 @@ from slime_corr.rollout.sample import Sample, SampleStatus
 pytestmark = pytest.mark.cost(90)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 
 ARGS = TinyMoEArgs()
+TIED_ARGS = TinyMoEArgs(tie_word_embeddings=True, seed=1)
 SPEC = RoutedExpertsSpec(ARGS.num_hidden_layers, ARGS.num_experts_per_tok, ARGS.num_experts)
 PROMPTS = [[5, 17, 200, 3], [9, 9, 1], [42], list(range(30, 50))]
 LOGPROB_TOL = 1e-4  # fp32 server vs fp32 HF (SGLANG_ON_CPU.md: 1.0-1.8e-5 measured on the dense model)
@@ -33,9 +37,24 @@ def moe_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(launch, moe_dir):
-    (s,) = launch(ServerSpec(moe_dir, extra_args=("--enable-return-routed-experts",), name="moe"))
-    return s.url
+def tied_dirs(tmp_path_factory):
+    """(as Hugging Face saves a tied Qwen3-MoE: no lm_head.weight, as the trainer hands it to SGLang)"""
+    hf_dir = make_tiny_moe_checkpoint(tmp_path_factory.mktemp("tied_moe"), TIED_ARGS)
+    written = write_hf_checkpoint(load_file(hf_dir / "model.safetensors"), hf_dir, tmp_path_factory.mktemp("served"))
+    return hf_dir, written
+
+
+@pytest.fixture(scope="module")
+def servers(launch, moe_dir, tied_dirs):
+    flags = ("--enable-return-routed-experts",)
+    untied, tied = launch(ServerSpec(moe_dir, extra_args=flags, name="moe"),
+                          ServerSpec(str(tied_dirs[1]), extra_args=flags, name="moe-tied"))
+    return untied.url, tied.url
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +100,16 @@ def test_logprobs_and_routes_equal_hf(server, hf):
     assert all(s.routed_experts is None and s.response_length > 0 for s in plain)
 
 
+def test_a_tied_model_is_served_with_its_lm_head(servers, tied_dirs):
+    """SGLang 0.5.23's Qwen3-MoE never ties its LM head: from Hugging Face's tied checkpoint (no lm_head.weight) it
+    served a zero head, every log-prob -log(vocab). The trainer writes the head out (`write_hf_checkpoint`)."""
+    hf_dir, _ = tied_dirs
+    assert "lm_head.weight" not in load_file(hf_dir / "model.safetensors")
+    samples = asyncio.run(_samples(servers[1], True, 1.0))
+    worst, tokens = _check(load_hf_causal_lm(hf_dir), samples, 1.0)
+    print(f"tied Qwen3-MoE: max |lp_server - lp_hf| = {worst:.2e} over {tokens} tokens")
+
+
 def test_routes_across_abort_and_resume(server, hf):
     """A pause (mode abort) mid-generation: the sample resumes with prompt + partial output, and its routes
     (first response's rows, then the resumed one's) still cover every token and equal HF's."""
@@ -88,27 +117,19 @@ def test_routes_across_abort_and_resume(server, hf):
 
     async def go():
         async with SGLangClient(server) as c:
-            task = asyncio.create_task(generate_sample(c, Sample(prompt_tokens=list(PROMPTS[0])), params,
-                                                       stream=True, routed_experts=SPEC))
-            for _ in range(200):  # bounded: until it runs on the server
-                if c._inflight:
-                    break
-                await asyncio.sleep(0.02)
-            await asyncio.sleep(0.5)  # 120 tokens take ~2.5 s here
+            with tokens_streamed() as streamed:
+                task = asyncio.create_task(generate_sample(c, Sample(prompt_tokens=list(PROMPTS[0])), params,
+                                                           stream=True, routed_experts=SPEC))
+                await streamed(1)  # running on the server, and for >= 2.4 s more (the throttle)
             await c.pause("abort")
             await asyncio.sleep(0.2)
             await c.continue_generation()
             return await task
 
-    # bounded: under load the request can still be on its way to the scheduler at the pause, which then holds it
-    # until continue (1 attempt, nothing to resume): such a sample is checked too, and the run repeated
-    for _ in range(3):
+    with slowed_down(server, 0.02):
         sample = asyncio.run(go())
-        assert sample.attempts in (1, 2) and sample.response_length == 120, (sample.attempts, sample.failure_reason)
-        _check(hf, [sample], 1.0)
-        if sample.attempts == 2:
-            break
-    assert sample.attempts == 2, "in 3 tries the pause never caught the request running on the server"
+    assert sample.attempts == 2 and sample.response_length == 120, (sample.attempts, sample.failure_reason)
+    _check(hf, [sample], 1.0)
 
 
 def _megatron_route_check(rank: int, world: int, moe_dir: str, samples: list[Sample], out: dict) -> None:

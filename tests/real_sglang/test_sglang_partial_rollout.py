@@ -2,7 +2,8 @@
 the weights (distributed, gloo) while the next rollout's requests are running; SGLang pauses (abort), loads them,
 continues, and the client resumes every interrupted request under the new weights. The run must finish with the
 engine on the last weights, the staleness bound kept, and samples whose versions change mid-response (logged as
-`rollout/partial_samples`; responses of up to 48 tokens outlast a training step here)."""
+`rollout/partial_samples`). SGLang's own throttle (0.1 s per forward) keeps each rollout's 48-token responses
+in flight for >= 4.8 s, longer than a training step on any machine: the update lands mid-request for certain."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from sglang_helpers import ServerSpec
+from sglang_helpers import ServerSpec, slowed_down
 from test_sglang_trainer import RUN_TIMEOUT, metrics, versions
 
 pytestmark = pytest.mark.cost(80)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
@@ -27,7 +28,7 @@ def server(launch, tiny_opt):
 def test_weight_updates_reach_requests_in_flight_through_the_router(server, tmp_path):
     from slime_corr.engines.router import start_router
 
-    with start_router([server.url]) as router:
+    with start_router([server.url]) as router, slowed_down(server.url, 0.1):
         cmd = [sys.executable, "-m", "slime_corr.main", "--num-rollout", "3", "--rollout-batch-size", "2",
                "--n-samples-per-prompt", "4", "--num-steps-per-rollout", "1", "--rollout-max-response-len", "48",
                "--run-dir", str(tmp_path), "--sglang-url", router.url, "--rollout-correction-preset", "ppo_is_bypass",

@@ -30,7 +30,10 @@ FAULTS = ["ok", "http500", "http503", "http429", "http400", "timeout", "kill_mid
           "error_event", "error_event_fatal", "malformed_json", "misaligned", "nan", "missing_logprobs",
           "token_mismatch", "abort_503", "close_before_headers", "duplicate_rid"]
 CODE = {name: i for i, name in enumerate(FAULTS)}
-MODES = ("ok", "ok_then_die", "non_json", "wrong_shape", "http500", "hang_generate", "silent")  # server-wide
+MODES = ("ok", "ok_then_die", "non_json", "wrong_shape", "http500", "hang_generate", "silent",  # server-wide
+         "update_not_json", "update_ignored",  # weight updates answered 200 with a page / success, never applied
+         "posts_hang")
+WEIGHT_CALLS = ("/update_weights_from_disk", "/init_weights_update_group", "/update_weights_from_distributed")
 
 
 def closed_port_url() -> str:
@@ -73,6 +76,7 @@ class FaultServer:
         self.rids: list[str] = []
         self.bodies: list[dict] = []  # every /generate and /abort_request body received
         self.timeout_sleep = timeout_sleep
+        self.weight_version = "fault"  # what /get_model_info reports (weight updates set it, as in SGLang)
         self.app = web.Application(middlewares=[self._silence])
         self.app.router.add_post("/generate", self.generate)
         self.app.router.add_get("/health", self.health)
@@ -86,8 +90,11 @@ class FaultServer:
 
     @web.middleware
     async def _silence(self, request: web.Request, handler):  # noqa: ANN001, ANN202 - aiohttp's middleware
-        """Mode "silent": once a /generate came in, nothing answers any more (a stopped process)."""
+        """Mode "silent": once a /generate came in, nothing answers any more (a stopped process); "posts_hang":
+        no POST is ever answered."""
         if self.mode == "silent" and self.attempts:
+            await asyncio.sleep(3600)
+        if self.mode == "posts_hang" and request.method == "POST":  # GETs (health, info) still answer
             await asyncio.sleep(3600)
         return await handler(request)
 
@@ -104,8 +111,13 @@ class FaultServer:
             return web.json_response({"error": {"message": "injected"}}, status=self.control_status[request.path])
         if request.path == "/flush_cache" and self.flush_statuses:
             return web.json_response({"success": False}, status=self.flush_statuses.pop(0))
+        if request.path in WEIGHT_CALLS and self.mode == "update_not_json":  # e.g. a proxy's page
+            return web.Response(text="<html>OK</html>", content_type="text/html")
+        if request.path in WEIGHT_CALLS and self.mode != "update_ignored" and body.get("weight_version"):
+            self.weight_version = body["weight_version"]  # as SGLang: the version the update names
         if request.path == "/get_model_info":
-            return web.json_response({"model_path": "fault", "is_generation": True, "weight_version": "fault"})
+            return web.json_response({"model_path": "fault", "is_generation": True,
+                                      "weight_version": self.weight_version})
         if request.path == "/get_server_info":
             return web.json_response({"model_path": "fault", "version": "old"})
         if request.path == "/list_workers":

@@ -49,7 +49,8 @@ class Case:
     message: str  # a regex the output must match
     bound: float  # seconds from READY to the exit
     mode: str | None = None  # a fault server with this mode, passed as --sglang-url
-    interrupt_after_step: bool = False  # SIGINT once a checkpoint is saved
+    interrupt_on: str | None = None  # SIGINT once the output has this text
+    interrupt_group: bool = False  # ... to the job's process group, its engines too, as a terminal's Ctrl-C
     kill_child_after_step: str | None = None  # SIGKILL the job's child process of this name once "step 1:" is out
     absent: list[str] = field(default_factory=list)  # regexes the output must not match
     result: dict = field(default_factory=dict)
@@ -72,15 +73,19 @@ def _launch(case: Case, tmp: Path) -> None:
             # ignored, and the job would inherit that
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2],
                                     env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+                                    process_group=0 if case.interrupt_group else None)
         ready = None
         interrupted = False
         while proc.poll() is None and time.monotonic() - start < JOB_LIMIT:
             text = out_path.read_text()
             if ready is None and READY.search(text):
                 ready = time.monotonic()
-            if case.interrupt_after_step and not interrupted and "checkpoint:" in text:
-                proc.send_signal(signal.SIGINT)
+            if case.interrupt_on and not interrupted and case.interrupt_on in text:
+                if case.interrupt_group:
+                    os.killpg(proc.pid, signal.SIGINT)
+                else:
+                    proc.send_signal(signal.SIGINT)
                 interrupted = True
             if case.kill_child_after_step and not interrupted and "step 1:" in text:
                 interrupted = _kill_child(proc.pid, case.kill_child_after_step)
@@ -128,7 +133,7 @@ def _check(cases: list[Case]) -> None:
             bad.append(f"no match for {c.message!r}")
         if r.get("seconds", 1e9) > c.bound:
             bad.append(f"took {r.get('seconds'):.0f} s > {c.bound:.0f} s")
-        for pattern in ["Traceback", "Task was destroyed", *c.absent]:
+        for pattern in ["Traceback", "Task was destroyed", "Unclosed", "Error handling request", *c.absent]:
             if re.search(pattern, out):
                 bad.append(f"output has {pattern!r}")
         print(f"{c.name}: exit {r.get('rc')}, {r.get('seconds', 0):.1f} s, "
@@ -151,20 +156,41 @@ SERVER_CASES = [
          mode="silent"),
     Case("server_killed_mid_run", [], 1, r"step 2: .*rollout 1: \d of 4 samples failed.*connection refused @ "
          r"http://127\.0\.0\.1:\d+.*still running", BOUND, mode="ok_then_die"),
+    Case("weight_update_not_sglang", [], 1, r"error: /update_weights_from_disk failed on 1 of 1 worker\(s\): "
+         r"http://127\.0\.0\.1:\d+: HTTP 200 without SGLang's answer \{\"success\": true, \.\.\.\} \(got "
+         r"'<html>OK</html>'\): the update is not known to have been applied", BOUND, mode="update_not_json"),
+    Case("weight_update_not_applied", [], 1, r"error: /update_weights_from_disk failed on 1 of 1 worker\(s\): "
+         r"http://127\.0\.0\.1:\d+: answered success, but then reports weight version 'fault', not 'step-0': the "
+         r"server did not apply the update", BOUND, mode="update_ignored"),
+    Case("control_posts_never_answer", ["--rollout-control-timeout", "2"], 1,
+         r"error: /pause_generation failed on 1 of 1 worker\(s\): http://127\.0\.0\.1:\d+: no answer within 2 s though "
+         r"its health check answers \(.*--rollout-control-timeout\)", BOUND, mode="posts_hang"),
     Case("all_failed_allowed", ["--max-failed-sample-fraction", "1", "--rollout-correction-preset",
                                 "decoupled_seq_is_rs", "--run-dir", "{tmp}/{name}"], 0,
          r"step 1: trained=0 failed=2 step_time=\S+\nstep 2: trained=0 failed=2 step_time", BOUND,
          mode="non_json", absent=["mismatch_k3_kl", "reward="]),
-    Case("ok", ["--rollout-correction-preset", "decoupled_seq_is_rs"], 0,
+    Case("ok", ["--rollout-correction-preset", "decoupled_seq_is_rs", "--no-engine-agreement-check"], 0,
          r"step 2: trained=2 failed=0 reward=\S+ loss=.*mismatch_k3_kl", BOUND, mode="ok",
          absent=["staleness="]),
+    # the fault server's log-probs are not the trainer's model's: another model, as far as the trainer can tell
+    Case("engine_serves_another_model", ["--rollout-correction-preset", "decoupled_seq_is_rs"], 1,
+         r"step 1: trained=2 .*\nslime_corr\.main: error: step 1: the engine's log-probs and the trainer's disagree at "
+         r"the same weights: mean \|lp_train - lp_rollout\| = \S+ nats, above the 0\.25 that an engine in bfloat16 and "
+         r"a trainer in float32 explain\. Likely causes: .*--no-engine-agreement-check runs anyway\.\s*\Z", BOUND,
+         mode="ok"),
     Case("router_killed_engines_take_over", ["--rollout-num-engines", "2", "--rollout-router", "on", "--num-rollout",
                                              "4"], 0,
          r"rollout \d: truncated=4 retried_samples=\d+ failovers=\d+ dead_engines=\['http://127\.0\.0\.1:\d+'\]"
          r".*step 8: trained=2 failed=0", BOUND, kill_child_after_step="router"),
     Case("ctrl_c", ["--num-rollout", "50", "--save", "{tmp}/ctrl_c_ckpt", "--save-interval", "1"], 130,
          r"slime_corr\.main: interrupted after rollout \d+ of 50 \(step \d+\); last checkpoint \S+iter_\d+; resume: "
-         r"the same command with --load \S+ctrl_c_ckpt\.\s*\Z", BOUND + 30, interrupt_after_step=True),
+         r"the same command with --load \S+ctrl_c_ckpt\.\s*\Z", BOUND + 30, interrupt_on="checkpoint:"),
+    # a terminal's Ctrl-C reaches every process of the job: the engine, and Megatron's checkpoint writers (the
+    # first save, which starts them, takes seconds: the signal lands in it). The save completes, then the job ends.
+    Case("ctrl_c_terminal", ["--num-rollout", "50", "--save", "{tmp}/ctrl_c_terminal_ckpt", "--save-interval", "2"],
+         130, r"\nslime_corr\.main: interrupted after rollout \d+ of 50 \(step \d+\); "
+         r"(last checkpoint \S+iter_\d+|no checkpoint saved yet)[^\n]*\.\s*\Z", BOUND + 30, interrupt_on="step 4:",
+         interrupt_group=True),
 ]
 
 
@@ -213,6 +239,9 @@ def test_paths_and_checkpoints_fail_with_one_message(tmp_path, capsys):
                                             r"appends to another run's metrics\. Pass a new --run-dir"),
         (["--load", f"{tmp_path}/tracker"], r"latest_checkpointed_iteration\.txt: expected an iteration number, got "
                                             r"'eight': write the number of a complete iter_\* directory"),
+        (["--load", str(ckpt), "--run-dir", f"{tmp_path}/used"],
+         r"--run-dir \S+used holds the metrics of another run \(its run_config\.json names the checkpoints of no run, "
+         r"and this run resumes from --load \S+ckpt\): a run never appends to another run's metrics"),
     ]
     for flags, message in parse_time:
         with pytest.raises(SystemExit) as exit_info:
@@ -220,6 +249,7 @@ def test_paths_and_checkpoints_fail_with_one_message(tmp_path, capsys):
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and re.search(message, err), (flags, err[-600:])
         print(f"{flags[0]}: exit 2 at parse time: {err.strip().splitlines()[-1][:160]!r}")
+    parse_run_config(["--load", str(ckpt), "--run-dir", str(tmp_path / "saved_run")], check_urls=False)  # its own
     cases = [
         Case("distcp_truncated", ["--load", "{tmp}/distcp", "--num-rollout", "2"], 1,
              r"error: --load \S+distcp: \S+\.distcp is truncated: \d+ bytes, its index needs \d+\. The checkpoint is "
@@ -244,6 +274,8 @@ def test_a_silent_driver_and_a_stuck_collective_end_in_the_distributed_timeout()
                      r"\(--distributed-timeout-minutes\)", results["silent_driver"]), results
     assert re.search(r"a collective with the other ranks timed out after --distributed-timeout-minutes 0\.05",
                      results["stuck_collective"]), results
+    assert re.search(r"rank 0 \(the rollout driver\) showed no sign of life for 0\.05 min while generating rollout 2 ",
+                     results["stopped_driver"]), results
     assert results["driver_error"] == "rollout 0: 4 of 4 samples failed", results
     assert max(results["seconds"]) < 60, results
 
@@ -256,3 +288,14 @@ def test_the_beacon_is_a_no_op_in_a_world_of_one(world_size):
     beacon.publish("rollout/0")
     beacon.wait("rollout/0", "anything")
     beacon.close()
+
+
+def test_router_on_without_sglang_router_is_refused_at_parse_time(monkeypatch, capsys):
+    from slime_corr.main import parse_run_config
+
+    # the dev environment has sglang-router: its absence is simulated (no other way to have it missing here)
+    monkeypatch.setattr("slime_corr.trainer.config.router_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        parse_run_config(["--rollout-router", "on", "--rollout-engine", "embedded"], check_urls=False)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--rollout-router on: sglang-router is not installed here" in err, err

@@ -1,10 +1,11 @@
 """Two gloo ranks for the watchdog tests (spawned once; each scenario in turn): a driver that stops beating, a
-collective one rank never joins, a driver that fails. Each rank writes what it saw to a file."""
+collective one rank never joins, a driver process stopped with SIGSTOP, a driver that fails. Each rank writes what it saw to a file."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import tempfile
 import time
 from datetime import timedelta
@@ -48,7 +49,28 @@ def _ranks(rank: int, port: int, timeout_s: float, out: str) -> None:
             seen["seconds"].append(time.monotonic() - start)  # type: ignore[union-attr]
         else:
             time.sleep(timeout_s + 3)
-        # 3. the driver fails: the waiting rank stops with its error
+        # 3. the driver process is stopped (SIGSTOP): the store it hosts answers nothing, and the wait still ends
+        assert beacon.store is not None
+        if rank == 0:
+            beacon.publish("driver_pid", str(os.getpid()))
+            beacon.store.wait(["driver_pid_read"], timedelta(seconds=60))  # read before the store stops with us
+            os.kill(os.getpid(), signal.SIGSTOP)  # until rank 1 continues it
+        else:
+            beacon.store.wait(["driver_pid"], timedelta(seconds=60))  # rank 0 may still be in the barrier above
+            driver = int(beacon.store.get("driver_pid"))
+            beacon.store.set("driver_pid_read", "1")
+            try:
+                while Path(f"/proc/{driver}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":  # stopped
+                    time.sleep(0.05)
+                start = time.monotonic()
+                try:
+                    beacon.wait("rollout/2", "generating rollout 2")
+                except StuckRankError as e:
+                    seen["stopped_driver"] = str(e)
+                seen["seconds"].append(time.monotonic() - start)  # type: ignore[union-attr]
+            finally:
+                os.kill(driver, signal.SIGCONT)
+        # 4. the driver fails: the waiting rank stops with its error
         if rank == 0:
             beacon.publish(ABORT_KEY, "rollout 0: 4 of 4 samples failed")
             time.sleep(1)

@@ -185,18 +185,12 @@ class LocalEngine:
         groups += [[i] for i, r in enumerate(batch) if r.seeded]
         for idx in groups:
             seqs = [batch[i].prompt + batch[i].output_ids for i in idx]
-            ids = torch.zeros(len(seqs), max(len(s) for s in seqs), dtype=torch.long)
-            for j, s in enumerate(seqs):
-                ids[j, : len(s)] = torch.tensor(s)
-            if any(batch[i].return_routes for i in idx):
-                logits, routes = self.model.logits_and_routes(ids)  # type: ignore[attr-defined]
+            last, routes = self._forward(seqs, any(batch[i].return_routes for i in idx))
+            if routes is not None:
                 for j, i in enumerate(idx):
                     if batch[i].return_routes:
                         new_routes[i] = routes[j, batch[i].route_rows : len(seqs[j])].to("cpu", copy=True)
-            else:
-                logits = self.model.logits(ids)
-            for j, i in enumerate(idx):
-                rows[i] = logits[j, len(seqs[j]) - 1].float().clone()
+            rows.update(zip(idx, last.cpu().unbind(0), strict=True))  # one transfer; sampling draws on the CPU
         out = []
         for i, req in enumerate(batch):
             row = rows[i]
@@ -209,6 +203,19 @@ class LocalEngine:
             tok, lp = sample_next_token(row, req.params, position_generator(req.seed, position))
             out.append((tok, lp, new_routes.get(i)))
         return out
+
+    def _forward(self, seqs: list[list[int]], with_routes: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One right-padded forward of `seqs` on the model's device: float32 logits of each sequence's last token
+        `[n, V]` (a new tensor, there), and with `with_routes` the MoE routes `[n, T, layers, top_k]`."""
+        device, width = self.model.device, max(len(s) for s in seqs)
+        ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs], dtype=torch.long, device=device)
+        routes = None
+        if with_routes:
+            logits, routes = self.model.logits_and_routes(ids)  # type: ignore[attr-defined]
+        else:
+            logits = self.model.logits(ids)
+        last = torch.tensor([len(s) - 1 for s in seqs], device=device)
+        return logits[torch.arange(len(seqs), device=device), last].float(), routes
 
     def _stop_ids(self, req: EngineRequest) -> set[int]:
         ids = {int(t) for t in req.params.get("stop_token_ids") or []}
@@ -281,10 +288,10 @@ class LocalEngine:
 
     async def _stream(self, request: web.Request, req: EngineRequest) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
         interval = int(req.params.get("stream_interval") or 1)
         sent = 0
         try:
+            await resp.prepare(request)  # the client may be gone already (cancelled at a Ctrl-C)
             while True:
                 req.changed.clear()
                 done = req.finish is not None

@@ -5,7 +5,7 @@ checkpoint directory or from named tensors, and read back by name) and a tokeniz
 ``encode`` / ``decode``, the byte-level :class:`ByteTokenizer` by default; a Hugging Face tokenizer satisfies the
 protocol as it is). :class:`TorchEngineModel` adapts any ``nn.Module`` built by a factory from a checkpoint
 directory and runs it in a chosen dtype (bf16 by default, so its log-probs differ from an fp32 training forward
-by a small, real amount). :class:`TinyCausalLM` is the default model: a GPT-style decoder with learned absolute
+by a small, real amount) on the device :mod:`slime_corr.device` chose. :class:`TinyCausalLM` is the default model: a GPT-style decoder with learned absolute
 positions over a byte vocabulary (256 ids, id 0 doubles as EOS).
 """
 
@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slime_corr.device import current, place_module
 from slime_corr.engines.embedded.routes import MoERouters
 
 CONFIG_FILE = "config.json"
@@ -35,12 +36,14 @@ class EngineModel(Protocol):
     ``eos_token_id``: one id, several (Llama 3 style), or None. ``load_weights`` is the in-place update of
     ``/update_weights_from_distributed``: it copies each tensor into the weight of that name, casting to the
     served dtype (exactly what loading the same tensors from disk gives), and raises ``KeyError`` /
-    ``ValueError`` naming an unknown weight or a wrong shape before changing anything.
+    ``ValueError`` naming an unknown weight or a wrong shape before changing anything. ``device``: where the
+    model computes; the engine builds its token ids there.
     """
 
     vocab_size: int
     eos_token_id: int | list[int] | None
     max_seq_len: int
+    device: torch.device
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``input_ids`` [B, T] int64 -> float32 logits [B, T, V] (causal: row t sees tokens <= t)."""
@@ -198,7 +201,8 @@ class TorchEngineModel:
     """Adapts an ``nn.Module`` built by ``factory(checkpoint_dir)`` to :class:`EngineModel`.
 
     The module's weights are cast to ``dtype`` (bf16 by default: the rollout's numeric path differs from an
-    fp32 training forward); logits are returned as float32. The factory must return a module mapping [B, T] ids
+    fp32 training forward) and moved to the device of :mod:`slime_corr.device` (``device``); logits are returned
+    as float32, on that device. The factory must return a module mapping [B, T] ids
     to [B, T, V] logits (a tensor, or an output with ``.logits`` as Hugging Face causal LMs return) with a config
     as ``cfg`` or ``config`` giving ``vocab_size``, ``eos_token_id`` (int, list or None) and ``max_seq_len`` or
     ``max_position_embeddings``. Weight names are the module's ``state_dict`` keys. A Mixture-of-Experts module (its
@@ -220,7 +224,8 @@ class TorchEngineModel:
 
     def load_checkpoint(self, checkpoint_dir: str) -> None:
         """Rebuild the module from ``checkpoint_dir`` (the engine's /update_weights_from_disk)."""
-        module = self.factory(checkpoint_dir).to(self.dtype).eval()
+        module = place_module(self.factory(checkpoint_dir).to(self.dtype)).eval()
+        self.device = current().device
         cfg = getattr(module, "cfg", None) or getattr(module, "config", None)
         self.vocab_size = int(getattr(cfg, "vocab_size", 0))
         self.eos_token_id = getattr(cfg, "eos_token_id", None)
@@ -272,12 +277,14 @@ def teacher_forced_logprobs(
 ) -> torch.Tensor:
     """Reference log-probs of ``response`` given ``prompt`` in one forward of ``model`` (SGLang's semantics).
 
-    Returns float32 [len(response)]: ``log_softmax(logits / T)`` of each response token (raw logits if T == 0).
+    Returns float32 [len(response)] on the model's device: ``log_softmax(logits / T)`` of each response token (raw
+    logits if T == 0).
     """
-    ids = torch.tensor([prompt + response], dtype=torch.long)
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt + response], dtype=torch.long, device=device)
     with torch.no_grad():
         logits = model(ids)[0, len(prompt) - 1 : -1].float()
     if temperature > 0:
         logits = logits / temperature
     lp = torch.log_softmax(logits, dim=-1)
-    return lp.gather(-1, torch.tensor(response).unsqueeze(-1)).squeeze(-1)
+    return lp.gather(-1, ids[0, len(prompt):].unsqueeze(-1)).squeeze(-1)

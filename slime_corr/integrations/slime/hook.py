@@ -74,12 +74,24 @@ def parallel_groups() -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | Non
     return cp, dp
 
 
-def _check_lists(train_log_probs: Sequence[Tensor], rollout_log_probs: Sequence[Tensor],
-                 local_masks: Sequence[Tensor], total_lengths: Sequence[int], response_lengths: Sequence[int]) -> None:
-    counts = {len(x) for x in (train_log_probs, rollout_log_probs, local_masks, total_lengths, response_lengths)}
+def _check_samples(train_log_probs: Sequence[Tensor], rollout_log_probs: Sequence[Tensor],
+                   loss_masks: Sequence[Tensor], total_lengths: Sequence[int], response_lengths: Sequence[int]) -> None:
+    """One entry per sample everywhere; each sample's lengths consistent (before any CP slicing)."""
+    counts = {len(x) for x in (train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths)}
     if len(counts) != 1:
         raise ValueError(f"slime hook: train_log_probs, rollout_log_probs, loss_masks, total_lengths, "
                          f"response_lengths must have one entry per sample, got lengths {sorted(counts)}.")
+    for i, (m, t, n) in enumerate(zip(loss_masks, total_lengths, response_lengths, strict=True)):
+        if not 0 <= n <= t:
+            raise ValueError(f"slime hook: sample {i}: response_length {n} and total_length {t}: a response is part "
+                             "of its sample (0 <= response_length <= total_length, prompt + response tokens).")
+        if m.numel() != n:
+            raise ValueError(f"slime hook: sample {i}: loss_masks has {m.numel()} entries, response_length {n}: "
+                             "slime's loss mask covers the whole response, on every CP rank.")
+
+
+def _check_local(train_log_probs: Sequence[Tensor], rollout_log_probs: Sequence[Tensor],
+                 local_masks: Sequence[Tensor], total_lengths: Sequence[int], response_lengths: Sequence[int]) -> None:
     for i, (t, r, m) in enumerate(zip(train_log_probs, rollout_log_probs, local_masks, strict=True)):
         if not (t.shape == r.shape == m.shape):
             raise ValueError(f"slime hook: sample {i}: train_log_probs {tuple(t.shape)}, rollout_log_probs "
@@ -99,12 +111,16 @@ def _apply(kind: str, args: Any, *, pg_loss: Tensor, train_log_probs: Sequence[T
     if cp_group is None and dp_group is None:
         cp_group, dp_group = parallel_groups()
     cp_rank, cp_size = (dist.get_rank(cp_group), dist.get_world_size(cp_group)) if cp_group else (0, 1)
+    _check_samples(train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths)
     local_masks = [local_part(m, local_response_ranges(t, n, cp_rank, cp_size))
                    for m, t, n in zip(loss_masks, total_lengths, response_lengths, strict=True)]
-    _check_lists(train_log_probs, rollout_log_probs, local_masks, total_lengths, response_lengths)
+    _check_local(train_log_probs, rollout_log_probs, local_masks, total_lengths, response_lengths)
     device = pg_loss.device
     lens = [t.numel() for t in train_log_probs]
     n_tok = sum(lens)
+    if pg_loss.shape != (n_tok,):
+        raise ValueError(f"slime hook: pg_loss has shape {tuple(pg_loss.shape)}; expected ({n_tok},), this CP rank's "
+                         "response tokens of every sample concatenated, as train_log_probs are.")
     lp = torch.cat([t.detach() for t in train_log_probs]).unsqueeze(0)
     ro = torch.cat(list(rollout_log_probs)).detach().to(lp.device).unsqueeze(0)
     mask = (torch.cat(local_masks).to(device) > 0).unsqueeze(0)
