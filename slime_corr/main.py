@@ -31,6 +31,7 @@ import json
 import os
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -159,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(run_config.correction.describe())
     if run_config.hparams.get("self_check"):
         return 0
-    from slime_corr.correction.checks import InputValueError
+    from slime_corr.correction.checks import CustomFunctionError, InputValueError
     from slime_corr.engines.sglang_server import SGLangLaunchError
     from slime_corr.mcore.checkpoint import CheckpointError
     from slime_corr.rollout.control import ControlError
@@ -177,6 +178,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rank == 0:
             print(_interrupted_line(run_config, progress), file=sys.stderr, flush=True)
         return 130
+    except CustomFunctionError as e:  # the user's function: one line, its own traceback on request
+        show = e.__cause__ is not None and run_config.hparams.get("custom_function_traceback")
+        hint = " (its traceback: --custom-function-traceback)" if e.__cause__ is not None and not show else ""
+        print(f"slime_corr.main: error{_on_rank(rank)}: {e}{hint}", file=sys.stderr, flush=True)
+        if show:
+            traceback.print_exception(e.__cause__, file=sys.stderr)
+        return 1
     except PeerError as e:
         if e.reported:  # the driver failed, says why and exits 1: the launcher names it as the failure
             return 0

@@ -154,13 +154,30 @@ def check_policy_loss_inputs(log_probs: Any, old_log_probs: Any, rollout_log_pro
                         f"{shape}), got {_describe(correction)}.")
 
 
+class CustomFunctionError(TypeError, ValueError):
+    """A custom weighting function (`--custom-tis-function-path`) raised, or returned something else than
+    `WeightOutputs` of the batch's shapes; the message names the function. When it raised, its own exception is the
+    `__cause__` (the main job prints that traceback with `--custom-function-traceback`)."""
+
+
+def call_weight_function(fn: Any, inputs: WeightInputs, config: RolloutCorrectionConfig) -> WeightOutputs:
+    """`fn(inputs, config)`, checked (`check_weight_outputs`); an exception it raises becomes a CustomFunctionError
+    naming it."""
+    try:
+        out = fn(inputs, config)
+    except Exception as e:
+        raise CustomFunctionError(f"--custom-tis-function-path {config.custom_tis_function_path} raised "
+                                  f"{type(e).__name__}: {e}") from e
+    return check_weight_outputs(out, inputs, config)
+
+
 def check_weight_outputs(out: Any, inputs: WeightInputs, config: RolloutCorrectionConfig) -> WeightOutputs:
     """What a custom weighting function returned: a `WeightOutputs` with [B, S] tensors (weights and raw weights may
     also be [B, 1], one per sequence) and a dict of 0-dim metrics. Checked at every call: types and shapes here, the
     weights' values on the device (`custom_weight_counts`), raised when the metrics are read (`check_host_metrics`)."""
     label = f"--custom-tis-function-path {config.custom_tis_function_path}"
     if not isinstance(out, WeightOutputs):
-        raise TypeError(f"{label} returned {_describe(out)}; it must return slime_corr.correction.WeightOutputs("
+        raise CustomFunctionError(f"{label} returned {_describe(out)}; it must return slime_corr.correction.WeightOutputs("
                         "weights=..., loss_mask=...) (see examples/custom_tis.py).")
     shape = tuple(inputs.log_ratio.shape)
     for name in ("weights", "raw_weights"):
@@ -169,15 +186,15 @@ def check_weight_outputs(out: Any, inputs: WeightInputs, config: RolloutCorrecti
             continue
         if not isinstance(value, Tensor) or not value.is_floating_point() or tuple(value.shape) not in (
                 shape, (shape[0], 1)):
-            raise ValueError(f"{label} returned WeightOutputs.{name} = {_describe(value)}; expected a float tensor "
+            raise CustomFunctionError(f"{label} returned WeightOutputs.{name} = {_describe(value)}; expected a float tensor "
                              f"of shape {shape} (or ({shape[0]}, 1)), or None.")
     mask = out.loss_mask
     if not isinstance(mask, Tensor) or mask.is_complex() or tuple(mask.shape) != shape:
-        raise ValueError(f"{label} returned WeightOutputs.loss_mask = {_describe(mask)}; expected a bool or 0/1 "
+        raise CustomFunctionError(f"{label} returned WeightOutputs.loss_mask = {_describe(mask)}; expected a bool or 0/1 "
                          f"tensor of shape {shape}.")
     if not isinstance(out.metrics, dict) or not all(
             isinstance(k, str) and isinstance(v, Tensor) and v.numel() == 1 for k, v in out.metrics.items()):
-        raise ValueError(f"{label} returned WeightOutputs.metrics = {out.metrics!r}; expected a dict of "
+        raise CustomFunctionError(f"{label} returned WeightOutputs.metrics = {out.metrics!r}; expected a dict of "
                          "name -> one-element tensor.")
     if out.weights is not None and out.weights.shape != shape:
         out.weights = out.weights.expand(shape)
@@ -216,14 +233,23 @@ class InputValueError(ValueError):
 def input_value_counts(log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor, valid: Tensor) -> Tensor:
     """[3] float64 local counts (`INPUT_VALUE_COUNTS` order), on the device: mask values that differ from their
     0/1 reading `valid` (`valid_float`: > 0 is 1, NaN is 0; so anything but 0/1, NaN included; a bool mask has
-    none), and at valid tokens the log-probs max(lp_train, lp_rollout) > tolerance and NaN (max propagates NaN)."""
+    none), and at valid tokens the log-probs max(lp_train, lp_rollout) > tolerance and NaN (max propagates NaN).
+    Each test is a compare written as floats into one [3, ...] buffer (no bool tensor: on CPU a float compare costs
+    a third of a bool one), masked and summed at once: 7 ops."""
+    hits = valid.new_empty((3, *valid.shape))
     if loss_mask.dtype == torch.bool:
-        keep, bad_mask = loss_mask, torch.zeros((), dtype=torch.int64, device=loss_mask.device)
+        hits[0].zero_()
     else:
-        keep, bad_mask = valid.bool(), torch.count_nonzero(loss_mask.ne(valid))  # valid: 0/1, NaN -> 0
-    lp = torch.maximum(log_probs.detach(), rollout_log_probs.detach())
-    positive = torch.count_nonzero(lp.gt(POSITIVE_LOG_PROB_TOLERANCE).logical_and_(keep))
-    return torch.stack([bad_mask, positive, torch.count_nonzero(lp.isnan().logical_and_(keep))]).to(torch.float64)
+        torch.ne(loss_mask, valid, out=hits[0])
+    in_place = log_probs.dtype == rollout_log_probs.dtype == hits.dtype  # else compared in the inputs' dtype
+    lp = torch.maximum(log_probs.detach(), rollout_log_probs.detach(), out=hits[1] if in_place else None)
+    torch.ne(lp, lp, out=hits[2])  # NaN
+    if in_place:
+        lp.gt_(POSITIVE_LOG_PROB_TOLERANCE)
+    else:
+        torch.gt(lp, POSITIVE_LOG_PROB_TOLERANCE, out=hits[1])
+    hits[1:].mul_(valid)
+    return hits.sum(-1).sum(tuple(range(1, hits.dim() - 1)), dtype=torch.float64)  # exact: rows < 2^24 tokens
 
 
 def custom_weight_counts(weights: Tensor, kept: Tensor) -> tuple[Tensor, Tensor]:

@@ -57,7 +57,7 @@ from torch import Tensor
 from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.correction import quantiles as Q
 from slime_corr.correction.checks import check_host_metrics
-from slime_corr.correction.reductions import BatchStats, count_greater_, row_products
+from slime_corr.correction.reductions import count_greater_, device_constant, row_products
 from slime_corr.correction.segments import Segments
 from slime_corr.correction.weights import LOG_RATIO_CLAMP
 
@@ -72,11 +72,11 @@ EXTREMA = {"tok_d_max": torch.maximum, "w_max": torch.maximum, "w_min": torch.mi
 
 def merge_stats(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     """The reduced statistics of a whole step from its micro-batches': sums add, extremes take the max/min, and the
-    quantile sketch's refined histograms are added by bin id."""
+    quantile sketch's refined histograms are added by bin id (a call's own exact quantiles are not merged)."""
     merged: dict[str, Tensor] = {}
     for stats in parts:
         for key, value in stats.items():
-            if key in Q.REFINED or key in Q.REFINED.values():
+            if key in Q.REFINED or key in Q.REFINED.values() or key == Q.CALL_KEY:
                 continue
             combine = EXTREMA.get(key, torch.add)
             merged[key] = value if key not in merged else combine(merged[key], value)
@@ -99,46 +99,37 @@ def metrics_to_host(metrics: dict[str, Tensor], config: RolloutCorrectionConfig 
     return check_host_metrics(dict(zip(metrics.keys(), values, strict=True)), config)
 
 
-def _total(x: Tensor) -> Tensor:
-    """Σ over [B, S] (or [B]): row sums in the input precision, then float64 across rows."""
-    return (x.sum(-1) if x.dim() > 1 else x).to(torch.float64).sum()
-
-
 def _div(num: Tensor, den: Tensor) -> Tensor:
     """num / den for float64 batch statistics; 0 / 0 = 0."""
     return num / den.clamp_min(1e-30)
 
 
-def _ratios(r: dict[str, Tensor], keys: tuple[str, ...], den: Tensor) -> dict[str, Tensor]:
-    """{key: r[key] / den} for several keys in three tensor ops."""
-    return dict(zip(keys, _div(torch.stack([r[k] for k in keys]), den).unbind(), strict=True))
-
-
-TOKEN_SUMS = ("tok_neg_lr", "tok_k3", "tok_chi2", "tok_abs_lr", "tok_d", "tok_d2", "tok_pt", "tok_pr", "tok_pt2",
+# per-sequence token sums, in this order (`token_pass`); d, p_t, p_r and their second moments side by side
+TOKEN_SUMS = ("tok_neg_lr", "tok_k3", "tok_chi2", "tok_abs_lr", "tok_d", "tok_pt", "tok_pr", "tok_d2", "tok_pt2",
               "tok_pr2", "tok_ptr")
+LOCAL = ("n_valid", "s_lr", "s_lpt", "n_bad")  # per-sequence local sums of the token pass (columns of `seq_sums`)
 
 
 class TokenPass(NamedTuple):
     """What one pass over the [B, S] tokens gives the core (`token_pass`)."""
 
     lr: Tensor  # lp_train - lp_rollout at valid tokens, 0 elsewhere; non-finite -> ±max (rejects the sequence)
-    seq: Tensor  # [B, 4] per-sequence local sums: valid tokens, tokens with |lr| > 1e30, Σ lr, Σ lp_train
-    rows: Tensor  # [B, len(TOKEN_SUMS)] float64 per-sequence sums of the token mismatch terms
-    d_max: Tensor  # [B] max |p_train - p_rollout|
+    seq: Tensor  # [n, 4] per-sequence local sums (`LOCAL`): valid tokens, Σ lr, Σ lp_train, tokens with |lr| > 1e30
+    rows: Tensor  # [n, len(TOKEN_SUMS)] float64 per-sequence sums of the token mismatch terms
+    d_max: Tensor  # [n] max |p_train - p_rollout|
 
 
-class _Stack:
-    """k [B, S] columns stacked as [B, k, S]. Eager: the columns are written straight into the stack's slots
-    (`out=`), so stacking copies nothing; under torch.compile they are plain tensors that `stack` joins (the
-    compiler fuses that away)."""
+_RAW = 16  # columns of the eager pass: Σ [x, k3, lr, |lr|], Σ [p_t, p_r, d], [x, k3] x [x, k3], [p_t, p_r]^2, d²
+_RAW_TO_SUMS = ((2, 0, -1), (1, 1, 1), (7, 2, 1), (8, 2, 2), (10, 2, 1), (1, 2, 2), (0, 2, 2), (3, 3, 1), (6, 4, 1),
+                (4, 5, 1), (5, 6, 1), (15, 7, 1), (11, 8, 1), (14, 9, 1), (12, 10, 1))  # (raw, TOKEN_SUMS, coefficient)
 
-    def __init__(self, like: Tensor, k: int) -> None:
-        b, s = like.shape
-        self.data = None if torch.compiler.is_compiling() else like.new_empty(b, k, s)
-        self.slots = [None] * k if self.data is None else list(self.data.unbind(1))
 
-    def stack(self, *columns: Tensor) -> Tensor:
-        return torch.stack(columns, 1) if self.data is None else self.data
+def _raw_to_sums(device: torch.device) -> Tensor:
+    """[_RAW, 11] float64: the eager pass's raw sums -> `TOKEN_SUMS` (chi2 = Σ e² + 2e with e = k3 + x)."""
+    m = [[0.0] * len(TOKEN_SUMS) for _ in range(_RAW)]
+    for raw, col, coef in _RAW_TO_SUMS:
+        m[raw][col] = float(coef)
+    return torch.tensor(m, dtype=torch.float64, device=device)
 
 
 def token_pass(lp_train: Tensor, lp_rollout: Tensor, valid: Tensor, segments: Segments | None = None) -> TokenPass:
@@ -147,41 +138,36 @@ def token_pass(lp_train: Tensor, lp_rollout: Tensor, valid: Tensor, segments: Se
 
     Terms (x = clamp(lr, ±20), p = exp(min(lp, 20)), 0 outside the mask): k3 = expm1(x) - x; chi2 = e(e + 2) with
     e = k3 + x (= exp(2x) - 1, no cancellation for small x); |lr|; d = |p_train - p_rollout|, d²; p, p², p_t·p_r.
-    Rows: two stacked blocks [x, k3] and [p_t, p_r, d] whose row sums and row products (`row_products`: one
-    batched matmul) give every sum at once: on CPU, passes over fresh memory cost more than the arithmetic.
-    Packed: every term written out, then one index addition per stack (`_token_pass_terms`).
+    Eager rows: two stacked blocks [x, k3, |lr|] and [p_t, p_r, d], written in place, whose row sums and row
+    products (`row_products`: batched matmuls) give every sum at once: on CPU, passes over fresh memory cost more
+    than the arithmetic, on an accelerator every op is a launch. Packed or compiled: every term written out
+    (`_token_pass_terms`).
     """
     big = torch.finfo(lp_train.dtype).max
     lr = torch.sub(lp_train, lp_rollout).nan_to_num_(big, big, -big).mul_(valid)
-    seg = segments or Segments.rows(*lr.shape)
+    seg = segments or Segments.rows(*valid.shape)
     if torch.compiler.is_compiling() or seg.packed:
         return _token_pass_terms(lp_train, lp_rollout, valid, lr, seg)
-    xk = _Stack(lr, 2)
-    x = torch.clamp(lr, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP, out=xk.slots[0])
-    k3 = torch.expm1(x, out=xk.slots[1]).sub_(x)
-    p = _Stack(lr, 3)
-    # NaN/inf outside the mask become 0 (x·0 = NaN there, then nan_to_num_); inside, the sequence is rejected anyway
-    p_t = torch.mul(lp_train, valid, out=p.slots[0]).nan_to_num_(0.0, 0.0, 0.0)
-    s_lpt = p_t.sum(-1)
-    p_t = p_t.clamp_(max=LOG_PROB_CLAMP).exp_().mul_(valid)  # the clamp only bounds invalid log-probs
-    p_r = torch.mul(lp_rollout, valid, out=p.slots[1]).nan_to_num_(0.0, 0.0, 0.0)
-    p_r = p_r.clamp_(max=LOG_PROB_CLAMP).exp_().mul_(valid)
-    d = torch.sub(p_t, p_r, out=p.slots[2]).abs_()
-    d_max = seg.amax(d)
-    p_block = p.stack(p_t, p_r, d)
-    g_p, s_p = row_products(p_block).to(torch.float64), p_block.sum(-1).to(torch.float64)
-    del p, p_block, p_t, p_r, d
-    xk_block = xk.stack(x, k3)
-    g_x, s_x = row_products(xk_block).to(torch.float64), xk_block.sum(-1).to(torch.float64)
-    del xk, xk_block, x, k3
-    abs_lr = lr.abs()
-    s_abs = abs_lr.sum(-1)
-    n_bad = count_greater_(abs_lr, MAX_ABS_LOG_RATIO)
+    b, s = valid.shape
     s_lr = lr.sum(-1)
-    chi2 = g_x[:, 1, 1] + 2 * g_x[:, 0, 1] + g_x[:, 0, 0] + 2 * (s_x[:, 1] + s_x[:, 0])  # Σ (e² + 2e), e = k3 + x
-    rows = torch.stack([-s_lr.to(torch.float64), s_x[:, 1], chi2, s_abs.to(torch.float64), s_p[:, 2], g_p[:, 2, 2],
-                        s_p[:, 0], s_p[:, 1], g_p[:, 0, 0], g_p[:, 1, 1], g_p[:, 0, 1]], dim=-1)  # TOKEN_SUMS order
-    seq = torch.stack([valid.sum(-1), n_bad.to(lr.dtype), s_lr, s_lpt], dim=-1)
+    xk = valid.new_empty(b, 3, s)  # x, k3, |lr|
+    x = torch.clamp(lr, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP, out=xk[:, 0])
+    torch.expm1(x, out=xk[:, 1]).sub_(x)
+    torch.abs(lr, out=xk[:, 2])
+    s_xk, g_x = xk.sum(-1), row_products(xk[:, :2])
+    n_bad = count_greater_(xk[:, 2], MAX_ABS_LOG_RATIO)  # overwrites |lr|
+    del xk, x  # freed before the next block
+    p = valid.new_empty(b, 3, s)  # p_t, p_r, d
+    # NaN/inf outside the mask become 0 (x·0 = NaN there, then nan_to_num_); inside, the sequence is rejected anyway
+    torch.mul(lp_train, valid, out=p[:, 0])
+    torch.mul(lp_rollout, valid, out=p[:, 1])
+    s_lpt = p[:, :2].nan_to_num_(0.0, 0.0, 0.0)[:, 0].sum(-1)
+    p[:, :2].clamp_(max=LOG_PROB_CLAMP).exp_().mul_(valid[:, None])  # the clamp only bounds invalid log-probs
+    d_max = seg.amax(torch.sub(p[:, 0], p[:, 1], out=p[:, 2]).abs_())
+    products = (g_x.view(b, 4), row_products(p[:, :2]).view(b, 4), row_products(p[:, 2:]).view(b, 1))  # d² alone
+    raw = torch.cat([s_xk[:, :2], s_lr[:, None], s_xk[:, 2:], p.sum(-1), *products], -1)
+    rows = raw.to(torch.float64) @ device_constant("raw_to_sums", raw.device, _raw_to_sums)
+    seq = torch.stack([valid.sum(-1), s_lr, s_lpt, n_bad], dim=-1)
     return TokenPass(lr, seq, rows, d_max)
 
 
@@ -195,8 +181,8 @@ def _token_pass_terms(lp_train: Tensor, lp_rollout: Tensor, valid: Tensor, lr: T
     p_r = torch.where(keep, lp_rollout.clamp(max=LOG_PROB_CLAMP).exp(), 0.0)
     d = (p_t - p_r).abs()
     abs_lr = lr.abs()
-    terms = (-lr, e - x, e * (e + 2.0), abs_lr, d, d * d, p_t, p_r, p_t * p_t, p_r * p_r, p_t * p_r)
-    seq_terms = (valid, (abs_lr > MAX_ABS_LOG_RATIO).to(lr.dtype), lr, torch.where(keep, lp_train, 0.0))
+    terms = (-lr, e - x, e * (e + 2.0), abs_lr, d, p_t, p_r, d * d, p_t * p_t, p_r * p_r, p_t * p_r)
+    seq_terms = (valid, lr, torch.where(keep, lp_train, 0.0), (abs_lr > MAX_ABS_LOG_RATIO).to(lr.dtype))
     rows = _sums(seg, terms).to(torch.float64)  # TOKEN_SUMS order
     return TokenPass(lr, _sums(seg, seq_terms), rows, seg.amax(d))
 
@@ -208,44 +194,47 @@ def _sums(seg: Segments, terms: tuple[Tensor, ...]) -> Tensor:
     return torch.stack([t.sum(-1) for t in terms], -1)
 
 
-def add_token_mismatch(stats: BatchStats, rows: Tensor, row_max_d: Tensor, use_row: Tensor) -> None:
-    """Batch token sums of `token_pass` over the sequences with `use_row` [B] (bool) true."""
-    # a rejected sequence may hold inf/NaN: `where`, not a product, keeps it out
-    zero = torch.zeros((), dtype=torch.float64, device=rows.device)
-    stats.add_sums(TOKEN_SUMS, torch.where(use_row[:, None], rows, zero).sum(0))
-    stats.add_max("tok_d_max", torch.where(use_row, row_max_d.to(torch.float64), zero).amax() if use_row.numel() else zero)
+# per-sequence terms of the sequence means, in this order (`seq_terms`)
+SEQ_SUMS = ("seq_train_log_ppl", "seq_rollout_log_ppl", "seq_log_ppl_diff", "seq_log_ppl_abs_diff", "seq_train_ppl",
+            "seq_rollout_ppl", "seq_ppl_ratio", "seq_chi2")
 
 
-SEQ_SUMS = ("seq_train_log_ppl", "seq_rollout_log_ppl", "seq_train_ppl", "seq_rollout_ppl", "seq_log_ppl_diff",
-            "seq_log_ppl_abs_diff", "seq_ppl_ratio", "seq_chi2")
+def _seq_constants(device: torch.device) -> Tensor:
+    """[5, 4]: rows 0-2 map [Σlr, Σlp_train, Σlp_rollout] -> [-Σlp_t, -Σlp_r, Σlp_r - Σlp_t, 2·Σlr]; rows 3-4 are
+    the lower and upper clamps of their exponents."""
+    hi = [PPL_EXP_CLAMP] * 3 + [2 * LOG_RATIO_CLAMP]
+    return torch.tensor([[0.0, 0.0, 0.0, 2.0], [-1.0, 0.0, -1.0, 0.0], [0.0, -1.0, 1.0, 0.0], [-v for v in hi], hi],
+                        dtype=torch.float64, device=device)
 
 
-def add_seq_mismatch(
-    stats: BatchStats, seq_ok: Tensor, n: Tensor, s_lpt: Tensor, s_lpr: Tensor, s_lr: Tensor, cp0: float
-) -> None:
-    """Sequence-level sums from whole-sequence (CP-reduced) sums; counted on CP rank 0 only."""
-    n = n.to(torch.float64).clamp_min(1)
-    mt = s_lpt.to(torch.float64) / n
-    mr = s_lpr.to(torch.float64) / n
-    diff = mr - mt
-    ppl_t, ppl_r, ppl_ratio = torch.stack([-mt, -mr, diff]).clamp(-PPL_EXP_CLAMP, PPL_EXP_CLAMP).exp().unbind()
-    chi2 = (2.0 * s_lr.to(torch.float64).clamp(-20.0, 20.0)).exp() - 1.0
-    columns = torch.stack([-mt, -mr, ppl_t, ppl_r, diff, diff.abs(), ppl_ratio, chi2], dim=-1)  # SEQ_SUMS order
-    # a rejected sequence may hold inf/NaN: `where`, not a product, keeps it out
-    columns = torch.where(seq_ok[:, None], columns, torch.zeros((), dtype=torch.float64, device=columns.device))
-    stats.add_sums(SEQ_SUMS, cp0 * columns.sum(0))
+def seq_terms(n: Tensor, sums: Tensor) -> Tensor:
+    """[n, 8] float64 per-sequence terms of `SEQ_SUMS` from the whole-sequence (CP-reduced) valid-token count `n`
+    [n] and the sums [Σlr, Σlp_train, Σlp_rollout] [n, 3]: with m = Σlp / n, -m_t, -m_r, m_r - m_t, |m_r - m_t|,
+    exp(-m_t), exp(-m_r), exp(m_r - m_t) (exponents clamped to ±80) and exp(2·clamp(Σlr, ±20)) - 1."""
+    m, lo, hi = device_constant("seq_terms", sums.device, _seq_constants).split([3, 1, 1])
+    e = sums @ m
+    e[:, :3].div_(n.clamp_min(1)[:, None])
+    p = e.clamp(lo, hi).exp_()
+    p[:, 3].sub_(1.0)
+    return torch.cat([e[:, :3], e[:, 2:3].abs(), p], -1)
 
 
-def finalize_mismatch(r: dict[str, Tensor]) -> dict[str, Tensor]:
+def mismatch_metrics(r: dict[str, Tensor], names: list[str], nums: list[Tensor], dens: list[Tensor]
+                     ) -> dict[str, Tensor]:
+    """The mismatch metrics of reduced statistics `r`, and every other ratio metric asked for in (`names`, `nums`,
+    `dens`), divided in one go."""
     n_tok, n_seq = r["n_tok"], r["n_seq"]
-    tok = _ratios(r, TOKEN_SUMS, n_tok)
-    seq = _ratios(r, SEQ_SUMS, n_seq)
-    var_t = (tok["tok_pt2"] - tok["tok_pt"] ** 2).clamp_min(0)
-    var_r = (tok["tok_pr2"] - tok["tok_pr"] ** 2).clamp_min(0)
+    num = torch.stack([r[k] for k in TOKEN_SUMS + SEQ_SUMS] + nums)
+    den = torch.cat([n_tok.expand(len(TOKEN_SUMS)), n_seq.expand(len(SEQ_SUMS))] + [d.reshape(1) for d in dens])
+    means = _div(num, den)
+    tok = dict(zip(TOKEN_SUMS, means[:len(TOKEN_SUMS)].unbind(), strict=True))
+    seq = dict(zip(SEQ_SUMS, means[len(TOKEN_SUMS):len(TOKEN_SUMS) + len(SEQ_SUMS)].unbind(), strict=True))
+    first, second = means[4:7], means[7:10]  # [d, p_t, p_r] and their second moments
+    sd = torch.addcmul(second, first, first, value=-1.0).clamp_min_(0).sqrt_()
     cov = tok["tok_ptr"] - tok["tok_pt"] * tok["tok_pr"]
-    denom = (var_t * var_r).sqrt()
-    pearson = torch.where(denom > 1e-20, cov / denom.clamp_min(1e-20), torch.zeros_like(cov)).clamp(-1, 1)
-    return {
+    denom = sd[1] * sd[2]
+    pearson = (cov / denom).masked_fill_(denom <= 1e-20, 0.0).clamp_(-1, 1)
+    out = {
         "mismatch_kl": tok["tok_neg_lr"],
         "mismatch_k3_kl": tok["tok_k3"],
         "mismatch_training_log_ppl": seq["seq_train_log_ppl"],
@@ -258,88 +247,69 @@ def finalize_mismatch(r: dict[str, Tensor]) -> dict[str, Tensor]:
         "mismatch_chi2_token": tok["tok_chi2"],
         "mismatch_chi2_seq": seq["seq_chi2"],
         "train_rollout_logprob_abs_diff": tok["tok_abs_lr"],
-        "rollout_probs_diff_max": torch.where(n_tok > 0, r["tok_d_max"], torch.zeros_like(r["tok_d_max"])),
+        "rollout_probs_diff_max": r["tok_d_max"],  # 0 without a measured token (every row's maximum is 0)
         "rollout_probs_diff_mean": tok["tok_d"],
-        "rollout_probs_diff_std": (tok["tok_d2"] - tok["tok_d"] ** 2).clamp_min(0).sqrt(),
+        "rollout_probs_diff_std": sd[0],
         "rollout_actor_probs_pearson_corr": pearson,
     }
-
-
-def add_raw_weight_stats(stats: BatchStats, w_raw: Tensor, unit: Tensor, lower: float, upper: float) -> None:
-    """w_raw over the finite valid units (`unit` = 1 per token, or 1/n_i per token of sequence i)."""
-    zero = torch.zeros_like(unit)
-    add_raw_weight_sums(stats, _total(unit), _total(torch.linalg.vecdot(unit, w_raw)),
-                        _total(torch.where(w_raw > upper, unit, zero)), _total(torch.where(w_raw < lower, unit, zero)))
-
-
-def add_raw_weight_sums(stats: BatchStats, units: Tensor, weighted: Tensor, high: Tensor, low: Tensor) -> None:
-    """Σ unit, Σ unit·w_raw, Σ unit·[w_raw > U], Σ unit·[w_raw < L] over the finite valid units."""
-    stats.add_sums(("raw_u", "raw_uw", "raw_high", "raw_low"), torch.stack([units, weighted, high, low]))
-
-
-def finalize_raw_weight(r: dict[str, Tensor], mode: str) -> dict[str, Tensor]:
-    u = r["raw_u"]
-    out = {"mis_mean_is_weight_before_clip": _div(r["raw_uw"], u)}
-    low, high = _div(r["raw_low"], u), _div(r["raw_high"], u)
-    if mode == "truncate":
-        out["mis_truncate_fraction"] = high
-    elif mode == "clip":
-        out["mis_clip_fraction_low"], out["mis_clip_fraction_high"] = low, high
-    elif mode == "mask":
-        out["mis_mask_fraction_low"], out["mis_mask_fraction_high"] = low, high
+    out.update(zip(names, means[len(TOKEN_SUMS) + len(SEQ_SUMS):].unbind(), strict=True))
     return out
 
 
-def weight_stat_tensors(w: Tensor, counted: Tensor, unit: Tensor | None = None) -> tuple[Tensor, ...]:
-    """Final (pre-normalization) weights `w` >= 0, zero where the float 0/1 `counted` is 0: (Σu, Σuw, Σuw² [3],
-    true max, true min, the quantile sketch's level-1 keys). `unit`: the unit of each weight when it is not
-    `counted` (1/n_i per token of a sequence, float64)."""
-    if unit is None:  # w is 0 where not counted: Σ counted·w = Σ w
-        sums = torch.stack([_total(counted), _total(w), _total(torch.linalg.vector_norm(w, dim=-1).square())])
-    else:
-        uw = unit * w
-        sums = torch.stack([_total(unit), _total(uw), _total(uw * w)])
-    if w.numel():
-        # extremes over the counted weights: w -/+ (1 - counted)·2^120 in one fused pass each (no bool tensor;
-        # w + 0 is exact); w >= 0 and 0 where not counted, so the maximum needs no shift unless units are given
-        # (a custom function's w)
-        off = torch.sub(counted, 1.0)
-        w_max = w.amax() if unit is None else torch.add(w, off, alpha=_NOT_COUNTED).amax()
-        w_min = torch.sub(w, off, alpha=_NOT_COUNTED).amin()
-    else:
-        w_max, w_min = w.new_full((), -math.inf), w.new_full((), math.inf)
-    return sums, w_max, w_min, Q.level1_keys(w)
+RAW_SUMS = ("raw_u", "raw_uw", "raw_high", "raw_low")  # Σ unit, Σ unit·w_raw, Σ unit·[w_raw > U], Σ unit·[w_raw < L]
 
 
-def add_weight_stats(stats: BatchStats, parts: tuple[Tensor, ...], unit: Tensor, binary: bool = False) -> Tensor:
-    """Adds `weight_stat_tensors` output (and the level-1 histogram of its keys, weighted by `unit`) to `stats`;
-    returns the level-1 keys for `quantiles.refine` (`binary`: units are 0/1, see `quantiles.level1_histogram`)."""
-    sums, w_max, w_min, key = parts
-    stats.add_sums(("w_u", "w_uw", "w_uw2"), sums)
-    stats.add_max("w_max", w_max)
-    stats.add_min("w_min", w_min)
-    stats.add_sum(Q.LEVEL1_KEY, Q.level1_histogram(key, unit, binary))
-    return key
+def raw_weight_columns(w_raw: Tensor, unit: Tensor, lower: float, upper: float) -> Tensor:
+    """[n, 4] per-row `RAW_SUMS` of raw weights `w_raw` [n, S] with units `unit` (a custom function's; the built-in
+    ones count theirs in the core); the caller sums the rows."""
+    cols = (unit, unit * w_raw, (w_raw > upper) * unit, (w_raw < lower) * unit)
+    return torch.stack([c.sum(-1) for c in cols], -1)
 
 
-def finalize_weight(r: dict[str, Tensor], factor: Tensor | None) -> dict[str, Tensor]:
-    """Stats of the final weights; `factor` (batch-normalization divisor) rescales all but the ESS."""
-    u, uw, uw2 = r["w_u"], r["w_uw"], r["w_uw2"]
-    has = u > 0
-    zero = torch.zeros_like(u)
-    mean = _div(uw, u)
-    wmin = torch.where(has, r["w_min"], zero)
-    wmax = torch.where(has, r["w_max"], zero)
-    out = {
-        "mis_ratio_mean_after_mis": mean,
-        "mis_weight_std": (_div(uw2, u) - mean**2).clamp_min(0).sqrt(),
-        "mis_weight_min": wmin,
-        "mis_weight_max": wmax,
-    }
-    quantiles = torch.minimum(torch.maximum(Q.quantiles(r), wmin), wmax)
-    out.update(zip((f"mis_weight_{name}" for name in Q.QUANTILES), quantiles.unbind(), strict=True))
+def raw_metrics(mode: str) -> list[tuple[str, str]]:
+    """(metric, numerator) of the raw-weight ratios over `raw_u` for `mode`."""
+    out = [("mis_mean_is_weight_before_clip", "raw_uw")]
+    if mode == "truncate":
+        out.append(("mis_truncate_fraction", "raw_high"))
+    elif mode in ("clip", "mask"):
+        out += [(f"mis_{mode}_fraction_low", "raw_low"), (f"mis_{mode}_fraction_high", "raw_high")]
+    return out
+
+
+WEIGHT_SUMS = ("w_u", "w_uw", "w_uw2")
+
+
+def weight_sums(w: Tensor, unit: Tensor) -> Tensor:
+    """[n, 3] per-row Σu, Σu·w, Σu·w² of weights `w` [n, S] with units `unit` (float64 for other than 0/1)."""
+    uw = unit * w
+    return torch.stack([unit.sum(-1), uw.sum(-1), (uw * w).sum(-1)], -1)
+
+
+def weight_extremes(w: Tensor, counted: Tensor, shifted_max: bool = False) -> tuple[Tensor, Tensor]:
+    """True max and min of the weights `w` >= 0 where the float 0/1 `counted` is 1 (w is 0 elsewhere): w -/+
+    (1 - counted)·2^120 in one fused pass each (no bool tensor; w + 0 is exact). `shifted_max`: `w` may be nonzero
+    where not counted (a custom function's weights)."""
+    if not w.numel():
+        return w.new_full((), -math.inf), w.new_full((), math.inf)
+    off = torch.sub(counted, 1.0)
+    w_max = torch.add(w, off, alpha=_NOT_COUNTED).amax() if shifted_max else w.amax()
+    return w_max, torch.sub(w, off, alpha=_NOT_COUNTED).amin()
+
+
+def weight_metrics(r: dict[str, Tensor], means: dict[str, Tensor], factor: Tensor | None) -> dict[str, Tensor]:
+    """Stats of the final weights from the reduced statistics `r` and the ratios `means` (`w_mean` = Σuw/Σu,
+    `w_mean2` = Σuw²/Σu); `factor` (batch-normalization divisor) rescales all but the ESS."""
+    mean, mean2 = means["w_mean"], means["w_mean2"]
+    msq = mean * mean
+    w_min, w_max = torch.stack([r["w_min"], r["w_max"]]).masked_fill_(r["w_u"] <= 0, 0.0).unbind()
+    q = torch.clamp(Q.quantiles(r), w_min, w_max)
+    values = torch.stack([mean, (mean2 - msq).clamp_min(0).sqrt(), w_min, w_max, *q.unbind()])
     if factor is not None:
-        out = dict(zip(out, (torch.stack(list(out.values())) / factor).unbind(), strict=True))
+        values = values / factor
+    names = ["mis_ratio_mean_after_mis", "mis_weight_std", "mis_weight_min", "mis_weight_max"] + [
+        f"mis_weight_{name}" for name in Q.QUANTILES]
+    out = dict(zip(names, values.unbind(), strict=True))
+    if factor is not None:
         out["mis_batch_norm_factor"] = factor
-    out["mis_ess"] = torch.where(uw2 > 0, uw**2 / (u * uw2).clamp_min(1e-300), zero)
+    out["mis_ess"] = msq / mean2.clamp_min(1e-300)  # 0 without a weight (mean 0)
     return out

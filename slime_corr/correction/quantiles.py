@@ -1,16 +1,29 @@
 """Weight quantiles over DP x CP without gathering the weights: a three-round radix select on float32 bits.
 
-For w >= 0 the float32 bit pattern, read as an integer, orders like w. It is read as three digits: level 1 =
-exponent + 5 mantissa bits (a fixed grid of 4096 bins over [2^-64, 2^64), each ~3% wide), level 2 = the next 9
-mantissa bits, level 3 = the last 9. Each round is one bincount and one SUM over the groups:
+For w >= 0 the float32 bit pattern, read as an integer, orders like w (a negative weight, which the metrics report as
+an error, ranks as |w|). The 31 bits below the sign are read as three digits: level 1 = exponent + 5 mantissa bits
+(`LEVEL1_BINS` = 8192 bins covering every float32 from 0 to inf, each ~3% wide), level 2 = the next 9 mantissa bits,
+level 3 = the last 9. Each round is one histogram and one SUM over the groups:
 
 1. the level-1 histogram (`LEVEL1_KEY`, reduced with the other batch statistics);
 2. level-2 histograms inside `SLOTS` level-1 bins: the bins that hold the quantiles, then the heaviest others;
 3. level-3 histograms inside `SLOTS` level-2 bins, chosen the same way.
 
 Three digits pin a float32 value, so the quantiles of one call are exact (the smallest w with F(w) >= q; float64
-weights are ranked as float32) at any spread and under any DP x CP split, ties (e.g. many weights of exactly 1.0)
-included, for 2 small extra collectives and no gather.
+weights are ranked as float32) at any spread and under any DP x CP split, ties (e.g. many weights of exactly 1.0),
+zeros and inf included, for 2 small extra collectives and no gather. `refine` also reads them off (`CALL_KEY`).
+
+How a histogram is counted (`Counts`), with no device->host sync and no data-dependent shape either way:
+- CPU: `torch.bincount` of the bin keys (0/1 units; no sync on the CPU; the uncounted weights, all 0, are counted in
+  bin 0 and taken out again) or `index_add_` (other units): the fastest there, ~0.5 ms for 0.5M weights.
+- any other device: sort the keys once (a radix sort of int32: a few passes, no atomics, deterministic), then every
+  count of all three rounds is a difference of `searchsorted` positions at the bins' starts (other units: of the
+  cumulative units in sorted order). Why not the others: scattering millions of values into few bins (`bincount`,
+  `index_add_`, `scatter_add_`) contends on global atomics (on an H200 it was 89 % of a token row's GPU time), and
+  `bincount` also reads its extremes to the host. `torch.histc` with explicit bounds keeps block-private shared
+  memory counts only while its bins fit in shared memory (~12k int32 bins: level 1, not the 32k of levels 2 and 3,
+  which fall back to global atomics), still serializes within a block when every weight is 1.0, counts no weighted
+  units and refuses deterministic mode; one comparison sum per boundary costs a pass per bin.
 
 Mergeable: the statistics are sums keyed by bin id, so `merge_stats` adds those of several micro-batches (`merge`).
 A step's quantile is exact where every micro-batch refined the bins it falls in; mass a micro-batch did not refine
@@ -19,89 +32,153 @@ is spread evenly over its bin, so the rank error is at most that mass (the heavi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
+
+from slime_corr.correction.reductions import device_constant
 
 QUANTILES = {"p10": 0.10, "p50": 0.50, "p90": 0.90, "p99": 0.99}
 LEVEL1_KEY = "w_hist"
 REFINED = {"w_hist2": "w_hist2_ids", "w_hist3": "w_hist3_ids"}  # refined histograms [n, SUB] -> their bin ids [n]
+CALL_KEY = "w_quantiles"  # the exact quantiles of one call (float64 [4]); not merged (a step recomputes them)
 SLOTS = 64  # bins refined per round: with up to 64 distinct bins a micro-batch merges exactly
 SUB_BITS = 9  # bits of levels 2 and 3
 SUB = 1 << SUB_BITS
 TOP_SHIFT = 2 * SUB_BITS  # level 1 = bits >> 18: exponent (8 bits) + 5 mantissa bits
-EXP_OFFSET = (127 - 64) << (23 - TOP_SHIFT)  # level-1 key of 2^-64
-LEVEL1_BINS = (128 << (23 - TOP_SHIFT)) + 1  # bin 0: below 2^-64 (zero); bins 1..4096: [2^-64, 2^64)
+LEVEL1_BINS = 1 << (31 - TOP_SHIFT)  # every non-negative float32 bit pattern, 0 to inf (and NaN payloads)
+ABS_BITS = 0x7FFFFFFF  # the bits below the sign
+COUNTING_DEVICES = {"cpu"}  # devices that count by bincount / index_add_; the others sort (see the module doc)
+_INT32_MAX = 0x7FFFFFFF
 
 
 def _bits(w: Tensor) -> Tensor:
-    """The float32 bit patterns of `w` as int32 (a view when `w` is float32)."""
-    return w.to(torch.float32).view(torch.int32)
-
-
-def _bincount(index: Tensor, unit: Tensor | None, size: int) -> Tensor:
-    """Σ unit per key over [0, size), float64. A float32 `unit` must hold counts (0/1: exact below 2^24 values);
-    anything else is accumulated in float64. index_add_, not bincount: bincount first scans for the min and max
-    (on an accelerator, a device->host sync). `unit=None`: count the keys below `size` (`_binary_on_cpu`)."""
-    if unit is None:  # keys >= size are the trash bin of uncounted weights
-        return torch.bincount(index.reshape(-1), minlength=size + 1)[:size].to(torch.float64)
-    weights = unit.reshape(-1)
-    if weights.dtype != torch.float32 or weights.numel() > 2**24:
-        weights = weights.to(torch.float64)
-    out = torch.zeros(size, dtype=weights.dtype, device=weights.device)
-    return out.index_add_(0, index.reshape(-1), weights).to(torch.float64)
+    """The float32 bit patterns of `w`, flat int32 (a view when `w` is float32)."""
+    return w.to(torch.float32).reshape(-1).view(torch.int32)
 
 
 def level1_keys(w: Tensor) -> Tensor:
-    """Level-1 keys of `w`: weights below 2^-64 (and negative ones) fall in bin 0, whose value is 0; weights above
-    2^64 in the top bin."""
-    return (_bits(w) >> TOP_SHIFT).sub_(EXP_OFFSET - 1).clamp_(0, LEVEL1_BINS - 1)
+    """Level-1 bin of each weight (|bits| >> 18, int32, the shape of `w`): bin k holds [k << 18, (k+1) << 18)."""
+    bits = w.to(torch.float32).view(torch.int32)
+    return torch.bitwise_and(bits, _const("abs", bits.device)) >> TOP_SHIFT
 
 
-def _binary_on_cpu(key: Tensor, binary: bool) -> bool:
-    """Whether the histograms are plain counts (`binary`: the units are 0/1) by `torch.bincount`: on the CPU, a
-    counting bincount costs about half of a weighted index_add_; elsewhere it would sync with the host."""
-    return binary and key.device.type == "cpu"
+def _build(name: str) -> Callable[[torch.device], Tensor]:
+    def build(device: torch.device) -> Tensor:
+        if name == "ranks":  # the margin keeps an exact boundary (e.g. rank 1 of 10) on its value
+            return torch.tensor([q * (1 - 1e-12) for q in QUANTILES.values()], dtype=torch.float64, device=device)
+        if name == "edges1":  # level-1 bin starts, in key space
+            return torch.arange(LEVEL1_BINS, dtype=torch.int32, device=device) << TOP_SHIFT
+        if name == "bins":  # level-1 bin ids
+            return torch.arange(LEVEL1_BINS, dtype=torch.int32, device=device)
+        if name == "edges":  # digit starts inside a bin, shifted later: 0..SUB
+            return torch.arange(SUB + 1, dtype=torch.int64, device=device)
+        if name == "digits":
+            return torch.arange(SUB, dtype=torch.int64, device=device)
+        if name == "slot_codes":  # lookup value of slot s: (s + 1) * SUB (0 = not refined)
+            return torch.arange(1, SLOTS + 1, dtype=torch.int32, device=device) * SUB
+        if name == "zero":
+            return torch.zeros(1, dtype=torch.int32, device=device)
+        if name in ("abs", "digit"):  # int32 masks: a Python int operand would take a slow path on the CPU
+            return torch.tensor(ABS_BITS if name == "abs" else SUB - 1, dtype=torch.int32, device=device)
+        if name == "inf":
+            return torch.tensor(float("inf"), dtype=torch.float64, device=device)
+        raise KeyError(name)
+    return build
 
 
-def level1_histogram(key: Tensor, unit: Tensor, binary: bool = False) -> Tensor:
-    """The level-1 histogram [LEVEL1_BINS] of `level1_keys`, weighted by `unit`. Kept out of compiled code: a
-    compiled scatter adds atomically from every thread into the few bins narrow weights share.
-    `binary` (the units are 0/1): on the CPU, `key` is then changed IN PLACE to the trash key LEVEL1_BINS where
-    `unit` is 0, and every histogram counts keys (pass `binary` to `refine` too)."""
-    if _binary_on_cpu(key, binary):
-        key.masked_fill_(unit.reshape(key.shape) == 0, LEVEL1_BINS)
-        return _bincount(key, None, LEVEL1_BINS)
-    return _bincount(key, unit, LEVEL1_BINS)
+def _const(name: str, device: torch.device) -> Tensor:
+    """Small constant tensors, made once per device (no host->device copy per call)."""
+    return device_constant(f"quantiles.{name}", device, _build(name))
 
 
-def _locate(hist: Tensor, rank: Tensor) -> tuple[Tensor, Tensor]:
-    """For each row of `hist` [n, bins] (or one [bins] histogram for all ranks): the bin where `rank` [n] falls
-    (first bin whose cumulative sum reaches it) and the rank left inside that bin."""
-    hist = hist.expand(rank.numel(), -1) if hist.dim() == 1 else hist
-    cum = hist.cumsum(-1)
-    i = torch.searchsorted(cum, rank[:, None]).clamp_max(hist.shape[-1] - 1)
-    left = rank - (cum.gather(-1, i) - hist.gather(-1, i)).squeeze(-1)
-    return i.squeeze(-1), left
+class Counts(NamedTuple):
+    """One call's weights, prepared once to count the histograms of all three rounds (`level1`, then `refine`).
+
+    Counting (CPU): `key` = level-1 keys [N], `bits` the raw bits; `unit` the float64 units, or None for 0/1 units,
+    where the uncounted weights (all 0) are counted in bin 0 and `missing` (1-element, minus their number) takes
+    them out again of every histogram's bin of 0 (cheaper than a pass to drop them).
+    Sorting (other devices): `key` = the sorted |bits| [N] (0/1 units: -1 where the unit is 0, sorted first);
+    `cum` = the units' cumulative sums in that order with a leading 0 ([N + 1], float64; None for 0/1 units)."""
+
+    key: Tensor
+    bits: Tensor | None = None
+    unit: Tensor | None = None
+    missing: Tensor | None = None
+    cum: Tensor | None = None
+    sorting: bool = False
 
 
-def _ranks(hist1: Tensor) -> Tensor:
-    qs = torch.tensor(list(QUANTILES.values()), dtype=torch.float64, device=hist1.device)
-    return qs * hist1.sum() * (1 - 1e-12)  # the margin keeps an exact boundary (e.g. rank 1 of 10) on its value
+def _sorting(x: Tensor) -> bool:
+    return x.device.type not in COUNTING_DEVICES
+
+
+def level1(w: Tensor, unit: Tensor, binary: bool = False) -> tuple[Tensor, Counts]:
+    """The level-1 histogram [LEVEL1_BINS] (float64) of the weights `w` >= 0 with units `unit` (of `w`'s shape, 0
+    where a weight does not count; `w` must be 0 there), and what `refine` needs to count the next rounds. `binary`:
+    the units are 0/1 (counts, exact below 2^53); otherwise they are summed in float64."""
+    bits = _bits(w)
+    flat = unit.reshape(-1)
+    if _sorting(w):
+        keys = torch.bitwise_and(bits, _const("abs", w.device))
+        if binary:
+            key, _ = torch.sort(torch.where(flat > 0, keys, -1))
+            counts = Counts(key, sorting=True)
+        else:
+            key, order = torch.sort(keys)
+            counts = Counts(key, cum=F.pad(flat.to(torch.float64)[order].cumsum(0), (1, 0)), sorting=True)
+        return _sorted_counts(counts, _const("edges1", w.device)), counts
+    key = torch.bitwise_and(bits, _const("abs", w.device)) >> TOP_SHIFT
+    if not binary:
+        counts = Counts(key, bits, unit=flat.to(torch.float64))
+        return _bincount(counts, key, LEVEL1_BINS), counts
+    rows = unit.reshape(-1, unit.shape[-1]) if unit.dim() > 1 else unit.reshape(1, -1)
+    counts = Counts(key, bits, missing=rows.sum(-1).sum(0, dtype=torch.float64, keepdim=True) - flat.numel())
+    return _bincount(counts, key.view(-1), LEVEL1_BINS), counts
+
+
+def _bincount(c: Counts, index: Tensor, size: int, zeros_at: Tensor | None = None) -> Tensor:
+    """Σ unit per index over [0, size) (counting). 0/1 units: the uncounted weights (zeros), at index `zeros_at`
+    (1-element; None: 0), are taken out."""
+    if c.unit is not None:
+        return torch.zeros(size, dtype=torch.float64, device=index.device).index_add_(0, index, c.unit)
+    out = torch.bincount(index, minlength=size).to(torch.float64)
+    return out.index_add_(0, zeros_at, c.missing) if zeros_at is not None else out.index_add_(
+        0, _const("zero", index.device), c.missing)
+
+
+def _sorted_counts(c: Counts, edges: Tensor) -> Tensor:
+    """Σ unit over [edges[..., i], edges[..., i + 1]) of the sorted keys (sorting); float64 [..., n - 1], or [n]
+    for the level-1 starts (the last bin ends past every key)."""
+    pos = torch.searchsorted(c.key, edges.reshape(-1)).view(edges.shape)
+    if edges.dim() == 1:
+        pos = F.pad(pos, (0, 1), value=c.key.numel())
+    out = pos if c.cum is None else c.cum[pos]
+    return out.diff(dim=-1).to(torch.float64)
+
+
+def bin_sums(key: Tensor, rows: Tensor) -> Tensor:
+    """[k, LEVEL1_BINS] float64: Σ rows[i] per level-1 bin `key` (flat keys, `level1_keys`; rows [k, N] float64),
+    local. Counting: one index addition; sorting: the rows' cumulative sums in key order at the bin starts."""
+    k = rows.shape[0]
+    if not _sorting(key):
+        index = torch.cat([key.to(torch.int64) + i * LEVEL1_BINS for i in range(k)])
+        out = torch.zeros(k * LEVEL1_BINS, dtype=torch.float64, device=rows.device)
+        return out.index_add_(0, index, rows.reshape(-1)).view(k, LEVEL1_BINS)
+    key, order = torch.sort(key)
+    cum = F.pad(rows[:, order].cumsum(1), (1, 0))
+    pos = F.pad(torch.searchsorted(key, _const("bins", key.device)), (0, 1), value=key.numel())
+    return cum[:, pos].diff(dim=-1)
 
 
 def _slots(hist: Tensor, targets: Tensor) -> Tensor:
-    """`SLOTS` bin ids to refine: the quantiles' bins first, then the heaviest others (ids may repeat)."""
-    score = hist.clone()
-    score[targets] = -1.0
-    return torch.cat([targets, score.topk(SLOTS - targets.numel()).indices])
-
-
-def _lut(size: int, ids: Tensor) -> Tensor:
-    """int32 table: key -> (slot + 1) * SUB for the slots' bins (a repeated id keeps one slot), 0 elsewhere."""
-    lut = torch.zeros(size, dtype=torch.int32, device=ids.device)
-    lut[ids] = torch.arange(1, ids.numel() + 1, device=ids.device, dtype=torch.int32) * SUB
-    return lut
+    """`SLOTS` distinct bin ids to refine, sorted: the targets' bins, then the heaviest others."""
+    score = hist.index_put((targets,), _const("inf", hist.device))
+    return score.topk(SLOTS).indices.sort().values
 
 
 def _reduced(x: Tensor, groups: list[dist.ProcessGroup]) -> Tensor:
@@ -110,28 +187,57 @@ def _reduced(x: Tensor, groups: list[dist.ProcessGroup]) -> Tensor:
     return x
 
 
-def refine(w: Tensor, key1: Tensor, unit: Tensor, hist1: Tensor, groups: list[dist.ProcessGroup],
-           binary: bool = False) -> dict[str, Tensor]:
-    """Rounds 2 and 3 (one SUM over `groups` each), given the level-1 keys and the REDUCED level-1 histogram.
-    Returns the refined statistics: `w_hist2` [SLOTS, SUB] with `w_hist2_ids` (level-1 bin ids) and `w_hist3`
-    [SLOTS, SUB] with `w_hist3_ids` (level-1 bin * SUB + level-2 digit). `binary`: as given to
-    `level1_histogram` (the trash key maps to slot 0, the row of the unrefined bins, which is dropped)."""
-    bits = _bits(w)
-    t1, r1 = _locate(hist1, _ranks(hist1))
+def _sorted_rows(c: Counts, prefix: Tensor, shift: int) -> Tensor:
+    """Sorting: [n, SUB] local histograms of the next digit inside the bins `prefix` (their key >> `shift`)."""
+    edges = (prefix << shift)[:, None] + (_const("edges", prefix.device) << (shift - SUB_BITS))
+    return _sorted_counts(c, edges.clamp_max_(_INT32_MAX).to(torch.int32))
+
+
+def _counted_rows(c: Counts, index: Tensor, at: Tensor, size: int, shift: int, zeros: Tensor | None
+                  ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Counting: [SLOTS, SUB] local histograms of the next digit (bits >> `shift - 9`) of the weights whose
+    `index` [N] (< `size`; the uncounted zeros' is `zeros`, None: 0) is at `at` [SLOTS]; and each weight's
+    slot * SUB + digit (slot 0: not refined), with the uncounted zeros' (0/1 units)."""
+    lut = torch.zeros(size, dtype=torch.int32, device=index.device).index_put_((at,), _const("slot_codes", at.device))
+    bits = c.bits >> (shift - SUB_BITS) if shift > SUB_BITS else c.bits
+    nxt = lut.index_select(0, index).add_(torch.bitwise_and(bits, _const("digit", at.device)))
+    zeros = None if c.missing is None else lut[:1] if zeros is None else lut.index_select(0, zeros)
+    hist = _bincount(c, nxt, (SLOTS + 1) * SUB, zeros)
+    return hist.view(SLOTS + 1, SUB)[1:], nxt, zeros
+
+
+def refine(c: Counts, hist1: Tensor, groups: list[dist.ProcessGroup]) -> dict[str, Tensor]:
+    """Rounds 2 and 3 (one SUM over `groups` each), given the REDUCED level-1 histogram: `w_hist2` [SLOTS, SUB] with
+    `w_hist2_ids` (level-1 bin ids) and `w_hist3` [SLOTS, SUB] with `w_hist3_ids` (level-1 bin << 9 | level-2 digit),
+    and the exact quantiles of this call (`CALL_KEY`, float64 [4])."""
+    cum1 = hist1.cumsum(0)
+    ranks = cum1[-1] * _const("ranks", hist1.device)
+    t1 = torch.searchsorted(cum1, ranks)
+    r1 = ranks - (cum1 - hist1)[t1]  # the rank inside the bin
     ids2 = _slots(hist1, t1)
-    lut2 = _lut(LEVEL1_BINS + 1, ids2)
-    if _binary_on_cpu(key1, binary):
-        unit = None
-    idx2 = lut2.index_select(0, key1.reshape(-1)).view_as(key1).add_((bits >> SUB_BITS).bitwise_and_(SUB - 1))
-    hist2 = _reduced(_bincount(idx2, unit, (SLOTS + 1) * SUB), groups).view(SLOTS + 1, SUB)[1:]
-    slot = lut2[t1].long() // SUB - 1  # the slot that holds each quantile's level-1 bin
-    sub2, _ = _locate(hist2[slot], r1)
-    ids3 = _slots(hist2.reshape(-1), slot * SUB + sub2)  # in slot * SUB + digit numbering
-    idx3 = _lut((SLOTS + 1) * SUB, ids3 + SUB).index_select(0, idx2.reshape(-1)).view_as(idx2)
-    idx3 = idx3.add_(bits & (SUB - 1))
-    hist3 = _reduced(_bincount(idx3, unit, (SLOTS + 1) * SUB), groups).view(SLOTS + 1, SUB)[1:]
-    return {"w_hist2": hist2, "w_hist2_ids": ids2.to(torch.float64),
-            "w_hist3": hist3, "w_hist3_ids": (ids2[ids3 // SUB] * SUB + ids3 % SUB).to(torch.float64)}
+    if c.sorting:
+        rows2 = _sorted_rows(c, ids2, TOP_SHIFT)
+    else:
+        rows2, index2, zeros2 = _counted_rows(c, c.key.view(-1), ids2, LEVEL1_BINS, TOP_SHIFT, None)
+    rows2 = _reduced(rows2.reshape(-1), groups).view(SLOTS, SUB)
+    slot2 = torch.searchsorted(ids2, t1)
+    cum2 = rows2[slot2].cumsum(-1)
+    d2 = torch.searchsorted(cum2, r1[:, None]).clamp_max_(SUB - 1)
+    cells2 = (ids2 << SUB_BITS)[:, None] + _const("digits", ids2.device)  # level-2 bin id of every cell of rows2
+    target3 = ((slot2[:, None] << SUB_BITS) + d2).view(-1)  # the cell of each quantile
+    ids3 = _slots(rows2.view(-1), target3)
+    id3 = cells2.view(-1)[ids3]
+    if c.sorting:
+        rows3 = _sorted_rows(c, id3, SUB_BITS)
+    else:
+        rows3, _, _ = _counted_rows(c, index2, ids3 + SUB, (SLOTS + 1) * SUB, SUB_BITS, zeros2)
+    rows3 = _reduced(rows3.reshape(-1), groups).view(SLOTS, SUB)
+    cum3 = rows3[torch.searchsorted(ids3, target3)].cumsum(-1)
+    r2 = r1[:, None] - F.pad(cum2, (1, 0)).gather(-1, d2)
+    d3 = torch.searchsorted(cum3, r2).clamp_max_(SUB - 1)
+    bits = (cells2.view(-1)[target3] << SUB_BITS) + d3.view(-1)
+    return {"w_hist2": rows2, "w_hist2_ids": ids2.to(torch.float64), "w_hist3": rows3,
+            "w_hist3_ids": id3.to(torch.float64), CALL_KEY: bits.to(torch.int32).view(torch.float32).to(torch.float64)}
 
 
 def merge(parts: list[dict[str, Tensor]], key: str) -> tuple[Tensor, Tensor]:
@@ -148,9 +254,10 @@ def _digit(rows: Tensor, ids: Tensor, bin_id: Tensor, mass: Tensor, rank: Tensor
     hist = (ids[None, :] == bin_id[:, None].to(ids.dtype)).to(rows.dtype) @ rows  # [q, SUB]
     unrefined = mass - hist.sum(-1)
     unrefined = torch.where(unrefined > 1e-9 * mass, unrefined, torch.zeros_like(unrefined))
-    hist = hist + (unrefined / SUB)[:, None]
-    digit, left = _locate(hist, rank)
-    return digit, left, hist.gather(-1, digit[:, None]).squeeze(-1)
+    cum = (hist + (unrefined / SUB)[:, None]).cumsum(-1)
+    digit = torch.searchsorted(cum, rank[:, None]).clamp_max_(SUB - 1)
+    below = F.pad(cum, (1, 0)).gather(-1, digit)
+    return digit.squeeze(-1), (rank[:, None] - below).squeeze(-1), (cum.gather(-1, digit) - below).squeeze(-1)
 
 
 def _refined(stats: dict[str, Tensor], key: str) -> tuple[Tensor, Tensor]:
@@ -161,12 +268,17 @@ def _refined(stats: dict[str, Tensor], key: str) -> tuple[Tensor, Tensor]:
 
 
 def quantiles(stats: dict[str, Tensor]) -> Tensor:
-    """The weights at `QUANTILES` (float64 [4]) from reduced, possibly merged, sketch statistics."""
+    """The weights at `QUANTILES` (float64 [4]) from reduced, possibly merged, sketch statistics (one call's:
+    `CALL_KEY`, read off by `refine`)."""
+    if CALL_KEY in stats:
+        return stats[CALL_KEY]
     hist1 = stats[LEVEL1_KEY]
-    t1, r1 = _locate(hist1, _ranks(hist1))
+    cum1 = hist1.cumsum(0)
+    ranks = cum1[-1] * _const("ranks", hist1.device)
+    t1 = torch.searchsorted(cum1, ranks).clamp_max_(LEVEL1_BINS - 1)
+    r1 = ranks - (cum1 - hist1)[t1]
     (rows2, ids2), (rows3, ids3) = (_refined(stats, key) for key in REFINED)
     d2, r2, mass2 = _digit(rows2, ids2, t1, hist1[t1], r1)
-    d3, _, _ = _digit(rows3, ids3, t1 * SUB + d2, mass2, r2)
-    bits = ((t1 - 1 + EXP_OFFSET) << TOP_SHIFT) + (d2 << SUB_BITS) + d3
-    value = bits.to(torch.int32).view(torch.float32).to(torch.float64)
-    return torch.where(t1 > 0, value, torch.zeros_like(value))  # bin 0: zero (or below 2^-64)
+    id2 = (t1 << SUB_BITS) + d2
+    d3, _, _ = _digit(rows3, ids3, id2, mass2, r2)
+    return ((id2 << SUB_BITS) + d3).to(torch.int32).view(torch.float32).to(torch.float64)

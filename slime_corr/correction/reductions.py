@@ -21,6 +21,16 @@ if TYPE_CHECKING:
     from slime_corr.correction.segments import Segments
 
 ProcessGroup = dist.ProcessGroup | None
+_CONSTANTS: dict[tuple[str, torch.device], Tensor] = {}
+
+
+def device_constant(name: str, device: torch.device, build: Callable[[torch.device], Tensor]) -> Tensor:
+    """A small constant tensor `build(device)`, made once per device and reused: no host->device copy (an op on an
+    accelerator) per call. `name` must identify what `build` makes."""
+    key = (name, device)
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = build(device)
+    return _CONSTANTS[key]
 
 
 def valid_float(mask: Tensor, dtype: torch.dtype) -> Tensor:
@@ -118,9 +128,14 @@ def seq_sums(columns: list[Tensor], cp_group: ProcessGroup = None) -> Tensor:
     """
     dtype = compute_dtype(*columns)
     out = torch.stack([(c if c.dim() == 1 else c.sum(-1)).to(dtype) for c in columns], dim=-1)
+    return cp_sum_(out, cp_group)
+
+
+def cp_sum_(local: Tensor, cp_group: ProcessGroup = None) -> Tensor:
+    """[n, k] local per-sequence sums summed over CP in place (ONE all_reduce); returns `local`."""
     if group_size(cp_group) > 1:
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=cp_group)
-    return out
+        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=cp_group)
+    return local
 
 
 def global_sum(x: Tensor, cp_group: ProcessGroup = None, dp_group: ProcessGroup = None) -> Tensor:
@@ -135,14 +150,14 @@ class BatchStats:
     """Collects 0-dim/1-dim batch statistics and reduces them all at once over DP x CP.
 
     `add_sum(name, t)` / `add_sums(names, vector)` for numerators/denominators/histograms, `add_max`/`add_min` for
-    extremes; `reduce()` performs one SUM and one MAX all_reduce per group (float64) and returns {name: reduced
-    tensor} (scalars as 0-dim views). Vectors are kept whole until the reduction: few small ops per call.
+    extremes; `reduce()` performs one SUM and one MAX all_reduce per group (float64; minima are sent as negated
+    maxima) and returns {name: reduced tensor} (scalars as 0-dim views). Vectors are kept whole until the
+    reduction, and without a group nothing is copied: few small ops per call.
     """
 
     def __init__(self) -> None:
-        self._scalars: dict[str, list] = {"sum": [], "max": []}  # [(names, float64 vector)] per op
+        self._scalars: dict[str, list] = {"sum": [], "max": [], "min": []}  # [(names, float64 vector)] per op
         self._vectors: list[tuple[str, Tensor]] = []  # summed histograms
-        self._mins: set[str] = set()
 
     def add_sum(self, name: str, value: Tensor) -> None:
         value = value.detach().to(torch.float64).reshape(-1)
@@ -159,15 +174,20 @@ class BatchStats:
         self._scalars["max"].append(((name,), value.detach().to(torch.float64).reshape(1)))
 
     def add_min(self, name: str, value: Tensor) -> None:
-        self._mins.add(name)
-        self.add_max(name, -value)
+        self._scalars["min"].append(((name,), value.detach().to(torch.float64).reshape(1)))
 
     def reduce(self, cp_group: ProcessGroup = None, dp_group: ProcessGroup = None) -> dict[str, Tensor]:
         groups = active_groups(cp_group, dp_group)
         out: dict[str, Tensor] = {}
-        for kind, op in (("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX)):
-            entries = self._scalars[kind]
-            vectors = self._vectors if kind == "sum" else []
+        if not groups:  # the statistics are already the batch's: views, no copy
+            for entries in self._scalars.values():
+                for names, values in entries:
+                    out.update(zip(names, values.unbind(), strict=True))
+            out.update(self._vectors)
+            return out
+        mins = self._scalars["min"]
+        for op, entries, vectors in ((dist.ReduceOp.SUM, self._scalars["sum"], self._vectors),
+                                     (dist.ReduceOp.MAX, self._scalars["max"] + [(n, -v) for n, v in mins], [])):
             if not entries and not vectors:
                 continue
             names = [name for entry_names, _ in entries for name in entry_names]
@@ -175,9 +195,8 @@ class BatchStats:
             for g in groups:
                 dist.all_reduce(flat, op=op, group=g)
             scalars, rest = flat[:len(names)], flat[len(names):]
-            if kind == "max" and self._mins:
-                scalars = torch.where(torch.tensor([n in self._mins for n in names], device=flat.device),
-                                      -scalars, scalars)
             out.update(zip(names, scalars.unbind(), strict=True))
             out.update(zip([n for n, _ in vectors], rest.split([v.numel() for _, v in vectors]), strict=True))
+        for names, _ in mins:  # sent as negated maxima
+            out[names[0]] = out[names[0]].neg()
         return out

@@ -82,15 +82,15 @@ def metric_pairs(
     r = stats
     pairs = {name: ratio_pair(r[num], r["n_tok"]) for name, num in TOKEN_MEANS.items()}
     pairs.update({name: ratio_pair(r[num], r["n_seq"]) for name, num in SEQ_MEANS.items()})
-    pairs["mis_nonfinite_seq_fraction"] = ratio_pair(r["n_bad_seq"], r["n_valid_seq"])
+    n_tok, n_seq, n_valid_seq = r["n_tok"], r["n_seq"], r["n_valid_seq"]
+    pairs["mis_nonfinite_seq_fraction"] = ratio_pair(n_valid_seq - n_seq, n_valid_seq)
     if not config.use_rollout_correction:
         return pairs
-    n_tok, n_seq = r["n_tok"], r["n_seq"]
     pairs["mis_rs_rejected_token_fraction"] = ratio_pair(n_tok - r["n_fn_tok"], n_tok)
-    pairs["mis_rs_rejected_seq_fraction"] = ratio_pair(r["n_fn_seq_rej"], n_seq)
+    pairs["mis_rs_rejected_seq_fraction"] = ratio_pair(n_seq - r["n_fn_seq"], n_seq)
     pairs.update({name: ratio_pair(r[num], r[den]) for name, (num, den) in OPTIONAL_RATIOS.items() if num in r})
     pairs["mis_rejected_token_fraction"] = ratio_pair(r["n_valid_tok"] - r["n_final_tok"], r["n_valid_tok"])
-    pairs["mis_rejected_seq_fraction"] = ratio_pair(r["n_final_seq_rej"], r["n_valid_seq"])
+    pairs["mis_rejected_seq_fraction"] = ratio_pair(n_valid_seq - r["n_final_seq"], n_valid_seq)
     if "raw_u" in r:
         pairs["mis_mean_is_weight_before_clip"] = ratio_pair(r["raw_uw"], r["raw_u"])
         for name, num in RAW_FRACTIONS.get(config.effective_tis_mode, {}).items():

@@ -1,9 +1,10 @@
-"""The start-up agreement check: on the first step the job trains, the engine's log-probs and the trainer's must agree
-as well as their precisions allow, or the run stops with the numbers and the likely causes.
+"""The start-up agreement check: on the first step the job trains from samples of the weights being trained (staleness
+0: not a resumed run's pending rollouts, not a later step of the same rollout), the engine's log-probs and the
+trainer's must agree as well as their precisions allow, or the run stops with the numbers and the likely causes.
 
-On that step both sides hold the same weights (the engines were just given the trainer's, and lp_old, or lp in
-bypass mode, is computed before the first update), so `train_rollout_logprob_abs_diff` = mean |lp_train − lp_rollout|
-is the mismatch of precision and kernels alone. Measured here (tiny model, 2 layers): 1e-5 with both sides in fp32,
+On that step both sides hold the same weights (the engines were given the trainer's, and lp_old, or lp in bypass
+mode, is computed before the step's update), so `train_rollout_logprob_abs_diff` = mean |lp_train − lp_rollout| is the
+mismatch of precision and kernels alone. Measured here (tiny model, 2 layers): 1e-5 with both sides in fp32,
 7e-4 with a bf16 engine against the fp32 trainer. A model the engine serves differently is far above that: a tied
 Qwen3-MoE whose LM head SGLang left at zero gave 0.13 in fp32, and every log-prob at -log(vocab). The bounds leave
 two to three orders of magnitude of room. `--no-engine-agreement-check` turns the check off (a model whose

@@ -125,6 +125,8 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     f.add_argument("--rollout-request-timeout", type=float, default=d.rollout_request_timeout,
                    help="Seconds a /generate attempt may go without a byte from the server before it is aborted and "
                         "retried (4 attempts per sample).")
+    f.add_argument("--custom-function-traceback", action="store_true",
+                   help="When --custom-tis-function-path raises, print its traceback after the one-line error.")
     f.add_argument("--no-engine-agreement-check", dest="engine_agreement_check", action="store_false",
                    help="Do not stop the run when, on its first trained step (same weights on both sides), the "
                         "engine's log-probs and the trainer's disagree beyond what their precisions explain (mean "

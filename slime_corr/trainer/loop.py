@@ -445,8 +445,9 @@ class _Job:
                        "perf/empty_micro_batches": float(record.empty_micro_batches[k]),
                        **(diagnostic_metrics(result.diagnostics) if loss_part else {})}
             self.logger.log(step, metrics)
-            if loss_part and not self._agreement_checked:  # the run's first trained step: same weights both sides
-                self._agreement_checked = True
+            fresh = lag_max == 0 and not bound.get("rollout/staleness_oldest_max")  # every token (partial rollouts
+            if loss_part and fresh and not self._agreement_checked:  # too) from the weights now trained: the same
+                self._agreement_checked = True  # weights on both sides (trainer.agreement)
                 if cfg.engine_agreement_check:
                     check_agreement(metrics, cfg.engine_dtype, cfg.params_dtype, step)
             if loss_part and result.diagnostics.top:

@@ -24,10 +24,10 @@ from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.correction import compute_rollout_correction, metrics_to_host, normalize_weights, weight_mean
 from slime_corr.correction.diagnostics import MismatchDiagnostics, response_positions
 from slime_corr.correction.segments import Segments
-from slime_corr.device import setup as setup_device
 from slime_corr.device_check import DeviceCheck, fake_process_groups
 from slime_corr.loss_terms import LossTermsConfig
 from slime_corr.losses import compute_policy_loss
+from tests.device_helpers import rank_placement
 
 CUSTOM = f"{Path(__file__).resolve().parents[2] / 'examples' / 'custom_tis.py'}:length_aware_geometric_is"
 CONFIGS = {
@@ -157,21 +157,10 @@ def test_on_device_matches_cpu(name: str, dtype: torch.dtype, test_device: torch
 WORLD = 2
 
 
-def _rank_placement(rank: int, device_name: str) -> tuple[torch.device, str]:
-    """A spawned rank's device and backend for the test device `device_name`: on CUDA `slime_corr.device` (GPU
-    LOCAL_RANK, set current) with NCCL when there is one GPU per rank, else every rank on the named GPU with gloo
-    (NCCL refuses two ranks on one GPU); CPU or meta as named, with gloo."""
-    requested = torch.device(device_name)
-    if requested.type != "cuda":
-        return requested, "gloo"
-    one_per_rank = torch.cuda.device_count() >= WORLD
-    os.environ["LOCAL_RANK"] = str(rank if one_per_rank else requested.index or 0)
-    placement = setup_device("cuda")
-    return placement.device, placement.backend if one_per_rank else "gloo"
 
 
 def _dist_worker(rank: int, store: str, device_name: str, result_dir: str) -> None:
-    device, backend = _rank_placement(rank, device_name)
+    device, backend = rank_placement(rank, WORLD, device_name)
     torch.set_num_threads(1)
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:

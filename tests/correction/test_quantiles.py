@@ -11,7 +11,6 @@ import torch
 from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.correction import compute_rollout_correction, correction_metrics, merge_stats, metrics_to_host
 from slime_corr.correction import quantiles as Q
-from slime_corr.correction.metrics import weight_stat_tensors
 from slime_corr.correction.reductions import BatchStats
 
 SPREADS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0, 3.0, 10.0)
@@ -30,13 +29,15 @@ def rank_error(w: torch.Tensor, value: float, q: float) -> float:
     return max(below - q, q - at_or_below, 0.0)
 
 
-def sketch(w: torch.Tensor, counted: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The sketch's statistics for weights `w` (0 where not counted), on one rank."""
+def sketch(w: torch.Tensor, counted: torch.Tensor, binary: bool = True) -> dict[str, torch.Tensor]:
+    """The sketch's statistics for weights `w` (0 where not counted), on one rank; without this call's own
+    quantiles (`Q.CALL_KEY`), so `Q.quantiles` reads them from the histograms as for merged statistics."""
     stats = BatchStats()
-    key = weight_stat_tensors(w, counted)[3]
-    stats.add_sum(Q.LEVEL1_KEY, Q.level1_histogram(key, counted))
+    hist, counts = Q.level1(w, counted, binary)
+    stats.add_sum(Q.LEVEL1_KEY, hist)
     r = stats.reduce()
-    r.update(Q.refine(w, key, counted, r[Q.LEVEL1_KEY], []))
+    r.update(Q.refine(counts, r[Q.LEVEL1_KEY], []))
+    r.pop(Q.CALL_KEY)
     return r
 
 

@@ -7,7 +7,6 @@ test device (`-m device`): TP = 2 log-probs over two processes, and the main job
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from unittest import mock
 
@@ -22,6 +21,7 @@ from slime_corr.mcore import params
 from slime_corr.mcore.context_parallel import ParallelGroups, all_reduce_dp_cp, zigzag_indices
 from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
 from slime_corr.mcore.step_metrics import build_report
+from tests.device_helpers import rank_placement
 
 B, S, V = 4, 8, 16  # V: this TP rank's vocab shard
 
@@ -90,17 +90,6 @@ def test_cp_index_and_dp_cp_reduction_on_the_inputs_device() -> None:
     assert zigzag_indices(8, 0, 2).tolist() == [0, 1, 6, 7]  # the CPU default is unchanged
 
 
-def _rank_placement(rank: int, world: int, device_name: str) -> tuple[torch.device, str]:
-    """A spawned rank's device and backend for the test device `device_name`: on CUDA `slime_corr.device` (GPU
-    LOCAL_RANK, set current) with NCCL when there is one GPU per rank, else every rank on the named GPU with gloo
-    (NCCL refuses two ranks on one GPU); CPU or meta as named, with gloo."""
-    requested = torch.device(device_name)
-    if requested.type != "cuda":
-        return requested, "gloo"
-    one_per_rank = torch.cuda.device_count() >= world
-    os.environ["LOCAL_RANK"] = str(rank if one_per_rank else requested.index or 0)
-    placement = setup_device("cuda")
-    return placement.device, placement.backend if one_per_rank else "gloo"
 
 
 def _tp_worker(rank: int, store: str, device_name: str) -> None:
@@ -108,7 +97,7 @@ def _tp_worker(rank: int, store: str, device_name: str) -> None:
 
     from slime_corr.mcore.logprobs import vocab_parallel_log_probs
 
-    device, backend = _rank_placement(rank, 2, device_name)
+    device, backend = rank_placement(rank, 2, device_name)
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=2)
     try:
         g = torch.Generator().manual_seed(0)

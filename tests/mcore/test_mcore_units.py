@@ -213,10 +213,14 @@ def test_bypass_loss_func_single_rank_matches_core():
     assert ratios["pg_nonfinite_token_fraction"] == 0.0
 
 
-def test_cpu_compat_is_a_noop_when_cuda_is_available(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert not cpu_compat.cpu_compat_needed()
-    assert cpu_compat.apply_cpu_compat() is False
+def test_cpu_compat_is_a_noop_when_the_process_computes_on_cuda():
+    from slime_corr import device
+
+    with device.use("cuda"):  # slime_corr.device's decision (it sets no CUDA device): no CPU adaptation
+        assert not cpu_compat.cpu_compat_needed()
+        assert cpu_compat.apply_cpu_compat() is False
+    with device.use("cpu"):
+        assert cpu_compat.cpu_compat_needed()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU adaptations are inactive with CUDA")

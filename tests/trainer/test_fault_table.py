@@ -299,3 +299,35 @@ def test_router_on_without_sglang_router_is_refused_at_parse_time(monkeypatch, c
         parse_run_config(["--rollout-router", "on", "--rollout-engine", "embedded"], check_urls=False)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "--rollout-router on: sglang-router is not installed here" in err, err
+
+
+CUSTOM_FUNCTIONS = '''
+def returns_a_tuple(inputs, config):
+    return inputs.log_ratio.exp(), inputs.loss_mask
+
+def raises(inputs, config):
+    return {}["weights"]  # the user's own bug
+'''
+
+
+def test_a_custom_weighting_function_that_fails_is_named_in_one_line(tmp_path):
+    (tmp_path / "custom.py").write_text(CUSTOM_FUNCTIONS)
+    flags = ["--rollout-correction-preset", "decoupled_token_is", "--custom-tis-function-path"]
+    cases = [
+        Case("custom_returns_a_tuple", [*flags, "{tmp}/custom.py:returns_a_tuple"], 1,
+             r"\nslime_corr\.main: error: --custom-tis-function-path \S+custom\.py:returns_a_tuple returned tuple"
+             r".*it must return slime_corr\.correction\.WeightOutputs\(weights=\.\.\., loss_mask=\.\.\.\) \(see "
+             r"examples/custom_tis\.py\)\.\s*\Z", BOUND),
+        Case("custom_raises", [*flags, "{tmp}/custom.py:raises"], 1,
+             r"\nslime_corr\.main: error: --custom-tis-function-path \S+custom\.py:raises raised KeyError: 'weights' "
+             r"\(its traceback: --custom-function-traceback\)\s*\Z", BOUND),
+        Case("custom_raises_traceback", [*flags, "{tmp}/custom.py:raises", "--custom-function-traceback"], 1,
+             r"\nslime_corr\.main: error: --custom-tis-function-path \S+custom\.py:raises raised KeyError: 'weights'\n"
+             r"Traceback \(most recent call last\):\n.*custom\.py\", line 6, in raises\n.*KeyError: 'weights'\s*\Z",
+             BOUND),
+    ]
+    _run_all(cases, tmp_path)
+    for case in cases[2:]:  # the traceback asked for is the user's own
+        case.result["output"] = case.result["output"].replace("Traceback (most recent call last)", "Its traceback")
+        case.message = case.message.replace(r"Traceback \(most recent call last\)", "Its traceback")
+    _check(cases)
