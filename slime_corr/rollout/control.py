@@ -282,7 +282,7 @@ class ControlPlane:
                 if isinstance(e, TimeoutError):  # alive (its health check answers), yet this call went unanswered
                     return w, (f"no answer within {timeout or self.control_timeout:.0f} s though its health check "
                                "answers (the bound: the client's control_timeout, the trainer's "
-                               "--rollout-control-timeout); is the server stuck? Its log says"), None
+                               "--rollout-control-timeout): is the server stuck? Its log says why"), None
                 return w, f"request failed: {e!r}", None
             if allow_404 and status == 404:
                 return w, None, None
@@ -344,11 +344,12 @@ class ControlPlane:
         """``GET /server_info`` of ``url`` (default: the first live worker - not a router's own info)."""
         return await self._info(url, "/server_info", "/get_server_info")
 
-    async def weight_versions(self) -> dict[str, str | None]:
-        """The weight version each live worker reports (``/model_info``)."""
-        workers = await self.workers()
+    async def weight_versions(self, workers: Sequence[str] | None = None) -> dict[str, str | None]:
+        """The weight version each of `workers` (default: every live worker) reports (``/model_info``)."""
+        workers = list(workers) if workers is not None else await self.workers()
         infos = await asyncio.gather(*(self.model_info(w) for w in workers))
-        return {w: i.get("weight_version") for w, i in zip(workers, infos, strict=True)}
+        return {w: i.get("weight_version") if isinstance(i, dict) else None
+                for w, i in zip(workers, infos, strict=True)}
 
     # ---- request control -----------------------------------------------------------------------------
     async def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
@@ -442,10 +443,7 @@ class ControlPlane:
     async def check_weight_version(self, path: str, expected: str, workers: Sequence[str]) -> None:
         """Raise ControlError unless every worker of `workers` reports ``expected`` as its weight version
         (``/model_info``): a server that answered a weight update with success without applying it is found here."""
-        infos = await asyncio.gather(*(self.model_info(w) for w in workers))
-        reported = {w: info.get("weight_version") if isinstance(info, dict) else None
-                    for w, info in zip(workers, infos, strict=True)}
-        wrong = {w: v for w, v in reported.items() if v != expected}
+        wrong = {w: v for w, v in (await self.weight_versions(workers)).items() if v != expected}
         if wrong:
             raise ControlError(path, {w: f"answered success, but then reports weight version {v!r}, not "
                                          f"{expected!r}: the server did not apply the update" for w, v in wrong.items()},

@@ -129,7 +129,8 @@ class RolloutDriver:
             await cancel_pending_tasks()
             await client.close()
 
-        asyncio.run_coroutine_threadsafe(close(self.client), self.loop).result(timeout=CANCEL_TIMEOUT)
+        with contextlib.suppress(TimeoutError):  # the loop's own exit cancels what is left
+            asyncio.run_coroutine_threadsafe(close(self.client), self.loop).result(timeout=CANCEL_TIMEOUT)
 
     def _run(self, coro: Any) -> Any:
         assert self.loop is not None

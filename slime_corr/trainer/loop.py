@@ -445,9 +445,11 @@ class _Job:
                        "perf/empty_micro_batches": float(record.empty_micro_batches[k]),
                        **(diagnostic_metrics(result.diagnostics) if loss_part else {})}
             self.logger.log(step, metrics)
-            fresh = lag_max == 0 and not bound.get("rollout/staleness_oldest_max")  # every token (partial rollouts
-            if loss_part and fresh and not self._agreement_checked:  # too) from the weights now trained: the same
-                self._agreement_checked = True  # weights on both sides (trainer.agreement)
+            # the start-up agreement check (trainer.agreement), on the first trained step whose every token (partial
+            # rollouts too) came from the weights now trained: the same weights on both sides
+            fresh = lag_max == 0 and not bound.get("rollout/staleness_oldest_max")
+            if loss_part and fresh and not self._agreement_checked:
+                self._agreement_checked = True
                 if cfg.engine_agreement_check:
                     check_agreement(metrics, cfg.engine_dtype, cfg.params_dtype, step)
             if loss_part and result.diagnostics.top:

@@ -37,6 +37,8 @@ from slime_corr.rollout.rollout import PausePolicy, generate_sample
 from slime_corr.rollout.routing import RoutedExpertsSpec, decode_routed_experts
 from slime_corr.rollout.sample import Sample, SampleStatus
 
+from .engine_helpers import wait_tokens
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mcore"))  # mcore_helpers
 
 pytestmark = pytest.mark.cost(15)  # CI seconds, roughly (tests/conftest.py)
@@ -97,12 +99,6 @@ def _ints(meta: dict) -> np.ndarray:
     return np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype="<i4")
 
 
-async def _wait_tokens(engine, n: int) -> None:
-    for _ in range(3000):
-        if any(len(r.output_ids) >= n for r in list(engine.active.values())):
-            return
-        await asyncio.sleep(0.002)
-    raise AssertionError("engine produced no tokens")
 
 
 # ---------------------------------------------------------------- (a) the routes are the trainer's own
@@ -156,7 +152,7 @@ def test_routes_are_the_trainer_models_own(moe, moe_dirs):
                 task = asyncio.create_task(generate_sample(c, Sample(prompt_tokens=list(PROMPTS[0])),
                                                            {**PARAMS, "max_new_tokens": 48}, stream=True,
                                                            pause_policy=PausePolicy.RESUME, routed_experts=SPEC))
-                await _wait_tokens(h.engine, 4)
+                await wait_tokens(h.engine, c, 4)
                 await c.pause("abort")
                 await c.update_weights_from_disk(moe_dirs["v1"], weight_version="v1", flush_cache=False)
                 await c.continue_generation()
@@ -164,7 +160,7 @@ def test_routes_are_the_trainer_models_own(moe, moe_dirs):
                 # weights updated under a running request (no pause): its later rows use the new weights
                 await c.update_weights_from_disk(moe_dirs["default"], weight_version="default", flush_cache=False)
                 task = asyncio.create_task(one(PROMPTS[3], False, max_new_tokens=48))
-                await _wait_tokens(h.engine, 4)
+                await wait_tokens(h.engine, c, 4)
                 await c.update_weights_from_disk(moe_dirs["v1"], weight_version="v1", flush_cache=False)
                 in_flight = await task
             finally:
@@ -288,11 +284,11 @@ def test_aborted_running_and_waiting_requests(moe):
                 out = []
                 for stream in (False, True):
                     task = asyncio.create_task(c.generate(PROMPTS[0], long, stream=stream, routed_experts=SPEC))
-                    await _wait_tokens(h.engine, 4)
+                    await wait_tokens(h.engine, c, 4)
                     await c.abort()
                     out.append(await task)
                 task = asyncio.create_task(c.generate(PROMPTS[1], long, routed_experts=SPEC))
-                await _wait_tokens(h.engine, 4)
+                await wait_tokens(h.engine, c, 4)
                 await c.pause("retract")
                 await c.abort()
                 waiting = await task

@@ -13,16 +13,12 @@ from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.rollout import PausePolicy, generate_sample
 from slime_corr.rollout.sample import Sample, SampleStatus
 
+from .engine_helpers import wait_tokens
+
 PROMPT = [10, 20, 30, 40]
 PARAMS = {"max_new_tokens": 40, "ignore_eos": True, "temperature": 1.0}
 
 
-async def _wait_tokens(engine, n: int) -> None:
-    for _ in range(2000):
-        if any(len(r.output_ids) >= n for r in list(engine.active.values())):
-            return
-        await asyncio.sleep(0.002)
-    raise AssertionError("engine produced no tokens")
 
 
 @pytest.fixture
@@ -38,7 +34,7 @@ def test_abort_request_returns_partial_output(slow_fp32_engine, stream):
     async def go():
         async with SGLangClient(h.url) as c:
             task = asyncio.create_task(c.generate(PROMPT, PARAMS, stream=stream))
-            await _wait_tokens(h.engine, 3)
+            await wait_tokens(h.engine, c, 3)
             await c.abort()  # every request this client has in flight, by its exact rid
             return await task
 
@@ -56,7 +52,7 @@ def test_pause_resume_across_weight_update(slow_fp32_engine, tiny_ckpt, tiny_ckp
         async with SGLangClient(h.url) as c:
             task = asyncio.create_task(generate_sample(c, sample, PARAMS, stream=True,
                                                        pause_policy=PausePolicy.RESUME))
-            await _wait_tokens(h.engine, 5)
+            await wait_tokens(h.engine, c, 5)
             await c.pause("abort")
             await asyncio.sleep(0.1)
             assert not task.done()  # the resumed request is held back until continue_generation
@@ -84,7 +80,7 @@ def test_pause_resample_or_keep(slow_fp32_engine, policy):
     async def go():
         async with SGLangClient(h.url) as c:
             task = asyncio.create_task(generate_sample(c, sample, PARAMS, pause_policy=policy))
-            await _wait_tokens(h.engine, 5)
+            await wait_tokens(h.engine, c, 5)
             await c.pause("abort")
             await asyncio.sleep(0.05)
             await c.update_weights_from_disk(h.checkpoint_dir, weight_version="again")
@@ -108,7 +104,7 @@ def test_in_place_pause_keeps_the_request_and_records_versions(slow_fp32_engine,
     async def go():
         async with SGLangClient(h.url) as c:
             task = asyncio.create_task(generate_sample(c, sample, PARAMS, stream=True))
-            await _wait_tokens(h.engine, 5)
+            await wait_tokens(h.engine, c, 5)
             await c.pause("in_place")
             await c.update_weights_from_disk(tiny_ckpt_v1, weight_version="v1", flush_cache=False)
             await c.continue_generation()
@@ -151,7 +147,7 @@ def test_flush_after_retract_or_in_place_pause(slow_fp32_engine, mode):
         async with SGLangClient(h.url) as c:
             reference = await c.generate(PROMPT, params)
             task = asyncio.create_task(c.generate(PROMPT, params, stream=True))
-            await _wait_tokens(h.engine, 5)
+            await wait_tokens(h.engine, c, 5)
             await c.pause(mode)
             status, _ = await c._post(h.url, "/flush_cache")
             await c.continue_generation()
