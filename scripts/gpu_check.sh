@@ -226,7 +226,7 @@ if wants device && gpu_step "device" && needs "device" pytest; then
   done
 fi
 if wants meta && needs "meta" pytest; then
-  run "meta: device checks without a GPU" "${PYTEST[@]}" -m "not device" tests/test_device.py \
+  run "meta: device checks without a GPU" "${PYTEST[@]}" -m "not device" tests/test_device_owner.py \
     tests/rollout/test_engine_device.py tests/mcore/test_device_placement.py tests/mcore/test_mcore_device.py \
     "${pytest_k[@]}" "${pytest_extra[@]}"
 fi
