@@ -14,12 +14,24 @@ from pathlib import Path
 import torch.distributed as dist
 
 
+def _timed_wait(beacon, rollout: int, name: str, seen: dict) -> None:  # noqa: ANN001 - a DriverBeacon
+    """Rank 1 waits for the driver's rollout `rollout`: the StuckRankError's message in seen[name], the seconds
+    the wait took appended to seen["seconds"]."""
+    from slime_corr.trainer.watchdog import StuckRankError
+
+    start = time.monotonic()
+    try:
+        beacon.wait(f"rollout/{rollout}", f"generating rollout {rollout}")
+    except StuckRankError as e:
+        seen[name] = str(e)
+    seen["seconds"].append(time.monotonic() - start)
+
+
 def _ranks(rank: int, port: int, timeout_s: float, out: str) -> None:
     from slime_corr.trainer.watchdog import (
         ABORT_KEY,
         DriverBeacon,
         PeerError,
-        StuckRankError,
         collective_error,
     )
 
@@ -33,12 +45,7 @@ def _ranks(rank: int, port: int, timeout_s: float, out: str) -> None:
             beacon._stop.set()  # noqa: SLF001 - what a SIGSTOP does to the beat
             time.sleep(timeout_s + 3)
         else:
-            start = time.monotonic()
-            try:
-                beacon.wait("rollout/0", "generating rollout 0")
-            except StuckRankError as e:
-                seen["silent_driver"] = str(e)
-            seen["seconds"].append(time.monotonic() - start)  # type: ignore[union-attr]
+            _timed_wait(beacon, 0, "silent_driver", seen)
         # 2. a collective rank 1 never joins: rank 0's fails after the process group's timeout
         if rank == 0:
             start = time.monotonic()
@@ -62,12 +69,7 @@ def _ranks(rank: int, port: int, timeout_s: float, out: str) -> None:
             try:
                 while Path(f"/proc/{driver}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":  # stopped
                     time.sleep(0.05)
-                start = time.monotonic()
-                try:
-                    beacon.wait("rollout/2", "generating rollout 2")
-                except StuckRankError as e:
-                    seen["stopped_driver"] = str(e)
-                seen["seconds"].append(time.monotonic() - start)  # type: ignore[union-attr]
+                _timed_wait(beacon, 2, "stopped_driver", seen)
             finally:
                 os.kill(driver, signal.SIGCONT)
         # 4. the driver fails: the waiting rank stops with its error
