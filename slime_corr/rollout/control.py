@@ -32,6 +32,11 @@ PROBE_TIMEOUT = 3.0  # seconds a health probe or a discovery request may take
 WEIGHT_LOAD_S_PER_GB = 30.0
 
 
+def weight_call_timeout(control_timeout: float, nbytes: int) -> float:
+    """The bound of a weight call carrying `nbytes`: the control calls' bound plus WEIGHT_LOAD_S_PER_GB per GB."""
+    return control_timeout + WEIGHT_LOAD_S_PER_GB * nbytes / 1e9
+
+
 class ControlError(RuntimeError):
     """A control call that failed on some workers: ``failures`` maps worker URL -> reason; ``succeeded`` lists
     the workers where it took effect (so a caller can undo it there)."""
@@ -435,7 +440,7 @@ class ControlPlane:
             payload["weight_version"] = weight_version
         if load_format is not None:
             payload["load_format"] = load_format
-        timeout = self.control_timeout + WEIGHT_LOAD_S_PER_GB * _folder_bytes(model_path) / 1e9
+        timeout = weight_call_timeout(self.control_timeout, _folder_bytes(model_path))
         done = await self._fan_out("/update_weights_from_disk", payload, weight_call=True, timeout=timeout)
         if weight_version is not None:
             await self.check_weight_version("/update_weights_from_disk", weight_version, list(done))
@@ -511,7 +516,7 @@ class ControlPlane:
             payload["weight_version"] = weight_version
         if load_format is not None:
             payload["load_format"] = load_format
-        timeout = self.control_timeout + WEIGHT_LOAD_S_PER_GB * nbytes / 1e9
+        timeout = weight_call_timeout(self.control_timeout, nbytes)
         done = await self._fan_out("/update_weights_from_distributed", payload, workers=workers, weight_call=True,
                                    timeout=timeout)
         if weight_version is not None:

@@ -27,7 +27,7 @@ from slime_corr.engines.embedded.model import ByteTokenizer, Tokenizer
 from slime_corr.engines.launch import ROUTES_FLAG, EngineSpec, start_engines
 from slime_corr.monitoring.progress import ProgressSampleBuffer, RolloutProgress
 from slime_corr.rollout.client import SGLangClient
-from slime_corr.rollout.control import WEIGHT_LOAD_S_PER_GB
+from slime_corr.rollout.control import weight_call_timeout
 from slime_corr.rollout.data_iterator import CANCEL_TIMEOUT, background_event_loop, cancel_pending_tasks
 from slime_corr.rollout.rollout import (
     RolloutFailedError,
@@ -107,7 +107,7 @@ class RolloutDriver:
             self.syncer = DistributedWeightSync(
                 self.client, bucket_bytes=cfg.update_weight_buffer_size,
                 backend=weight_sync_backend(engines_share_device=not cfg.sglang_url),
-                timeout=cfg.rollout_control_timeout + WEIGHT_LOAD_S_PER_GB * cfg.update_weight_buffer_size / 1e9)
+                timeout=weight_call_timeout(cfg.rollout_control_timeout, cfg.update_weight_buffer_size))
             self._stack.callback(self.syncer.close)
         if cfg.sglang_url:  # the servers start with their own weights: serve the trainer's policy
             self.sync_weights(weights, step, save)
