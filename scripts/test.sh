@@ -33,7 +33,7 @@ fi
 wait "$SETUP_SGLANG" || echo "== scripts/setup_sglang.sh failed: tests/real_sglang cannot run" >&2
 PARALLEL=()
 [ "$WORKERS" != 0 ] && PARALLEL=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder)  # longest first: tests/conftest.py
-"$PY" -m pytest -q "${PARALLEL[@]}" --durations=40 "$@"
+"$PY" -m pytest -q "${PARALLEL[@]}" --durations=15 "$@"  # and the slowest 15 modules (tests/conftest.py)
 if [ -n "$SECOND_RUN" ]; then
   echo "== tests/mcore on megatron-core $MCORE019_VERSION (.venv-mcore019)"
   wait "$SETUP019" || { cat .venv-mcore019/.setup.log >&2; exit 1; }

@@ -173,9 +173,9 @@ def add_rollout_correction_args(parser: argparse.ArgumentParser) -> argparse.Arg
     switch("--rollout-correction-compile",
            "torch.compile the per-token work of correction + loss (fused kernels; the first step compiles).")
     switch("--warn-invalid-inputs",
-           "Impossible input values (loss mask outside {0,1} or NaN, log-prob > 0 or NaN in the mask) warn and are "
-           "counted (mis_invalid_mask_count, mis_positive_logprob_count, mis_nan_logprob_count) instead of "
-           "stopping the run.")
+           "Impossible input values (loss mask outside {0,1} or NaN, log-prob > 0 or NaN, advantage NaN/inf in "
+           "the mask) warn and are counted (mis_invalid_mask_count, mis_positive_logprob_count, "
+           "mis_nan_logprob_count, pg_nonfinite_advantage_count) instead of stopping the run.")
     value("--rollout-correction-preset", "Start from a named preset: " + ", ".join(PRESETS) + ".",
           choices=list(PRESETS))
     value("--custom-config-path", "YAML file of rollout-correction settings (overridden by explicit flags).")

@@ -103,7 +103,7 @@ class RolloutCorrectionConfig:
 
     # --- how it runs ---
     rollout_correction_compile: bool = False  # torch.compile the per-token work of correction + loss
-    warn_invalid_inputs: bool = False  # impossible input values (mask not 0/1, log-prob > 0 or NaN): warn, not raise
+    warn_invalid_inputs: bool = False  # impossible inputs (mask not 0/1, log-prob > 0 or NaN, advantage NaN/inf): warn
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]]
 

@@ -198,6 +198,12 @@ def sanitized_inputs(log_probs: Tensor, old_log_probs: Tensor, advantages: Tenso
     return okf, old, adv, w, okf.sum(dtype=torch.promote_types(okf.dtype, torch.float32))  # bf16 counts to 256
 
 
+def nonfinite_count(values: Tensor, mask: Tensor) -> Tensor:
+    """Σ mask · [value is NaN or ±inf], float64, on the device (no host sync): 4 ops."""
+    nonfinite = values.detach().mul(0.0).nan_to_num_(nan=1.0)  # x·0 is 0 for a finite x, NaN for NaN/±inf
+    return (nonfinite * mask).sum(dtype=torch.float64)  # per-sequence values ([B, 1]) broadcast along the tokens
+
+
 @dataclass
 class PolicyLossOutput:
     loss: Tensor
@@ -268,12 +274,13 @@ def compute_policy_loss(
             step_bounds=step_bounds,
         )
     dtype = log_probs.dtype
+    valid = valid_float(loss_mask, dtype)
     if correction is not None and config.use_rollout_correction:
         mask_f = correction.loss_mask.to(dtype)
         den_mask = correction.denominator_mask
         weights = correction.weights
     else:
-        den_mask = valid_float(loss_mask, dtype)
+        den_mask = valid
         mask_f = den_mask
         weights = None
 
@@ -317,6 +324,7 @@ def compute_policy_loss(
     metrics.update(inputs.metrics)
     metrics["pg_loss"] = loss.detach()
     metrics["pg_nonfinite_token_count"] = (mask_f.sum() - inputs.count).to(torch.float64)
+    metrics["pg_nonfinite_advantage_count"] = nonfinite_count(advantages, valid)  # raised on by check_host_metrics
     return PolicyLossOutput(
         loss=loss, loss_sum=loss_sum, denominator=denominator, metrics=metrics, correction=correction
     )

@@ -6,11 +6,15 @@ first, longest first, then the rest in collection order; a module's own tests ke
 the modules in two pytest-xdist workers (`--dist loadfile --no-loadscope-reorder`), which take modules in this
 order: with the long ones first the two workers end together, instead of one finishing a long module alone while
 the other is idle (xdist's own order, most tests first, puts the long modules of few tests last).
+
+At the end the run prints its slowest modules (set-up, call and tear-down of their tests summed, module-scoped
+servers included): where CI's time goes, and what a module's `cost` mark should say.
 """
 
 from __future__ import annotations
 
 import os
+from collections import defaultdict
 
 import pytest
 import torch
@@ -67,3 +71,20 @@ def test_device(request: pytest.FixtureRequest) -> torch.device:
         pytest.fail(f"--device / ${DEVICE_ENV} = {name!r}, but torch.cuda.is_available() is False "
                     f"(torch {torch.__version__}): install a CUDA build of torch or run with cpu.")
     return device
+
+
+SLOWEST_MODULES = 15
+_module_seconds: defaultdict[str, float] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _module_seconds[report.nodeid.split("::")[0]] += report.duration  # on the xdist controller: every worker's
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _module_seconds or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    slowest = sorted(_module_seconds.items(), key=lambda kv: -kv[1])[:SLOWEST_MODULES]
+    terminalreporter.section(f"slowest {len(slowest)} modules (set-up + call + tear-down of their tests)")
+    for path, seconds in slowest:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {path}")

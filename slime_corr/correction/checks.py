@@ -216,6 +216,10 @@ INPUT_VALUE_COUNTS = {
                  f"log-prob(s) > {POSITIVE_LOG_PROB_TOLERANCE:g} (a probability above 1) at tokens in the loss mask"),
     "n_nan_lp": ("mis_nan_logprob_count", "NaN log-prob(s) at tokens in the loss mask"),
 }
+# the policy loss's own impossible inputs (`compute_policy_loss`), counted there on the device: metric -> what
+LOSS_VALUE_COUNTS = {
+    "pg_nonfinite_advantage_count": "NaN/inf advantage(s) at tokens in the loss mask",
+}
 CUSTOM_NONFINITE = "mis_custom_nonfinite_weight_count"
 CUSTOM_NEGATIVE = "mis_custom_negative_weight_count"
 # metrics that are means over the measured (finite, valid) tokens or sequences: undefined for an empty batch
@@ -277,15 +281,17 @@ def check_host_metrics(metrics: dict[str, float], config: RolloutCorrectionConfi
             del metrics[key]
     if config is None:
         return metrics
-    counts = {key: metrics.get(key, 0.0) for key, _ in INPUT_VALUE_COUNTS.values()}
-    found = [f"{counts[key]:.0f} {what} ({key})" for key, what in INPUT_VALUE_COUNTS.values() if counts[key] > 0]
+    described = dict(INPUT_VALUE_COUNTS.values()) | LOSS_VALUE_COUNTS
+    counts = {key: metrics.get(key, 0.0) for key in described}
+    found = [f"{counts[key]:.0f} {what} ({key})" for key, what in described.items() if counts[key] > 0]
     if found:
-        message = ("impossible input values in the rollout correction: " + "; ".join(found) + ". A loss mask "
-                   "holds 0/1 (or bool), log-probs are <= 0 and never NaN where the mask is 1: check how they were "
-                   "built (a probability or a negated log-prob passed as a log-prob, padding marked -1, ...). ")
+        message = ("impossible input values in the rollout correction or the policy loss: " + "; ".join(found) + ". A loss mask "
+                   "holds 0/1 (or bool), log-probs are <= 0 and never NaN, advantages are finite where the mask "
+                   "is 1: check how they were built (a probability or a negated log-prob passed as a log-prob, "
+                   "padding marked -1, a reward or a group's std that was NaN, ...). ")
         if not config.warn_invalid_inputs:
             raise InputValueError(message + "--warn-invalid-inputs logs them and goes on instead (a NaN rejects "
-                                            "its sequence, a mask value counts as valid when > 0).")
+                                            "its sequence or token, a mask value counts as valid when > 0).")
         _warn_once("inputs:" + ",".join(k for k in counts if counts[k] > 0), message + "(--warn-invalid-inputs: "
                    "the run goes on; the counts are logged.)")
     _check_custom_weights(metrics, config)

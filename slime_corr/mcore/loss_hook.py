@@ -104,8 +104,8 @@ from slime_corr.mcore.policy_log_probs import PolicyLogProbs
 from slime_corr.mcore.rollout_steps import pop_step
 from slime_corr.mcore.routing import TRAINER_ROUTES_KEY, routing_report, stage_routing_reports
 from slime_corr.mcore.step_metrics import (
-    NONFINITE_COUNT,
-    NONFINITE_FRACTION,
+    ADVANTAGE_COUNT,
+    COUNT_FRACTIONS,
     StepStatistics,
     build_report,
     reduce_reports,
@@ -317,8 +317,10 @@ class RolloutCorrectionLoss(StepPrepass, PolicyLogProbs):
         if self.keep_outputs:
             self.outputs.append(out)
         corr = out.correction
-        if corr is not None and corr.stats and torch.is_grad_enabled():  # training passes only, not evaluation
-            self.step_stats.add(corr.stats, corr.function_metrics)
+        if torch.is_grad_enabled():  # training passes only, not evaluation
+            self.step_stats.add_advantage_count(out.metrics[ADVANTAGE_COUNT])
+            if corr is not None and corr.stats:
+                self.step_stats.add(corr.stats, corr.function_metrics)
         if self.diagnostics is not None and torch.is_grad_enabled():
             lp = log_probs.detach()
             if nucleus is not None:  # a token that left the nucleus during the update: no drift term from it
@@ -379,9 +381,11 @@ class RolloutCorrectionLoss(StepPrepass, PolicyLogProbs):
         out = {k: v[0] / v[1] if v.numel() == 2 else v for k, v in totals.items()}
         out["loss"] = out["pg_loss"]
         out["loss_denominator"] = totals["pg_loss"][1].round()  # counts are integers; 0 was clamped to 1e-30
-        out[NONFINITE_COUNT] = totals[NONFINITE_FRACTION][0]
         out.update(self._pop_prox_error(out["loss"]))
         out.update(self.step_stats.pop(self.config))
+        for count, fraction in COUNT_FRACTIONS.items():  # over DP×CP (the step statistics' counts are this rank's)
+            if fraction in totals:
+                out[count] = totals[fraction][0]
         self.pop_diagnostics()
         return metrics_to_host(out, self.config)
 

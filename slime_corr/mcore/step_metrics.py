@@ -7,7 +7,7 @@
   sums over DP×CP and logs numerator / denominator, which is the step value:
   `pg_loss` = [loss_sum, count] (the loss the gradients are of); the loss-level token means `ppo_kl`,
   `pg_clipfrac`, `ois` = [mean · tokens, tokens]; `pg_nonfinite_token_fraction` = [dropped tokens, tokens in the
-  loss mask]; `entropy` = [Σ H, valid tokens]; and every ratio-of-sums correction metric
+  loss mask] and `pg_nonfinite_advantage_fraction` = [NaN/inf advantages, tokens in the loss mask]; `entropy` = [Σ H, valid tokens]; and every ratio-of-sums correction metric
   (`slime_corr.correction.reporting`), contributed by DP×CP rank 0 only (zeros elsewhere), since the core's
   statistics of a micro-batch are already reduced over DP×CP.
 - 1-element tensors: a custom weighting function's own metrics (Megatron averages them over micro-batches).
@@ -32,6 +32,9 @@ from slime_corr.mcore.context_parallel import ParallelGroups, all_reduce_dp_cp
 
 NONFINITE_COUNT = "pg_nonfinite_token_count"
 NONFINITE_FRACTION = "pg_nonfinite_token_fraction"
+ADVANTAGE_COUNT = "pg_nonfinite_advantage_count"  # `compute_policy_loss`'s; an error on the host (check_host_metrics)
+# counts reported as [count, tokens in the loss mask] pairs (Megatron logs the fraction), read back as the count
+COUNT_FRACTIONS = {NONFINITE_COUNT: NONFINITE_FRACTION, ADVANTAGE_COUNT: "pg_nonfinite_advantage_fraction"}
 
 
 def _rank(group: dist.ProcessGroup | None) -> int:
@@ -63,7 +66,10 @@ def build_report(
     report = {"pg_loss": ratio_pair(out.loss_sum.detach(), out.denominator.detach())}
     skip = set(corr.metrics) if corr is not None else set()
     for key, value in out.metrics.items():
-        if key in skip or key in ("pg_loss", NONFINITE_COUNT):
+        if key in skip or key == "pg_loss":
+            continue
+        if key in COUNT_FRACTIONS:
+            report[COUNT_FRACTIONS[key]] = ratio_pair(value.detach().to(torch.float64), in_mask)
             continue
         report[key] = ratio_pair(value.detach().to(torch.float64) * tokens, tokens)
     report[NONFINITE_FRACTION] = ratio_pair(nonfinite, in_mask)
@@ -108,7 +114,15 @@ class StepStatistics:
     def reset(self) -> None:
         self.stats: dict[str, Tensor] = {}
         self.function_sums: dict[str, Tensor] = {}
+        self.advantage_count: Tensor | None = None  # this rank's NaN/inf advantages (the loss's, not the correction's)
         self.micro_batches = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.micro_batches and self.advantage_count is None
+
+    def add_advantage_count(self, count: Tensor) -> None:
+        self.advantage_count = count if self.advantage_count is None else self.advantage_count + count
 
     def add(self, stats: dict[str, Tensor], function_metrics: dict[str, Tensor]) -> None:
         self.stats = merge_stats([self.stats, stats]) if self.stats else dict(stats)
@@ -124,8 +138,10 @@ class StepStatistics:
         if self.stats:
             out.update(correction_metrics(self.stats, config))
         out.update({k: v / self.micro_batches for k, v in self.function_sums.items()})
+        if self.advantage_count is not None:
+            out[ADVANTAGE_COUNT] = self.advantage_count
         self.reset()
         return out
 
 
-__all__ = ["StepStatistics", "build_report", "is_dp_cp_first", "reduce_reports"]
+__all__ = ["ADVANTAGE_COUNT", "COUNT_FRACTIONS", "StepStatistics", "build_report", "is_dp_cp_first", "reduce_reports"]

@@ -57,7 +57,7 @@ class StepPrepass:
                 "forward_backward_func); inside pretrain() use bypass mode (--use-rollout-logprobs) without "
                 "--tis-batch-normalize and budgets, or one micro-batch per step."
             )
-        if self.step_stats.micro_batches:
+        if not self.step_stats.empty:
             self.last_step_metrics = self.pop_step_metrics()
             if self.on_step_metrics is not None:
                 self.on_step_metrics(self.last_step_metrics)

@@ -86,7 +86,8 @@ class RolloutDriver:
         version = weight_version(step)
         if cfg.sglang_url:
             urls = list(cfg.sglang_url)
-            self.description = f"SGLang at {', '.join(urls)}"
+            kind = "SGLang" if cfg.rollout_engine == "sglang" else "embedded engines"
+            self.description = f"{kind} at {', '.join(urls)}"
         else:
             spec = EngineSpec(kind=cfg.rollout_engine, num_engines=cfg.rollout_num_engines, router=cfg.rollout_router,
                               dtype=cfg.engine_dtype, served_model_name=self.served_model_name, seed=cfg.seed,
@@ -110,7 +111,9 @@ class RolloutDriver:
                 timeout=weight_call_timeout(cfg.rollout_control_timeout, cfg.update_weight_buffer_size))
             self._stack.callback(self.syncer.close)
         if cfg.sglang_url:  # the servers start with their own weights: serve the trainer's policy
-            self.sync_weights(weights, step, save)
+            # an embedded engine may serve another architecture than the trainer's: its first weights come as a
+            # checkpoint that names its module (later updates by name fit it); SGLang serves the same model
+            self.sync_weights(weights, step, save, from_disk=cfg.rollout_engine == "embedded")
         return self.description
 
     def _watched(self, aw: Any, generate: bool = True) -> Any:
@@ -204,10 +207,11 @@ class RolloutDriver:
 
     # ------------------------------------------------------------------ weights
     def sync_weights(self, weights: dict[str, Tensor], step: int,
-                     save: Callable[[dict[str, Tensor], Path], str]) -> SyncReport:
-        """Every engine serves `weights` as `weight_version(step)` once this returns (no rollout may be running)."""
+                     save: Callable[[dict[str, Tensor], Path], str], from_disk: bool = False) -> SyncReport:
+        """Every engine serves `weights` as `weight_version(step)` once this returns (no rollout may be running);
+        through a checkpoint on disk with `from_disk`, else as `--rollout-weight-sync` says."""
         version = weight_version(step)
-        if self.syncer is not None:
+        if self.syncer is not None and not from_disk:
             return self._run(self._watched(self.syncer.sync(weights.items(), version), generate=False))
         assert self.client is not None
         report = self._run(self._watched(sync_weights_from_disk(self.client, save(weights, self.weights_dir / version),

@@ -19,6 +19,7 @@ model uses none).
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -29,7 +30,12 @@ import torch
 from torch import Tensor, nn
 
 from slime_corr.device import current
-from slime_corr.engines.embedded.model import ByteTokenizer, Tokenizer
+from slime_corr.engines.embedded.model import (
+    ENGINE_MODULE_FILE,
+    ByteTokenizer,
+    Tokenizer,
+    write_engine_module_file,
+)
 from slime_corr.trainer.config import TrainerConfig
 
 WEIGHTS_FILE = "model.pt"
@@ -97,13 +103,50 @@ class Policy:
         return {name: t.clone() for name, t in self.export_weights()}
 
 
-def save_engine_gpt_checkpoint(weights: dict[str, Tensor], directory: Path) -> str:
-    """Write `weights` where an `EngineGPT` loads them from (`/update_weights_from_disk`); returns the directory."""
+def save_engine_gpt_checkpoint(weights: dict[str, Tensor], directory: Path, model_args: Any = None) -> str:
+    """Write `weights` where an `EngineGPT` loads them from (`/update_weights_from_disk`); returns the directory.
+    With `model_args` the directory also says how to build the module (`ENGINE_MODULE_FILE`), so an engine that
+    did not start from this model (a standalone one at `--sglang-url`) serves it too."""
     directory.mkdir(parents=True, exist_ok=True)
+    if model_args is not None:
+        fields = {f.name: getattr(model_args, f.name) for f in dataclasses.fields(model_args)}
+        fields["params_dtype"] = str(fields["params_dtype"]).removeprefix("torch.")
+        write_engine_module_file(directory, f"{__name__}:{engine_gpt_from_checkpoint.__name__}", model_args=fields)
     tmp = directory / (WEIGHTS_FILE + ".tmp")
     torch.save(weights, tmp)
     tmp.replace(directory / WEIGHTS_FILE)  # atomic: an engine never reads half a file
     return str(directory)
+
+
+def engine_gpt_from_checkpoint(checkpoint_dir: str) -> EngineGPT:
+    """The `EngineGPT` of a directory `save_engine_gpt_checkpoint` wrote with its model args. In a process without
+    a default process group (a standalone engine) it first makes a one-rank gloo world for the module's groups."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    from slime_corr.mcore.cpu_compat import apply_cpu_compat
+    from slime_corr.mcore.model import TinyGPTArgs
+
+    apply_cpu_compat()  # Megatron on CPU (no-op where it computes on CUDA)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():  # its buffers and RNG states serve the module's layers
+        parallel_state.initialize_model_parallel()
+        tensor_parallel.model_parallel_cuda_manual_seed(0)  # registers the RNG states (the weights are loaded)
+
+    with open(Path(checkpoint_dir) / ENGINE_MODULE_FILE) as f:
+        fields = json.load(f)["model_args"]
+    fields["params_dtype"] = getattr(torch, fields["params_dtype"])
+    return EngineGPT(TinyGPTArgs(**fields), checkpoint_dir)
+
+
+def _save_hf_for_embedded(weights: dict[str, Tensor], source_dir: str, directory: Path) -> str:
+    """An HF checkpoint an embedded engine serves (`models.load_engine_module` named in it)."""
+    from slime_corr.models import write_hf_checkpoint
+
+    out = str(write_hf_checkpoint(weights, source_dir, directory))
+    write_engine_module_file(out, "slime_corr.models.hf_checkpoint:load_engine_module")
+    return out
 
 
 def build_policy(config: TrainerConfig, *, with_reference: bool) -> Policy:
@@ -145,7 +188,8 @@ def build_policy(config: TrainerConfig, *, with_reference: bool) -> Policy:
     return Policy(model=model, reference=reference, forward=forward,
                   engine_module=lambda directory: EngineGPT(engine_args, directory),
                   export_weights=lambda: full_named_tensors(model.module),
-                  save_engine_checkpoint=save_engine_gpt_checkpoint)
+                  save_engine_checkpoint=lambda weights, directory: save_engine_gpt_checkpoint(weights, directory,
+                                                                                               engine_args))
 
 
 def _pretrained_policy(config: TrainerConfig, forward: ModelForward, with_reference: bool) -> Policy:
@@ -170,8 +214,10 @@ def _pretrained_policy(config: TrainerConfig, forward: ModelForward, with_refere
         reference.requires_grad_(False)
     common = dict(model=model, reference=reference, forward=forward, engine_module=load_engine_module,
                   export_weights=lambda: bridge.export_weights(model),
-                  save_engine_checkpoint=lambda weights, directory: str(write_hf_checkpoint(weights, hf_dir,
-                                                                                            directory)),
+                  save_engine_checkpoint=(
+                      (lambda weights, directory: str(write_hf_checkpoint(weights, hf_dir, directory)))
+                      if config.rollout_engine == "sglang" else
+                      (lambda weights, directory: _save_hf_for_embedded(weights, hf_dir, directory))),
                   name=config.model_source.model or Path(hf_dir).name)
     if config.model_source.byte_tokens:  # --model tiny-moe: byte tokens, as the tiny GPT (engines get token ids)
         return Policy(**common)
@@ -179,4 +225,5 @@ def _pretrained_policy(config: TrainerConfig, forward: ModelForward, with_refere
     return Policy(**common, tokenizer=tokenizer, engine_tokenizer=tokenizer.hf, pad_token_id=tokenizer.pad_token_id)
 
 
-__all__ = ["EngineGPT", "Policy", "WEIGHTS_FILE", "build_policy", "save_engine_gpt_checkpoint"]
+__all__ = ["EngineGPT", "Policy", "WEIGHTS_FILE", "build_policy", "engine_gpt_from_checkpoint",
+           "save_engine_gpt_checkpoint"]

@@ -264,6 +264,44 @@ def test_nonfinite_current_logprob_is_dropped_and_counted():
     assert out.metrics["pg_nonfinite_token_count"].item() == 1
 
 
+@pytest.mark.parametrize("per_sequence", [False, True])
+@pytest.mark.parametrize("preset", ["decoupled_seq_is_rs", "disabled"])
+def test_nonfinite_advantages_are_an_error_on_the_host(per_sequence, preset, monkeypatch):
+    """A NaN/inf advantage at a token in the loss mask is counted on the device (every mask token, a rejected
+    sequence's included) and raises when the metrics reach the host; outside the mask it is ignored; with
+    --warn-invalid-inputs it warns and the loss stays finite."""
+    from slime_corr.correction import checks
+
+    monkeypatch.setattr(checks, "_WARNED", set())  # warned once per process and kind
+    lp, old, ro, adv, mask = _batch(7)
+    lp, ro = lp.clamp(max=0), ro.clamp(max=0)
+    mask[1] = False
+    mask[2, :4] = True
+    if per_sequence:
+        adv = adv[:, 0].clone()
+        adv[1] = float("nan")  # a sequence without a token in the mask: nothing to count
+        adv[2] = float("inf")
+        expected = int(mask[2].sum())
+    else:
+        adv[1, 0] = float("nan")  # outside the mask
+        adv[2, 0], adv[2, 3] = float("nan"), -float("inf")
+        expected = 2
+    reference = mask.float() * (~torch.isfinite(adv if not per_sequence else adv[:, None].expand_as(mask))).float()
+    assert reference.sum().item() == expected
+    out = compute_policy_loss(lp, old, ro, adv, mask, C.preset(preset))
+    assert out.metrics["pg_nonfinite_advantage_count"].item() == expected
+    with pytest.raises(checks.InputValueError, match=rf"{expected} NaN/inf advantage\(s\).*pg_nonfinite_advantage_count"):
+        metrics_to_host(out.metrics, C.preset(preset))
+    assert metrics_to_host(out.metrics)["pg_nonfinite_advantage_count"] == expected  # no config: no check
+    lenient = C.preset(preset, warn_invalid_inputs=True)
+    with pytest.warns(RuntimeWarning, match="advantage"):
+        metrics_to_host(compute_policy_loss(lp, old, ro, adv, mask, lenient).metrics, lenient)
+    assert torch.isfinite(out.loss)
+    clean = torch.where(torch.isfinite(adv), adv, 0.0)
+    assert metrics_to_host(compute_policy_loss(lp, old, ro, clean, mask, C.preset(preset)).metrics,
+                           C.preset(preset))["pg_nonfinite_advantage_count"] == 0
+
+
 def test_custom_loss_by_name_and_callable():
     from slime_corr.registry import LOSS_FUNCTIONS
 

@@ -211,6 +211,31 @@ def test_bypass_loss_func_single_rank_matches_core():
             assert ratios[key] == pytest.approx(ref.metrics[key].item(), rel=1e-9, abs=1e-12), key
     assert {"mismatch_kl", "mis_mean_is_weight_before_clip", "mis_ratio_mean_after_mis"} <= set(report)
     assert ratios["pg_nonfinite_token_fraction"] == 0.0
+    assert ratios["pg_nonfinite_advantage_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("preset", ["pg_is", "disabled"])
+def test_nonfinite_advantages_stop_the_step_in_both_megatron_paths(preset):
+    """The trainer's `reduce_step_metrics` (the count over DP×CP) and the Megatron-LM drop-in's
+    `pop_step_metrics` (this rank's count; Megatron logs pg_nonfinite_advantage_fraction) both raise."""
+    from slime_corr.correction.checks import InputValueError
+
+    cfg = RolloutCorrectionConfig.preset(preset, use_rollout_logprobs=True)  # bypass: lp_old = lp_rollout
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 6, 10, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]]).float()
+    advantages = torch.randn(2, 6, generator=g, dtype=torch.float64)
+    advantages[0, 0] = float("nan")  # outside the mask: ignored
+    advantages[1, 2] = float("inf")
+    batch = dict(labels=torch.randint(0, 10, (2, 6), generator=g), loss_mask=mask, advantages=advantages,
+                 rollout_log_probs=-torch.rand(2, 6, generator=g, dtype=torch.float64))
+    for path in ("trainer", "drop-in"):
+        hook = RolloutCorrectionLoss(cfg, groups=ParallelGroups())
+        with torch.enable_grad():
+            _, _, report = hook.loss_func(batch, logits.clone().requires_grad_())
+        assert report["pg_nonfinite_advantage_fraction"].tolist() == [1.0, 8.0]
+        with pytest.raises(InputValueError, match=r"1 NaN/inf advantage\(s\)"):
+            hook.reduce_step_metrics([report]) if path == "trainer" else hook.pop_step_metrics()
 
 
 def test_cpu_compat_is_a_noop_when_the_process_computes_on_cuda():

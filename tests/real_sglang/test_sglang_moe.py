@@ -29,6 +29,7 @@ TIED_ARGS = TinyMoEArgs(tie_word_embeddings=True, seed=1)
 SPEC = RoutedExpertsSpec(ARGS.num_hidden_layers, ARGS.num_experts_per_tok, ARGS.num_experts)
 PROMPTS = [[5, 17, 200, 3], [9, 9, 1], [42], list(range(30, 50))]
 LOGPROB_TOL = 1e-4  # fp32 server vs fp32 HF (SGLANG_ON_CPU.md: 1.0-1.8e-5 measured on the dense model)
+TIED_TOL = 1e-5  # issue 32: a tied model served from the trainer's checkpoint (a zero head: |Δ| ~ 1 or more)
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +46,22 @@ def tied_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def servers(launch, moe_dir, tied_dirs):
+def tied_dense_dirs(tmp_path_factory):
+    """A tiny tied Llama as Hugging Face saves it (no lm_head.weight), and as the trainer hands it to SGLang."""
+    from tests.models.models_helpers import make_tiny_checkpoint
+
+    hf_dir = make_tiny_checkpoint(tmp_path_factory.mktemp("tied_llama"), "llama", seed=3, tie_word_embeddings=True)
+    written = write_hf_checkpoint(load_file(hf_dir / "model.safetensors"), hf_dir, tmp_path_factory.mktemp("served"))
+    return hf_dir, written
+
+
+@pytest.fixture(scope="module")
+def servers(launch, moe_dir, tied_dirs, tied_dense_dirs):
     flags = ("--enable-return-routed-experts",)
-    untied, tied = launch(ServerSpec(moe_dir, extra_args=flags, name="moe"),
-                          ServerSpec(str(tied_dirs[1]), extra_args=flags, name="moe-tied"))
-    return untied.url, tied.url
+    untied, tied, dense = launch(ServerSpec(moe_dir, extra_args=flags, name="moe"),
+                                 ServerSpec(str(tied_dirs[1]), extra_args=flags, name="moe-tied"),
+                                 ServerSpec(str(tied_dense_dirs[1]), name="llama-tied"))
+    return untied.url, tied.url, dense.url
 
 
 @pytest.fixture(scope="module")
@@ -82,12 +94,13 @@ def _check(hf, samples: list[Sample], temperature: float) -> tuple[float, int]:
     return worst, tokens
 
 
-async def _samples(url: str, stream: bool, temperature: float, routes: RoutedExpertsSpec | None = SPEC):
+async def _samples(url: str, stream: bool, temperature: float, routes: RoutedExpertsSpec | None = SPEC,
+                   prompts: list[list[int]] = PROMPTS):
     params = {"max_new_tokens": 12, "temperature": temperature}
     async with SGLangClient(url) as c:
         return list(await asyncio.gather(*(
             generate_sample(c, Sample(prompt_tokens=list(p)), params, stream=stream, routed_experts=routes)
-            for p in PROMPTS)))
+            for p in prompts)))
 
 
 def test_logprobs_and_routes_equal_hf(server, hf):
@@ -103,11 +116,33 @@ def test_logprobs_and_routes_equal_hf(server, hf):
 def test_a_tied_model_is_served_with_its_lm_head(servers, tied_dirs):
     """SGLang 0.5.23's Qwen3-MoE never ties its LM head: from Hugging Face's tied checkpoint (no lm_head.weight) it
     served a zero head, every log-prob -log(vocab). The trainer writes the head out (`write_hf_checkpoint`)."""
-    hf_dir, _ = tied_dirs
+    hf_dir, written = tied_dirs
     assert "lm_head.weight" not in load_file(hf_dir / "model.safetensors")
+    assert "lm_head.weight" in load_file(written / "model.safetensors")
     samples = asyncio.run(_samples(servers[1], True, 1.0))
     worst, tokens = _check(load_hf_causal_lm(hf_dir), samples, 1.0)
     print(f"tied Qwen3-MoE: max |lp_server - lp_hf| = {worst:.2e} over {tokens} tokens")
+    assert worst <= TIED_TOL, worst
+
+
+def test_a_tied_dense_model_is_served_with_its_lm_head(servers, tied_dense_dirs):
+    """The same for a dense tied model (Llama, as SmolLM2): SGLang's Llama ties the head itself; the explicit
+    lm_head.weight the trainer writes must not change what it serves."""
+    hf_dir, written = tied_dense_dirs
+    assert "lm_head.weight" in load_file(written / "model.safetensors")
+    prompts = [[p % 127 for p in prompt] for prompt in PROMPTS]  # the tiny Llama's vocabulary: 128 ids
+    samples = asyncio.run(_samples(servers[2], True, 1.0, routes=None, prompts=prompts))
+    hf = load_hf_causal_lm(hf_dir)
+    worst, tokens = 0.0, 0
+    for s in samples:
+        assert s.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED), s.failure_reason
+        seq = torch.tensor([s.prompt_tokens + s.response_tokens])
+        with torch.no_grad():
+            logits = hf(seq).logits[0, len(s.prompt_tokens) - 1 : -1].float()
+        ref = torch.log_softmax(logits, -1).gather(-1, seq[0, len(s.prompt_tokens):, None])[:, 0]
+        worst, tokens = max(worst, float((s.rollout_log_probs - ref).abs().max())), tokens + s.response_length
+    print(f"tied Llama: max |lp_server - lp_hf| = {worst:.2e} over {tokens} tokens")
+    assert tokens > 0 and worst <= TIED_TOL, worst
 
 
 def test_routes_across_abort_and_resume(server, hf):

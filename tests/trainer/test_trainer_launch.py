@@ -172,3 +172,18 @@ def test_async_rollout_samples_one_step_behind_and_the_correction_sees_it(tmp_pa
     for s in (2, 3):
         assert abs(steps[s]["train/ppo_kl"]) > 1e-3 and steps[s]["rollout_corr/mismatch_k3_kl"] > 1e-3
         assert steps[s]["train/pg_clipfrac"] > 0
+
+
+@pytest.mark.parametrize("sync", ["disk", "distributed"])
+def test_a_standalone_embedded_engine_at_sglang_url_trains_as_the_job_s_own(sync, reference, tmp_path):
+    """`--rollout-engine embedded --sglang-url URL` at `python -m slime_corr.engines.embedded.engine` (started
+    with a TinyCausalLM of its own): the first push is a checkpoint that names the trainer's module
+    (`engine_module.json`), later ones by `--rollout-weight-sync`; the run logs what the job with its own engine
+    logs."""
+    from slime_corr.engines.group import spawn_local_engine
+
+    with spawn_local_engine(fp32=True) as engine:
+        run = launch(tmp_path / sync, "--sglang-url", engine.url, "--rollout-weight-sync", sync)
+    assert f"embedded engines at {engine.url}" in run["out"]
+    assert re.findall(rf"weight sync \({sync}\): (step-\d)", run["out"]) == ["step-2", "step-4"], run["out"]
+    assert_same_metrics(run["steps"], reference["steps"], f"standalone engine, {sync} sync")

@@ -11,6 +11,7 @@ positions over a byte vocabulary (256 ids, id 0 doubles as EOS).
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -27,6 +28,9 @@ from slime_corr.engines.embedded.routes import MoERouters
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.pt"
+# Names the factory that builds the module a checkpoint directory holds (a trainer's checkpoint of another
+# architecture than TinyCausalLM): {"factory": "slime_corr.<module>:<function>", ...}, read by `load_served_module`.
+ENGINE_MODULE_FILE = "engine_module.json"
 
 
 @runtime_checkable
@@ -192,6 +196,27 @@ def load_tiny_lm(checkpoint_dir: str) -> TinyCausalLM:
     return model.eval()
 
 
+def write_engine_module_file(checkpoint_dir: str | os.PathLike[str], factory: str, **fields: object) -> None:
+    """Say which factory builds the module of `checkpoint_dir` (`ENGINE_MODULE_FILE`; `fields` for the factory)."""
+    with open(os.path.join(checkpoint_dir, ENGINE_MODULE_FILE), "w") as f:
+        json.dump({"factory": factory, **fields}, f, indent=1)
+
+
+def load_served_module(checkpoint_dir: str) -> nn.Module:
+    """The module of any checkpoint directory an embedded engine serves: the factory its `ENGINE_MODULE_FILE` names
+    (a module of this package only: the file is data, not a plugin path), else a :class:`TinyCausalLM`. A
+    standalone engine (``python -m slime_corr.engines.embedded.engine``) then serves what the trainer pushes."""
+    path = os.path.join(checkpoint_dir, ENGINE_MODULE_FILE)
+    if not os.path.exists(path):
+        return load_tiny_lm(checkpoint_dir)
+    with open(path) as f:
+        factory = json.load(f).get("factory")
+    module_name, _, attr = str(factory).partition(":")
+    if not (module_name.startswith("slime_corr.") and attr):
+        raise ValueError(f"{path}: factory must be 'slime_corr.<module>:<function>', got {factory!r}")
+    return getattr(importlib.import_module(module_name), attr)(checkpoint_dir)
+
+
 def create_tiny_checkpoint(checkpoint_dir: str, seed: int = 0, **config: int | bool | None) -> str:
     """Write a freshly initialised :class:`TinyCausalLM` (deterministic from ``seed``) to ``checkpoint_dir``."""
     return save_checkpoint(TinyCausalLM(TinyLMConfig(seed=seed, **config)), checkpoint_dir)
@@ -212,7 +237,7 @@ class TorchEngineModel:
     def __init__(
         self,
         checkpoint_dir: str,
-        factory: Callable[[str], nn.Module] = load_tiny_lm,
+        factory: Callable[[str], nn.Module] = load_served_module,
         dtype: torch.dtype = torch.bfloat16,
         num_threads: int | None = None,
     ) -> None:
