@@ -29,9 +29,11 @@ from slime_corr.config import (
     RS_AGGS,
     RS_METRICS,
     TIS_MODES,
-    ConfigError,
     RolloutCorrectionConfig,
 )
+from slime_corr.errors import ConfigError
+from slime_corr.loss_terms import KL_LOSS_TYPES, LossTermsConfig
+from slime_corr.megatron_lm_flags import check_megatron_lm_rl_flags
 
 EXPLICIT_ATTR = "_rollout_correction_explicit"
 HOST_FLAGS_ATTR = "_rollout_correction_host_flags"  # {dest: the host's default} of the reused host flags
@@ -196,6 +198,26 @@ def parse_rollout_correction_config(
     return args, config
 
 
+def add_loss_terms_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """slime's KL-loss and entropy flags (see the module doc). Returns the parser."""
+    g = parser.add_argument_group(title="KL and entropy loss terms (slime's flags)")
+    d = LossTermsConfig()
+    compose_flag(parser, g, "--use-kl-loss", action="store_true", default=d.use_kl_loss,
+                 help="KL to a frozen reference policy (the initial model); logged as kl_loss, added to the loss "
+                      "with --kl-loss-coef.")
+    compose_flag(parser, g, "--kl-loss-coef", type=float, default=d.kl_loss_coef,
+                 help="Coefficient of the KL loss (> 0 implies --use-kl-loss).")
+    compose_flag(parser, g, "--kl-coef", type=float, default=0.0,
+                 help="slime's KL penalty on the reward (before the advantages): not implemented by slime_corr's "
+                      "trainer, so only 0 is accepted; use --kl-loss-coef for a KL term in the loss.")
+    compose_flag(parser, g, "--kl-loss-type", choices=KL_LOSS_TYPES, default=d.kl_loss_type,
+                 help="KL estimator per token, x = lp - lp_ref: k1 = x, k2 = x^2/2, k3 = exp(-x) - 1 + x, "
+                      "low_var_kl = k3 clamped to [-10, 10].")
+    compose_flag(parser, g, "--entropy-coef", type=float, default=d.entropy_coef,
+                 help="Entropy bonus: loss -= coef * entropy of the policy (token level).")
+    return parser
+
+
 def explicit_fields(args: argparse.Namespace) -> set[str] | None:
     """The fields given on the command line: recorded by slime_corr's flags, plus the reused host flags whose value
     differs from the host's default (None: the namespace was not made by `add_rollout_correction_args`)."""
@@ -211,8 +233,6 @@ def explicit_fields(args: argparse.Namespace) -> set[str] | None:
 
 def config_from_args(args: argparse.Namespace) -> RolloutCorrectionConfig:
     """Build the config and load the custom weighting function now, so a bad path fails at start-up."""
-    from slime_corr.mcore.megatron_lm import check_megatron_lm_rl_flags
-
     config = RolloutCorrectionConfig.from_args(args, explicit=explicit_fields(args))
     check_megatron_lm_rl_flags(args, config)  # Megatron-LM's own IS flags, when its parser is used
     if config.custom_tis_function_path:

@@ -18,6 +18,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from slime_corr.config_yaml import read_yaml, slime_yaml_meaning
+from slime_corr.errors import ConfigError  # (public here too: slime_corr.config.ConfigError)
 from slime_corr.presets import PRESETS
 
 Level = Literal["token", "sequence", "geometric"]
@@ -41,10 +43,6 @@ RS_METRICS: tuple[str, ...] = ("ratio", "k2", "k3")
 RS_AGGS: tuple[str, ...] = ("token", "mean", "sum", "max")
 POLICY_RATIO_LEVELS: tuple[str, ...] = ("token", "sequence")
 DEFAULT_TIS_UPPER_BOUND = 2.0
-
-
-class ConfigError(ValueError):
-    """An invalid rollout-correction configuration; the message names the flag(s) and the fix."""
 
 
 def flag(name: str) -> str:
@@ -403,11 +401,6 @@ class RolloutCorrectionConfig:
 
         The preset is `preset`, else the YAML file's `preset:` / `rollout_correction_preset:` key.
         """
-        from slime_corr.config_yaml import (  # it raises this module's ConfigError
-            read_yaml,
-            slime_yaml_meaning,
-        )
-
         yaml_values: dict[str, Any] = {}
         preset_source = "--rollout-correction-preset"
         if yaml_path:

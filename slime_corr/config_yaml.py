@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from slime_corr.config import ConfigError
+from slime_corr.errors import ConfigError
 
 
 def read_yaml(path: str | Path, field_kinds: Mapping[str, str]) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The loss terms GRPO users add to the policy loss: KL to a frozen reference policy, and an entropy bonus.
 
-    add_loss_terms_args(parser)                       # slime's flags; a Megatron `extra_args_provider` too
+    add_loss_terms_args(parser)          # slime_corr.arguments: slime's flags; a Megatron `extra_args_provider` too
     terms = LossTermsConfig.from_args(parser.parse_args())
 
 Per valid token, with lp = log π_θ, lp_ref = log π_ref and H the entropy of π_θ (the math: `slime_corr.losses`):
@@ -11,7 +11,7 @@ aggregated with the policy loss's own `--loss-agg-mode` and denominator. Flags a
 `--kl-loss-coef`, `--kl-loss-type` (k1, k2, k3, low_var_kl), `--entropy-coef`. `--kl-coef` has slime's meaning, a
 KL penalty on the reward applied before the advantages, which slime_corr's trainer does not implement: a non-zero
 value is refused at parse time (0, slime's default, is accepted). On slime's parser the flags slime defines are
-reused (`slime_corr.arguments.compose_flag`).
+reused (`slime_corr.arguments.compose_flag`); the flags are defined in `slime_corr.arguments`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from slime_corr.config import ConfigError
+from slime_corr.errors import ConfigError
 
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
 
@@ -75,26 +75,4 @@ class LossTermsConfig:
         return cls(**values)
 
 
-def add_loss_terms_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """slime's KL-loss and entropy flags (see the module doc). Returns the parser."""
-    from slime_corr.arguments import compose_flag
-
-    g = parser.add_argument_group(title="KL and entropy loss terms (slime's flags)")
-    d = LossTermsConfig()
-    compose_flag(parser, g, "--use-kl-loss", action="store_true", default=d.use_kl_loss,
-                 help="KL to a frozen reference policy (the initial model); logged as kl_loss, added to the loss "
-                      "with --kl-loss-coef.")
-    compose_flag(parser, g, "--kl-loss-coef", type=float, default=d.kl_loss_coef,
-                 help="Coefficient of the KL loss (> 0 implies --use-kl-loss).")
-    compose_flag(parser, g, "--kl-coef", type=float, default=0.0,
-                 help="slime's KL penalty on the reward (before the advantages): not implemented by slime_corr's "
-                      "trainer, so only 0 is accepted; use --kl-loss-coef for a KL term in the loss.")
-    compose_flag(parser, g, "--kl-loss-type", choices=KL_LOSS_TYPES, default=d.kl_loss_type,
-                 help="KL estimator per token, x = lp - lp_ref: k1 = x, k2 = x^2/2, k3 = exp(-x) - 1 + x, "
-                      "low_var_kl = k3 clamped to [-10, 10].")
-    compose_flag(parser, g, "--entropy-coef", type=float, default=d.entropy_coef,
-                 help="Entropy bonus: loss -= coef * entropy of the policy (token level).")
-    return parser
-
-
-__all__ = ["KL_LOSS_TYPES", "LossTermsConfig", "add_loss_terms_args"]
+__all__ = ["KL_LOSS_TYPES", "LossTermsConfig"]

@@ -36,19 +36,22 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from slime_corr.arguments import add_rollout_correction_args, parse_rollout_correction_config
-from slime_corr.config import ConfigError
+from slime_corr.arguments import (
+    add_loss_terms_args,
+    add_rollout_correction_args,
+    parse_rollout_correction_config,
+)
 from slime_corr.correction.proximal import check_prox_logp_method
 from slime_corr.engines.sglang_server import server_args
-from slime_corr.loss_terms import LossTermsConfig, add_loss_terms_args
+from slime_corr.errors import ConfigError
+from slime_corr.loss_terms import LossTermsConfig
 from slime_corr.monitoring.config import MonitoringConfig, add_monitoring_args
 from slime_corr.monitoring.logger import CONFIG_FILE, METRICS_FILE
 from slime_corr.trainer.config import (
     TrainerConfig,
-    add_trainer_args,
     check_writable_dir,
-    split_sglang_passthrough,
 )
+from slime_corr.trainer.flags import add_trainer_args, split_sglang_passthrough
 
 # megatron-core warns on every rank, at import, that TransformerEngine and apex are missing (expected on CPU)
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")

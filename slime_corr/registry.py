@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from slime_corr.config import ConfigError
+from slime_corr.errors import ConfigError
 
 
 class Registry:

@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
+    from slime_corr.device import init_distributed  # torchrun's group, or a one-process one
     from slime_corr.mcore.cpu_compat import apply_cpu_compat
-    from slime_corr.trainer.loop import init_distributed  # torchrun's group, or a one-process one
 
     init_distributed(device="cpu")  # the HF reference runs on the CPU: the Megatron model there too
     world = dist.get_world_size()

@@ -18,7 +18,7 @@ import importlib.util
 from dataclasses import dataclass, fields
 from typing import Any
 
-from slime_corr.config import ConfigError
+from slime_corr.errors import ConfigError
 from slime_corr.integrations.slime.names import METRIC_NAMINGS
 
 WANDB_MODES = ("online", "offline", "disabled")

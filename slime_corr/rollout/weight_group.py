@@ -14,24 +14,16 @@ Tensors travel one bucket at a time, either one broadcast per tensor or, with ``
 from __future__ import annotations
 
 import datetime
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from slime_corr.device import collective_device
+from slime_corr.device import collective_device, free_port  # noqa: F401  (free_port: importable from here too)
 
 BACKENDS = ("gloo", "nccl")
 FLATTENED_BUCKET = "flattened_bucket"
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def dtype_from_name(name: str) -> torch.dtype:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from slime_corr.errors import ConfigError
 from slime_corr.mcore.checkpoint import load_checkpoint, save_checkpoint
 from slime_corr.rollout.sample import Sample
 from slime_corr.trainer.config import TrainerConfig
@@ -71,8 +72,6 @@ def load_train_state(config: TrainerConfig, module: torch.nn.Module, optimizer: 
                      ) -> TrainState:
     """Collective: model and optimizer in place, RNG restored; the run's position (`pending` on rank 0 only)."""
     import torch.distributed as dist
-
-    from slime_corr.config import ConfigError
 
     assert config.load is not None
     _, common, rng, rank0 = load_checkpoint(config.load, module, optimizer, config.ckpt_step)

@@ -22,7 +22,7 @@ TP × CP × PP.
 Where it lives: this module holds the dataclass, its batch defaults, derived values, the checks of batches, the
 rollout loop (async, staleness, π_old) and `from_args`; `config_checks` the checks of the engines, the model, PP and
 packing, MoE routes and `--load` (a mixin) with the shared choices; `flags` the argparse flags (`add_trainer_args`)
-and `split_sglang_passthrough`. Every name stays importable from here.
+and `split_sglang_passthrough`; it reads this module's defaults, so this module does not import it.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from slime_corr.config import ConfigError
 from slime_corr.correction.proximal import PROX_LOGP_METHODS
-from slime_corr.device import DeviceError, resolve
+from slime_corr.device import resolve
 from slime_corr.engines.router import router_available
+from slime_corr.errors import ConfigError, DeviceError
 from slime_corr.mcore.model import TinyGPTArgs
 from slime_corr.mcore.nucleus import Truncation
 from slime_corr.models.hf_checkpoint import CheckpointError
@@ -61,7 +61,6 @@ from slime_corr.trainer.config_checks import (  # noqa: F401  (the choices and d
     check_writable_dir,
     flag_name,
 )
-from slime_corr.trainer.flags import KNOWN_SGLANG_FLAGS, add_trainer_args, split_sglang_passthrough  # noqa: F401
 from slime_corr.trainer.task import TASKS
 
 
@@ -422,4 +421,4 @@ class TrainerConfig(TrainerConfigChecks):
                    sglang_server_args=tuple(getattr(args, "sglang_server_args", None) or ()))
 
 
-__all__ = ["TrainerConfig", "add_trainer_args", "check_writable_dir", "split_sglang_passthrough"]
+__all__ = ["TrainerConfig", "check_writable_dir"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from slime_corr.config import ConfigError
+from slime_corr.errors import ConfigError
 from slime_corr.models.hf_checkpoint import CheckpointError, check_tensor_parallel
 from slime_corr.trainer.task import TASKS
 

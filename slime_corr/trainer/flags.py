@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from slime_corr.correction.proximal import PROX_LOGP_METHODS
 from slime_corr.device import DEVICE_CHOICES, DEVICE_ENV
 from slime_corr.rollout.control import WEIGHT_LOAD_S_PER_GB
+from slime_corr.trainer.config import TrainerConfig
 from slime_corr.trainer.config_checks import (
     DEFAULT_ROLLOUT_BATCH_SIZE,
     DEFAULT_STEPS_PER_ROLLOUT,
@@ -26,8 +27,6 @@ from slime_corr.trainer.task import TASKS
 
 def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The trainer's flags (see the module doc); the model's come from `mcore.model.add_tiny_model_args`."""
-    from slime_corr.trainer.config import TrainerConfig  # (it imports this module)
-
     d = TrainerConfig()
     g = parser.add_argument_group(title="parallelism, optimization and checkpoints (Megatron's flags)")
     g.add_argument("--device", choices=DEVICE_CHOICES, default=None,

@@ -18,12 +18,10 @@ decides where a sample's versions change, so such a run is not bit-reproducible)
 from __future__ import annotations
 
 import contextlib
-import os
 import tempfile
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +29,10 @@ import torch
 import torch.distributed as dist
 
 from slime_corr.config import RolloutCorrectionConfig
-from slime_corr.device import setup
+from slime_corr.device import init_distributed
 from slime_corr.loss_terms import LossTermsConfig
 from slime_corr.monitoring.config import MonitoringConfig
 from slime_corr.rollout.sample import Sample
-from slime_corr.rollout.weight_group import free_port
 from slime_corr.trainer import interrupts
 from slime_corr.trainer.agreement import check_agreement
 from slime_corr.trainer.config import TrainerConfig
@@ -79,32 +76,6 @@ class RunProgress:
     rollout: int = 0  # rollouts done
     step: int = 0  # optimizer steps done
     checkpoint: str | None = None  # the last checkpoint saved (or loaded)
-
-
-def init_distributed(timeout_minutes: float | None = None, device: str | None = None) -> bool:
-    """Decide this process's device (`slime_corr.device.setup(device)`: `--device`; on CUDA the GPU LOCAL_RANK),
-    then join torchrun's process group with its backend (NCCL on CUDA, gloo on CPU), or make a one-process one;
-    True when this call created it. Every collective then fails after `timeout_minutes`
-    (`--distributed-timeout-minutes`) instead of the backend's default."""
-    backend = setup(device).backend
-    if dist.is_initialized():
-        return False
-    timeout = {} if timeout_minutes is None else {"timeout": timedelta(minutes=timeout_minutes)}
-    if "RANK" in os.environ:  # torchrun's world
-        dist.init_process_group(backend, **timeout)
-        return True
-    # `python -m slime_corr.main`: a world of one on a free port, named in the init method rather than in
-    # os.environ (a RANK left there would make every child process, e.g. a test's next job, think it is under
-    # torchrun); another process may take the port between the probe and the bind, so a lost race is retried
-    for attempt in (1, 2, 3):
-        try:
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                                    **timeout)
-            break
-        except dist.DistNetworkError as e:
-            if "EADDRINUSE" not in str(e) or attempt == 3:
-                raise
-    return True
 
 
 def _is_exporting_rank() -> bool:
@@ -457,4 +428,4 @@ class _Job:
                                                                    self.policy.tokenizer.decode))
 
 
-__all__ = ["RolloutRecord", "RunConfig", "RunProgress", "init_distributed", "run"]
+__all__ = ["RolloutRecord", "RunConfig", "RunProgress", "run"]

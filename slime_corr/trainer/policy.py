@@ -120,7 +120,7 @@ def save_engine_gpt_checkpoint(weights: dict[str, Tensor], directory: Path, mode
 
 def engine_gpt_from_checkpoint(checkpoint_dir: str) -> EngineGPT:
     """The `EngineGPT` of a directory `save_engine_gpt_checkpoint` wrote with its model args. In a process without
-    a default process group (a standalone engine) it first makes a one-rank gloo world for the module's groups."""
+    a default process group (a standalone engine) it first makes a one-rank world for the module's groups."""
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
@@ -129,7 +129,7 @@ def engine_gpt_from_checkpoint(checkpoint_dir: str) -> EngineGPT:
 
     apply_cpu_compat()  # Megatron on CPU (no-op where it computes on CUDA)
     if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(current().backend, store=dist.HashStore(), rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():  # its buffers and RNG states serve the module's layers
         parallel_state.initialize_model_parallel()
         tensor_parallel.model_parallel_cuda_manual_seed(0)  # registers the RNG states (the weights are loaded)

@@ -9,10 +9,10 @@ import os
 
 import pytest
 
-from slime_corr.arguments import add_rollout_correction_args, config_from_args
+from slime_corr.arguments import add_loss_terms_args, add_rollout_correction_args, config_from_args
 from slime_corr.config import ConfigError
 from slime_corr.integrations.slime import config_from_slime_args
-from slime_corr.loss_terms import LossTermsConfig, add_loss_terms_args
+from slime_corr.loss_terms import LossTermsConfig
 
 MIS_YAML = os.path.join(os.path.dirname(__file__), "mis.yaml")
 

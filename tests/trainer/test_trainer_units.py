@@ -398,16 +398,16 @@ def test_batch_defaults_are_valid_at_any_dp_size(world, tp, expected):
 _ONE_PROCESS_GROUP = """
 import os, socket, subprocess, sys
 import torch.distributed as dist
-from slime_corr.trainer import loop
+from slime_corr import device
 
 taken = socket.socket()
 taken.bind(("127.0.0.1", 0))
 taken.listen()
 ports = iter([taken.getsockname()[1]])  # the first probe loses the race: its port is taken before the bind
-real_free_port = loop.free_port
-loop.free_port = lambda: next(ports, None) or real_free_port()
-assert loop.init_distributed(0.5) and dist.get_world_size() == 1 and dist.get_rank() == 0
-assert not loop.init_distributed()  # a second call joins the existing group
+real_free_port = device.free_port
+device.free_port = lambda: next(ports, None) or real_free_port()
+assert device.init_distributed(0.5) and dist.get_world_size() == 1 and dist.get_rank() == 0
+assert not device.init_distributed()  # a second call joins the existing group
 leaked = sorted(k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k in os.environ)
 child = subprocess.run([sys.executable, "-c", "import os; print('RANK' in os.environ)"], capture_output=True, text=True)
 print("leaked", leaked, "child_sees_rank", child.stdout.strip())

@@ -19,14 +19,19 @@ from __future__ import annotations
 import asyncio
 import time
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
+from slime_corr.engines.embedded.model import EngineModel
+from slime_corr.engines.embedded.requests import (
+    BadRequest,
+    EngineRequest,
+    EngineStats,
+    error_response,
+    json_body,
+)
 from slime_corr.rollout.weight_group import FLATTENED_BUCKET, WeightUpdateGroup, dtype_from_name
-
-if TYPE_CHECKING:
-    from slime_corr.engines.embedded.engine import LocalEngine
 
 VERSION = "0.5.23-slime-corr-local"
 HOLD_PAUSE, HOLD_MEMORY = "pause", "memory"  # why new requests are held (not admitted)
@@ -35,37 +40,43 @@ _FLUSH_OK = ("Cache flushed.\nPlease check backend logs for more details. (When 
              "requests, the operation will not be performed.)\n")
 
 
-class BadRequest(ValueError):
-    """The request violates the protocol: answered with HTTP 400."""
+class ControlledEngine(Protocol):
+    """What :class:`EngineControl` reads and changes on its engine (``LocalEngine`` has it all)."""
 
+    model: EngineModel
+    model_path: str
+    served_model_name: str
+    weight_version: str
+    host: str
+    port: int
+    incremental: bool  # incremental streaming output
+    max_running: int
+    return_routes: bool
+    group_timeout: float  # seconds a weight-update group waits for its peers
+    serving: bool
+    active: dict[str, EngineRequest]
+    holds: set[str]  # reasons new requests are held: HOLD_PAUSE, HOLD_MEMORY
+    released: set[str]  # released memory tags
+    stats: EngineStats
 
-def error_response(message: str, status: int = 400) -> web.Response:
-    """SGLang's ``_create_error_response`` body."""
-    return web.json_response({"error": {"message": message}}, status=status)
+    @property
+    def step_lock(self) -> asyncio.Lock: ...
+
+    def busy(self) -> bool: ...
+
+    def abort(self, rid: str, abort_all: bool, message: str, admitted_only: bool = False) -> None: ...
+
+    def release_hold(self, reason: str) -> None: ...
 
 
 def weight_response(success: bool, message: str, **extra: Any) -> web.Response:
+    """The weight endpoints' ``{"success", "message"}`` body: 400 on failure."""
     return web.json_response({"success": success, "message": message, **extra}, status=200 if success else 400)
 
 
-async def json_body(request: web.Request) -> dict[str, Any]:
-    """The request's JSON object ({} when there is no body); raises BadRequest otherwise."""
-    if not request.can_read_body:
-        return {}
-    try:
-        body = await request.json()
-    except ValueError as e:
-        raise BadRequest(f"malformed JSON body: {e}") from e
-    if not isinstance(body, dict):
-        raise BadRequest("expected a JSON object")
-    return body
-
-
-def add_control_routes(engine: LocalEngine) -> None:
-    """Register every control endpoint of ``engine`` on its app."""
-    r = engine.app.router
-    c = EngineControl(engine)
-    engine.control = c
+def add_control_routes(engine: ControlledEngine, router: web.UrlDispatcher) -> EngineControl:
+    """Register every control endpoint of ``engine`` on ``router``; returns their handlers."""
+    r, c = router, EngineControl(engine)
     for path in ("/health", "/health_generate"):
         r.add_get(path, c.health)
     r.add_get("/ready", c.ready)
@@ -92,12 +103,13 @@ def add_control_routes(engine: LocalEngine) -> None:
     r.add_post("/end_weight_update", c.end_update)
     r.add_post("/update_weights_from_distributed", c.update_from_distributed)
     r.add_post("/update_weights_from_tensor", c.update_from_tensor)
+    return c
 
 
 class EngineControl:
     """Handlers of the control endpoints; state lives on the engine."""
 
-    def __init__(self, engine: LocalEngine) -> None:
+    def __init__(self, engine: ControlledEngine) -> None:
         self.e = engine
         self.groups: dict[str, WeightUpdateGroup] = {}
         self.session_open = False  # between /begin_weight_update and /end_weight_update

@@ -31,12 +31,7 @@ from dataclasses import dataclass
 import torch
 from aiohttp import web
 
-from slime_corr.engines.embedded.control import (
-    HOLD_PAUSE,
-    BadRequest,
-    EngineControl,
-    add_control_routes,
-)
+from slime_corr.engines.embedded.control import HOLD_PAUSE, add_control_routes
 from slime_corr.engines.embedded.model import (
     ByteTokenizer,
     EngineModel,
@@ -45,7 +40,13 @@ from slime_corr.engines.embedded.model import (
     create_tiny_checkpoint,
     eos_ids,
 )
-from slime_corr.engines.embedded.requests import EngineRequest, EngineStats, parse_generate, response_payload
+from slime_corr.engines.embedded.requests import (
+    BadRequest,
+    EngineRequest,
+    EngineStats,
+    parse_generate,
+    response_payload,
+)
 from slime_corr.engines.embedded.routes import routes_enabled
 from slime_corr.engines.embedded.sampling import position_generator, sample_next_token
 
@@ -90,8 +91,7 @@ class LocalEngine:
         self.app.on_cleanup.append(self._on_cleanup)
         for method in ("POST", "PUT"):
             self.app.router.add_route(method, "/generate", self.handle_generate)
-        self.control: EngineControl
-        add_control_routes(self)
+        self.control = add_control_routes(self, self.app.router)
 
     # ---- state shared with the control plane --------------------------------------------------------
     @property

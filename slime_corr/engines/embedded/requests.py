@@ -1,5 +1,6 @@
 """The embedded engine's side of ``/generate``'s wire format: a body parsed into requests, a request into the
-response object (or stream event) SGLang 0.5.23 sends, and the counters behind ``/metrics``.
+response object (or stream event) SGLang 0.5.23 sends, and the counters behind ``/metrics``; with the JSON body
+reader and the 400 answer every endpoint shares (:class:`BadRequest`, :func:`json_body`, :func:`error_response`).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from aiohttp import web
 
-from slime_corr.engines.embedded.control import BadRequest
 from slime_corr.engines.embedded.model import EngineModel, Tokenizer
 from slime_corr.engines.embedded.routes import check_start_len
 from slime_corr.engines.embedded.sampling import request_seed
@@ -25,6 +26,28 @@ _UNSUPPORTED = ("stop_regex", "json_schema", "regex", "ebnf", "structural_tag", 
 # What SGLang's request model (pydantic, lax mode) takes as a boolean
 _BOOLS = {"true": True, "t": True, "yes": True, "y": True, "on": True, "1": True,
           "false": False, "f": False, "no": False, "n": False, "off": False, "0": False}
+
+
+class BadRequest(ValueError):
+    """The request violates the protocol: answered with HTTP 400."""
+
+
+def error_response(message: str, status: int = 400) -> web.Response:
+    """SGLang's ``_create_error_response`` body."""
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+async def json_body(request: web.Request) -> dict[str, Any]:
+    """The request's JSON object ({} when there is no body); raises BadRequest otherwise."""
+    if not request.can_read_body:
+        return {}
+    try:
+        body = await request.json()
+    except ValueError as e:
+        raise BadRequest(f"malformed JSON body: {e}") from e
+    if not isinstance(body, dict):
+        raise BadRequest("expected a JSON object")
+    return body
 
 
 @dataclass

@@ -29,8 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from slime_corr.config import ConfigError, RolloutCorrectionConfig
+from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.correction import Segments, compute_rollout_correction
+from slime_corr.errors import ConfigError
 from slime_corr.integrations.slime.config import MIS_KEYS, config_from_slime_args, effective_kind
 from slime_corr.integrations.slime.layout import gather_whole, local_part, local_response_ranges
 from slime_corr.integrations.slime.names import METRIC_NAMINGS, MIS_NAMES

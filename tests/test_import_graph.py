@@ -1,0 +1,98 @@
+"""The package's import graph, read from the source (every import: module level, inside functions and under
+TYPE_CHECKING): no circles, and the layers import downwards only — the pure tensor math (`correction`, `losses`)
+imports no distributed glue, rollout or trainer code, and nothing but the main job imports the trainer."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "slime_corr"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the project's modules it imports (a `from package import name` counts as the package's module
+    `name` when there is one, else as the package)."""
+    modules = _modules()
+
+    def resolve(name: str) -> str:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("slime_corr"):
+                targets = [resolve(f"{node.module}.{alias.name}") for alias in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [resolve(alias.name) for alias in node.names if alias.name.startswith("slime_corr")]
+            else:
+                continue
+            graph[name].update(t for t in targets if t and t != name)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_graph_reader_finds_a_circle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+    assert "slime_corr.config" in import_graph()["slime_corr.arguments"]
+
+
+def test_no_import_circles() -> None:
+    assert cycles(import_graph()) == []
+
+
+def _imports_under(graph: dict[str, set[str]], importer: str, imported: tuple[str, ...]) -> list[str]:
+    return sorted(f"{m} -> {t}" for m, targets in graph.items() if m == importer or m.startswith(importer + ".")
+                  for t in targets if t.startswith(imported))
+
+
+def test_layers_import_downwards() -> None:
+    graph = import_graph()
+    upper = ("slime_corr.mcore", "slime_corr.rollout", "slime_corr.engines", "slime_corr.trainer",
+             "slime_corr.models", "slime_corr.integrations", "slime_corr.main", "slime_corr.monitoring")
+    assert _imports_under(graph, "slime_corr.correction", upper) == []
+    assert _imports_under(graph, "slime_corr.losses", upper) == []
+    outside = [m for m in graph if not m.startswith(("slime_corr.trainer", "slime_corr.main"))]
+    assert sorted(f"{m} -> {t}" for m in outside for t in graph[m] if t.startswith("slime_corr.trainer")) == []
