@@ -123,6 +123,14 @@ class RolloutCorrectionConfig:
         return self.rs_metric != "ratio"
 
     @property
+    def rejects(self) -> bool:
+        """Whether the correction may take tokens out of the loss beyond non-finite ones: RS (bounds or divergence),
+        the veto, mask mode, or a custom weighting function's own mask."""
+        return self.use_rollout_correction and (
+            self.use_rs or self.rs_veto_threshold is not None or self.rejects_divergence
+            or (self.use_tis and self.effective_tis_mode == "mask") or self.custom_tis_function_path is not None)
+
+    @property
     def tis_bounds(self) -> tuple[float, float]:
         """(L, U) used by the IS weight; slime's --tis-clip/--tis-clip-low win when given."""
         if self.tis_clip is not None or self.tis_clip_low is not None:

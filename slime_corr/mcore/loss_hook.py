@@ -294,6 +294,7 @@ class RolloutCorrectionLoss(StepPrepass, PolicyLogProbs):
                 "before the training pass."
             )
         loss_mask = batch["loss_mask"]
+        segments = batch_segments(batch, groups)
         precomputed = batch.get(PRECOMPUTED_CORRECTION)
         out = compute_policy_loss(
             log_probs,
@@ -309,7 +310,7 @@ class RolloutCorrectionLoss(StepPrepass, PolicyLogProbs):
             correction=precomputed,
             step_bounds=batch.get(STEP_BOUNDS) if precomputed is None else None,
             finalize_metrics=False,  # the step's metrics are finalized once, from the merged statistics
-            segments=batch_segments(batch, groups),
+            segments=segments,
             loss_terms=self.loss_terms,
             ref_log_probs=ref,
             entropy=entropy,
@@ -327,7 +328,7 @@ class RolloutCorrectionLoss(StepPrepass, PolicyLogProbs):
                 lp = torch.where(lp.isfinite(), lp, old if old is not None else batch["rollout_log_probs"].to(lp.dtype))
             self._add_diagnostics(batch, lp, old, groups)
         count = out.denominator.detach().round().to(torch.int)
-        report = build_report(out, cfg, groups, loss_mask, entropy)
+        report = build_report(out, cfg, groups, loss_mask, entropy, batch, segments)
         if nucleus is not None:
             report.update(nucleus_report(batch, old if old is not None else log_probs))
         report.update(routing_report(batch, log_probs, groups))  # MoE: trainer vs engine routes ({} otherwise)

@@ -27,7 +27,9 @@ from torch import Tensor
 
 from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.correction import correction_metrics, merge_stats
+from slime_corr.correction.rejection_outcomes import rejection_outcome_pairs
 from slime_corr.correction.reporting import metric_pairs, ratio_pair
+from slime_corr.correction.segments import Segments
 from slime_corr.mcore.context_parallel import ParallelGroups, all_reduce_dp_cp
 
 NONFINITE_COUNT = "pg_nonfinite_token_count"
@@ -56,8 +58,12 @@ def build_report(
     groups: ParallelGroups,
     loss_mask: Tensor,
     entropy: Tensor | None,
+    batch: dict[str, Tensor] | None = None,
+    segments: Segments | None = None,
 ) -> dict[str, Tensor]:
-    """Megatron's reporting dict of one micro-batch from the `PolicyLossOutput` `out` (see the module doc)."""
+    """Megatron's reporting dict of one micro-batch from the `PolicyLossOutput` `out` (see the module doc). With
+    `batch` (its `advantages` and per-sequence `rewards`) and a correction that rejects, the reward-aware
+    rejection pairs too (`correction.rejection_outcomes`)."""
     corr = out.correction
     used = corr.loss_mask > 0 if corr is not None and config.use_rollout_correction else loss_mask > 0
     in_mask = used.sum().to(torch.float64)
@@ -82,6 +88,9 @@ def build_report(
             report[key] = pair if first else torch.zeros_like(pair)
         for key, value in corr.function_metrics.items():
             report[key] = value.detach().to(torch.float64).reshape(1)
+    if corr is not None and batch is not None and config.rejects:
+        report.update(rejection_outcome_pairs(loss_mask, corr.loss_mask, batch["advantages"], batch.get("rewards"),
+                                              segments, groups.cp))
     return report
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slime_corr.monitoring.keys import ROLLOUT
+from slime_corr.monitoring.keys import CORRECTION, ROLLOUT
 from slime_corr.monitoring.logger import CONFIG_FILE, METRICS_FILE, SAMPLES_FILE
 from slime_corr.monitoring.recommend import (
     METRIC,
@@ -149,6 +149,7 @@ def summary_text(run: Run, rec: Recommendation | None, error: str | None = None)
         lines.append("observations:")
         lines += [f"  - {h}" for h in rec.hints]
     lines += diagnostic_lines(run)
+    lines += rejection_lines(run)
     if run.samples:
         worst = max(run.samples, key=lambda s: abs(s.get("seq_log_ratio", 0.0)))
         text = f", response {worst['response']!r}" if "response" in worst else ""
@@ -178,6 +179,41 @@ def diagnostic_lines(run: Run) -> list[str]:
         lines.append(f"  decoupled drift (k3 per token, mean over steps): rollout->old (the mismatch) {a:.3g}, "
                      f"old->current (the update) {b:.3g}, rollout->current {c:.3g}")
     return ["diagnostics (all steps):", *lines] if lines else []
+
+
+MOSTLY_GOOD = 0.5  # share of the rejected sequences with a positive advantage above which the report says so
+
+
+def rejection_lines(run: Run) -> list[str]:
+    """On whom the rejection fell (`correction.rejection_outcomes`), over all steps: the rejected sequences'
+    advantage signs and mean reward against the kept ones', the positive / negative advantage tokens removed; a
+    warning when most rejected sequences had a positive advantage."""
+    key = f"{CORRECTION}/mis_rejected_seq_pos_adv_fraction"
+    rows = [r for r in run.records if _finite(r.get(key)) and _finite(r.get(f"{CORRECTION}/mis_rejected_seq_fraction"))
+            and _finite(r.get(f"{CORRECTION}/mis_valid_seq_count"))]
+    if not rows:
+        return []
+    rejected = [r[f"{CORRECTION}/mis_rejected_seq_fraction"] * r[f"{CORRECTION}/mis_valid_seq_count"] for r in rows]
+    total = sum(rejected)
+    if total <= 0:
+        return ["rejection (all steps): no sequence rejected"]
+
+    def weighted(name: str) -> float:
+        return sum(n * r.get(f"{CORRECTION}/{name}", 0.0) for n, r in zip(rejected, rows, strict=True)) / total
+
+    good = weighted("mis_rejected_seq_pos_adv_fraction")
+    line = (f"rejection (all steps): {total:.0f} sequences rejected, {good:.0%} with a positive advantage, "
+            f"{weighted('mis_rejected_seq_neg_adv_fraction'):.0%} negative")
+    if run.has(f"{CORRECTION}/mis_rejected_seq_reward_mean"):
+        kept = _mean(run.series(f"{CORRECTION}/mis_kept_seq_reward_mean")[1])
+        line += f"; mean reward {weighted('mis_rejected_seq_reward_mean'):.3g} rejected vs {kept:.3g} kept"
+    pos, neg = (_mean(run.series(f"{CORRECTION}/mis_rejected_{s}_adv_token_fraction")[1]) for s in ("pos", "neg"))
+    lines = [line, f"  tokens removed: {pos:.0%} of the positive-advantage ones, {neg:.0%} of the negative"]
+    if good > MOSTLY_GOOD:
+        lines.append("  note: the rejection falls mostly on samples with a positive advantage: besides removing "
+                     "off-policy samples it steers what the policy learns. Check the mismatch's source first "
+                     "(precision, stale weights), or loosen the bound / reject per token.")
+    return lines
 
 
 def report_run(run: Run, out_dir: Path, thresholds: Thresholds) -> tuple[list[Path], str]:

@@ -237,3 +237,25 @@ def test_report_command_errors_name_the_problem(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             report_main(argv)
         assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("good_share", [0.25, 0.8])
+def test_report_says_on_whom_the_rejection_fell(tmp_path, good_share):
+    """The rejected sequences' advantage split is weighted by how many each step rejected; most of them with a
+    positive advantage gets a note."""
+    from slime_corr.monitoring.report import rejection_lines
+
+    path = _synthetic_run(tmp_path / "run", 4e-2, steps=2)
+    records = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    for rec, (rejected, pos) in zip(records, ((0.5, good_share), (0.0, 0.0)), strict=True):  # 5 and 0 rejected
+        rec.update({f"rollout_corr/{k}": v for k, v in {
+            "mis_rejected_seq_fraction": rejected, "mis_valid_seq_count": 10.0,
+            "mis_rejected_seq_pos_adv_fraction": pos, "mis_rejected_seq_neg_adv_fraction": 1 - pos,
+            "mis_rejected_seq_reward_mean": 0.9, "mis_kept_seq_reward_mean": 0.2,
+            "mis_rejected_pos_adv_token_fraction": 0.3, "mis_rejected_neg_adv_token_fraction": 0.1}.items()})
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    lines = rejection_lines(load_run(path))
+    assert lines[0] == (f"rejection (all steps): 5 sequences rejected, {good_share:.0%} with a positive advantage, "
+                        f"{1 - good_share:.0%} negative; mean reward 0.9 rejected vs 0.2 kept")
+    assert lines[1] == "  tokens removed: 30% of the positive-advantage ones, 10% of the negative"
+    assert (len(lines) == 3 and "mostly on samples with a positive advantage" in lines[2]) == (good_share > 0.5)

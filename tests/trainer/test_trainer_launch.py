@@ -110,6 +110,11 @@ def test_several_updates_per_rollout_make_clipping_act(reference):
     assert steps[2]["diag/lag/1/token_frac"] == 1.0
     assert reference["out"].count("embedded engines") == 1
     assert all(s["perf/micro_batches"] == 8 and s["perf/empty_micro_batches"] == 0 for s in steps.values())
+    for s in steps.values():  # sequence RS: on whom the rejection fell (correction/rejection_outcomes.py)
+        rejected = s["rollout_corr/mis_rejected_seq_fraction"]
+        split = s["rollout_corr/mis_rejected_seq_pos_adv_fraction"] + s["rollout_corr/mis_rejected_seq_neg_adv_fraction"]
+        assert 0 <= split <= 1 and (rejected > 0 or split == 0)  # (a group of equal rewards has advantage 0)
+        assert s["rollout_corr/mis_kept_seq_reward_mean"] == pytest.approx(s["rollout/reward_mean"], abs=0.5)
 
 
 def test_the_same_command_twice_gives_the_same_metrics(reference, tmp_path):
