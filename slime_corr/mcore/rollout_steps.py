@@ -20,7 +20,8 @@ pass would be a pipelined schedule inside the running one, so there a step that 
   term (`batch["ref_log_probs"]`), then the hook's `on_rollout_prepared` callback;
 - at every step: the step's `--tis-batch-normalize` mean (from lp_old; bypass mode: one forward-only pass of the
   step's micro-batches), and the previous step's correction metrics are finalized (`hook.last_step_metrics`).
-Megatron's own `RerunDataIterator` wrapping passes the micro-batches through unchanged.
+Megatron's own `RerunDataIterator` wrapping passes the micro-batches through unchanged. The micro-batches are moved
+to this process's device (`slime_corr.device.to_device`, in place) when their rollout starts.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
+
+from slime_corr.device import to_device
 
 STEP_KEY = "_slime_corr_rollout_step"
 
@@ -101,6 +104,8 @@ class RolloutStepIterator:
         if not micro_batches or len(micro_batches) % n:
             raise ValueError(f"rollout {self.rollouts_started}: {len(micro_batches)} micro-batches is not a "
                              f"positive multiple of the {n} micro-batches of an optimizer step.")
+        for batch in micro_batches:  # once, before any pass reads them: on this process's device (`slime_corr.device`)
+            to_device(batch)
         rollout = Rollout(micro_batches)
         for i in range(0, len(micro_batches), n):
             step = RolloutStep(micro_batches[i:i + n], rollout)

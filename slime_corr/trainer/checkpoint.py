@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from slime_corr.device import current
 from slime_corr.errors import ConfigError
 from slime_corr.mcore.checkpoint import load_checkpoint, save_checkpoint
 from slime_corr.rollout.sample import Sample
@@ -37,10 +38,15 @@ class TrainState:
 
 
 def _rng_states() -> dict[str, Any]:
+    """This rank's RNG states: torch's CPU generator, Python's, Megatron's model-parallel tracker and, on CUDA, the
+    GPU's default generator."""
     from megatron.core import tensor_parallel
 
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    states = {"torch": torch.get_rng_state(), "python": random.getstate(),
+              "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if current().is_cuda:
+        states["cuda"] = torch.cuda.get_rng_state(current().device)
+    return states
 
 
 def _set_rng_states(states: dict[str, Any]) -> None:
@@ -49,6 +55,8 @@ def _set_rng_states(states: dict[str, Any]) -> None:
     torch.set_rng_state(states["torch"])
     random.setstate(states["python"])
     tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
+    if "cuda" in states and current().is_cuda:  # (a CPU run's checkpoint has none)
+        torch.cuda.set_rng_state(states["cuda"], current().device)
 
 
 def _identity(config: TrainerConfig) -> dict[str, Any]:

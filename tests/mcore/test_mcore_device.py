@@ -191,3 +191,21 @@ def test_the_tiny_gpt_its_engine_and_a_step_run_on_device(test_device: torch.dev
 
     mp.spawn(_job_worker, args=(str(tmp_path / "store"), str(test_device), str(tmp_path / "engine")), nprocs=1,
              join=True)
+
+
+@pytest.mark.device
+def test_a_checkpoints_rng_states_restore_the_devices_generator(test_device: torch.device) -> None:
+    """What a resume restores (`trainer.checkpoint`): the CPU generator, Python's, Megatron's tracker and, on CUDA,
+    the GPU's default generator: the same draws again after the states are set back."""
+    import random
+
+    from slime_corr import device
+    from slime_corr.trainer.checkpoint import _rng_states, _set_rng_states
+
+    with device.use(test_device):
+        states = _rng_states()
+        first = (torch.rand(4, device=test_device).cpu(), torch.rand(3), random.random())
+        _set_rng_states(states)
+        again = (torch.rand(4, device=test_device).cpu(), torch.rand(3), random.random())
+    assert ("cuda" in states) == (test_device.type == "cuda")
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1]) and first[2] == again[2]

@@ -618,3 +618,18 @@ def test_pipeline_shapes_need_variable_seq_lengths_when_they_differ():
         check_pipeline_shapes(Model(False), different)
     with pytest.raises(ValueError, match="a stream of micro-batches.*config.variable_seq_lengths = True"):
         check_pipeline_shapes([Model(False)], iter(same))
+
+
+def test_rollout_steps_move_their_micro_batches_to_the_device_once():
+    """The Megatron-LM drop-in's data: every micro-batch of a rollout on `slime_corr.device`'s device before any
+    pass reads it (`meta` here: what a GPU run gets as cuda), non-tensor entries kept."""
+    from slime_corr import device
+    from slime_corr.mcore.rollout_steps import RolloutStepIterator, pop_step
+
+    rollout = [{"tokens": torch.ones(2, 3, dtype=torch.long), "note": "kept"} for _ in range(2)]
+    with device.use("meta"):
+        data = RolloutStepIterator([rollout], num_microbatches=2)
+        first, second = next(data), next(data)
+    assert pop_step(first) is not None and pop_step(second) is None
+    assert first["tokens"].device.type == second["tokens"].device.type == "meta" and first["note"] == "kept"
+    assert first is rollout[0]  # in place: the step's pre-pass and the training pass see the same dicts
