@@ -95,6 +95,7 @@ class TrainerConfig(TrainerConfigChecks):
     staleness_policy: str | None = None  # default: "drop"
     partial_rollout: bool = False  # slime's: weight updates reach the engines mid-request (pause -> update -> continue)
     mask_offpolicy_in_partial_rollout: bool = False  # slime's: tokens before a sample's last update leave the loss
+    max_token_staleness: int | None = None  # optimizer steps: older tokens leave the loss (per token, not sample)
     sglang_url: tuple[str, ...] = ()
     rollout_engine: str = "sglang"
     sglang_python: str | None = None
@@ -349,6 +350,11 @@ class TrainerConfig(TrainerConfigChecks):
         if self.mask_offpolicy_in_partial_rollout and not self.partial_rollout:
             raise ConfigError("--mask-offpolicy-in-partial-rollout masks the tokens a sample generated before a "
                               "weight update reached it mid-request, which only --partial-rollout makes: add it.")
+        t = self.max_token_staleness
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < steps - 1):
+            raise ConfigError(f"--max-token-staleness {t} must be an integer >= --num-steps-per-rollout − 1 = "
+                              f"{steps - 1}: the k-th step of a rollout trains tokens k steps old, so a smaller bound "
+                              "would take whole steps out of the loss.")
         if not self.async_rollout:
             for name in ("max_staleness", "staleness_policy"):
                 if getattr(self, name) is not None:

@@ -230,6 +230,16 @@ def mask_offpolicy_tokens(sample: Sample) -> tuple[Sample, int]:
     return replace(sample, loss_mask=[0] * start + mask[start:]), masked
 
 
+def mask_stale_tokens(sample: Sample, step: int, bound: int) -> tuple[Sample, int]:
+    """`--max-token-staleness`: `sample` with the loss mask of every response token sampled more than `bound`
+    optimizer steps before `step` (the step that trains it: `token_lags`) zeroed, and how many trained tokens that
+    took out; the sample itself when none."""
+    mask = list(sample.loss_mask or [1] * sample.response_length)
+    kept = [m if lag <= bound else 0 for m, lag in zip(mask, token_lags(sample, step), strict=True)]
+    masked = sum(mask) - sum(kept)
+    return (replace(sample, loss_mask=kept), masked) if masked else (sample, 0)
+
+
 def staleness(samples: Sequence[Sample], step: int) -> tuple[float, int]:
     """(mean, max) over the trainable samples of `step` − the step of the weights that sampled them (the last
     version of a sample resumed across an update)."""
@@ -237,5 +247,6 @@ def staleness(samples: Sequence[Sample], step: int) -> tuple[float, int]:
     return (sum(lags) / len(lags), max(lags)) if lags else (0.0, 0)
 
 
-__all__ = ["RankShard", "TrainSample", "build_micro_batches", "mask_offpolicy_tokens", "oldest_version_step", "plan_micro_batches",
+__all__ = ["RankShard", "TrainSample", "build_micro_batches", "mask_offpolicy_tokens", "mask_stale_tokens",
+           "oldest_version_step", "plan_micro_batches",
            "plan_rollout", "rollout_shards", "scatter_shards", "stale_samples", "staleness", "token_lags", "version_step", "weight_version"]

@@ -100,6 +100,11 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     r.add_argument("--mask-offpolicy-in-partial-rollout", action="store_true",
                    help="With --partial-rollout (slime's flag): the tokens a sample generated before its last weight "
                         "update leave the loss.")
+    r.add_argument("--max-token-staleness", type=int, default=None,
+                   help="Per token: a response token sampled more than K optimizer steps before the step that trains "
+                        "it leaves the loss, the sample's newer tokens stay (partial rollouts carry tokens of several "
+                        "weight versions; --max-staleness bounds whole samples). >= --num-steps-per-rollout − 1. "
+                        "Logged as rollout/stale_masked_tokens.")
     r.add_argument("--disable-grpo-std-normalization", dest="grpo_std_normalization", action="store_false",
                    help="GRPO advantage = reward − group mean, without dividing by the group's std (Dr. GRPO).")
     r.add_argument("--task", choices=sorted(TASKS), default=None,

@@ -31,11 +31,33 @@ import torch.distributed as dist
 from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.device import init_distributed
 from slime_corr.loss_terms import LossTermsConfig
+from slime_corr.mcore.cpu_compat import apply_cpu_compat
+from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
+from slime_corr.mcore.pipeline import gather_stages
 from slime_corr.monitoring.config import MonitoringConfig
-from slime_corr.rollout.sample import Sample
+from slime_corr.monitoring.keys import loss_step_metrics
+from slime_corr.monitoring.logger import MetricsLogger
+from slime_corr.monitoring.rollout_stats import rollout_metrics, step_sample_counts
+from slime_corr.monitoring.step_diagnostics import diagnostic_metrics, top_mismatch_records
+from slime_corr.rollout.data_iterator import TRAINABLE
+from slime_corr.rollout.sample import Sample, SampleStatus
 from slime_corr.trainer import interrupts
 from slime_corr.trainer.agreement import check_agreement
+from slime_corr.trainer.checkpoint import TrainState, load_train_state, save_train_state
 from slime_corr.trainer.config import TrainerConfig
+from slime_corr.trainer.data import (
+    build_micro_batches,
+    mask_offpolicy_tokens,
+    mask_stale_tokens,
+    oldest_version_step,
+    rollout_shards,
+    scatter_shards,
+    stale_samples,
+    staleness,
+)
+from slime_corr.trainer.driver import RolloutDriver
+from slime_corr.trainer.policy import build_policy
+from slime_corr.trainer.update import Updater
 from slime_corr.trainer.watchdog import ABORT_KEY, DriverBeacon
 
 
@@ -64,6 +86,7 @@ class RolloutRecord:
     stale_dropped: list[int] = field(default_factory=list)  # per step: samples over --max-staleness, dropped
     stale_regenerated: list[int] = field(default_factory=list)  # per step: samples of regenerated groups
     offpolicy_masked: list[int] = field(default_factory=list)  # per step: tokens masked by --mask-offpolicy-...
+    stale_masked: list[int] = field(default_factory=list)  # per step: tokens masked by --max-token-staleness
     weight_sync: float = 0.0
     checkpoint: float = 0.0  # the save after the previous rollout (steps are logged before this rollout's save)
     wall: float = 0.0
@@ -90,7 +113,6 @@ def run(config: RunConfig, progress: RunProgress | None = None) -> list[RolloutR
     follows how far it got."""
     from megatron.core import parallel_state as ps
 
-    from slime_corr.mcore.cpu_compat import apply_cpu_compat
 
     cfg = config.trainer
     created = init_distributed(cfg.distributed_timeout_minutes, cfg.device)
@@ -113,12 +135,6 @@ class _Job:
     def __init__(self, config: RunConfig, stack: contextlib.ExitStack, progress: RunProgress) -> None:
         from megatron.core import parallel_state as ps
 
-        from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
-        from slime_corr.monitoring.logger import MetricsLogger
-        from slime_corr.trainer.checkpoint import TrainState, load_train_state
-        from slime_corr.trainer.driver import RolloutDriver
-        from slime_corr.trainer.policy import build_policy
-        from slime_corr.trainer.update import Updater
 
         cfg, corr = config.trainer, config.correction
         self.config, self.cfg, self.progress = config, cfg, progress
@@ -178,7 +194,6 @@ class _Job:
     def _weights(self) -> dict[str, torch.Tensor] | None:
         """The full weights on the driver (collective on the exporting ranks: each stage's TP group, then the
         stages' gather to the first); None elsewhere."""
-        from slime_corr.mcore.pipeline import gather_stages
 
         if not _is_exporting_rank():
             return None
@@ -270,7 +285,6 @@ class _Job:
                     ahead.append(self.driver.submit(later))
             samples = self._bound_staleness(rollout, samples, record)
         if cfg.mask_offpolicy_in_partial_rollout:
-            from slime_corr.trainer.data import mask_offpolicy_tokens
 
             steps = cfg.num_steps_per_rollout
             assert isinstance(steps, int)
@@ -279,6 +293,15 @@ class _Job:
             for i, sample in enumerate(samples):
                 samples[i], masked = mask_offpolicy_tokens(sample)
                 record.offpolicy_masked[i // per_step] += masked
+        if cfg.max_token_staleness is not None:  # step k of the rollout trains samples[k·per_step : (k+1)·per_step]
+            steps = cfg.num_steps_per_rollout
+            assert isinstance(steps, int)
+            per_step = max(1, len(samples) // steps)
+            record.stale_masked = [0] * steps
+            for i, sample in enumerate(samples):
+                k = min(i // per_step, steps - 1)
+                samples[i], masked = mask_stale_tokens(sample, state.step + k, cfg.max_token_staleness)
+                record.stale_masked[k] += masked
         return samples
 
     def _bound_staleness(self, rollout: int, samples: list[Sample], record: RolloutRecord) -> list[Sample]:
@@ -288,8 +311,6 @@ class _Job:
         regenerated with the engines' current weights (`--staleness-policy`); counted per step in `record`."""
         from dataclasses import replace
 
-        from slime_corr.rollout.sample import SampleStatus
-        from slime_corr.trainer.data import oldest_version_step, stale_samples
 
         assert self.driver is not None
         cfg = self.cfg
@@ -319,7 +340,6 @@ class _Job:
         """Deal the driver's rollout to the ranks and train it (collective); times go to `record`."""
         from megatron.core import parallel_state as ps
 
-        from slime_corr.trainer.data import build_micro_batches, rollout_shards, scatter_shards
 
         cfg = self.cfg
         start = time.perf_counter()
@@ -355,7 +375,6 @@ class _Job:
         return report
 
     def _save(self) -> float:
-        from slime_corr.trainer.checkpoint import save_train_state
 
         start = time.perf_counter()
         with interrupts.deferred():  # a Ctrl-C during the write ends the run once the checkpoint is whole
@@ -371,11 +390,6 @@ class _Job:
         """Each optimizer step's metrics (driver only): the loss's, the rollout's, staleness, time."""
         if not self.is_driver:
             return
-        from slime_corr.monitoring.keys import loss_step_metrics
-        from slime_corr.monitoring.rollout_stats import rollout_metrics, step_sample_counts
-        from slime_corr.monitoring.step_diagnostics import diagnostic_metrics, top_mismatch_records
-        from slime_corr.rollout.data_iterator import TRAINABLE
-        from slime_corr.trainer.data import oldest_version_step, staleness
 
         assert self.driver is not None
         cfg = self.cfg
@@ -402,6 +416,8 @@ class _Job:
                          "rollout/staleness_dropped": float(record.stale_dropped[k] if record.stale_dropped else 0),
                          "rollout/staleness_regenerated":
                              float(record.stale_regenerated[k] if record.stale_regenerated else 0)}
+            if cfg.max_token_staleness is not None:
+                bound["rollout/stale_masked_tokens"] = float(record.stale_masked[k] if record.stale_masked else 0)
             # a step that trained no token has no loss or correction metric (absent, not 0)
             loss_part = loss_step_metrics(result.metrics) if counts["rollout/trained_samples"] else {}
             metrics = {**loss_part, **rollout_part, **counts,

@@ -20,8 +20,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from slime_corr.errors import ConfigError
 from slime_corr.rollout.sample import Sample
-from slime_corr.trainer.data import mask_offpolicy_tokens
+from slime_corr.trainer.config import TrainerConfig
+from slime_corr.trainer.data import mask_offpolicy_tokens, mask_stale_tokens
 from tests.trainer.test_trainer_launch import compared, launch
 
 THROTTLE = ("SLIME_CORR_EMBEDDED_STEP_DELAY", "0.02")
@@ -39,6 +43,25 @@ def test_tokens_before_the_last_update_leave_the_loss():
     assert mask_offpolicy_tokens(one) == (one, 0)
 
 
+def test_tokens_older_than_the_token_staleness_bound_leave_the_loss():
+    """--max-token-staleness K, at the step that trains the sample: per token, not per sample."""
+    resumed = Sample(prompt_tokens=[1], response_tokens=[5, 6, 7, 8, 9], rollout_log_probs=[-1.0] * 5,
+                     loss_mask=[1, 0, 1, 1, 1], weight_version="step-4",
+                     weight_versions=[("step-2", 0, 2), ("step-3", 2, 4), ("step-4", 4, 5)])
+    assert mask_stale_tokens(resumed, 4, 1)[0].loss_mask == [0, 0, 1, 1, 1]  # lags 2, 2, 1, 1, 0
+    masked, count = mask_stale_tokens(resumed, 5, 1)  # one step later: lags 3, 3, 2, 2, 1
+    assert masked.loss_mask == [0, 0, 0, 0, 1] and count == 3 and resumed.loss_mask == [1, 0, 1, 1, 1]
+    assert mask_stale_tokens(resumed, 4, 2) == (resumed, 0)
+    plain = Sample(prompt_tokens=[1], response_tokens=[5, 6], rollout_log_probs=[-1.0] * 2, weight_version="step-1")
+    old_plain, count = mask_stale_tokens(plain, 3, 1)  # one version, two steps old: every token
+    assert old_plain.loss_mask == [0, 0] and count == 2
+    with pytest.raises(ConfigError, match=r"--max-token-staleness 0 must be an integer >= --num-steps-per-rollout "
+                                          r"− 1 = 1"):
+        TrainerConfig(max_token_staleness=0, num_steps_per_rollout=2, rollout_batch_size=2, n_samples_per_prompt=2)
+    assert TrainerConfig(max_token_staleness=1, num_steps_per_rollout=2, rollout_batch_size=2,
+                         n_samples_per_prompt=2).max_token_staleness == 1
+
+
 def test_a_weight_update_reaches_the_requests_in_flight(tmp_path, monkeypatch):
     monkeypatch.setenv(*THROTTLE)
     run = launch(tmp_path / "partial", *LONG, "--async-rollout", "--partial-rollout",
@@ -52,6 +75,19 @@ def test_a_weight_update_reaches_the_requests_in_flight(tmp_path, monkeypatch):
     assert all(steps[s]["rollout/staleness_oldest_max"] <= 1 for s in (1, 2, 3))  # the bound still holds
     top = [json.loads(line) for line in (run["dir"] / "top_mismatch.jsonl").read_text().splitlines()]
     assert all(t["weight_version"] in (f"step-{t['step'] - 1}", f"step-{max(0, t['step'] - 2)}") for t in top)
+
+
+def test_the_token_staleness_bound_in_a_partial_run(tmp_path, monkeypatch):
+    """--max-token-staleness 0, one step per rollout, one rollout ahead: rollout k trains at step k+1 and its tokens
+    sampled before the sync after step k are one step old: out of the loss (and counted), the rest trained."""
+    monkeypatch.setenv(*THROTTLE)
+    run = launch(tmp_path / "bound", *LONG, "--async-rollout", "--partial-rollout", "--max-token-staleness", "0",
+                 "--rollout-correction-preset", "ppo_is_bypass", "--num-steps-per-rollout", "1", "--num-rollout", "3",
+                 "--kl-loss-coef", "0", "--entropy-coef", "0")
+    steps = run["steps"]
+    stale = [steps[s]["rollout/stale_masked_tokens"] for s in (1, 2, 3)]
+    assert stale[0] == 0 and stale[1] > 0 and stale[2] > 0, stale
+    assert all(steps[s]["rollout_corr/mis_valid_token_count"] > 0 for s in (2, 3))  # the newer tokens train
 
 
 def test_a_checkpoint_holds_the_partial_run_s_pending_rollout_whole(tmp_path, monkeypatch):
