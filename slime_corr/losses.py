@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -34,7 +34,7 @@ from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.correction import CorrectionResult, compute_rollout_correction
 from slime_corr.correction.budget import StepBounds
 from slime_corr.correction.checks import check_policy_loss_inputs
-from slime_corr.correction.core import maybe_compiled
+from slime_corr.correction.compiling import maybe_compiled
 from slime_corr.correction.reductions import (
     ProcessGroup,
     at_most_,
@@ -186,16 +186,27 @@ def reinforce_loss(inputs: LossInputs, config: RolloutCorrectionConfig) -> Tenso
 BUILTIN_LOSSES = (ppo_loss, reinforce_loss)  # per-token losses known to be 0 outside the token mask
 
 
+class SanitizedInputs(NamedTuple):
+    """The loss inputs made finite and 0 outside the token mask (`sanitized_inputs`)."""
+
+    token_mask: Tensor  # the tokens that count: in the mask, with finite lp, lp_old and A
+    old_log_probs: Tensor
+    advantages: Tensor
+    weights: Tensor | None
+    count: Tensor  # Σ token_mask
+
+
 def sanitized_inputs(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor,
-                     weights: Tensor | None) -> tuple[Tensor, ...]:
+                     weights: Tensor | None) -> SanitizedInputs:
     """(token mask, lp_old, A, w, Σ mask): a NaN/inf in lp, lp_old or A (or an overflow of lp - lp_old + A) drops
     the token, found in one pass for all three; the inputs are then made finite and 0 outside the mask BEFORE the
     loss math (nan_to_num x mask), so neither the value nor the gradient sees a NaN/inf."""
-    okf = finite_indicator_((log_probs - old_log_probs).add_(advantages)).mul_(mask)
-    old = torch.nan_to_num(old_log_probs, 0.0, 0.0, 0.0).mul_(okf)
-    adv = torch.nan_to_num(advantages, 0.0, 0.0, 0.0).mul(okf)
-    w = None if weights is None else weights * okf
-    return okf, old, adv, w, okf.sum(dtype=torch.promote_types(okf.dtype, torch.float32))  # bf16 counts to 256
+    token_mask = finite_indicator_((log_probs - old_log_probs).add_(advantages)).mul_(mask)
+    old = torch.nan_to_num(old_log_probs, 0.0, 0.0, 0.0).mul_(token_mask)
+    adv = torch.nan_to_num(advantages, 0.0, 0.0, 0.0).mul(token_mask)
+    w = None if weights is None else weights * token_mask
+    count = token_mask.sum(dtype=torch.promote_types(token_mask.dtype, torch.float32))  # bf16 counts to 256
+    return SanitizedInputs(token_mask, old, adv, w, count)
 
 
 def nonfinite_count(values: Tensor, mask: Tensor) -> Tensor:
@@ -211,6 +222,31 @@ class PolicyLossOutput:
     denominator: Tensor
     metrics: dict[str, Tensor]
     correction: CorrectionResult | None
+
+
+class AnchoredInputs(NamedTuple):
+    """Which log-probs the loss's ratio and the correction use (`anchor_stage`), and A per token."""
+
+    old_log_probs: Tensor  # lp_old of the ratio: lp_rollout in bypass
+    train_log_probs: Tensor  # lp_train the correction compares with lp_rollout: lp_old, or lp.detach() in bypass
+    advantages: Tensor  # [B, S]: a per-sequence advantage broadcast along its tokens
+
+
+class LossMasks(NamedTuple):
+    """The masks and weights the loss uses (`loss_masks`), as floats of lp's dtype but the denominator's."""
+
+    valid: Tensor  # the loss mask as 0/1
+    token_mask: Tensor  # after the correction's rejection (the valid mask without correction)
+    denominator_mask: Tensor  # the correction's denominator mask (the valid mask without correction)
+    weights: Tensor | None  # the correction's IS weights
+
+
+class AggregatedLoss(NamedTuple):
+    """`PolicyLossOutput`'s loss, loss_sum and denominator (`aggregate_loss`)."""
+
+    loss: Tensor
+    loss_sum: Tensor
+    denominator: Tensor
 
 
 def compute_policy_loss(
@@ -256,46 +292,84 @@ def compute_policy_loss(
     check_policy_loss_inputs(log_probs, old_log_probs, rollout_log_probs, advantages, loss_mask, config,
                              seq_length_for_norm, batch_norm_mean, loss_fn, cp_group, dp_group, correction, segments)
     seg = segments or Segments.rows(*log_probs.shape)
-    if config.use_rollout_logprobs:
-        old_log_probs = rollout_log_probs
-        lp_train = log_probs.detach()
-    else:
-        lp_train = old_log_probs
-    if advantages.dim() == 1 or advantages.shape != log_probs.shape:
-        advantages = seg.expand(advantages.reshape(-1))  # per sequence: broadcast along the tokens
-
+    anchored = anchor_stage(log_probs, old_log_probs, rollout_log_probs, advantages, config, seg)
     if correction is not None and batch_norm_mean is not None:
         raise ValueError("compute_policy_loss: pass either a precomputed correction (already normalized) or "
                          "batch_norm_mean, not both.")
     if correction is None and config.computes_metrics:
         correction = compute_rollout_correction(
-            lp_train, rollout_log_probs, loss_mask, config, cp_group=cp_group, dp_group=dp_group,
+            anchored.train_log_probs, rollout_log_probs, loss_mask, config, cp_group=cp_group, dp_group=dp_group,
             batch_norm_mean=batch_norm_mean, finalize_metrics=finalize_metrics, segments=segments,
             step_bounds=step_bounds,
         )
-    dtype = log_probs.dtype
+    masks = loss_masks(loss_mask, correction, config, log_probs.dtype)
+    inputs = loss_inputs(log_probs, rollout_log_probs, anchored, masks, config, seg, cp_group)
+    masked = token_losses(inputs, config, loss_fn, loss_terms, ref_log_probs, entropy)
+    norm_length = seq_length_for_norm or log_probs.shape[-1] * group_size(cp_group)
+    aggregated = aggregate_loss(masked, masks.denominator_mask, correction, config, seg, cp_group, dp_group,
+                                norm_length, log_probs.dtype)
+    metrics = loss_metrics(aggregated.loss, inputs, masks, correction, anchored.advantages)
+    return PolicyLossOutput(loss=aggregated.loss, loss_sum=aggregated.loss_sum, denominator=aggregated.denominator,
+                            metrics=metrics, correction=correction)
+
+
+def anchor_stage(log_probs: Tensor, old_log_probs: Tensor | None, rollout_log_probs: Tensor | None,
+                 advantages: Tensor, config: RolloutCorrectionConfig, seg: Segments) -> AnchoredInputs:
+    """Bypass (`use_rollout_logprobs`): lp_old := lp_rollout, lp_train := lp.detach(); decoupled: lp_train :=
+    lp_old. Per-sequence advantages ([n] / [n, 1]) are broadcast along the tokens."""
+    if config.use_rollout_logprobs:
+        old_log_probs = rollout_log_probs
+        train_log_probs = log_probs.detach()
+    else:
+        train_log_probs = old_log_probs
+    if advantages.dim() == 1 or advantages.shape != log_probs.shape:
+        advantages = seg.expand(advantages.reshape(-1))
+    return AnchoredInputs(old_log_probs, train_log_probs, advantages)
+
+
+def loss_masks(loss_mask: Tensor, correction: CorrectionResult | None, config: RolloutCorrectionConfig,
+               dtype: torch.dtype) -> LossMasks:
+    """The correction's final mask, denominator mask and weights when it applies (`use_rollout_correction`),
+    else the loss mask for both and no weights."""
     valid = valid_float(loss_mask, dtype)
     if correction is not None and config.use_rollout_correction:
-        mask_f = correction.loss_mask.to(dtype)
-        den_mask = correction.denominator_mask
-        weights = correction.weights
-    else:
-        den_mask = valid
-        mask_f = den_mask
-        weights = None
+        return LossMasks(valid, correction.loss_mask.to(dtype), correction.denominator_mask, correction.weights)
+    return LossMasks(valid, valid, valid, None)
 
-    okf, old_s, adv_s, w_s, count = maybe_compiled(sanitized_inputs, config)(
-        log_probs.detach(), old_log_probs.detach(), advantages.detach(), mask_f,
-        None if weights is None else weights.detach().to(dtype))
-    inputs = LossInputs(raw_log_probs=log_probs, old_log_probs=old_s, rollout_log_probs=rollout_log_probs,
-                        advantages=adv_s, token_mask=okf, weights=w_s, count=count, segments=seg, cp_group=cp_group)
+
+def loss_inputs(log_probs: Tensor, rollout_log_probs: Tensor | None, anchored: AnchoredInputs, masks: LossMasks,
+                config: RolloutCorrectionConfig, seg: Segments, cp_group: ProcessGroup) -> LossInputs:
+    """The per-token loss function's inputs: sanitized (`sanitized_inputs`), the token mask less the tokens with
+    a non-finite lp, lp_old or A."""
+    weights = None if masks.weights is None else masks.weights.detach().to(log_probs.dtype)
+    clean = maybe_compiled(sanitized_inputs, config)(
+        log_probs.detach(), anchored.old_log_probs.detach(), anchored.advantages.detach(), masks.token_mask, weights)
+    return LossInputs(raw_log_probs=log_probs, old_log_probs=clean.old_log_probs, rollout_log_probs=rollout_log_probs,
+                      advantages=clean.advantages, token_mask=clean.token_mask, weights=clean.weights,
+                      count=clean.count, segments=seg, cp_group=cp_group)
+
+
+def token_losses(inputs: LossInputs, config: RolloutCorrectionConfig, loss_fn: str | Callable | None,
+                 loss_terms: LossTermsConfig | None, ref_log_probs: Tensor | None,
+                 entropy: Tensor | None) -> Tensor:
+    """l·m per token: the per-token loss (`loss_fn`, default `config.loss_type`), 0 outside the token mask, plus
+    the KL and entropy terms (`loss_term_tokens`)."""
     fn = loss_fn if callable(loss_fn) else LOSS_FUNCTIONS.get(loss_fn or config.loss_type, flag="--policy-loss-type")
     token_loss = fn(inputs, config)
-    zero = torch.zeros((), dtype=dtype, device=log_probs.device)
+    lp = inputs.raw_log_probs
+    zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
     masked = token_loss if fn in BUILTIN_LOSSES else torch.where(inputs.loss_mask, token_loss, zero)
     if loss_terms is not None and loss_terms.active:
         masked = masked + loss_term_tokens(inputs, loss_terms, ref_log_probs, entropy)
+    return masked
 
+
+def aggregate_loss(masked: Tensor, den_mask: Tensor, correction: CorrectionResult | None,
+                   config: RolloutCorrectionConfig, seg: Segments, cp_group: ProcessGroup, dp_group: ProcessGroup,
+                   norm_length: int, dtype: torch.dtype) -> AggregatedLoss:
+    """`config.loss_agg_mode` of the masked per-token losses (see `compute_policy_loss`): this rank's numerator and
+    denominator, and loss = numerator / max(global denominator, 1). The global denominator is the correction's
+    count when there is one, else one SUM over DP x CP. `norm_length`: T of seq-mean-token-sum-norm."""
     mode = config.loss_agg_mode
     has_groups = group_size(cp_group) > 1 or group_size(dp_group) > 1
     if mode == "token-mean":
@@ -310,24 +384,26 @@ def compute_policy_loss(
         if mode == "seq-mean-token-mean":
             loss_sum = (seg.sum(masked) / n_i.clamp_min(1).to(dtype)).sum()
         elif mode == "seq-mean-token-sum-norm":
-            norm = seq_length_for_norm or log_probs.shape[-1] * group_size(cp_group)
-            loss_sum = masked.sum() / norm
+            loss_sum = masked.sum() / norm_length
         else:
             loss_sum = masked.sum()
         denominator = (n_i > 0).to(torch.float64).sum() * cp_first(cp_group)
         global_den = correction.global_seq_count if correction is not None else None
     if global_den is None:
         global_den = global_sum(denominator, cp_group, dp_group) if has_groups else denominator
-    loss = loss_sum / global_den.clamp_min(1).to(dtype)
+    return AggregatedLoss(loss_sum / global_den.clamp_min(1).to(dtype), loss_sum, denominator)
 
+
+def loss_metrics(loss: Tensor, inputs: LossInputs, masks: LossMasks, correction: CorrectionResult | None,
+                 advantages: Tensor) -> dict[str, Tensor]:
+    """The correction's metrics, the loss function's, the loss and the tokens it dropped for a non-finite lp,
+    lp_old or A (`pg_nonfinite_token_count`) or advantage (`pg_nonfinite_advantage_count`)."""
     metrics: dict[str, Tensor] = dict(correction.metrics) if correction is not None else {}
     metrics.update(inputs.metrics)
     metrics["pg_loss"] = loss.detach()
-    metrics["pg_nonfinite_token_count"] = (mask_f.sum() - inputs.count).to(torch.float64)
-    metrics["pg_nonfinite_advantage_count"] = nonfinite_count(advantages, valid)  # raised on by check_host_metrics
-    return PolicyLossOutput(
-        loss=loss, loss_sum=loss_sum, denominator=denominator, metrics=metrics, correction=correction
-    )
+    metrics["pg_nonfinite_token_count"] = (masks.token_mask.sum() - inputs.count).to(torch.float64)
+    metrics["pg_nonfinite_advantage_count"] = nonfinite_count(advantages, masks.valid)  # raised on by check_host_metrics
+    return metrics
 
 
 # ------------------------------------------------------------------------------------------ KL and entropy terms

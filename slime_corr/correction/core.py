@@ -1,23 +1,25 @@
 """`compute_rollout_correction`: IS weights, rejection, veto, batch normalization and metrics for one micro-batch.
 
-Order of operations (docs/theory.md, docs/metrics.md):
-1. lr = lp_train - lp_rollout on valid tokens; a sequence with a non-finite lr at a valid position is rejected.
-2. Per-sequence sums (count, Σlr, Σlp_train, veto and token-RS counts) in ONE CP all_reduce. A sequence is a row
-   of the [B, S] inputs, or a segment of a packed [1, T] row (`segments.py`): every per-sequence sum, maximum and
-   broadcast goes through a `Segments`, the rest is per token and layout-free.
-3. The weighting function ("default" = `weights.default_weights`, or `--custom-tis-function-path`) gives IS
-   weights and the RS mask; the veto (`lr < log C` at any valid token) then rejects whole sequences.
-4. All batch statistics (metric numerators/denominators, normalization mean, counts) in ONE SUM and ONE MAX
-   all_reduce per group (CP, DP); batch normalization divides the weights by the mean over contributing units.
-   With IS weights, the exact weight quantiles take two more small SUMs (`quantiles.py`).
+Order of operations (docs/theory.md, docs/metrics.md), one function per stage (their records: `records.py`):
+1. `log_ratio_stage`: lr = lp_train - lp_rollout on valid tokens; per-sequence sums (count, Σlr, Σlp_train, veto
+   and token-RS counts) in ONE CP all_reduce. A sequence is a row of the [B, S] inputs, or a segment of a packed
+   [1, T] row (`segments.py`): every per-sequence sum, maximum and broadcast goes through a `Segments`, the rest is
+   per token and layout-free. `sequence_stage`: a sequence with a non-finite lr at a valid position is rejected.
+2. `rejection_stage`: the weighting function ("default" = `weights.default_weights`, or
+   `--custom-tis-function-path`) gives the RS mask; the veto (`lr < log C` at any valid token) then rejects whole
+   sequences. `weighting.weight_stage`: the IS weights of what stays.
+3. `batch_statistics`: all batch statistics (metric numerators/denominators, normalization mean, counts) in ONE SUM
+   and ONE MAX all_reduce per group (CP, DP); with IS weights, the exact weight quantiles take two more small SUMs
+   (`quantiles.py`). `normalization_stage`: batch normalization divides the weights by the mean over contributing
+   units. The metrics: `correction_metrics`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -27,40 +29,37 @@ from slime_corr.correction import budget as BG
 from slime_corr.correction import divergence as D
 from slime_corr.correction import metrics as M
 from slime_corr.correction import quantiles as Q
+from slime_corr.correction import weighting as W
 from slime_corr.correction.checks import (
     CUSTOM_NEGATIVE,
     CUSTOM_NONFINITE,
     INPUT_VALUE_COUNTS,
-    call_weight_function,
     check_correction_inputs,
-    custom_weight_counts,
     input_value_counts,
 )
+from slime_corr.correction.compiling import maybe_compiled
+from slime_corr.correction.records import (
+    VETO_COLUMN,
+    BatchColumns,
+    CorrectionPlan,
+    Kept,
+    Layout,
+    LogRatios,
+    Sequences,
+    Weighted,
+)
 from slime_corr.correction.reductions import (
-    BatchStats,
     ProcessGroup,
-    active_groups,
     compute_dtype,
     count_greater_,
-    cp_first,
     cp_sum_,
     device_constant,
-    group_size,
-    indicator,
-    row_products,
-    seq_sums,
     valid_float,
 )
 from slime_corr.correction.reporting import OPTIONAL_RATIOS
 from slime_corr.correction.segments import Segments
 from slime_corr.correction.types import CorrectionResult, WeightInputs
-from slime_corr.correction.weights import (
-    LOG_RATIO_CLAMP,
-    default_weight_parts,
-    default_weights,
-    in_log_bounds,
-    rs_keep,
-)
+from slime_corr.correction.weights import default_weights, in_log_bounds, rs_keep
 from slime_corr.registry import WEIGHT_FUNCTIONS
 
 BATCH_NORM_MIN_MEAN = 1e-8
@@ -77,6 +76,17 @@ def weight_function(config: RolloutCorrectionConfig) -> Callable:
     return _WEIGHT_FN_CACHE[path]
 
 
+def correction_plan(config: RolloutCorrectionConfig) -> CorrectionPlan:
+    """What `config` decides once per call: correction or metrics only, the veto, the weighting function."""
+    correct = config.use_rollout_correction
+    veto = correct and config.rs_veto_threshold is not None
+    fn = weight_function(config) if correct else None
+    builtin = fn is default_weights
+    token_rs = builtin and config.use_rs and config.rs_level == "token"
+    return CorrectionPlan(correct, math.log(config.rs_veto_threshold) if veto else None, fn, builtin,
+                          config.rs_bounds if token_rs else None)
+
+
 def _zero_where(cond: Tensor, x: Tensor) -> Tensor:
     return x.masked_fill(cond, 0.0)
 
@@ -89,50 +99,19 @@ def _bad_rows(frame: Tensor) -> Tensor:
     return frame @ count != 0
 
 
-def maybe_compiled(fn: Callable, config: RolloutCorrectionConfig) -> Callable:
-    """`fn` itself, or its torch.compile'd form with `--rollout-correction-compile` (compiled once per function)."""
-    return _compiled(fn) if config.rollout_correction_compile else fn
+class OutputMasks(NamedTuple):
+    """The masks the loss uses (`CorrectionResult.loss_mask`, `.denominator_mask`, `.seq_token_count`)."""
+
+    loss_mask: Tensor  # float32 [B, S]: the final mask
+    denominator_mask: Tensor  # float32 [B, S]: the final mask, or the valid one with --rs-keep-loss-denominator
+    seq_token_count: Tensor  # [n] Σ denominator_mask over the whole sequence
 
 
-@functools.cache
-def _compiled(fn: Callable) -> Callable:
-    return torch.compile(fn, dynamic=None)
+class Normalized(NamedTuple):
+    """The weights after `--tis-batch-normalize` and what they were divided by (None: nothing)."""
 
-
-def _token_stage(log_probs: Tensor, rollout_log_probs: Tensor, valid: Tensor, dtype: torch.dtype,
-                 veto_log: float | None, rs_bounds: tuple[float, float] | None, seg: Segments) -> tuple[Tensor, ...]:
-    """The per-token work before the sequence sums: (lr, per-sequence local sums [n, k], token mismatch rows,
-    per-sequence max |p_t - p_r|, token-RS keep mask or None). Columns of the sums: `M.LOCAL` (valid tokens, Σlr,
-    Σlp_train, non-finite tokens), then the veto count (lr < log C) and the token-RS kept count if asked."""
-    tok = M.token_pass(log_probs.detach().to(dtype), rollout_log_probs.detach().to(dtype), valid, seg)
-    columns = [tok.seq]
-    if veto_log is not None:  # lr < log C, as -lr > -log C (lr is 0 outside the mask and log C < 0)
-        columns.append(count_greater_(tok.lr.neg(), -veto_log, seg)[:, None])
-    keep_tok = None
-    if rs_bounds is not None:
-        keep_tok = in_log_bounds(tok.lr, *rs_bounds).mul_(valid)
-        columns.append(seg.sum(keep_tok)[:, None])
-    local = torch.cat(columns, -1) if len(columns) > 1 else tok.seq
-    return tok.lr, local, tok.rows, tok.d_max, keep_tok
-
-
-def _token_is_stage(inputs: WeightInputs, config: RolloutCorrectionConfig, tok_f: Tensor, row_f: Tensor,
-                    seg: Segments) -> tuple[Tensor, ...]:
-    """Built-in token-level IS after rejection: (final mask, weights (0 outside it), per-sequence raw-weight sums
-    [n, 2|3] (`RAW_SUMS[1:]`: Σ w_raw, # w_raw > U, # w_raw < L but in truncate mode) and weight sums [n, 2]
-    (Σw, Σw²), then the weights' max and min). Raw weights are counted over the valid tokens (the caller keeps the
-    good sequences)."""
-    w, w_raw, _ = default_weight_parts(inputs, config, rs=False)
-    lower, upper = config.tis_bounds
-    raw = [seg.sum(w_raw)]
-    if config.effective_tis_mode != "truncate":  # w_raw is 0 outside the mask: count w_raw < L there only
-        raw.append(seg.sum(indicator(torch.lt, w_raw, lower).mul_(inputs.loss_mask)))
-    raw.insert(1, count_greater_(w_raw, upper, seg))  # overwrites w_raw
-    final_f = tok_f * row_f
-    weights = w.mul_(final_f)
-    square = seg.sum(weights * weights) if seg.packed else row_products(weights[:, None]).view(-1)
-    return (final_f, weights, torch.stack(raw, -1), torch.stack([seg.sum(weights), square], -1),
-            *M.weight_extremes(weights, final_f))
+    weights: Tensor | None
+    divisor: Tensor | None
 
 
 def compute_rollout_correction(
@@ -171,177 +150,214 @@ def compute_rollout_correction(
     if not config.computes_metrics:
         orig_mask = valid_float(loss_mask, torch.float32)
         return CorrectionResult(weights=None, loss_mask=orig_mask, denominator_mask=orig_mask, metrics={})
-    correct = config.use_rollout_correction
-    dtype = compute_dtype(log_probs, rollout_log_probs)
-    veto = correct and config.rs_veto_threshold is not None
-    fn = weight_function(config) if correct else None
-    is_default = fn is default_weights
-    token_rs = is_default and config.use_rs and config.rs_level == "token"
-    seg = segments or Segments.rows(*log_probs.shape)
-    valid = valid_float(loss_mask, dtype)  # float 0/1; in good sequences also the mask of finite tokens
-    value_counts = input_value_counts(log_probs, rollout_log_probs, loss_mask, valid)
-    lr, local, tok_rows, tok_d_max, keep_tok = maybe_compiled(_token_stage, config)(
-        log_probs, rollout_log_probs, valid, dtype, math.log(config.rs_veto_threshold) if veto else None,
-        config.rs_bounds if token_rs else None, seg)
-    groups = active_groups(cp_group, dp_group)
-    k0 = local.shape[-1]  # the divergence filter's columns follow
-    div = D.token_stage(lr, valid, keep_tok, config, seg, groups, step_bounds) if correct and \
-        config.rejects_divergence else None
-    if div is not None:
-        local = torch.cat([local, div.columns.to(local.dtype)], -1)
-    seq = cp_sum_(local, cp_group)  # the one CP collective for sequence sums
-
-    # per sequence, float64: [valid tokens, Σlr, Σlp_train, Σlp_rollout, non-finite tokens]; Σlp_rollout in the
-    # compute dtype, from the sums (a non-finite token, or whole-sequence sums that overflowed, make it bad)
-    frame = torch.cat([seq[:, :3], (seq[:, 2] - seq[:, 1])[:, None], seq[:, 3:4]], -1).to(torch.float64)
-    bad = _bad_rows(frame[:, 1:5])
-    has = seq[:, 0] > 0
-    not_ok = has <= bad  # no valid token, or bad
-    seq_ok = ~not_ok
-    n_seq, s_lr = _zero_where(bad[:, None], seq[:, :2]).unbind(-1)
-    cp0 = cp_first(cp_group)
-    stats = BatchStats()
-    # batch sums: counts (finite, any sequence) and values (masked to the finite valid sequences), token level
-    # (local sums, added over CP) and sequence level (whole-sequence values, counted on CP rank 0)
-    counts: dict[str, Tensor] = dict(n_tok=n_seq, n_seq=seq_ok, n_valid_tok=seq[:, 0], n_valid_seq=has,
-                                     n_bad_tok=seq[:, 3])
-    tok_cols: dict[tuple[str, ...], Tensor] = {M.TOKEN_SUMS: tok_rows}
-    seq_cols: dict[tuple[str, ...], Tensor] = {M.SEQ_SUMS: M.seq_terms(frame[:, 0], frame[:, 1:4])}
-    aliases: dict[str, str] = {}  # statistics that equal others
-
-    weights: Tensor | None = None
-    final_f = valid  # float 0/1 mask after rejection and veto
-    n_final = n_seq
-    w_seq: Tensor | None = None  # built-in sequence/geometric IS: the bounded weight of each sequence [B]
-    sketch: Q.Counts | None = None  # the weights prepared for `Q.refine`
-    fn_metrics: dict[str, Tensor] = {}
-    if correct:
-        tok_f, row_f = valid, (~bad).to(dtype)  # token keep, [n] sequence keep (non-finite, RS, veto)
-        if is_default and config.tis_ess_target is not None:  # this call's U from the ESS target (one SUM)
-            ess_unit = valid * seg.expand(row_f) if config.tis_level == "token" else seq_ok.to(dtype) * cp0
-            ess_in = WeightInputs(log_ratio=lr, loss_mask=valid, seq_log_ratio_sum=s_lr, seq_token_count=n_seq)
-            u_bound = BG.ess_target_bound(ess_in, config, ess_unit, groups, step_bounds)
-            _add_call_value(stats, "tis_bound", u_bound, groups)
-            config = config.replace(tis_upper_bound=float(u_bound), tis_ess_target=None)  # one device->host read
-        lower, upper = config.tis_bounds
-        mode = config.effective_tis_mode
-        token_is = False
-        if is_default:
-            # built-in weights at the shapes of their level ([B, 1] for sequence/geometric): no [B, S] copies of
-            # per-sequence quantities; the token-RS decision was made before the sequence sums, to count it there
-            inputs = WeightInputs(log_ratio=lr, loss_mask=valid, seq_log_ratio_sum=s_lr, seq_token_count=n_seq,
+    plan = correction_plan(config)
+    layout = Layout.of(log_probs.shape, segments, cp_group, dp_group)
+    ratios = log_ratio_stage(log_probs, rollout_log_probs, loss_mask, config, plan, layout, step_bounds)
+    seqs = sequence_stage(ratios.seq_sums)
+    batch = start_batch_columns(ratios, seqs)
+    weighted = Weighted(ratios.valid, seqs.token_count, None, None)  # metrics only: the valid tokens, no weights
+    if plan.correct:
+        inputs = None
+        if plan.builtin:  # at the shapes of their level ([n, 1] for sequence/geometric): no [B, S] copies
+            inputs = WeightInputs(log_ratio=ratios.log_ratio, loss_mask=ratios.valid,
+                                  seq_log_ratio_sum=seqs.log_ratio_sum, seq_token_count=seqs.token_count,
                                   cp_group=cp_group, dp_group=dp_group)
-            token_is = config.use_tis and config.tis_level == "token"
-            if config.use_tis and not token_is:
-                w_out, raw_out, _ = default_weight_parts(inputs, config, rs=False)
-                w_seq, raw_out = w_out.squeeze(-1), raw_out.squeeze(-1)
-                raw = [raw_out, raw_out > upper] + ([raw_out < lower] if mode != "truncate" else [])
-                seq_cols[M.RAW_SUMS[1:len(raw) + 1]] = torch.stack(raw, -1)
-                aliases["raw_u"] = "n_seq"
-            n_fn = _zero_where(bad, seq[:, k0 - 1]) if token_rs else n_seq
-            if token_rs:
-                tok_f = keep_tok
-            elif config.use_rs:
-                keep = rs_keep(inputs, config).squeeze(-1)
-                row_f = row_f * keep
-                n_fn = n_fn * keep
-            if div is not None and div.keep is not None:  # token-level divergence filter (and token RS)
-                tok_f = div.keep
-                n_fn = _zero_where(bad, seq[:, k0 + 1]) * (n_fn > 0)
-        else:  # a custom mask is arbitrary: one extra CP collective for its per-sequence counts
-            tok_f, weights, n_fn = _custom(fn, stats, fn_metrics, lr, valid if div is None or div.keep is None
-                                           else div.keep, row_f, s_lr, n_seq, seg, cp_group, dp_group, config, dtype)
-        if div is not None:
-            row_f, n_fn = _divergence_rows(div, seq[:, k0:], n_seq, seq_ok, row_f, n_fn, config, cp0, groups, stats,
-                                           counts, step_bounds)
-        n_final = n_fn
-        if veto:
-            vetoed = seq[:, 4] > 0
-            row_f = _zero_where(vetoed, row_f)
-            n_final = _zero_where(vetoed, n_fn)
-            counts.update(n_cat_tok=seq_ok * seq[:, 4], n_cat_seq=vetoed & seq_ok)
-        kept = torch.stack([n_fn, n_final], -1) > 0  # n_fn > 0 only in finite valid sequences
-        counts.update(n_fn_tok=n_fn, n_fn_seq=kept[:, 0], n_final_tok=n_final, n_final_seq=kept[:, 1])
-        if token_is:  # the per-token weights, their statistics and the sketch's first digit
-            final_f, weights, raw_rows, w_rows, w_max, w_min = maybe_compiled(_token_is_stage, config)(
-                inputs, config, tok_f, seg.expand(row_f), seg)
-            tok_cols[M.RAW_SUMS[1:1 + raw_rows.shape[-1]]] = raw_rows
-            tok_cols[M.WEIGHT_SUMS[1:]] = w_rows
-            aliases.update(raw_u="n_tok", w_u="n_final_tok")
-            sketch = _add_weight_stats(stats, weights, final_f, w_max, w_min, binary=True)
-        else:
-            final_f = tok_f * seg.expand(row_f)
-        if w_seq is not None:  # constant along each sequence: statistics on [B], each sequence counted once
-            unit = kept[:, 1].to(dtype)
-            unit = unit if cp0 == 1.0 else unit * cp0
-            w_counted = w_seq * unit
-            seq_cols[M.WEIGHT_SUMS[1:]] = torch.stack([w_counted, w_counted * w_counted], -1)
-            aliases["w_u"] = "n_final_seq"
-            sketch = _add_weight_stats(stats, w_counted, unit, *M.weight_extremes(w_counted, unit), binary=True)
-        elif weights is not None and not is_default:
-            weights = torch.where(final_f > 0, weights, final_f.new_zeros(()))  # its NaN stays out
-            unit = final_f.double()
-            if config.tis_level != "token":
-                unit = unit / seg.expand(n_final.clamp_min(1).double(), fill=1.0)
-            stats.add_sums(M.WEIGHT_SUMS, M.weight_sums(weights, unit).sum(0))
-            sketch = _add_weight_stats(stats, weights, unit, *M.weight_extremes(weights, final_f, shifted_max=True))
-
-    keep_den = not correct or config.rs_keep_loss_denominator
-    final_mask = final_f.to(torch.float32)
-    den_mask = valid.to(torch.float32) if keep_den else final_mask
-    n_den = seq[:, 0] if keep_den else n_final
-    den = "valid" if keep_den else "final"
-    aliases.update(g_tok=f"n_{den}_tok", g_seq=f"n_{den}_seq")
-    _add_batch_sums(stats, counts, tok_cols, seq_cols, tok_d_max, not_ok, cp0)
-    stats.add_sums(tuple(INPUT_VALUE_COUNTS), value_counts)
-
-    r = stats.reduce(cp_group, dp_group)  # the one batch collective (SUM + MAX per group)
-    r.update({alias: r[name] for alias, name in aliases.items()})
-    if sketch is not None:  # two more small SUMs: the exact quantiles
-        r.update(Q.refine(sketch, r[Q.LEVEL1_KEY], groups))
-
-    divisor = None
-    if "w_u" in r and config.tis_batch_normalize and normalize:
-        divisor = normalization_divisor(weight_mean(r) if batch_norm_mean is None else batch_norm_mean)
-    if w_seq is not None:  # one pass over the tokens: per-sequence weight (normalized) x final mask
-        weights = seg.expand(w_seq if divisor is None else w_seq / divisor.to(dtype)) * final_f
-    elif divisor is not None:
-        weights = weights.div_(divisor.to(dtype))
-    metrics = correction_metrics(r, config, divisor) if finalize_metrics else {}
-    metrics.update(fn_metrics)
+        seq_keep = (~seqs.nonfinite).to(ratios.dtype)  # [n] 0/1; RS, divergence and veto follow
+        if plan.builtin and config.tis_ess_target is not None:  # this call's U from the ESS target (one SUM)
+            config = W.ess_bounded_config(inputs, config, seq_keep, seqs, layout, step_bounds, batch)
+        kept = rejection_stage(inputs, ratios, seqs, seq_keep, config, plan, layout, step_bounds, batch)
+        weighted = W.weight_stage(inputs, kept, config, plan, layout, batch)
+    masks = output_masks(ratios, weighted, config, plan, batch)
+    r = batch_statistics(batch, ratios, seqs, layout)
+    normalized = normalization_stage(r, weighted, config, normalize, batch_norm_mean, layout.segments, ratios.dtype)
+    metrics = correction_metrics(r, config, normalized.divisor) if finalize_metrics else {}
+    metrics.update(batch.function_metrics)
     return CorrectionResult(
-        weights=weights,
-        loss_mask=final_mask,
-        denominator_mask=den_mask,
+        weights=normalized.weights,
+        loss_mask=masks.loss_mask,
+        denominator_mask=masks.denominator_mask,
         metrics=metrics,
-        seq_token_count=n_den,
+        seq_token_count=masks.seq_token_count,
         global_token_count=r["g_tok"],
         global_seq_count=r["g_seq"],
         stats=r,
-        function_metrics=fn_metrics,
-        divisor=divisor,
+        function_metrics=batch.function_metrics,
+        divisor=normalized.divisor,
     )
 
 
-def _add_weight_stats(stats: BatchStats, weights: Tensor, unit: Tensor, w_max: Tensor, w_min: Tensor,
-                      binary: bool = False) -> Q.Counts:
-    """The weights' extremes and the sketch's level-1 histogram (`unit`: 0/1 with `binary`); returns what
-    `Q.refine` needs."""
-    stats.add_max("w_max", w_max)
-    stats.add_min("w_min", w_min)
-    hist, sketch = Q.level1(weights, unit, binary)
-    stats.add_sum(Q.LEVEL1_KEY, hist)
-    return sketch
+# ------------------------------------------------------------------------------------------ 1. log-ratios
+class TokenSums(NamedTuple):
+    """The per-token work before the sequence sums (`token_sums`)."""
+
+    log_ratio: Tensor  # lr [B, S]
+    local_sums: Tensor  # [n, k] local per-sequence sums: `M.LOCAL`, then the veto count and the token-RS kept count
+    token_rows: Tensor  # [n, len(M.TOKEN_SUMS)] the token mismatch terms' sums
+    max_prob_diff: Tensor  # [n] max |p_t - p_r|
+    token_rs_keep: Tensor | None  # built-in token-level RS: 0/1 keep of the valid tokens
 
 
-def _add_batch_sums(stats: BatchStats, counts: dict[str, Tensor], tok_cols: dict[tuple[str, ...], Tensor],
-                    seq_cols: dict[tuple[str, ...], Tensor], d_max: Tensor, not_ok: Tensor, cp0: float) -> None:
+def token_sums(log_probs: Tensor, rollout_log_probs: Tensor, valid: Tensor, dtype: torch.dtype,
+               veto_log: float | None, rs_bounds: tuple[float, float] | None, seg: Segments) -> TokenSums:
+    """lr, the token metrics' sums and the per-sequence local sums: `M.LOCAL` (valid tokens, Σlr, Σlp_train,
+    non-finite tokens), then the veto count (lr < log C) and the token-RS kept count if asked."""
+    tok = M.token_pass(log_probs.detach().to(dtype), rollout_log_probs.detach().to(dtype), valid, seg)
+    columns = [tok.seq]
+    if veto_log is not None:  # lr < log C, as -lr > -log C (lr is 0 outside the mask and log C < 0)
+        columns.append(count_greater_(tok.lr.neg(), -veto_log, seg)[:, None])
+    keep_tok = None
+    if rs_bounds is not None:
+        keep_tok = in_log_bounds(tok.lr, *rs_bounds).mul_(valid)
+        columns.append(seg.sum(keep_tok)[:, None])
+    local = torch.cat(columns, -1) if len(columns) > 1 else tok.seq
+    return TokenSums(tok.lr, local, tok.rows, tok.d_max, keep_tok)
+
+
+def log_ratio_stage(log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor, config: RolloutCorrectionConfig,
+                    plan: CorrectionPlan, layout: Layout, step_bounds: BG.StepBounds | None) -> LogRatios:
+    """lr = lp_train - lp_rollout per token and the whole-sequence sums of `token_sums` and of the divergence
+    filter's token stage, in ONE CP all_reduce (compiled with --rollout-correction-compile)."""
+    dtype = compute_dtype(log_probs, rollout_log_probs)
+    valid = valid_float(loss_mask, dtype)  # float 0/1; in good sequences also the mask of finite tokens
+    value_counts = input_value_counts(log_probs, rollout_log_probs, loss_mask, valid)
+    tok = maybe_compiled(token_sums, config)(log_probs, rollout_log_probs, valid, dtype, plan.veto_log_threshold,
+                                             plan.token_rs_bounds, layout.segments)
+    local = tok.local_sums
+    first_divergence = local.shape[-1]  # the divergence filter's columns follow
+    div = None
+    if plan.correct and config.rejects_divergence:
+        div = D.token_stage(tok.log_ratio, valid, tok.token_rs_keep, config, layout.segments, layout.groups,
+                            step_bounds)
+        local = torch.cat([local, div.columns.to(local.dtype)], -1)
+    seq = cp_sum_(local, layout.cp_group)  # the one CP collective for sequence sums
+    return LogRatios(tok.log_ratio, valid, seq, tok.token_rows, tok.max_prob_diff, tok.token_rs_keep, div,
+                     first_divergence, value_counts)
+
+
+def sequence_stage(seq: Tensor) -> Sequences:
+    """Per sequence, from the whole-sequence sums: which sequences are finite and have a valid token."""
+    # float64: [valid tokens, Σlr, Σlp_train, Σlp_rollout, non-finite tokens]; Σlp_rollout in the compute dtype,
+    # from the sums (a non-finite token, or whole-sequence sums that overflowed, make it bad)
+    frame = torch.cat([seq[:, :3], (seq[:, 2] - seq[:, 1])[:, None], seq[:, 3:4]], -1).to(torch.float64)
+    bad = _bad_rows(frame[:, 1:5])
+    has = seq[:, 0] > 0
+    unusable = has <= bad  # no valid token, or bad
+    usable = ~unusable
+    token_count, log_ratio_sum = _zero_where(bad[:, None], seq[:, :2]).unbind(-1)
+    return Sequences(frame, bad, has, unusable, usable, token_count, log_ratio_sum)
+
+
+def start_batch_columns(ratios: LogRatios, seqs: Sequences) -> BatchColumns:
+    """The batch sums every call has: counts (finite, any sequence) and values (masked to the finite valid
+    sequences), token level (local sums, added over CP) and sequence level (whole-sequence values, counted on CP
+    rank 0)."""
+    seq = ratios.seq_sums
+    counts = dict(n_tok=seqs.token_count, n_seq=seqs.usable, n_valid_tok=seq[:, 0], n_valid_seq=seqs.has_tokens,
+                  n_bad_tok=seq[:, 3])
+    return BatchColumns(counts=counts, token_columns={M.TOKEN_SUMS: ratios.token_rows},
+                        seq_columns={M.SEQ_SUMS: M.seq_terms(seqs.frame[:, 0], seqs.frame[:, 1:4])})
+
+
+# ------------------------------------------------------------------------------------------ 2. rejection
+def rejection_stage(inputs: WeightInputs | None, ratios: LogRatios, seqs: Sequences, seq_keep: Tensor,
+                    config: RolloutCorrectionConfig, plan: CorrectionPlan, layout: Layout,
+                    step_bounds: BG.StepBounds | None, batch: BatchColumns) -> Kept:
+    """What stays: `seq_keep` (the finite sequences) less the weighting function's RS (built-in) or mask (custom),
+    the divergence filter and the veto; each rejection's counts go to `batch`."""
+    div = ratios.divergence
+    custom_weights = None
+    if plan.builtin:
+        token_keep, seq_keep, rs_kept = _builtin_rejection(inputs, ratios, seqs, seq_keep, config, plan)
+    else:  # a custom mask is arbitrary: one extra CP collective for its per-sequence counts
+        valid = ratios.valid if div is None or div.keep is None else div.keep
+        token_keep, custom_weights, rs_kept = W.custom_rejection(plan.weight_fn, ratios.log_ratio, valid, seq_keep,
+                                                                 seqs, layout, config, batch)
+    if div is not None:
+        seq_keep, rs_kept = _divergence_rows(div, ratios.seq_sums[:, ratios.divergence_column:], seqs, seq_keep,
+                                             rs_kept, config, layout, step_bounds, batch)
+    kept_tokens = rs_kept
+    if plan.veto_log_threshold is not None:
+        below = ratios.seq_sums[:, VETO_COLUMN]  # tokens with lr < log C
+        vetoed = below > 0
+        seq_keep = _zero_where(vetoed, seq_keep)
+        kept_tokens = _zero_where(vetoed, rs_kept)
+        batch.counts.update(n_cat_tok=seqs.usable * below, n_cat_seq=vetoed & seqs.usable)
+    kept = torch.stack([rs_kept, kept_tokens], -1) > 0  # rs_kept > 0 only in finite valid sequences
+    batch.counts.update(n_fn_tok=rs_kept, n_fn_seq=kept[:, 0], n_final_tok=kept_tokens, n_final_seq=kept[:, 1])
+    return Kept(token_keep, seq_keep, rs_kept, kept_tokens, kept[:, 1], custom_weights)
+
+
+def _builtin_rejection(inputs: WeightInputs, ratios: LogRatios, seqs: Sequences, seq_keep: Tensor,
+                       config: RolloutCorrectionConfig, plan: CorrectionPlan) -> tuple[Tensor, Tensor, Tensor]:
+    """The built-in function's RS: (token keep, sequence keep, kept tokens per sequence). The token-RS decision
+    was made before the sequence sums, to count it there; the token-level divergence filter's keep includes it."""
+    seq, first_divergence = ratios.seq_sums, ratios.divergence_column
+    token_keep, kept_tokens = ratios.valid, seqs.token_count
+    if plan.token_rs_bounds is not None:  # its count is the last column before the divergence filter's
+        token_keep, kept_tokens = ratios.token_rs_keep, _zero_where(seqs.nonfinite, seq[:, first_divergence - 1])
+    elif config.use_rs:
+        keep = rs_keep(inputs, config).squeeze(-1)
+        seq_keep = seq_keep * keep
+        kept_tokens = kept_tokens * keep
+    div = ratios.divergence
+    if div is not None and div.keep is not None:  # token-level divergence filter (and token RS)
+        token_keep = div.keep
+        kept_tokens = _zero_where(seqs.nonfinite, seq[:, first_divergence + 1]) * (kept_tokens > 0)
+    return token_keep, seq_keep, kept_tokens
+
+
+def _divergence_rows(div: D.TokenStage, columns: Tensor, seqs: Sequences, seq_keep: Tensor, kept_tokens: Tensor,
+                     config: RolloutCorrectionConfig, layout: Layout, step_bounds: BG.StepBounds | None,
+                     batch: BatchColumns) -> tuple[Tensor, Tensor]:
+    """The divergence filter after the sequence sums (`divergence.py`): the sequence-level decision applied to
+    (seq_keep, kept_tokens), its own rejection counts and the budgeted bound in `batch`."""
+    bound = div.bound
+    n_seq, usable = seqs.token_count, seqs.usable
+    if div.keep is None:  # mean / max: whole sequences
+        keep, bound = D.sequence_keep(columns, n_seq, usable, config, layout.cp_first, layout.groups, step_bounds)
+        seq_keep, kept_tokens = seq_keep * keep, kept_tokens * keep
+        batch.counts.update(n_div_tok=n_seq * (1.0 - keep), n_div_seq=usable & (keep == 0))
+    else:
+        kept = torch.where(usable, columns[:, 0], torch.zeros_like(n_seq))
+        batch.counts.update(n_div_tok=n_seq - kept, n_div_seq=usable & (kept == 0))
+    if bound is not None:
+        batch.add_call_value("div_bound", bound, layout.groups)
+    return seq_keep, kept_tokens
+
+
+# ------------------------------------------------------------------------------------------ 3. statistics, normalization
+def output_masks(ratios: LogRatios, weighted: Weighted, config: RolloutCorrectionConfig, plan: CorrectionPlan,
+                 batch: BatchColumns) -> OutputMasks:
+    """The final mask and the loss denominators' (with --rs-keep-loss-denominator rejected tokens still count);
+    `g_tok` / `g_seq` in the statistics are the denominators' global counts."""
+    keep_den = not plan.correct or config.rs_keep_loss_denominator
+    final_mask = weighted.final_mask.to(torch.float32)
+    den_mask = ratios.valid.to(torch.float32) if keep_den else final_mask
+    den = "valid" if keep_den else "final"
+    batch.aliases.update(g_tok=f"n_{den}_tok", g_seq=f"n_{den}_seq")
+    return OutputMasks(final_mask, den_mask, ratios.seq_sums[:, 0] if keep_den else weighted.kept_tokens)
+
+
+def batch_statistics(batch: BatchColumns, ratios: LogRatios, seqs: Sequences, layout: Layout) -> dict[str, Tensor]:
+    """The reduced batch statistics: everything in `batch` and the input value counts in the one batch collective
+    (SUM + MAX per group), the aliases, and with weights their exact quantiles (two more small SUMs)."""
+    _add_batch_sums(batch, ratios.max_prob_diff, seqs.unusable, layout.cp_first)
+    batch.stats.add_sums(tuple(INPUT_VALUE_COUNTS), ratios.value_counts)
+    r = batch.stats.reduce(layout.cp_group, layout.dp_group)
+    r.update({alias: r[name] for alias, name in batch.aliases.items()})
+    if batch.sketch is not None:
+        r.update(Q.refine(batch.sketch, r[Q.LEVEL1_KEY], layout.groups))
+    return r
+
+
+def _add_batch_sums(batch: BatchColumns, d_max: Tensor, unusable: Tensor, cp0: float) -> None:
     """Sums over the sequences: `counts` ([n] each, finite) as they are; the value columns ([n, k] each, a rejected
     sequence may hold inf/NaN: zeroed, not multiplied) over the finite valid sequences, with the maximum of
-    `d_max`; sequence-level ones (counts, `seq_cols`) counted once across CP (`cp0`). Two sums and one max."""
+    `d_max`; sequence-level ones (counts, `seq_columns`) counted once across CP (`cp0`). Two sums and one max."""
+    stats, counts, tok_cols, seq_cols = batch.stats, batch.counts, batch.token_columns, batch.seq_columns
     total = torch.stack(list(counts.values()), -1).sum(0, dtype=torch.float64)
     names = [name for names in (*tok_cols, *seq_cols) for name in names]
-    values = _zero_where(not_ok[:, None], torch.cat([*tok_cols.values(), *seq_cols.values(), d_max[:, None]], -1))
+    values = _zero_where(unusable[:, None], torch.cat([*tok_cols.values(), *seq_cols.values(), d_max[:, None]], -1))
     sums = values.sum(0)
     n_tok = sum(c.shape[-1] for c in tok_cols.values())
     if cp0 != 1.0:
@@ -352,58 +368,20 @@ def _add_batch_sums(stats: BatchStats, counts: dict[str, Tensor], tok_cols: dict
     stats.add_max("tok_d_max", values[:, -1].amax() if values.shape[0] else values.new_zeros(()))
 
 
-def _add_call_value(stats: BatchStats, name: str, value: Tensor, groups: list) -> None:
-    """Logs a value every rank of the call holds (a budgeted bound) as (calls, Σ value) sums, divided by the ranks
-    so the batch SUM gives (1, value) per call and merged micro-batches their mean."""
-    share = 1.0
-    for g in groups:
-        share /= group_size(g)
-    stats.add_sums((f"{name}_calls", f"{name}_sum"), torch.stack([torch.ones_like(value), value]).double() * share)
-
-
-def _divergence_rows(div: D.TokenStage, columns: Tensor, n_seq: Tensor, seq_ok: Tensor, row_f: Tensor, n_fn: Tensor,
-                     config: RolloutCorrectionConfig, cp0: float, groups: list, stats: BatchStats,
-                     counts: dict[str, Tensor], step_bounds: BG.StepBounds | None) -> tuple[Tensor, Tensor]:
-    """The divergence filter after the sequence sums (`divergence.py`): the sequence-level decision applied to
-    (row_f, n_fn), its own rejection counts in `counts` and the budgeted bound in `stats`."""
-    bound = div.bound
-    if div.keep is None:  # mean / max: whole sequences
-        keep, bound = D.sequence_keep(columns, n_seq, seq_ok, config, cp0, groups, step_bounds)
-        row_f, n_fn = row_f * keep, n_fn * keep
-        counts.update(n_div_tok=n_seq * (1.0 - keep), n_div_seq=seq_ok & (keep == 0))
-    else:
-        kept = torch.where(seq_ok, columns[:, 0], torch.zeros_like(n_seq))
-        counts.update(n_div_tok=n_seq - kept, n_div_seq=seq_ok & (kept == 0))
-    if bound is not None:
-        _add_call_value(stats, "div_bound", bound, groups)
-    return row_f, n_fn
-
-
-def _custom(fn: Callable, stats: BatchStats, fn_metrics: dict[str, Tensor], lr: Tensor, valid: Tensor, good: Tensor,
-            s_lr: Tensor, n_seq: Tensor, seg: Segments, cp_group: ProcessGroup, dp_group: ProcessGroup,
-            config: RolloutCorrectionConfig, dtype: torch.dtype) -> tuple[Tensor, Tensor | None, Tensor]:
-    """A custom weighting function on the good sequences: (token keep mask, weights or None, per-sequence
-    kept-token counts [n]). Its raw weights feed the raw-weight metrics (+inf counts as exp(20)); a NaN/inf weight
-    rejects its token (counted, warned); negative weights are counted (an error when the metrics are read). The
-    function sees one sequence per row (a packed row is unpacked for it)."""
-    good_tok = seg.expand(good)
-    mask_in = valid * good_tok
-    inputs = WeightInputs(log_ratio=seg.to_rows(lr * good_tok), loss_mask=seg.to_rows(mask_in > 0),
-                          seq_log_ratio_sum=s_lr, seq_token_count=n_seq, cp_group=cp_group, dp_group=dp_group)
-    out = call_weight_function(fn, inputs, config)
-    fn_metrics.update(out.metrics)
-    fn_mask = valid_float(seg.from_rows(out.loss_mask), dtype) * mask_in
-    weights = None if out.weights is None else seg.from_rows(out.weights.detach().to(dtype))
-    if out.raw_weights is not None:  # an overflowed raw weight counts as the built-in ceiling exp(20)
-        raw = seg.from_rows(out.raw_weights.detach().to(dtype)).nan_to_num(0.0, math.exp(LOG_RATIO_CLAMP), 0.0)
-        unit0 = mask_in if config.tis_level == "token" else mask_in / seg.expand(n_seq.clamp_min(1), fill=1.0)
-        stats.add_sums(M.RAW_SUMS, M.raw_weight_columns(raw, unit0, *config.tis_bounds).sum(0, dtype=torch.float64))
-    if weights is not None:  # a NaN/inf weight rejects its token (counted), like a non-finite log-prob
-        finite, bad = custom_weight_counts(weights, fn_mask)
-        stats.add_sums(("n_fn_bad_w", "n_fn_neg_w"), bad)
-        fn_mask = fn_mask * finite
-    n_fn = seq_sums([seg.sum(fn_mask)], cp_group)[:, 0]
-    return fn_mask, weights, n_fn
+def normalization_stage(r: dict[str, Tensor], weighted: Weighted, config: RolloutCorrectionConfig, normalize: bool,
+                        batch_norm_mean: Tensor | None, seg: Segments, dtype: torch.dtype) -> Normalized:
+    """`--tis-batch-normalize`: w / mean(w) over the contributing units (`batch_norm_mean`, default this call's);
+    per-sequence weights are expanded to the tokens in the same pass (x final mask)."""
+    divisor = None
+    if "w_u" in r and config.tis_batch_normalize and normalize:
+        divisor = normalization_divisor(weight_mean(r) if batch_norm_mean is None else batch_norm_mean)
+    weights = weighted.weights
+    if weighted.seq_weights is not None:
+        seq_weights = weighted.seq_weights if divisor is None else weighted.seq_weights / divisor.to(dtype)
+        weights = seg.expand(seq_weights) * weighted.final_mask
+    elif divisor is not None:
+        weights = weights.div_(divisor.to(dtype))
+    return Normalized(weights, divisor)
 
 
 def normalize_weights(result: CorrectionResult, config: RolloutCorrectionConfig, mean: Tensor,
