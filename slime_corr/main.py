@@ -180,6 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         if rank == 0:
             print(_interrupted_line(run_config, progress), file=sys.stderr, flush=True)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun SIGKILLs ranks still alive 30 s after its SIGINT:
+            sys.stdout.flush()  # `run` closed everything; the interpreter's teardown of a loaded machine could not
+            os._exit(130)  # be counted on to fit
         return 130
     except CustomFunctionError as e:  # the user's function: one line, its own traceback on request
         show = e.__cause__ is not None and run_config.hparams.get("custom_function_traceback")

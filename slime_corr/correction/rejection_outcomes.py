@@ -40,11 +40,14 @@ REJECTION_OUTCOME_METRICS = (
 def rejection_outcome_pairs(valid: Tensor, kept: Tensor, advantages: Tensor, rewards: Tensor | None,
                             segments: Segments | None = None, cp_group: ProcessGroup = None) -> dict[str, Tensor]:
     """{metric: [numerator, denominator]} of one micro-batch (see the module doc). `valid`, `kept`: [B, S] 0/1
-    masks (any dtype); `advantages`: [B, S] (this rank's CP slice); `rewards`: [n] per sequence, or None (the
-    reward means are then left out); `segments`: the sequences of the rows (default: one per row)."""
+    masks (any dtype); `advantages`: per token [B, S] (this rank's CP slice) or per sequence [n] / [n, 1];
+    `rewards`: [n] per sequence, or None (the reward means are then left out); `segments`: the sequences of the rows
+    (default: one per row)."""
     seg = segments or Segments.rows(*valid.shape)
     valid = valid.to(torch.float64)
     kept = kept.to(torch.float64) * valid
+    if advantages.shape != valid.shape:  # per sequence: broadcast along its tokens
+        advantages = seg.expand(advantages.reshape(-1))
     adv = torch.where(valid > 0, advantages.to(torch.float64), 0.0)
     per_seq = seq_sums([seg.sum(valid), seg.sum(kept), seg.sum(adv)], cp_group)  # [n, 3], whole sequences
     had, rejected = per_seq[:, 0] > 0, (per_seq[:, 0] > 0) & (per_seq[:, 1] == 0)

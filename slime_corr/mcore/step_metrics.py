@@ -74,8 +74,9 @@ def build_report(
     for key, value in out.metrics.items():
         if key in skip or key == "pg_loss":
             continue
-        if key in COUNT_FRACTIONS:
-            report[COUNT_FRACTIONS[key]] = ratio_pair(value.detach().to(torch.float64), in_mask)
+        if key in COUNT_FRACTIONS:  # dropped tokens of the trained ones; NaN/inf advantages of the valid ones
+            total = in_mask if key == NONFINITE_COUNT else (loss_mask > 0).sum().to(torch.float64)
+            report[COUNT_FRACTIONS[key]] = ratio_pair(value.detach().to(torch.float64), total)
             continue
         report[key] = ratio_pair(value.detach().to(torch.float64) * tokens, tokens)
     report[NONFINITE_FRACTION] = ratio_pair(nonfinite, in_mask)

@@ -106,6 +106,7 @@ def reference(cfg: RolloutCorrectionConfig, opts: dict, data: list[dict], logits
     """Single rank, full tensors, the whole step as ONE [N_MB·B, S] batch: its loss and gradient wrt the logits,
     its correction (micro-batch k = rows k·B..(k+1)·B) and the step metrics. Only a custom weighting function's
     own metrics are the mean of per-micro-batch values, as the hook documents."""
+    from slime_corr.correction.rejection_outcomes import rejection_outcome_pairs
     from slime_corr.losses import compute_policy_loss
 
     step = {k: torch.cat([b[k] for b in data]) for k in data[0]}
@@ -122,6 +123,12 @@ def reference(cfg: RolloutCorrectionConfig, opts: dict, data: list[dict], logits
     metrics.update(loss=out.loss.item(), loss_denominator=out.denominator.item())
     in_mask = out.correction.loss_mask if cfg.use_rollout_correction else step["loss_mask"]
     metrics["pg_nonfinite_token_fraction"] = metrics["pg_nonfinite_token_count"] / max(1, (in_mask > 0).sum().item())
+    metrics["pg_nonfinite_advantage_fraction"] = (metrics["pg_nonfinite_advantage_count"]
+                                                  / max(1, (step["loss_mask"] > 0).sum().item()))
+    if out.correction is not None and cfg.rejects:  # checked against a loop in tests/correction
+        pairs = rejection_outcome_pairs(step["loss_mask"], out.correction.loss_mask, step["advantages"],
+                                        step.get("rewards"))
+        metrics.update({k: (v[0] / v[1]).item() for k, v in pairs.items()})
     if opts["compute_entropy"] or terms is not None:
         metrics["entropy"] = entropy.detach()[step["loss_mask"] > 0].mean().item()
     if out.correction is not None:
@@ -218,7 +225,10 @@ def check_sequence_reduction(tag: str, cfg: RolloutCorrectionConfig, opts: dict,
         assert all(id(grp) in where for _, grp, _ in calls), f"{tag}: collective on an unexpected group"
         hist = [(where[id(grp)], shape) for _, grp, shape in calls if shape[-1:] == (LEVEL1_BINS,)]
         seq = [shape for _, grp, shape in calls if grp is groups.cp and len(shape) == 2 and shape[-1] != LEVEL1_BINS]
-        expected = 0 if groups.cp_size == 1 else (2 if cfg.custom_tis_function_path else 1)
+        # the correction's one per-sequence CP sum (a custom function's own second), and the reward-aware rejection
+        # diagnostics' [n, 3] one with a correction that rejects (correction/rejection_outcomes.py)
+        expected = 0 if groups.cp_size == 1 else (
+            (2 if cfg.custom_tis_function_path else 1) + (1 if cfg.rejects else 0))
         assert len(seq) == expected and all(shape[0] == b_local for shape in seq), f"{tag}: {seq}"
         # a budget (one micro-batch: its own bound) adds its histogram SUM per group, nothing else
         budgets = (cfg.rs_divergence_budget is not None) + (cfg.tis_ess_target is not None)

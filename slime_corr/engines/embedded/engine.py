@@ -373,7 +373,9 @@ def start_local_engine(
                          served_model_name=served_model_name, group_timeout=group_timeout,
                          enable_return_routed_experts=enable_return_routed_experts)
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(engine.app, handle_signals=False, access_log=None)
+    # an engine that stops drops its requests: no wait for their handlers (aiohttp's default is 60 s, longer than
+    # torchrun's 30 s between its SIGINT to a job's ranks and its SIGKILL)
+    runner = web.AppRunner(engine.app, handle_signals=False, access_log=None, shutdown_timeout=1.0)
     started = threading.Event()
     error: list[BaseException] = []
 
