@@ -7,9 +7,10 @@
   sums over DP×CP and logs numerator / denominator, which is the step value:
   `pg_loss` = [loss_sum, count] (the loss the gradients are of); the loss-level token means `ppo_kl`,
   `pg_clipfrac`, `ois` = [mean · tokens, tokens]; `pg_nonfinite_token_fraction` = [dropped tokens, tokens in the
-  loss mask] and `pg_nonfinite_advantage_fraction` = [NaN/inf advantages, tokens in the loss mask]; `entropy` = [Σ H, valid tokens]; and every ratio-of-sums correction metric
-  (`slime_corr.correction.reporting`), contributed by DP×CP rank 0 only (zeros elsewhere), since the core's
-  statistics of a micro-batch are already reduced over DP×CP.
+  loss mask]; `pg_nonfinite_advantage_fraction` = [NaN/inf advantages, valid tokens]; `entropy` = [Σ H, valid
+  tokens]; every ratio-of-sums correction metric (`slime_corr.correction.reporting`), contributed by DP×CP rank 0
+  only (zeros elsewhere), since the core's statistics of a micro-batch are already reduced over DP×CP; and with a
+  correction that rejects, the reward-aware rejection pairs (`slime_corr.correction.rejection_outcomes`).
 - 1-element tensors: a custom weighting function's own metrics (Megatron averages them over micro-batches).
 
 The correction metrics that are not ratios (min/max, std, quantiles, ESS, counts) cannot be averaged that way:
@@ -35,7 +36,7 @@ from slime_corr.mcore.context_parallel import ParallelGroups, all_reduce_dp_cp
 NONFINITE_COUNT = "pg_nonfinite_token_count"
 NONFINITE_FRACTION = "pg_nonfinite_token_fraction"
 ADVANTAGE_COUNT = "pg_nonfinite_advantage_count"  # `compute_policy_loss`'s; an error on the host (check_host_metrics)
-# counts reported as [count, tokens in the loss mask] pairs (Megatron logs the fraction), read back as the count
+# counts reported as [count, tokens] pairs (Megatron logs the fraction), read back as the count over DP×CP
 COUNT_FRACTIONS = {NONFINITE_COUNT: NONFINITE_FRACTION, ADVANTAGE_COUNT: "pg_nonfinite_advantage_fraction"}
 
 
