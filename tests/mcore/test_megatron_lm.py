@@ -201,6 +201,7 @@ def _rollout_data(args) -> list[list[dict]]:
 
 def reference(cfg, args, rollouts):
     """One rank, full batch, torch.log_softmax: per step (loss, {param index: grad}, metrics, lp_old)."""
+    from slime_corr.correction.rejection_outcomes import rejection_outcome_pairs
     from slime_corr.losses import compute_policy_loss
 
     model = _gpt(_model_config(args, full=True), args)
@@ -218,6 +219,10 @@ def reference(cfg, args, rollouts):
             grads = {j: p.grad.detach().clone() for j, p in enumerate(model.parameters())}
             assert all(g.abs().sum() > 0 for g in grads.values() if g.dim() > 1), "a trivial reference"
             metrics = {k: v.item() for k, v in res.metrics.items()}
+            if res.correction is not None and cfg.rejects:  # the loss report's rejection outcomes (tests/correction)
+                pairs = rejection_outcome_pairs(step["loss_mask"], res.correction.loss_mask, step["advantages"],
+                                                step.get("rewards"))
+                metrics.update({k: (v[0] / v[1]).item() for k, v in pairs.items()})
             out.append((res.loss.item(), grads, metrics, old[i:i + N_MB]))
             with torch.no_grad():
                 for p in model.parameters():
