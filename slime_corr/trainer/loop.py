@@ -284,24 +284,30 @@ class _Job:
                 if later < cfg.num_rollout or cfg.save:
                     ahead.append(self.driver.submit(later))
             samples = self._bound_staleness(rollout, samples, record)
-        if cfg.mask_offpolicy_in_partial_rollout:
+        return self._mask_old_tokens(samples, record)
 
-            steps = cfg.num_steps_per_rollout
-            assert isinstance(steps, int)
-            per_step = max(1, len(samples) // steps)
+    def _mask_old_tokens(self, samples: list[Sample], record: RolloutRecord) -> list[Sample]:
+        """`--mask-offpolicy-in-partial-rollout` and `--max-token-staleness`: the tokens they take out of the loss,
+        counted per step (step k of the rollout trains samples[k·per_step : (k+1)·per_step])."""
+        cfg = self.cfg
+        if not cfg.mask_offpolicy_in_partial_rollout and cfg.max_token_staleness is None:
+            return samples
+        steps = cfg.num_steps_per_rollout
+        assert isinstance(steps, int)
+        per_step = max(1, len(samples) // steps)
+        if cfg.mask_offpolicy_in_partial_rollout:
             record.offpolicy_masked = [0] * steps
-            for i, sample in enumerate(samples):
-                samples[i], masked = mask_offpolicy_tokens(sample)
-                record.offpolicy_masked[i // per_step] += masked
-        if cfg.max_token_staleness is not None:  # step k of the rollout trains samples[k·per_step : (k+1)·per_step]
-            steps = cfg.num_steps_per_rollout
-            assert isinstance(steps, int)
-            per_step = max(1, len(samples) // steps)
+        if cfg.max_token_staleness is not None:
             record.stale_masked = [0] * steps
-            for i, sample in enumerate(samples):
-                k = min(i // per_step, steps - 1)
-                samples[i], masked = mask_stale_tokens(sample, state.step + k, cfg.max_token_staleness)
+        for i, sample in enumerate(samples):
+            k = min(i // per_step, steps - 1)
+            if cfg.mask_offpolicy_in_partial_rollout:
+                sample, masked = mask_offpolicy_tokens(sample)
+                record.offpolicy_masked[k] += masked
+            if cfg.max_token_staleness is not None:
+                sample, masked = mask_stale_tokens(sample, self.state.step + k, cfg.max_token_staleness)
                 record.stale_masked[k] += masked
+            samples[i] = sample
         return samples
 
     def _bound_staleness(self, rollout: int, samples: list[Sample], record: RolloutRecord) -> list[Sample]:
