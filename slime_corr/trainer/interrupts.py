@@ -11,7 +11,9 @@ calls it before it starts anything) puts `_on_signal` on both signals:
   writers (forked: killed mid-file, their parent would wait for them forever) and its results-queue manager (spawned:
   killed while it starts, the save fails). Both start from inside the block with SIGINT blocked in the main thread's
   signal mask, which a child inherits (also across exec): they never see it. The job's own SIGINT is taken by
-  another of its threads, or by the main thread once the block ends.
+  another of its threads, or by the main thread once the block ends. multiprocessing's resource tracker, started by
+  the first spawn of a process, unblocks SIGINT in the thread that starts it (`ensure_running`): the block starts it
+  first, so a spawn inside the block leaves the mask alone.
 Without `install()` (slime_corr used as a library) Python's own handler stays and these functions change nothing.
 """
 
@@ -23,6 +25,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
+from multiprocessing import resource_tracker
 from types import FrameType
 
 _installed = False
@@ -75,6 +78,7 @@ def deferred() -> Iterator[None]:
     if not _installed or _deferring or threading.current_thread() is not threading.main_thread():
         yield
         return
+    resource_tracker.ensure_running()  # here, not inside the block: starting it unblocks SIGINT (see the module doc)
     _deferring = True
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # inherited by what forks from here
     try:

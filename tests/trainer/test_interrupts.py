@@ -79,6 +79,39 @@ def test_a_writer_forked_inside_a_deferred_block_outlives_a_ctrl_c(installed, tm
     assert child.exitcode == 0 and out.read_text() == "whole"
 
 
+SPAWN_IN_A_DEFERRED_BLOCK = """
+import multiprocessing, signal
+from slime_corr.trainer import interrupts
+
+def blocked_here(queue):
+    queue.put(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+
+if __name__ == "__main__":
+    interrupts.install()
+    ctx = multiprocessing.get_context("spawn")
+    with interrupts.deferred():
+        queue = ctx.Queue()  # the process's first spawn-context object (Megatron's save: a spawned Manager's queue)
+        child = ctx.Process(target=blocked_here, args=(queue,))
+        child.start()
+        in_child = queue.get(timeout=120)
+        in_parent = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        child.join(60)
+    print(f"child={in_child} parent={in_parent}")
+"""
+
+
+def test_a_process_spawned_inside_a_deferred_block_starts_with_sigint_blocked(tmp_path):
+    """Megatron's results-queue manager is spawned inside the save; the spawn also starts multiprocessing's resource
+    tracker, which unblocks SIGINT in its caller. A fresh interpreter, so that the tracker is not running yet (CI:
+    a terminal's Ctrl-C reached the manager while it still imported multiprocessing: a traceback)."""
+    script = tmp_path / "spawn_in_block.py"
+    script.write_text(SPAWN_IN_A_DEFERRED_BLOCK)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONPATH": str(Path(interrupts.__file__).parents[2])})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "child=True parent=True", proc.stdout + proc.stderr[-2000:]
+
+
 def test_without_install_nothing_changes(monkeypatch):
     monkeypatch.setattr(interrupts, "_installed", False)
     with interrupts.deferred():
