@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -58,8 +57,8 @@ def run_variant(flags: list[str], args: argparse.Namespace, work: Path) -> dict[
                *main]
     else:
         cmd = [sys.executable, *main]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=1800)
+    # the device is the job's to decide (slime_corr.device: a GPU when there is one; `-- --device cpu` to pin it)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800)
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     records = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]

@@ -59,3 +59,29 @@ def count_ops(fn: Callable[[], object], warmup: int = 1) -> OpCounter:
     with OpCounter() as counter:
         fn()
     return counter
+
+
+SYNC_CALLS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"})
+
+
+def cuda_profile(fn: Callable[[], object], warmup: int = 1) -> tuple[int, float, int, Counter[str]]:
+    """(kernels, GPU busy ms, host syncs, GPU ms per kernel name) of one call of `fn` on CUDA, by `torch.profiler`:
+    every device activity (kernels, memsets, copies) counts, busy time is their summed durations (one stream), syncs
+    are the runtime's synchronize calls (a `.item()` is one; the caller's own closing synchronize is not counted)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = prof.events()
+    by_name: Counter[str] = Counter()
+    for e in events:
+        if e.device_type == DeviceType.CUDA:
+            by_name[e.name[:80]] += (getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)) / 1e3
+    kernels = sum(1 for e in events if e.device_type == DeviceType.CUDA)
+    syncs = sum(1 for e in events if e.name in SYNC_CALLS) - 1
+    return kernels, sum(by_name.values()), syncs, by_name

@@ -40,7 +40,7 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from op_count import count_ops  # bench/op_count.py
+from op_count import count_ops, cuda_profile  # bench/op_count.py
 
 from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.correction import compute_rollout_correction, metrics_to_host
@@ -349,6 +349,8 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="also time --rollout-correction-compile (torch.compile)")
     p.add_argument("--verl-version", default=VERL_VERSION)
     p.add_argument("--device", default="cpu", help="where the tensors live: cpu (default), cuda, cuda:1, ...")
+    p.add_argument("--kernel-table", type=int, default=0, metavar="N",
+                   help="on CUDA: after each row, our N kernels with the most GPU time (torch.profiler)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="wall: perf_counter (the numbers to report); cpu: this thread's CPU time, which other "
                         "processes on a shared machine disturb less (for A/B work; with --threads 1 only)")
@@ -367,6 +369,8 @@ def main() -> None:
     head = "| config | size | ours ms | verl ms | verl/ours | peak ours MiB | peak verl MiB | ops ours | ops verl |"
     if args.compile:
         head += " compiled ms | verl/compiled |"
+    if DEVICE.type == "cuda":  # torch.profiler: device activities, their summed time, host syncs (ours / verl)
+        head += " kernels ours / verl | GPU busy ms ours / verl | syncs ours / verl |"
     print(head)
     print("|" + "---|" * head.count(" |"))
     failed = False
@@ -396,6 +400,12 @@ def main() -> None:
                     f"{ops['verl']} |")
             if compiled_cfg is not None:
                 line += f" {t['compiled'] * 1e3:.2f} | {t['verl'] / t['compiled']:.2f}x |"
+            if DEVICE.type == "cuda":
+                (ko, bo, so, top), (kv, bv, sv, _) = (cuda_profile(fns[name]) for name in ("ours", "verl"))
+                line += f" {ko} / {kv} | {bo:.2f} / {bv:.2f} | {so} / {sv} |"
+                if args.kernel_table:
+                    line += "\n" + "\n".join(f"|   | {ms:.3f} ms | {name} |" for name, ms in top.most_common(
+                        args.kernel_table))
             print(line, flush=True)
     if failed:
         sys.exit("some rows differ from verl (see DIFFERENT above)")

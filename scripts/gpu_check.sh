@@ -26,16 +26,18 @@
 #   main      `python -m slime_corr.main --rollout-engine embedded --num-rollout 2 --device cuda`
 #   sglang    the same with `--rollout-engine sglang`, and `pytest -m sglang` (SKIP when PY cannot import sglang)
 #   megatron  Megatron-LM's own train_step with the loss hook (tests/mcore/test_megatron_lm.py)
-#   bench     bench/vs_verl.py --device cuda, eager, then with --compile (SKIP without verl's wheel: not fetched)
+#   bench     bench/vs_verl.py --device cuda, eager (SKIP without verl's wheel: it is not fetched)
+#   compiled  the same with --compile (--rollout-correction-compile beside eager and verl)
 #   e2e       bench/e2e.py (the SGLang engine when importable, else the embedded one) on the GPU
 # Without a GPU (torch.cuda.is_available() False) every GPU step is a SKIP naming that; --cpu runs the CPU parts.
 # Environment: GPU_CHECK_PYTEST_K (a pytest -k expression for device/meta), GPU_CHECK_PYTEST_ARGS,
-# GPU_CHECK_BENCH_ARGS (extra vs_verl.py args), GPU_CHECK_E2E_ARGS (extra e2e.py args), GPU_CHECK_STEP_TIMEOUT
-# (seconds per step, default 1800), GPU_CHECK_SITE (where --wheels installs, default .gpu_check_site).
+# GPU_CHECK_BENCH_ARGS (extra vs_verl.py args), GPU_CHECK_COMPILE_ARGS (more for its --compile run), GPU_CHECK_E2E_ARGS (extra e2e.py args), GPU_CHECK_STEP_TIMEOUT
+# (seconds per step, default 1800), GPU_CHECK_SITE (where --wheels installs, default .gpu_check_site), GPU_CHECK_TAIL
+# (lines of each step's output in the report, default 60).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-STEPS="env,wheels,device,meta,failing,main,sglang,megatron,bench,e2e"
+STEPS="env,wheels,device,meta,failing,main,sglang,megatron,bench,compiled,e2e"
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 die() { echo "gpu_check.sh: $*" >&2; exit 2; }
@@ -87,7 +89,7 @@ wants() { case ",$ONLY," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 note() { echo "$*" | tee -a "$REPORT"; }
 py_has() { "$PY" -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec(sys.argv[1]) else 1)" "$1" 2>/dev/null; }
 
-# run NAME CMD...: one step; its status and the last 60 lines of its output go to the report
+# run NAME CMD...: one step; its status and the last GPU_CHECK_TAIL lines of its output go to the report
 run() {
   local name=$1; shift
   if [ "$DRY" = 1 ]; then
@@ -113,7 +115,7 @@ run() {
   note "### $name: $status ($why, $((SECONDS - t0)) s)"
   note '```'
   note "\$ $*"
-  grep -v '^USDT:' "$log" | tail -n 60 | tee -a "$REPORT" >/dev/null
+  grep -v '^USDT:' "$log" | tail -n "${GPU_CHECK_TAIL:-60}" | tee -a "$REPORT" >/dev/null
   note '```'
   rm -f "$log"
   SUMMARY+=("| $name | $status | $why, $((SECONDS - t0)) s |")
@@ -283,20 +285,27 @@ verl_here() {
   fi
   return 1
 }
-if wants bench; then
-  # shellcheck disable=SC2206
-  bench_extra=(${GPU_CHECK_BENCH_ARGS:-})
+# shellcheck disable=SC2206
+bench_extra=(${GPU_CHECK_BENCH_ARGS:-})
+for step in bench compiled; do
+  wants "$step" || continue
   if [ "$DRY" = 0 ] && ! verl_here; then
-    skip "bench" "verl $VERL_VERSION's wheel is in neither $VERL_CACHE nor --wheels DIR (it is not fetched)"
+    skip "$step" "verl $VERL_VERSION's wheel is in neither $VERL_CACHE nor --wheels DIR (it is not fetched)"
   elif [ "$MODE" = cpu ]; then
-    run "bench: vs_verl.py on cpu (small)" "$PY" bench/vs_verl.py --threads 1 --repeats 3 --sizes 8x256 \
-      --rows metrics,ppo "${bench_extra[@]}"
-  elif gpu_step "bench"; then
-    run "bench: vs_verl.py on cuda, eager" "$PY" bench/vs_verl.py --device cuda --threads 1 "${bench_extra[@]}"
-    run "bench: vs_verl.py on cuda, eager and --compile" "$PY" bench/vs_verl.py --device cuda --compile \
-      --threads 1 "${bench_extra[@]}"
+    [ "$step" = bench ] && run "bench: vs_verl.py on cpu (small)" "$PY" bench/vs_verl.py --threads 1 --repeats 3 \
+      --sizes 8x256 --rows metrics,ppo "${bench_extra[@]}"
+    [ "$step" = compiled ] && skip "compiled" "CPU mode (torch.compile takes minutes on a CPU: run it by hand)"
+  elif gpu_step "$step"; then
+    if [ "$step" = bench ]; then
+      run "bench: vs_verl.py on cuda, eager" "$PY" bench/vs_verl.py --device cuda --threads 1 "${bench_extra[@]}"
+    else
+      # shellcheck disable=SC2206
+      compile_extra=(${GPU_CHECK_COMPILE_ARGS:-})
+      run "compiled: vs_verl.py on cuda, eager and --compile" "$PY" bench/vs_verl.py --device cuda --compile \
+        --threads 1 "${bench_extra[@]}" "${compile_extra[@]}"
+    fi
   fi
-fi
+done
 if wants e2e; then
   if [ "$MODE" = cpu ]; then
     skip "e2e" "CPU mode (minutes on a CPU: run bench/e2e.py by hand)"
