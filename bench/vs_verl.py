@@ -347,6 +347,8 @@ def main() -> None:
     p.add_argument("--rows", default=",".join(ROW_KEYS), help="comma list of " + ", ".join(ROW_KEYS))
     p.add_argument("--sizes", default=",".join(f"{b}x{s}" for b, s in SIZES))
     p.add_argument("--compile", action="store_true", help="also time --rollout-correction-compile (torch.compile)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="also time --rollout-correction-cuda-graph (the correction replayed from a CUDA graph)")
     p.add_argument("--verl-version", default=VERL_VERSION)
     p.add_argument("--device", default="cpu", help="where the tensors live: cpu (default), cuda, cuda:1, ...")
     p.add_argument("--kernel-table", type=int, default=0, metavar="N",
@@ -369,6 +371,8 @@ def main() -> None:
     head = "| config | size | ours ms | verl ms | verl/ours | peak ours MiB | peak verl MiB | ops ours | ops verl |"
     if args.compile:
         head += " compiled ms | verl/compiled |"
+    if args.cuda_graph:
+        head += " graphed ms | verl/graphed |"
     if DEVICE.type == "cuda":  # torch.profiler: device activities, their summed time, host syncs (ours / verl)
         head += " kernels ours / verl | GPU busy ms ours / verl | syncs ours / verl |"
     print(head)
@@ -376,12 +380,15 @@ def main() -> None:
     failed = False
     for row in selected:
         compiled_cfg = row.config.replace(rollout_correction_compile=True) if args.compile else None
+        graph_cfg = row.config.replace(rollout_correction_cuda_graph=True) if args.cuda_graph else None
         for b, s in sizes:
             x = make_inputs(b, s)
             problems = compare(row, run_ours(row, x), run_verl(verl, row, x))
             if compiled_cfg is not None:
                 problems += [f"compiled {p}" for p in compare(row, run_ours(row, x, compiled_cfg),
                                                               run_verl(verl, row, x), exact=False)]
+            if graph_cfg is not None:
+                problems += [f"graphed {p}" for p in compare(row, run_ours(row, x, graph_cfg), run_verl(verl, row, x))]
             if problems:
                 failed = True
                 print(f"| {row.name} | {b}x{s} | DIFFERENT: {'; '.join(problems)} |")
@@ -390,6 +397,8 @@ def main() -> None:
                                                     "verl": partial(run_verl, verl, row, x)}
             if compiled_cfg is not None:
                 fns["compiled"] = partial(run_ours, row, x, compiled_cfg)
+            if graph_cfg is not None:
+                fns["graphed"] = partial(run_ours, row, x, graph_cfg)
             if DEVICE.type == "cuda":  # the time until the device is done, not until the launches are queued
                 fns = {name: partial(_synced, fn) for name, fn in fns.items()}
             t = interleaved(fns, args.repeats, time.perf_counter if args.clock == "wall" else time.thread_time)
@@ -400,6 +409,8 @@ def main() -> None:
                     f"{ops['verl']} |")
             if compiled_cfg is not None:
                 line += f" {t['compiled'] * 1e3:.2f} | {t['verl'] / t['compiled']:.2f}x |"
+            if graph_cfg is not None:
+                line += f" {t['graphed'] * 1e3:.2f} | {t['verl'] / t['graphed']:.2f}x |"
             if DEVICE.type == "cuda":
                 (ko, bo, so, top), (kv, bv, sv, _) = (cuda_profile(fns[name]) for name in ("ours", "verl"))
                 line += f" {ko} / {kv} | {bo:.2f} / {bv:.2f} | {so} / {sv} |"

@@ -174,6 +174,9 @@ def add_rollout_correction_args(parser: argparse.ArgumentParser) -> argparse.Arg
 
     switch("--rollout-correction-compile",
            "torch.compile the per-token work of correction + loss (fused kernels; the first step compiles).")
+    switch("--rollout-correction-cuda-graph",
+           "On CUDA: capture the correction once per input shape into a CUDA graph and replay it (one launch "
+           "instead of ~200; pad micro-batches to a few lengths). Calls with DP/CP groups or packed rows run eager.")
     switch("--warn-invalid-inputs",
            "Impossible input values (loss mask outside {0,1} or NaN, log-prob > 0 or NaN, advantage NaN/inf in "
            "the mask) warn and are counted (mis_invalid_mask_count, mis_positive_logprob_count, "

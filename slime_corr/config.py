@@ -101,6 +101,7 @@ class RolloutCorrectionConfig:
 
     # --- how it runs ---
     rollout_correction_compile: bool = False  # torch.compile the per-token work of correction + loss
+    rollout_correction_cuda_graph: bool = False  # replay the correction from a CUDA graph per input shape
     warn_invalid_inputs: bool = False  # impossible inputs (mask not 0/1, log-prob > 0 or NaN, advantage NaN/inf): warn
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]]

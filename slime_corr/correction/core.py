@@ -26,6 +26,7 @@ from torch import Tensor
 
 from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.correction import budget as BG
+from slime_corr.correction import cuda_graphs
 from slime_corr.correction import divergence as D
 from slime_corr.correction import metrics as M
 from slime_corr.correction import quantiles as Q
@@ -144,9 +145,22 @@ def compute_rollout_correction(
     (`budget.StepBounds`: a collecting pass over the step's micro-batches, then each uses the step's bound); None:
     the bound of this call's own statistics.
     With `--rollout-correction-compile` the per-token stages run torch.compile'd (same results).
+    With `--rollout-correction-cuda-graph` (CUDA) the call is replayed from a CUDA graph (`cuda_graphs`).
     """
     check_correction_inputs(log_probs, rollout_log_probs, loss_mask, config, batch_norm_mean, cp_group, dp_group,
                             segments)
+    options = dict(cp_group=cp_group, dp_group=dp_group, batch_norm_mean=batch_norm_mean, normalize=normalize,
+                   finalize_metrics=finalize_metrics, segments=segments, step_bounds=step_bounds)
+    if config.rollout_correction_cuda_graph and config.computes_metrics:
+        return cuda_graphs.run(_correction, [log_probs, rollout_log_probs, loss_mask], config, **options)
+    return _correction(log_probs, rollout_log_probs, loss_mask, config, **options)
+
+
+def _correction(log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor, config: RolloutCorrectionConfig, *,
+                cp_group: ProcessGroup, dp_group: ProcessGroup, batch_norm_mean: Tensor | None, normalize: bool,
+                finalize_metrics: bool, segments: Segments | None, step_bounds: BG.StepBounds | None
+                ) -> CorrectionResult:
+    """`compute_rollout_correction` after its input checks, in stages."""
     if not config.computes_metrics:
         orig_mask = valid_float(loss_mask, torch.float32)
         return CorrectionResult(weights=None, loss_mask=orig_mask, denominator_mask=orig_mask, metrics={})

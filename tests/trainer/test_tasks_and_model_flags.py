@@ -89,6 +89,8 @@ BAD = [
      "samples of up to 136 prompt + --rollout-max-response-len 12 tokens) can take 1184 tokens"),  # 8 + 128 of template
     (["--model", "llama-7b"], {}, "argument --model: invalid choice: 'llama-7b'"),
     (["--task", "poetry"], {}, "argument --task: invalid choice: 'poetry'"),
+    (["--rollout-correction-preset", "decoupled_seq_is_rs", "--rollout-correction-cuda-graph", "--device", "cpu"], {},
+     "--rollout-correction-cuda-graph replays CUDA graphs, and this run is on cpu: leave it off"),
 ]
 
 
