@@ -399,6 +399,7 @@ def main() -> None:
                 fns["compiled"] = partial(run_ours, row, x, compiled_cfg)
             if graph_cfg is not None:
                 fns["graphed"] = partial(run_ours, row, x, graph_cfg)
+            unsynced = fns
             if DEVICE.type == "cuda":  # the time until the device is done, not until the launches are queued
                 fns = {name: partial(_synced, fn) for name, fn in fns.items()}
             t = interleaved(fns, args.repeats, time.perf_counter if args.clock == "wall" else time.thread_time)
@@ -412,7 +413,7 @@ def main() -> None:
             if graph_cfg is not None:
                 line += f" {t['graphed'] * 1e3:.2f} | {t['verl'] / t['graphed']:.2f}x |"
             if DEVICE.type == "cuda":
-                (ko, bo, so, top), (kv, bv, sv, _) = (cuda_profile(fns[name]) for name in ("ours", "verl"))
+                (ko, bo, so, top), (kv, bv, sv, _) = (cuda_profile(unsynced[name]) for name in ("ours", "verl"))
                 line += f" {ko} / {kv} | {bo:.2f} / {bv:.2f} | {so} / {sv} |"
                 if args.kernel_table:
                     line += "\n" + "\n".join(f"|   | {ms:.3f} ms | {name} |" for name, ms in top.most_common(

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.device import init_distributed
 from slime_corr.loss_terms import LossTermsConfig
+from slime_corr.mcore import threads as mcore_threads
 from slime_corr.mcore.cpu_compat import apply_cpu_compat
 from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
 from slime_corr.mcore.pipeline import gather_stages
@@ -120,6 +121,7 @@ def run(config: RunConfig, progress: RunProgress | None = None) -> list[RolloutR
                                  context_parallel_size=cfg.context_parallel_size,
                                  pipeline_model_parallel_size=cfg.pipeline_model_parallel_size)
     apply_cpu_compat()
+    mcore_threads.install()  # the embedded engine's forwards (other threads under --async-rollout) get their own
     try:
         with contextlib.ExitStack() as stack:
             return _Job(config, stack, progress or RunProgress()).run()

@@ -49,6 +49,7 @@ from slime_corr.engines.embedded.requests import (
 )
 from slime_corr.engines.embedded.routes import routes_enabled
 from slime_corr.engines.embedded.sampling import position_generator, sample_next_token
+from slime_corr.threads import inference_thread
 
 
 class LocalEngine:
@@ -175,6 +176,10 @@ class LocalEngine:
 
     @torch.inference_mode()
     def _step(self, batch: list[EngineRequest]) -> list[tuple[int, float, torch.Tensor | None]]:
+        with inference_thread():  # a trainer in this process keeps its Megatron scratch state (mcore/threads.py)
+            return self._step_forwards(batch)
+
+    def _step_forwards(self, batch: list[EngineRequest]) -> list[tuple[int, float, torch.Tensor | None]]:
         """One token for each request: unseeded ones share a padded forward, seeded ones get one each. With the
         token and its log-prob, the MoE routes of the rows this forward computed first for a request that asked
         for them (the whole sequence at its first step, then its last token), else None."""
