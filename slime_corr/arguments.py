@@ -172,6 +172,11 @@ def add_rollout_correction_args(parser: argparse.ArgumentParser) -> argparse.Arg
           "--advantage-estimator gspo, verl's loss_mode gspo); set --eps-clip in its units, e.g. 3e-4.",
           choices=POLICY_RATIO_LEVELS)
 
+    switch("--use-opsm", "Off-policy sequence masking (DeepSeek-V3.2, slime's flag): the tokens of a sequence whose "
+           "mean lp_old - lp exceeds --opsm-delta leave the loss's numerator where their advantage is negative.")
+    value("--opsm-delta", "OPSM's bound on a sequence's mean lp_old - lp, in nats (slime's default 1e-4).",
+          type=float)
+
     switch("--rollout-correction-compile",
            "torch.compile the per-token work of correction + loss (fused kernels; the first step compiles).")
     switch("--rollout-correction-cuda-graph",

@@ -93,6 +93,8 @@ class RolloutCorrectionConfig:
     eps_clip_c: float | None = None  # dual clip, > 1; off by default
     loss_agg_mode: LossAggMode = "token-mean"
     policy_ratio_level: RatioLevel = "token"  # sequence: GSPO's ratio exp(mean_t(lp - lp_old)), per token
+    use_opsm: bool = False  # off-policy sequence masking (DeepSeek-V3.2; slime's --use-opsm): see slime_corr/opsm.py
+    opsm_delta: float = 1e-4  # OPSM's bound on a sequence's mean lp_old - lp (slime's --opsm-delta default)
 
     # --- where settings and custom code come from ---
     rollout_correction_preset: str | None = None
@@ -296,6 +298,9 @@ class RolloutCorrectionConfig:
             fail(f"--eps-clip-high={self.eps_clip_high} must be a finite number > 0.")
         if self.eps_clip_c is not None and not (math.isfinite(self.eps_clip_c) and self.eps_clip_c > 1.0):
             fail(f"--eps-clip-c={self.eps_clip_c} must be > 1 (dual clip lower bound on -A*ratio).")
+        if not (math.isfinite(self.opsm_delta) and self.opsm_delta >= 0):
+            fail(f"--opsm-delta={self.opsm_delta} must be a finite number >= 0 (nats: a sequence's mean "
+                 "lp_old - lp above it is masked where its advantage is negative).")
         if self.loss_type == "reinforce" and self.eps_clip_c is not None:
             fail("--eps-clip-c (dual clip) applies to the PPO loss only; drop it with --policy-loss-type reinforce.")
         if self.policy_ratio_level == "sequence" and self.loss_type != "ppo":
@@ -484,6 +489,7 @@ FIELD_KINDS: dict[str, str] = {  # the type of each field ("?": None allowed)
                                  "rs_agg")},
     **{name: "float?" for name in _FLOAT_FIELDS},
     "eps_clip": "float",
+    "opsm_delta": "float",
 }
 _BOUNDS_OF = {"use_tis": ("tis_lower_bound", "tis_upper_bound", "tis_clip", "tis_clip_low"),
               "use_rs": ("rs_lower_bound", "rs_upper_bound"),

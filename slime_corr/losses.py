@@ -48,6 +48,7 @@ from slime_corr.correction.reductions import (
 )
 from slime_corr.correction.segments import Segments
 from slime_corr.loss_terms import LossTermsConfig
+from slime_corr.opsm import opsm_masked
 from slime_corr.registry import LOSS_FUNCTIONS, Registry
 
 LOG_RATIO_CLAMP = 20.0
@@ -303,12 +304,15 @@ def compute_policy_loss(
             step_bounds=step_bounds,
         )
     masks = loss_masks(loss_mask, correction, config, log_probs.dtype)
+    masks, opsm_count = opsm_stage(log_probs, anchored, masks, config, seg, cp_group)
     inputs = loss_inputs(log_probs, rollout_log_probs, anchored, masks, config, seg, cp_group)
     masked = token_losses(inputs, config, loss_fn, loss_terms, ref_log_probs, entropy)
     norm_length = seq_length_for_norm or log_probs.shape[-1] * group_size(cp_group)
     aggregated = aggregate_loss(masked, masks.denominator_mask, correction, config, seg, cp_group, dp_group,
                                 norm_length, log_probs.dtype)
     metrics = loss_metrics(aggregated.loss, inputs, masks, correction, anchored.advantages)
+    if opsm_count is not None:
+        metrics[OPSM_COUNT] = opsm_count
     return PolicyLossOutput(loss=aggregated.loss, loss_sum=aggregated.loss_sum, denominator=aggregated.denominator,
                             metrics=metrics, correction=correction)
 
@@ -335,6 +339,21 @@ def loss_masks(loss_mask: Tensor, correction: CorrectionResult | None, config: R
     if correction is not None and config.use_rollout_correction:
         return LossMasks(valid, correction.loss_mask.to(dtype), correction.denominator_mask, correction.weights)
     return LossMasks(valid, valid, valid, None)
+
+
+OPSM_COUNT = "pg_opsm_masked_token_count"  # tokens OPSM took out of the loss (of those the correction kept)
+
+
+def opsm_stage(log_probs: Tensor, anchored: AnchoredInputs, masks: LossMasks, config: RolloutCorrectionConfig,
+               seg: Segments, cp_group: ProcessGroup) -> tuple[LossMasks, Tensor | None]:
+    """`--use-opsm`: the token mask less the tokens OPSM takes out (`slime_corr.opsm`; the denominator mask keeps
+    them), and how many it took; else the masks unchanged and None."""
+    if not config.use_opsm:
+        return masks, None
+    off = opsm_masked(log_probs, anchored.old_log_probs, anchored.advantages, masks.valid, config.opsm_delta, seg,
+                      cp_group)
+    removed = (off & (masks.token_mask > 0)).sum().to(torch.float64)
+    return masks._replace(token_mask=torch.where(off, 0, masks.token_mask)), removed
 
 
 def loss_inputs(log_probs: Tensor, rollout_log_probs: Tensor | None, anchored: AnchoredInputs, masks: LossMasks,

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.correction import compute_rollout_correction, metrics_to_host
-from slime_corr.losses import compute_policy_loss
+from slime_corr.losses import OPSM_COUNT, compute_policy_loss
 
 WORLD = 4
 B, S = 8, 16
@@ -26,6 +26,9 @@ CASES = (
     (C.preset("pg_rs", rs_upper_bound=1.2), "seq-mean-token-mean"),
     (C(get_mismatch_metrics=True, use_rollout_logprobs=True), "token-mean"),
     (C(), "seq-mean-token-mean"),
+    # OPSM: one sequence-level decision over the whole (CP-split) sequence
+    (C.preset("decoupled_token_is", use_opsm=True, opsm_delta=0.01), "token-mean"),
+    (C(use_opsm=True, opsm_delta=0.0), "seq-mean-token-mean"),
 )
 
 
@@ -79,12 +82,12 @@ def _check_collective_count(cfg, agg, sl, y, old, ro, adv, mask, cp_group, dp_gr
                 2 + quantile_rounds if dp > 1 else 0), tag
             counter.calls.clear()
             compute_policy_loss(sl(y), sl(old), sl(ro), sl(adv), sl(mask), cfg, cp_group=cp_group, dp_group=dp_group)
-            assert counter.count(cp_group) == (3 + quantile_rounds if cp > 1 else 0), tag
+            assert counter.count(cp_group) == (3 + quantile_rounds + cfg.use_opsm if cp > 1 else 0), tag
             assert counter.count(dp_group) == (2 + quantile_rounds if dp > 1 else 0), tag
         else:  # no correction: per-sequence counts (seq-mean-*) over CP, then the global denominator
             compute_policy_loss(sl(y), sl(old), sl(ro), sl(adv), sl(mask), cfg, cp_group=cp_group, dp_group=dp_group)
             seq_level = agg != "token-mean"
-            assert counter.count(cp_group) == ((1 + seq_level) if cp > 1 else 0), tag
+            assert counter.count(cp_group) == ((1 + seq_level + cfg.use_opsm) if cp > 1 else 0), tag
             assert counter.count(dp_group) == (1 if dp > 1 else 0), tag
     finally:
         dist.all_reduce = counter.real
@@ -122,6 +125,10 @@ def _worker(rank: int, store_path: str) -> None:
             tag = f"dp={dp} cp={cp} {cfg.rollout_correction_preset} {agg}"
             torch.testing.assert_close(total, ref.loss.detach(), rtol=1e-10, atol=1e-12, msg=tag)
             torch.testing.assert_close(grad, x.grad, rtol=1e-10, atol=1e-12, msg=tag)
+            if cfg.use_opsm:  # the tokens OPSM removed, summed over the ranks: the single rank's
+                removed = out.metrics[OPSM_COUNT].clone()
+                dist.all_reduce(removed, group=members)
+                assert removed.item() == ref.metrics[OPSM_COUNT].item() > 0, tag
             rc, lc = ref.correction, out.correction
             if rc is not None:
                 assert torch.equal(lc.loss_mask, sl(rc.loss_mask)), tag
