@@ -1,4 +1,4 @@
-"""The README's custom weighting function example, loaded by path through the flag, against hand computation."""
+"""docs/usage.md's custom weighting function example, loaded by path through the flag, against hand computation."""
 
 import argparse
 import math

@@ -1,5 +1,6 @@
-"""Every main-job command line of the README runs as written (with `--num-rollout 1` and a `--run-dir` appended),
-the torchrun ones included: the commands are read from README.md, so an edited README is tested as it reads.
+"""Every main-job command line of the README and the docs pages runs as written (with `--num-rollout 1` and a
+`--run-dir` appended), the torchrun ones included: the commands are read from README.md and docs/*.md (`doc_pages`),
+so an edited page is tested as it reads.
 
 The engine: the main job's command (`bash scripts/run.sh`), the tensor-parallel one (its TP shards are gathered into
 the weights the server loads), those that name `--rollout-engine` and the pretrained ones (marked slow) run on the
@@ -29,16 +30,23 @@ ROOT = Path(__file__).resolve().parents[1]
 JOB = re.compile(r"^(bash scripts/(run|launch_torchrun)\.sh|torchrun .*-m slime_corr\.main|python -m slime_corr\.main)")
 
 
+def doc_pages() -> list[Path]:
+    """README.md first (its first command is the main job's), then the docs pages in name order; docs/flags.md is
+    left out: generated from the parser, it names modules (`python -m slime_corr.main`'s parser), not commands."""
+    return [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "flags.md")]
+
+
 def readme_commands() -> list[str]:
-    """The main-job command lines of README.md: lines of ```bash blocks (continuations joined, comments dropped)
-    and inline `code` spans outside tables (a table row says what a script such as gpu_check.sh runs, not a command
-    to type); placeholders (`...`, /path/to) left out."""
-    text = (ROOT / "README.md").read_text()
+    """The main-job command lines of README.md and the docs pages: lines of ```bash blocks (continuations joined,
+    comments dropped) and inline `code` spans outside tables (a table row says what a script such as gpu_check.sh
+    runs, not a command to type); placeholders (`...`, /path/to) left out."""
     lines: list[str] = []
-    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
-        lines += [re.sub(r"\s+#.*$", "", line).strip() for line in block.replace("\\\n", " ").splitlines()]
-    prose = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("|"))
-    lines += re.findall(r"`([^`\n]+)`", prose)
+    for page in doc_pages():
+        text = page.read_text()
+        for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+            lines += [re.sub(r"\s+#.*$", "", line).strip() for line in block.replace("\\\n", " ").splitlines()]
+        prose = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("|"))
+        lines += re.findall(r"`([^`\n]+)`", prose)
     commands = [re.sub(r"\s+", " ", c) for c in lines if JOB.match(c) and "..." not in c and "/path/to" not in c]
     return list(dict.fromkeys(commands))
 

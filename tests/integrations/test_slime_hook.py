@@ -214,7 +214,7 @@ def test_slime_mis_yaml_loads_with_slime_meaning(caplog):
     assert config.rs_veto_threshold == 1e-4 and config.tis_batch_normalize
     # and the hook equals slime's mis.py on it (nothing rejected by RS there is the veto's sample only)
     batch = make_batch(seed=21, extreme=True)
-    args.tis_batch_normalize = False  # with RS rejections slime's batch mean differs on purpose (README)
+    args.tis_batch_normalize = False  # with RS rejections slime's batch mean differs on purpose (docs/integrations.md)
     weights, mods = mis_reference(args, *batch[:3])
     with caplog.at_level(logging.WARNING):
         got = call_like_slime(load_function("slime_corr.integrations.slime.compute_mis_weights_with_cp"), args,

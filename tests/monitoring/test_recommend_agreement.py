@@ -142,7 +142,7 @@ def test_stale_hint_only_on_asynchronous_runs():
 
 
 @pytest.mark.parametrize("k3, length, preset", [
-    (0.1, 12.0, "decoupled_token_is"),  # the README's experiment: about two thirds would be rejected
+    (0.1, 12.0, "decoupled_token_is"),  # docs/experiments.md's experiment: about two thirds rejected
     (0.02, 2.0, "decoupled_seq_is_rs"),  # severe per token, short responses: few rejected
     (0.02, 200.0, "decoupled_token_is"),  # the same per token, long responses: most rejected
 ])

@@ -6,7 +6,7 @@ metrics of a real pretrained model (bf16 engine vs fp32 trainer) in the output.
 CI: one torchrun launch, data parallel over 2 processes, 2 rollouts of 2 prompts × 4 samples of <= 8 tokens with the
 distributed weight sync (~60 s here); `--hf-checkpoint` with a tiny random Llama checkpoint under TP=2 against one
 process (~30 s). `-m slow`: the same model with TP=3, CP=2 and DP=2 against one process
-(fp32 engine), and the reward rising on the README's command.
+(fp32 engine), and the reward rising on docs/models.md's command.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ SHORT = ["--model", "smollm2-135m", "--rollout-correction-preset", "decoupled_se
          "--rollout-max-response-len", "8", "--rollout-temperature", "0.7", "--lr", "2e-5", "--num-rollout", "2",
          "--entropy-coef", "1e-3", "--rollout-progress", "none", "--seed", "11",  # entropy: every step updates
          "--rollout-engine", "embedded"]
-# the README's run: reward rises within a few minutes on 2 cores
+# docs/models.md's run: reward rises within a few minutes on 2 cores
 README_RUN = ["--model", "smollm2-135m", "--rollout-correction-preset", "decoupled_seq_is_rs", "--rollout-batch-size",
               "4", "--n-samples-per-prompt", "8", "--num-steps-per-rollout", "2", "--micro-batch-size", "8",
               "--rollout-max-response-len", "8", "--rollout-temperature", "0.7", "--lr", "2e-5", "--num-rollout",
