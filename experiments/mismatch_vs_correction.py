@@ -29,7 +29,7 @@ The configurations (CONFIGS), all with the mismatch metrics on:
 
 Outputs: `--out` (the comparison PNG, one column per learning rate: reward, mismatch k3, grad norm per step, clip
 fraction, rejected sequences over optimizer steps, the mean over seeds with a min ... max band, and the final
-reward per seed) and `--summary` (JSON: per learning rate, configuration and seed the numbers the README quotes,
+reward per seed) and `--summary` (JSON: per learning rate, configuration and seed the numbers docs/experiments.md quotes,
 and each run's command); the tables are printed. The runs go to `--work-dir` (metrics.jsonl, console.log;
 `slime-corr report RUN_DIR` works on each); a run whose directory holds a finished run of the same command is
 reused (`--force` reruns). Time: about 30 s per run on 2 CPU cores, 30 runs by default.
@@ -339,7 +339,7 @@ def plot(runs: dict[Planned, Any], summary: dict[str, Any], path: Path, lrs: Seq
     fig.savefig(path, dpi=72)
     from PIL import Image  # a matplotlib dependency
 
-    with Image.open(path) as image:  # 128 colours: a third of the size, the same picture (it goes in the README)
+    with Image.open(path) as image:  # 128 colours: a third of the size, the same picture (it goes in docs/experiments.md)
         small = image.convert("RGB").quantize(colors=128, method=Image.Quantize.MEDIANCUT)
     small.save(path, optimize=True)
     return path

@@ -5,7 +5,7 @@
 # install; bit-reproducible).
 # Flags given are applied on top of that preset (a later --rollout-correction-preset replaces it):
 #   bash scripts/run.sh --num-rollout 4 --async-rollout
-# SmolLM2-135M-Instruct on the arithmetic task instead (README, "Pretrained models"):
+# SmolLM2-135M-Instruct on the arithmetic task instead (docs/models.md):
 #   bash scripts/run.sh --model smollm2-135m --rollout-batch-size 4 --n-samples-per-prompt 8 --num-steps-per-rollout 2 \
 #     --micro-batch-size 8 --rollout-max-response-len 8 --rollout-temperature 0.7 --lr 2e-5 --num-rollout 6
 set -euo pipefail

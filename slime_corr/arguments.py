@@ -190,7 +190,7 @@ def add_rollout_correction_args(parser: argparse.ArgumentParser) -> argparse.Arg
           choices=list(PRESETS))
     value("--custom-config-path", "YAML file of rollout-correction settings (overridden by explicit flags).")
     value("--custom-tis-function-path",
-          "Your weighting function: pkg.mod.fn, pkg.mod:fn or path/file.py:fn (see README).")
+          "Your weighting function: pkg.mod.fn, pkg.mod:fn or path/file.py:fn (see docs/usage.md).")
     return parser
 
 

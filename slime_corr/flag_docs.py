@@ -17,7 +17,7 @@ HEADER = """# Flags of the main job
 
 Generated from `python -m slime_corr.main`'s parser by `python -m slime_corr.flag_docs` (do not edit by hand;
 `tests/test_flag_docs.py` fails when this page is stale). Flags after `--` go to the SGLang servers the job starts (see
-the README's "Rollout engines"). Every value is checked at parse time with a message that names the flag.
+docs/engines.md). Every value is checked at parse time with a message that names the flag.
 """
 
 

@@ -24,7 +24,7 @@ range, the case the guide sends to sequence IS with rejection.)
 
 The level accounts for the response length: in the severe regime the share of sequences `decoupled_seq_is_rs`
 would reject is predicted from the drift and the mean response length (`predicted_rejected_share`); above
-`--max-rejected-share` (0.3) the recommendation is `decoupled_token_is` instead, as in the README's experiment
+`--max-rejected-share` (0.3) the recommendation is `decoupled_token_is` instead, as in the experiment in docs/experiments.md
 (12-token responses, k3 ≈ 0.1: two thirds rejected, and token-level IS trained better).
 """
 
@@ -230,7 +230,7 @@ def recommend(records: Sequence[Mapping[str, float | None]], thresholds: Thresho
                           f"sequence's log-ratio spreads about ±{spread:.2g}: {SEQUENCE_RS_PRESET} would reject "
                           f"about {share:.0%} of the sequences (outside [{lower:g}, {upper:g}]; more than "
                           f"--max-rejected-share {thresholds.max_rejected_share:g}); per-token truncated IS keeps "
-                          "every sequence and bounds each token's weight (in the README's experiment, at k3 ≈ 0.1 "
+                          "every sequence and bounds each token's weight (in the experiment in docs/experiments.md, at k3 ≈ 0.1 "
                           "and 12 tokens, it trained better than sequence-level RS; the spread is the median over "
                           "steps of √(L·(2·k3 − kl²)), L = the mean response length)")
         elif share is None:

@@ -9,7 +9,7 @@ depend on nothing else (a resumed run gets the prompts the uninterrupted one had
 - `arithmetic` (a pretrained chat model's): "a + b" with a, b in 0..9 after a system prompt asking for the result
   only; reward 1 when the last integer in the response text is a + b, else 0. SmolLM2-135M-Instruct at temperature
   0.7 with 8 response tokens starts near 0.35 (it talks, and 8 tokens cut most sentences short) and learns to
-  answer ("4 + 5 = 9.") within a few rollouts (README, "Pretrained models").
+  answer ("4 + 5 = 9.") within a few rollouts (docs/models.md).
 
 A prompt is chat messages: a tokenizer with a chat template renders them (`ChatTokenizer.chat_prompt_ids`), the
 byte-level one encodes the user message's text alone.
