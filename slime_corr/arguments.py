@@ -34,6 +34,8 @@ from slime_corr.config import (
 from slime_corr.errors import ConfigError
 from slime_corr.loss_terms import KL_LOSS_TYPES, LossTermsConfig
 from slime_corr.megatron_lm_flags import check_megatron_lm_rl_flags
+from slime_corr.verl_rollout_rs import OPTIONS as VERL_RS_OPTIONS
+from slime_corr.verl_rollout_rs import rollout_rs_settings
 
 EXPLICIT_ATTR = "_rollout_correction_explicit"
 HOST_FLAGS_ATTR = "_rollout_correction_host_flags"  # {dest: the host's default} of the reused host flags
@@ -148,6 +150,13 @@ def add_rollout_correction_args(parser: argparse.ArgumentParser) -> argparse.Arg
           "the sequence).", choices=RS_AGGS)
     value("--rs-divergence-bound", "Upper bound on the --rs-metric divergence, in its own units (e.g. k3 0.005).",
           type=float)
+    compose_flag(parser, g, "--rollout-rs", default=None, metavar="OPTIONS",
+                 help="verl's spelling of rejection: comma-separated criteria (" + ", ".join(VERL_RS_OPTIONS) +
+                      "), at most one k1 and one k2/k3; sets --use-rs/--rs-level/bounds and --rs-metric/--rs-agg/"
+                      "--rs-divergence-bound (see slime_corr/verl_rollout_rs.py).")
+    compose_flag(parser, g, "--rollout-rs-threshold", default=None, metavar="SPEC",
+                 help="verl's thresholds of --rollout-rs: one for all or one per option, comma separated; a k1 "
+                      "option takes lower_upper or U (= [1/U, U]).")
     value("--rs-divergence-budget", "Instead of a fixed bound: each optimizer step's bound is the largest that keeps "
           "the mean divergence of the step's kept units <= this (M2PO's second-moment budget with k2).", type=float)
     value("--tis-ess-target", "Instead of --tis-upper-bound: each optimizer step's truncation bound U is the largest that "
@@ -226,6 +235,24 @@ def add_loss_terms_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     return parser
 
 
+def _apply_verl_rollout_rs(args: argparse.Namespace, explicit: set[str] | None) -> set[str]:
+    """`--rollout-rs` / `--rollout-rs-threshold` (verl's spelling) written into the namespace as this project's
+    fields, which then count as given; refused next to an explicit flag that sets the same field."""
+    if getattr(args, "rollout_rs", None) is None:
+        raise ConfigError("--rollout-rs-threshold without --rollout-rs: name the criteria it bounds, e.g. --rollout-rs "
+                          "token_k1.")
+    settings = rollout_rs_settings(args.rollout_rs, args.rollout_rs_threshold)
+    given = set(explicit or ())
+    clash = sorted(given & set(settings))
+    if clash:
+        flags = ", ".join("--" + name.replace("_", "-") for name in clash)
+        raise ConfigError(f"--rollout-rs {args.rollout_rs} sets {flags} itself; give either verl's spelling or "
+                          "this project's flags, not both.")
+    for name, value in settings.items():
+        setattr(args, name, value)
+    return given | set(settings)
+
+
 def explicit_fields(args: argparse.Namespace) -> set[str] | None:
     """The fields given on the command line: recorded by slime_corr's flags, plus the reused host flags whose value
     differs from the host's default (None: the namespace was not made by `add_rollout_correction_args`)."""
@@ -241,7 +268,10 @@ def explicit_fields(args: argparse.Namespace) -> set[str] | None:
 
 def config_from_args(args: argparse.Namespace) -> RolloutCorrectionConfig:
     """Build the config and load the custom weighting function now, so a bad path fails at start-up."""
-    config = RolloutCorrectionConfig.from_args(args, explicit=explicit_fields(args))
+    explicit = explicit_fields(args)
+    if getattr(args, "rollout_rs", None) is not None or getattr(args, "rollout_rs_threshold", None) is not None:
+        explicit = _apply_verl_rollout_rs(args, explicit)
+    config = RolloutCorrectionConfig.from_args(args, explicit=explicit)
     check_megatron_lm_rl_flags(args, config)  # Megatron-LM's own IS flags, when its parser is used
     if config.custom_tis_function_path:
         import slime_corr.correction  # noqa: F401  (registers the built-in weighting functions)
