@@ -230,6 +230,9 @@ def add_loss_terms_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     compose_flag(parser, g, "--kl-loss-type", choices=KL_LOSS_TYPES, default=d.kl_loss_type,
                  help="KL estimator per token, x = lp - lp_ref: k1 = x, k2 = x^2/2, k3 = exp(-x) - 1 + x, "
                       "low_var_kl = k3 clamped to [-10, 10].")
+    compose_flag(parser, g, "--use-unbiased-kl", action="store_true", default=d.use_unbiased_kl,
+                 help="Weight each token's KL by exp(lp - lp_old) (DeepSeek-V3.2's unbiased estimate on pi_old's "
+                      "samples; the gradient flows through the weight too).")
     compose_flag(parser, g, "--entropy-coef", type=float, default=d.entropy_coef,
                  help="Entropy bonus: loss -= coef * entropy of the policy (token level).")
     return parser

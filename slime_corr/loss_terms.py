@@ -32,12 +32,15 @@ class LossTermsConfig:
 
     use_kl_loss: compute KL(π_θ ‖ π_ref) against a frozen reference policy (reference log-probs come from the
     forward-only pass that computes lp_old); implied by a non-zero kl_loss_coef, and with coefficient 0 it is only
-    logged (`kl_loss`). entropy_coef: the entropy bonus (loss −= coef · H).
+    logged (`kl_loss`). use_unbiased_kl: each token's KL is weighted by ρ = exp(lp − lp_old), the gradient flowing
+    through ρ too, so the term is KL(π_θ ‖ π_ref) estimated on π_old's samples (slime's `--use-unbiased-kl`).
+    entropy_coef: the entropy bonus (loss −= coef · H).
     """
 
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.0
     kl_loss_type: str = "k1"
+    use_unbiased_kl: bool = False  # the KL per token times ρ = exp(lp − lp_old) (DeepSeek-V3.2; slime's flag)
     entropy_coef: float = 0.0
 
     def __post_init__(self) -> None:
@@ -45,6 +48,9 @@ class LossTermsConfig:
             raise ConfigError(f"--kl-loss-type {self.kl_loss_type!r} is not one of {', '.join(KL_LOSS_TYPES)}.")
         if not (math.isfinite(self.kl_loss_coef) and self.kl_loss_coef >= 0):
             raise ConfigError(f"--kl-loss-coef {self.kl_loss_coef} must be a finite number >= 0 (e.g. 0.001).")
+        if self.use_unbiased_kl and not self.uses_reference:
+            raise ConfigError("--use-unbiased-kl weights the KL loss's tokens, and there is no KL loss: add "
+                              "--use-kl-loss and --kl-loss-coef (e.g. 0.001), or drop --use-unbiased-kl.")
         if not math.isfinite(self.entropy_coef):
             raise ConfigError(f"--entropy-coef {self.entropy_coef} must be a finite number (e.g. 0.001).")
 

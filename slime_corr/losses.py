@@ -456,6 +456,15 @@ def kl_low_var(log_ratio: Tensor) -> Tensor:
     return kl_k3(log_ratio).clamp(-10.0, 10.0)
 
 
+def unbiased_kl(inputs: LossInputs, log_ratio: Tensor, kl_type: str) -> Tensor:
+    """`--use-unbiased-kl`: ρ · k per token with ρ = exp(lp − lp_old) (the gradient flows through ρ too), as slime
+    computes it; low_var_kl clamps ρ · k3 to [−10, 10], after the product."""
+    rho = (inputs.log_probs - inputs.old_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    if kl_type == "low_var_kl":
+        return (rho * kl_k3(log_ratio)).clamp(-10.0, 10.0)
+    return rho * KL_ESTIMATORS.get(kl_type, flag="--kl-loss-type")(log_ratio)
+
+
 def loss_term_tokens(inputs: LossInputs, terms: LossTermsConfig, ref_log_probs: Tensor | None,
                      entropy: Tensor | None) -> Tensor:
     """Per-token KL and entropy terms: kl_loss_coef · KL(lp, lp_ref) − entropy_coef · H, 0 outside the token mask.
@@ -472,7 +481,8 @@ def loss_term_tokens(inputs: LossInputs, terms: LossTermsConfig, ref_log_probs: 
         ref = ref_log_probs.detach().to(mask.dtype)
         ok = torch.isfinite(ref) & (mask > 0)
         log_ratio = torch.where(ok, inputs.log_probs - torch.where(ok, ref, 0.0), 0.0)
-        kl = torch.where(ok, KL_ESTIMATORS.get(terms.kl_loss_type, flag="--kl-loss-type")(log_ratio), 0.0)
+        kl = torch.where(ok, unbiased_kl(inputs, log_ratio, terms.kl_loss_type) if terms.use_unbiased_kl else
+                         KL_ESTIMATORS.get(terms.kl_loss_type, flag="--kl-loss-type")(log_ratio), 0.0)
         inputs.metrics["kl_loss"] = kl.detach().sum() / n
         if terms.kl_loss_coef:
             out = out + terms.kl_loss_coef * kl

@@ -331,6 +331,36 @@ def test_loss_terms_add_coef_times_kl_minus_entropy_per_token(agg, kl_type):
     assert out.metrics["kl_loss"].item() == pytest.approx(kl_mean.item(), rel=1e-12)
 
 
+@pytest.mark.parametrize("kl_type", ["k1", "k2", "k3", "low_var_kl"])
+def test_the_unbiased_kl_weights_each_token_by_the_ratio_to_lp_old_gradient_included(kl_type):
+    """--use-unbiased-kl (slime's, DeepSeek-V3.2): kl_t = ρ_t · k_t, ρ_t = exp(lp_t − lp_old,t) with its gradient;
+    low_var_kl clamps the product to [−10, 10] (a far reference token reaches the clamp)."""
+    g = torch.Generator().manual_seed(2)
+    B, S = 3, 6
+    lp = (-torch.rand(B, S, generator=g, dtype=torch.float64) * 2).requires_grad_()
+    old = lp.detach() + 0.2 * torch.randn(B, S, generator=g, dtype=torch.float64)
+    ref = lp.detach() + 0.3 * torch.randn(B, S, generator=g, dtype=torch.float64)
+    ref[0, 1] = lp[0, 1].item() + 15.0  # k3 = exp(15) - 16: the clamp of low_var_kl
+    adv = torch.randn(B, S, generator=g, dtype=torch.float64)
+    mask = torch.ones(B, S, dtype=torch.bool)
+    mask[2, 3:] = False
+    cfg = C()
+    terms = LossTermsConfig(kl_loss_coef=0.1, kl_loss_type=kl_type, use_unbiased_kl=True)
+    out = compute_policy_loss(lp, old, None, adv, mask, cfg, loss_terms=terms, ref_log_probs=ref)
+    base = compute_policy_loss(lp, old, None, adv, mask, cfg)
+    x = lp - ref
+    k = {"k1": x, "k2": x**2 / 2, "k3": torch.exp(-x) - 1 + x, "low_var_kl": torch.exp(-x) - 1 + x}[kl_type]
+    kl = torch.exp(lp - old) * k
+    if kl_type == "low_var_kl":
+        kl = kl.clamp(-10, 10)
+    extra = 0.1 * torch.where(mask, kl, 0.0).sum() / mask.sum()
+    torch.testing.assert_close(out.loss, base.loss + extra, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.autograd.grad(out.loss, lp)[0], torch.autograd.grad(base.loss + extra, lp)[0],
+                               rtol=1e-12, atol=1e-12)
+    with pytest.raises(ConfigError, match="--use-unbiased-kl weights the KL loss's tokens, and there is no KL loss"):
+        LossTermsConfig(use_unbiased_kl=True)
+
+
 def test_loss_terms_need_their_inputs():
     lp = torch.zeros(1, 3, requires_grad=True)
     with pytest.raises(ValueError, match="ref_log_probs"):
