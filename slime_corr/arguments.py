@@ -144,8 +144,9 @@ def add_rollout_correction_args(parser: argparse.ArgumentParser) -> argparse.Arg
           "Veto: reject a whole sequence if any token ratio is below this (0<C<1, e.g. 1e-4).",
           type=float)
     switch("--rs-keep-loss-denominator", "Rejected tokens still count in the loss denominator.")
-    value("--rs-metric", "Divergence rejection: k2 = lr^2/2 or k3 = exp(lr)-1-lr per token, rejected above "
-          "--rs-divergence-bound (with --use-rs, the veto and IS); ratio (default): none.", choices=RS_METRICS)
+    value("--rs-metric", "Divergence rejection: k2 = lr^2/2, k3 = exp(lr)-1-lr, or binary_kl = the KL between "
+          "{token, rest} under pi_rollout and pi_train, per token, rejected above --rs-divergence-bound (with "
+          "--use-rs, the veto and IS); ratio (default): none.", choices=RS_METRICS)
     value("--rs-agg", "Divergence rejection level: token (each token), or mean / sum / max over the sequence (rejects "
           "the sequence).", choices=RS_AGGS)
     value("--rs-divergence-bound", "Upper bound on the --rs-metric divergence, in its own units (e.g. k3 0.005).",

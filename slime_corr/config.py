@@ -26,7 +26,7 @@ Level = Literal["token", "sequence", "geometric"]
 TISMode = Literal["truncate", "clip", "mask"]
 LossType = Literal["ppo", "reinforce"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-RSMetric = Literal["ratio", "k2", "k3"]
+RSMetric = Literal["ratio", "k2", "k3", "binary_kl"]
 RSAgg = Literal["token", "mean", "sum", "max"]
 RatioLevel = Literal["token", "sequence"]
 
@@ -39,7 +39,7 @@ LOSS_AGG_MODES: tuple[str, ...] = (
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
 )
-RS_METRICS: tuple[str, ...] = ("ratio", "k2", "k3")
+RS_METRICS: tuple[str, ...] = ("ratio", "k2", "k3", "binary_kl")
 RS_AGGS: tuple[str, ...] = ("token", "mean", "sum", "max")
 POLICY_RATIO_LEVELS: tuple[str, ...] = ("token", "sequence")
 DEFAULT_TIS_UPPER_BOUND = 2.0

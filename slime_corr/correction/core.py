@@ -241,7 +241,7 @@ def log_ratio_stage(log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Ten
     div = None
     if plan.correct and config.rejects_divergence:
         div = D.token_stage(tok.log_ratio, valid, tok.token_rs_keep, config, layout.segments, layout.groups,
-                            step_bounds)
+                            step_bounds, rollout_log_probs)
         local = torch.cat([local, div.columns.to(local.dtype)], -1)
     seq = cp_sum_(local, layout.cp_group)  # the one CP collective for sequence sums
     return LogRatios(tok.log_ratio, valid, seq, tok.token_rows, tok.max_prob_diff, tok.token_rs_keep, div,

@@ -1,8 +1,11 @@
 """Divergence rejection: `--rs-metric k2|k3`, `--rs-agg token|mean|max`, `--rs-divergence-bound b` (or `-budget`).
 
-Per valid token, with lr = lp_train − lp_rollout (unclamped): k2 = lr²/2, k3 = exp(lr) − 1 − lr. Both are ≥ 0 and 0
-on-policy (k3's mean over π_rollout's samples is KL(π_rollout ‖ π_train)), so only an UPPER bound applies: a unit is
-kept iff its divergence is ≤ b.
+Per valid token, with lr = lp_train − lp_rollout (unclamped): k2 = lr²/2, k3 = exp(lr) − 1 − lr, and the binary KL
+(KPop; AReaL's `binary_kl`) of the two-outcome split {the sampled token, the rest} under q = π_rollout(y) and
+p = π_train(y): q·log(q/p) + (1−q)·log((1−q)/(1−p)), which also sees a token whose probability moved where the
+ratio hardly did (q = 0.99 → p = 0.9999). All are ≥ 0 and 0 on-policy (k3's mean over π_rollout's samples is
+KL(π_rollout ‖ π_train)), so only an UPPER bound applies, on both sides of p = q: a unit is kept iff its divergence
+is ≤ b.
 - token: each token with d_t ≤ b stays (its sequence stays);
 - mean: a sequence stays iff Σ_t m·d_t / Σ_t m ≤ b;  sum: iff Σ_t m·d_t ≤ b;  max: iff max_t d_t ≤ b, i.e.
   #{t: d_t > b} = 0.
@@ -32,13 +35,20 @@ from slime_corr.correction.segments import Segments
 MAX_FINITE_LOG_RATIO = 1e30  # |lr| above this marks a non-finite log-prob (`metrics.MAX_ABS_LOG_RATIO`)
 
 
-def token_divergence(lr: Tensor, metric: str) -> Tensor:
-    """k2 = lr²/2 or k3 = exp(lr) − 1 − lr per token (a new tensor; 0 where lr = 0, never NaN for NaN-free lr)."""
+def token_divergence(lr: Tensor, metric: str, rollout_log_probs: Tensor | None = None) -> Tensor:
+    """k2 = lr²/2, k3 = exp(lr) − 1 − lr, or the binary KL (needs `rollout_log_probs`, NaN-free) per token: a new
+    tensor, 0 where lr = 0, never NaN for NaN-free inputs (+inf where p reaches 1 and q does not)."""
     if metric == "k2":
         return lr.square().mul_(0.5)
     if metric == "k3":
         return torch.expm1(lr).sub_(lr)
-    raise ValueError(f"--rs-metric {metric!r} is not a divergence (k2, k3)")
+    if metric == "binary_kl":
+        if rollout_log_probs is None:
+            raise ValueError("--rs-metric binary_kl needs the rollout's log-probs")
+        q_rest = -torch.expm1(rollout_log_probs)  # 1 − q
+        p_rest = (-torch.expm1(rollout_log_probs + lr)).clamp_min_(0)  # 1 − p
+        return (torch.xlogy(q_rest, q_rest) - torch.xlogy(q_rest, p_rest)).sub_(rollout_log_probs.exp() * lr)
+    raise ValueError(f"--rs-metric {metric!r} is not a divergence (k2, k3, binary_kl)")
 
 
 class TokenStage(NamedTuple):
@@ -50,11 +60,16 @@ class TokenStage(NamedTuple):
 
 
 def token_stage(lr: Tensor, valid: Tensor, ratio_keep: Tensor | None, config: RolloutCorrectionConfig,
-                seg: Segments, groups: list[dist.ProcessGroup], step: B.StepBounds | None = None) -> TokenStage:
+                seg: Segments, groups: list[dist.ProcessGroup], step: B.StepBounds | None = None,
+                rollout_log_probs: Tensor | None = None) -> TokenStage:
     """Columns: token level [Σ filter keep, Σ filter keep·ratio keep]; mean/sum [Σ m·d, 0]; max [#{d > b}, 0].
     `lr` is 0 outside `valid` and NaN-free; `ratio_keep` the token-RS keep (`--use-rs --rs-level token`) or None;
-    `step`: the budget's step statistics (None: this call's)."""
-    d = token_divergence(lr, config.rs_metric)
+    `step`: the budget's step statistics (None: this call's); `rollout_log_probs` for binary_kl."""
+    lq = None
+    if config.rs_metric == "binary_kl":  # 0 outside the valid finite tokens, as lr is
+        assert rollout_log_probs is not None, "binary_kl needs rollout_log_probs"
+        lq = torch.where((valid > 0) & torch.isfinite(rollout_log_probs), rollout_log_probs, 0).to(lr.dtype)
+    d = token_divergence(lr, config.rs_metric, lq)
     bound = None
     if config.rs_agg == "token":
         if config.rs_divergence_budget is not None:

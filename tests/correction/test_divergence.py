@@ -1,4 +1,4 @@
-"""Divergence rejection (--rs-metric k2|k3, --rs-agg token|mean|max) and budgeted bounds (--rs-divergence-budget,
+"""Divergence rejection (--rs-metric k2|k3|binary_kl, --rs-agg token|mean|max) and budgeted bounds (--rs-divergence-budget,
 --tis-ess-target) against loop references: alone and combined with ratio RS, the veto and IS; packed rows; extreme
 log-ratios, NaN, all-rejected; the budget reaching its target on synthetic values."""
 
@@ -19,7 +19,13 @@ from slime_corr.correction import quantiles as Q
 from slime_corr.losses import compute_policy_loss
 
 
-def _div(x: float, metric: str) -> float:
+def _div(x: float, metric: str, lq: float = 0.0) -> float:
+    if metric == "binary_kl":  # {token, rest} under q = π_rollout(y), p = π_train(y): KL(q ‖ p)
+        q, p = math.exp(lq), math.exp(lq + x)
+        if p >= 1.0:
+            return 0.0 if q >= 1.0 else math.inf
+        rest = (1 - q) * math.log((1 - q) / (1 - p)) if q < 1.0 else 0.0
+        return q * math.log(q / p) + rest
     return 0.5 * x * x if metric == "k2" else math.expm1(x) - x
 
 
@@ -34,7 +40,7 @@ def ref_divergence_keep(lp_t, lp_r, mask, metric: str, agg: str, bound: float):
         lrs = [lp_t[i, t].item() - lp_r[i, t].item() for t in idx]
         if not idx or any(not math.isfinite(x) for x in lrs):
             continue
-        d = [_div(x, metric) if abs(x) < 700 else math.inf for x in lrs]
+        d = [_div(x, metric, lp_r[i, t].item()) if abs(x) < 700 else math.inf for x, t in zip(lrs, idx, strict=True)]
         if agg == "token":
             k = [v <= bound for v in d]
         else:
@@ -58,7 +64,7 @@ def _inputs(seed=0, B=6, S=20, scale=0.4):
     return lp_t, lp_r, mask
 
 
-@pytest.mark.parametrize("metric", ["k2", "k3"])
+@pytest.mark.parametrize("metric", ["k2", "k3", "binary_kl"])
 @pytest.mark.parametrize("agg,bound", [("token", 0.02), ("mean", 0.05), ("sum", 0.4), ("max", 0.3)])
 def test_divergence_rejection_matches_loop_reference(metric, agg, bound):
     lp_t, lp_r, mask = _inputs()

@@ -39,6 +39,8 @@ CASES = (  # (config, loss aggregation, extra collectives per group in the corre
     (C(rs_metric="k3", rs_agg="mean", rs_divergence_budget=0.02, use_tis=True, tis_level="geometric",
        tis_ess_target=0.9), "seq-mean-token-mean", 2, 0),
     (C(rs_metric="k2", rs_agg="sum", rs_divergence_budget=0.05), "seq-mean-token-sum", 1, 0),
+    (C(rs_metric="binary_kl", rs_agg="mean", rs_divergence_bound=0.01, use_tis=True), "seq-mean-token-mean", 0, 0),
+    (C(rs_metric="binary_kl", rs_agg="token", rs_divergence_bound=0.005), "token-mean", 0, 0),
     (C.preset("decoupled_token_is", policy_ratio_level="sequence", eps_clip=0.05), "seq-mean-token-mean", 0, 1),
     (C(policy_ratio_level="sequence", eps_clip=0.05, use_rollout_logprobs=True, rs_metric="k3", rs_agg="max",
        rs_divergence_bound=0.05), "token-mean", 0, 1),
