@@ -48,6 +48,7 @@ from slime_corr.errors import ConfigError
 from slime_corr.loss_terms import LossTermsConfig
 from slime_corr.monitoring.config import MonitoringConfig, add_monitoring_args
 from slime_corr.monitoring.logger import CONFIG_FILE, METRICS_FILE
+from slime_corr.trainer.agreement import precision_notice
 from slime_corr.trainer.config import (
     TrainerConfig,
     check_writable_dir,
@@ -165,6 +166,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if int(os.environ.get("RANK", "0")) == 0:  # the console is rank 0's
         print("rollout correction config:")
         print(run_config.correction.describe())
+        notice = precision_notice(run_config.trainer.engine_dtype, run_config.trainer.params_dtype,
+                                  run_config.correction.use_rollout_correction)
+        if notice:
+            print(f"slime_corr.main: note: {notice}", flush=True)
     if run_config.hparams.get("self_check"):
         return 0
     from slime_corr.correction.checks import CustomFunctionError, InputValueError

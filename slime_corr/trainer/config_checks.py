@@ -16,11 +16,11 @@ from slime_corr.models.hf_checkpoint import CheckpointError, check_tensor_parall
 from slime_corr.trainer.task import TASKS
 
 ENGINE_KINDS = ("sglang", "embedded")  # slime_corr.engines.launch.ENGINE_KINDS (not imported: no engine code here)
-SGLANG_DTYPES = ("bfloat16", "float32")
+SGLANG_DTYPES = ("bfloat16", "float16", "float32")
 WEIGHT_SYNC_MODES = ("disk", "distributed")
 ROUTER_CHOICES = ("auto", "on", "off")
 STALENESS_POLICIES = ("drop", "regenerate")
-ENGINE_DTYPES = ("bfloat16", "float32", "float64")
+ENGINE_DTYPES = ("bfloat16", "float16", "float32", "float64")
 PARAMS_DTYPES = ("float32", "float64")
 MOE_FLAGS = ("use_rollout_routing_replay", "log_routing_mismatch", "use_routing_replay")
 TINY_MOE_LR = 1e-3  # --lr's default with --model tiny-moe
