@@ -53,6 +53,7 @@ TOP_SHIFT = 2 * SUB_BITS  # level 1 = bits >> 18: exponent (8 bits) + 5 mantissa
 LEVEL1_BINS = 1 << (31 - TOP_SHIFT)  # every non-negative float32 bit pattern, 0 to inf (and NaN payloads)
 ABS_BITS = 0x7FFFFFFF  # the bits below the sign
 COUNTING_DEVICES = {"cpu"}  # devices that count by bincount / index_add_; the others sort (see the module doc)
+SORT_CHUNK = SORT_CHUNK_DEFAULT = 1 << 21  # weights per sorted piece: bounds the sort's indices and scratch (H200, 8.4M weights: 450 MiB)
 _INT32_MAX = 0x7FFFFFFF
 
 
@@ -102,14 +103,16 @@ class Counts(NamedTuple):
     Counting (CPU): `key` = level-1 keys [N], `bits` the raw bits; `unit` the float64 units, or None for 0/1 units,
     where the uncounted weights (all 0) are counted in bin 0 and `missing` (1-element, minus their number) takes
     them out again of every histogram's bin of 0 (cheaper than a pass to drop them).
-    Sorting (other devices): `key` = the sorted |bits| [N] (0/1 units: -1 where the unit is 0, sorted first);
-    `cum` = the units' cumulative sums in that order with a leading 0 ([N + 1], float64; None for 0/1 units)."""
+    Sorting (other devices): `chunks` = the |bits| in pieces of at most `SORT_CHUNK`, each sorted (0/1 units: -1
+    where the unit is 0, sorted first); `cums` = each piece's units' cumulative sums in that order with a leading 0
+    ([n + 1], float64; empty for 0/1 units). A count is the sum of the pieces' counts."""
 
-    key: Tensor
+    key: Tensor | None = None
     bits: Tensor | None = None
     unit: Tensor | None = None
     missing: Tensor | None = None
-    cum: Tensor | None = None
+    chunks: tuple[Tensor, ...] = ()
+    cums: tuple[Tensor, ...] = ()
     sorting: bool = False
 
 
@@ -125,12 +128,15 @@ def level1(w: Tensor, unit: Tensor, binary: bool = False) -> tuple[Tensor, Count
     flat = unit.reshape(-1)
     if _sorting(w):
         keys = torch.bitwise_and(bits, _const("abs", w.device))
-        if binary:
-            key, _ = torch.sort(torch.where(flat > 0, keys, -1))
-            counts = Counts(key, sorting=True)
+        if binary:  # the sort's indices are dropped piece by piece: the peak is the pieces', not the whole batch's
+            keys.masked_fill_(flat <= 0, -1)
+            counts = Counts(chunks=tuple(torch.sort(part).values for part in keys.split(SORT_CHUNK)), sorting=True)
         else:
-            key, order = torch.sort(keys)
-            counts = Counts(key, cum=F.pad(flat.to(torch.float64)[order].cumsum(0), (1, 0)), sorting=True)
+            pieces = [torch.sort(part) for part in keys.split(SORT_CHUNK)]
+            units = flat.to(torch.float64).split(SORT_CHUNK)
+            counts = Counts(chunks=tuple(v for v, _ in pieces), sorting=True,
+                            cums=tuple(F.pad(u[order].cumsum(0), (1, 0)) for (_, order), u in zip(pieces, units,
+                                                                                                 strict=True)))
         return _sorted_counts(counts, _const("edges1", w.device)), counts
     key = torch.bitwise_and(bits, _const("abs", w.device)) >> TOP_SHIFT
     if not binary:
@@ -152,13 +158,17 @@ def _bincount(c: Counts, index: Tensor, size: int, zeros_at: Tensor | None = Non
 
 
 def _sorted_counts(c: Counts, edges: Tensor) -> Tensor:
-    """Σ unit over [edges[..., i], edges[..., i + 1]) of the sorted keys (sorting); float64 [..., n - 1], or [n]
-    for the level-1 starts (the last bin ends past every key)."""
-    pos = torch.searchsorted(c.key, edges.reshape(-1)).view(edges.shape)
-    if edges.dim() == 1:
-        pos = F.pad(pos, (0, 1), value=c.key.numel())
-    out = pos if c.cum is None else c.cum[pos]
-    return out.diff(dim=-1).to(torch.float64)
+    """Σ unit over [edges[..., i], edges[..., i + 1]) of the sorted keys (sorting), summed over the pieces; float64
+    [..., n - 1], or [n] for the level-1 starts (the last bin ends past every key)."""
+    total: Tensor | None = None
+    for i, key in enumerate(c.chunks):
+        pos = torch.searchsorted(key, edges.reshape(-1)).view(edges.shape)
+        if edges.dim() == 1:
+            pos = F.pad(pos, (0, 1), value=key.numel())
+        part = (c.cums[i][pos] if c.cums else pos).diff(dim=-1).to(torch.float64)
+        total = part if total is None else total.add_(part)
+    assert total is not None, "no weights to count"
+    return total
 
 
 def bin_sums(key: Tensor, rows: Tensor) -> Tensor:

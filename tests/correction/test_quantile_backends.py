@@ -22,15 +22,17 @@ from slime_corr.correction import compute_rollout_correction, metrics_to_host
 from slime_corr.correction import quantiles as Q
 from slime_corr.correction.budget import bin_sums
 
-BACKENDS = ("counting", "sorting")
+BACKENDS = ("counting", "sorting", "sorting in pieces")  # pieces: the sort split every 997 weights (`SORT_CHUNK`)
 
 
 def use_backend(backend: str, monkeypatch: pytest.MonkeyPatch | None = None) -> None:
     devices = {"cpu"} if backend == "counting" else set()
+    chunk = 997 if backend == "sorting in pieces" else Q.SORT_CHUNK_DEFAULT
     if monkeypatch is None:
-        Q.COUNTING_DEVICES = devices
+        Q.COUNTING_DEVICES, Q.SORT_CHUNK = devices, chunk
     else:
         monkeypatch.setattr(Q, "COUNTING_DEVICES", devices)
+        monkeypatch.setattr(Q, "SORT_CHUNK", chunk)
 
 
 @pytest.fixture(params=BACKENDS)
@@ -117,9 +119,10 @@ def test_both_backends_give_the_same_statistics(monkeypatch: pytest.MonkeyPatch,
     for b in BACKENDS:
         use_backend(b, monkeypatch)
         got[b] = sketch(w, unit, binary=True)
-    assert got["counting"].keys() == got["sorting"].keys()
-    for key, value in got["counting"].items():
-        assert torch.equal(value, got["sorting"][key]), (name, key)
+    for other in BACKENDS[1:]:
+        assert got["counting"].keys() == got[other].keys()
+        for key, value in got["counting"].items():
+            assert torch.equal(value, got[other][key]), (name, key, other)
 
 
 def test_budget_bin_sums_agree(monkeypatch: pytest.MonkeyPatch) -> None:
