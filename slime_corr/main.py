@@ -96,9 +96,10 @@ def parse_run_config(argv: Sequence[str] | None = None, *, check_urls: bool = Tr
             check_prox_logp_method(trainer.prox_logp_method, correction, trainer.truncation.active)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if correction.rollout_correction_cuda_graph and not resolve_device(trainer.device).is_cuda:
+        placement = resolve_device(trainer.device)
+        if correction.rollout_correction_cuda_graph and not placement.is_cuda:
             raise ConfigError(f"--rollout-correction-cuda-graph replays CUDA graphs, and this run is on "
-                              f"{resolve_device(trainer.device).device}: leave it off, or run on a GPU (--device cuda).")
+                              f"{placement.device}: leave it off, or run on a GPU (--device cuda).")
         if trainer.use_routing_replay and correction.use_rollout_logprobs:
             raise ConfigError("--use-routing-replay replays the routes of the recomputed lp_old pass, which bypass "
                               "mode (--use-rollout-logprobs) skips: use a decoupled preset, or "

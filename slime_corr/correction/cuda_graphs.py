@@ -20,15 +20,16 @@ sync inside it, say). On another device than CUDA the flag is an error.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
+from slime_corr.correction.reductions import group_size
 from slime_corr.errors import ConfigError
 
 FLAG = "--rollout-correction-cuda-graph"
@@ -75,7 +76,7 @@ def pack(tree: Any) -> tuple[dict[torch.dtype, Tensor], Any]:
 def unpack(buffers: dict[torch.dtype, Tensor], spec: Any) -> Any:
     """`spec` with each `Leaf` replaced by its view of `buffers` (no copy)."""
     if isinstance(spec, Leaf):
-        return buffers[spec.dtype][spec.offset:spec.offset + _numel(spec.shape)].view(spec.shape)
+        return buffers[spec.dtype][spec.offset:spec.offset + math.prod(spec.shape)].view(spec.shape)
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
         return dataclasses.replace(spec, **{f.name: unpack(buffers, getattr(spec, f.name))
                                             for f in dataclasses.fields(spec) if f.init})
@@ -84,13 +85,6 @@ def unpack(buffers: dict[torch.dtype, Tensor], spec: Any) -> Any:
     if isinstance(spec, tuple | list):
         return type(spec)(unpack(buffers, v) for v in spec)
     return spec
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 # ---------------------------------------------------------------------------------------------- capture, replay
@@ -124,13 +118,9 @@ def _warn_once(reason: str) -> None:
         warnings.warn(f"{FLAG}: {reason}; those calls run eagerly.", stacklevel=3)
 
 
-def _several_ranks(group: Any) -> bool:
-    return group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
-
-
 def _eager_reason(options: dict[str, Any]) -> str | None:
     """Why this call cannot be captured (None: it can)."""
-    if _several_ranks(options.get("cp_group")) or _several_ranks(options.get("dp_group")):
+    if group_size(options.get("cp_group")) > 1 or group_size(options.get("dp_group")) > 1:
         return "calls with a DP or CP group of several ranks (collectives are not captured)"
     if options.get("segments") is not None:
         return "packed rows (segments)"
