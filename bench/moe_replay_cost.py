@@ -36,12 +36,12 @@ def main() -> None:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
+    from slime_corr.layout.micro_batch import ROUTE_KEY
     from slime_corr.mcore.cpu_compat import apply_cpu_compat
     from slime_corr.mcore.loss_hook import default_model_forward
     from slime_corr.mcore.routing import routed_forward
     from slime_corr.models import build_gpt_from_hf
     from slime_corr.models.tiny_moe import TinyMoEArgs, make_tiny_moe_checkpoint
-    from slime_corr.rollout.batching import ROUTE_KEY
     from slime_corr.rollout.routing import RoutedExpertsSpec
 
     with socket.socket() as s:

@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from timing import interleaved_medians  # bench/timing.py (this script's directory is on sys.path)
 
 from slime_corr.config import RolloutCorrectionConfig
+from slime_corr.layout.micro_batch import build_micro_batch
 from slime_corr.mcore.context_parallel import ParallelGroups
 from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
-from slime_corr.rollout.batching import build_micro_batch
 from slime_corr.rollout.sample import Sample
 
 MEAN_RESPONSE, MAX_RESPONSE, PROMPT = 1024, 8192, 128

@@ -25,7 +25,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from slime_corr.config import RolloutCorrectionConfig  # noqa: E402
-from slime_corr.mcore.context_parallel import ParallelGroups, zigzag_slice  # noqa: E402
+from slime_corr.layout.context_parallel import zigzag_slice  # noqa: E402
+from slime_corr.mcore.context_parallel import ParallelGroups  # noqa: E402
 from slime_corr.mcore.loss_hook import RolloutCorrectionLoss  # noqa: E402
 
 

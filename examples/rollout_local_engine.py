@@ -12,7 +12,7 @@ import tempfile
 from slime_corr.engines.embedded.engine import start_local_engine
 from slime_corr.engines.embedded.model import create_tiny_checkpoint, load_tiny_lm
 from slime_corr.engines.group import start_engine_group
-from slime_corr.rollout.batching import grpo_advantages, micro_batch_iterator
+from slime_corr.layout.groups import grpo_advantages, micro_batch_iterator
 from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.rollout import generate_group_samples, rollout_report
 from slime_corr.rollout.weight_sync import DistributedWeightSync

@@ -6,16 +6,16 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from slime_corr.main import main as run_main
+from slime_corr.monitoring.report import main as report_main
+
 SUBCOMMANDS = ("report",)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "report":
-        from slime_corr.monitoring.report import main as report_main
-
         return report_main(args[1:])
-    from slime_corr.main import main as run_main
 
     return run_main(args)
 

@@ -1,8 +1,8 @@
 """The one typed configuration object for rollout correction.
 
-Flags (`slime_corr.arguments`), YAML files (`--custom-config-path`, `arguments/*.yaml`) and named presets all
-produce a `RolloutCorrectionConfig`. Every invalid combination fails at construction with a `ConfigError` that
-names the offending flags and the fix.
+Flags (`slime_corr.flags.correction`; each field carries its flag's help), YAML files (`--custom-config-path`,
+`arguments/*.yaml`) and named presets all produce a `RolloutCorrectionConfig`. Every invalid combination fails at
+construction with a `ConfigError` that names the offending flags and the fix.
 
 Precedence when several sources are combined (`from_args`): explicit command-line flag > YAML file >
 preset > built-in default.
@@ -11,15 +11,27 @@ preset > built-in default.
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from slime_corr.config_checks import (  # noqa: F401  (the choices: public here too)
+    DEFAULT_TIS_UPPER_BOUND,
+    LEVELS,
+    LOSS_AGG_MODES,
+    LOSS_TYPES,
+    POLICY_RATIO_LEVELS,
+    RS_AGGS,
+    RS_METRICS,
+    TIS_MODES,
+    RolloutCorrectionChecks,
+    flag_of,
+)
 from slime_corr.config_yaml import read_yaml, slime_yaml_meaning
 from slime_corr.errors import ConfigError  # (public here too: slime_corr.config.ConfigError)
+from slime_corr.flags.fields import flag
 from slime_corr.presets import PRESETS
 
 Level = Literal["token", "sequence", "geometric"]
@@ -30,81 +42,95 @@ RSMetric = Literal["ratio", "k2", "k3", "binary_kl"]
 RSAgg = Literal["token", "mean", "sum", "max"]
 RatioLevel = Literal["token", "sequence"]
 
-LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
-TIS_MODES: tuple[str, ...] = ("truncate", "clip", "mask")
-LOSS_TYPES: tuple[str, ...] = ("ppo", "reinforce")
-LOSS_AGG_MODES: tuple[str, ...] = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
-RS_METRICS: tuple[str, ...] = ("ratio", "k2", "k3", "binary_kl")
-RS_AGGS: tuple[str, ...] = ("token", "mean", "sum", "max")
-POLICY_RATIO_LEVELS: tuple[str, ...] = ("token", "sequence")
-DEFAULT_TIS_UPPER_BOUND = 2.0
-
-
-def flag(name: str) -> str:
-    """Field name -> command-line flag (`tis_mode` -> `--tis-mode`; `loss_type` -> `--policy-loss-type`)."""
-    return "--policy-loss-type" if name == "loss_type" else "--" + name.replace("_", "-")
-
 
 @dataclass(frozen=True)
-class RolloutCorrectionConfig:
+class RolloutCorrectionConfig(RolloutCorrectionChecks):
     """Rollout-correction settings. Field names are the flag names with `-` replaced by `_`.
 
     Notation: lr = lp_train - lp_rollout, with lp_train = lp_old (decoupled) or lp.detach() (bypass).
     """
 
     # --- importance sampling (IS) weights ---
-    use_tis: bool = False
-    tis_mode: TISMode = "truncate"
-    tis_level: Level = "token"
-    tis_lower_bound: float | None = None  # clip/mask: defaults to 1 / upper; unused by truncate
-    tis_upper_bound: float | None = None  # defaults to 2.0
-    tis_batch_normalize: bool = False
+    use_tis: bool = flag(False, help="Multiply the policy loss by importance-sampling weights pi_train/pi_rollout.")
+    tis_mode: TISMode = flag("truncate", help="How IS weights are bounded: truncate (min(w,U)), clip (clamp to "
+                             "[L,U]), mask (0 outside).")
+    tis_level: Level = flag("token", help="IS aggregation: token ratio, sequence product, or geometric mean per "
+                            "sequence.")
+    tis_lower_bound: float | None = flag(None, help="Lower bound L for clip/mask modes (default 1/U).")  # truncate: unused
+    tis_upper_bound: float | None = flag(None, help="Upper bound U for IS weights (default 2.0).")
+    tis_batch_normalize: bool = flag(False, help="Divide IS weights by their mean over the step (micro-batches, DP and "
+                                     "CP ranks).")
     # slime's original TIS flags: the weight is clamped to [tis_clip_low, tis_clip].
-    tis_clip: float | None = None
-    tis_clip_low: float | None = None
+    tis_clip: float | None = flag(None, help="slime's TIS upper clamp C: weight clamped to [tis_clip_low, C].")
+    tis_clip_low: float | None = flag(None, help="slime's TIS lower clamp c (default 0 when --tis-clip is given).")
 
     # --- rejection sampling (RS) and veto ---
-    use_rs: bool = False
-    rs_level: Level = "token"
-    rs_lower_bound: float | None = None  # defaults to 1 / upper
-    rs_upper_bound: float | None = None  # required with use_rs
-    rs_veto_threshold: float | None = None  # in (0, 1); works with or without use_rs
-    rs_keep_loss_denominator: bool = False  # rejected tokens still count in loss denominators
+    use_rs: bool = flag(False, help="Rejection sampling: drop tokens/sequences whose ratio is outside [L, U] from "
+                        "the loss.")
+    rs_level: Level = flag("token", help="RS aggregation: token, sequence (product) or geometric (mean log-ratio).")
+    rs_lower_bound: float | None = flag(None, help="RS lower bound L on the ratio (default 1/U).")
+    rs_upper_bound: float | None = flag(None, help="RS upper bound U on the ratio (required with --use-rs).")
+    rs_veto_threshold: float | None = flag(None, help="Veto: reject a whole sequence if any token ratio is below "
+                                           "this (0<C<1, e.g. 1e-4).")  # works with or without use_rs
+    rs_keep_loss_denominator: bool = flag(False, help="Rejected tokens still count in the loss denominator.")
 
     # --- divergence rejection (`divergence.py`): k2 = lr²/2, k3 = exp(lr) - 1 - lr, an upper bound only ---
-    rs_metric: RSMetric = "ratio"  # ratio: only --use-rs's bounds; k2/k3: reject where the divergence is too high
-    rs_agg: RSAgg | None = None  # token: each token; mean/sum/max: of the sequence's token divergences
-    rs_divergence_bound: float | None = None  # the upper bound, in the metric's own units
-    rs_divergence_budget: float | None = None  # or: the bound of each step, so its kept units' mean is <= this
-    tis_ess_target: float | None = None  # truncate: U of each step, the largest with ESS(min(w, U)) >= this
+    rs_metric: RSMetric = flag("ratio", help="Divergence rejection: k2 = lr^2/2, k3 = exp(lr)-1-lr, or binary_kl = "
+                               "the KL between {token, rest} under pi_rollout and pi_train, per token, rejected above "
+                               "--rs-divergence-bound (with --use-rs, the veto and IS); ratio (default): none.")
+    rs_agg: RSAgg | None = flag(None, help="Divergence rejection level: token (each token), or mean / sum / max over "
+                                "the sequence (rejects the sequence).")
+    rs_divergence_bound: float | None = flag(None, help="Upper bound on the --rs-metric divergence, in its own units "
+                                             "(e.g. k3 0.005).")
+    rs_divergence_budget: float | None = flag(None, help="Instead of a fixed bound: each optimizer step's bound is the "
+                                              "largest that keeps the mean divergence of the step's kept units <= "
+                                              "this (M2PO's second-moment budget with k2).")
+    tis_ess_target: float | None = flag(None, help="Instead of --tis-upper-bound: each optimizer step's truncation "
+                                        "bound U is the largest that keeps the step's effective sample size of "
+                                        "min(w, U) >= this fraction (0, 1].")
 
     # --- which policy the loss anchors on, and the loss ---
-    use_rollout_logprobs: bool = False  # bypass: lp_old := lp_rollout, no recompute forward
-    use_rollout_correction: bool = False  # apply IS/RS to the loss; implied by use_tis / use_rs / veto
-    get_mismatch_metrics: bool = False  # metrics only, the loss is untouched
-    loss_type: LossType = "ppo"
-    eps_clip: float = 0.2
-    eps_clip_high: float | None = None  # defaults to eps_clip
-    eps_clip_c: float | None = None  # dual clip, > 1; off by default
-    loss_agg_mode: LossAggMode = "token-mean"
-    policy_ratio_level: RatioLevel = "token"  # sequence: GSPO's ratio exp(mean_t(lp - lp_old)), per token
-    use_opsm: bool = False  # off-policy sequence masking (DeepSeek-V3.2; slime's --use-opsm): see slime_corr/opsm.py
-    opsm_delta: float = 1e-4  # OPSM's bound on a sequence's mean lp_old - lp (slime's --opsm-delta default)
+    use_rollout_logprobs: bool = flag(False, help="Bypass: use the rollout engine's log-probs as pi_old (no "
+                                      "recompute forward pass).")
+    use_rollout_correction: bool = flag(False, help="Apply the configured IS/RS to the loss (implied by --use-tis, "
+                                        "--use-rs, --rs-veto-threshold).")
+    get_mismatch_metrics: bool = flag(False, help="Log mismatch metrics without changing the loss.")
+    # a host parser (slime's) owns `loss_type`: the flag's attribute is `policy_loss_type`
+    loss_type: LossType = flag("ppo", option="--policy-loss-type", dest="policy_loss_type", help="Policy loss: ppo (clipped surrogate) or "
+                               "reinforce (pure policy gradient, bypass only).")
+    eps_clip: float = flag(0.2, help="PPO clip epsilon: ratio clipped to [1-eps, 1+eps_high].")
+    eps_clip_high: float | None = flag(None, help="PPO upper clip epsilon (default: --eps-clip).")
+    eps_clip_c: float | None = flag(None, help="Dual-clip constant c > 1 capping negative-advantage token losses at "
+                                    "-A*c.")  # off by default
+    loss_agg_mode: LossAggMode = flag("token-mean", help="How token losses are averaged into the micro-batch loss.")
+    policy_ratio_level: RatioLevel = flag("token", help="PPO ratio per token, or sequence: GSPO's exp(mean_t(lp - "
+                                          "lp_old)) (slime's --advantage-estimator gspo, verl's loss_mode gspo); set "
+                                          "--eps-clip in its units, e.g. 3e-4.")
+    use_opsm: bool = flag(False, help="Off-policy sequence masking (DeepSeek-V3.2, slime's flag): the tokens of a "
+                          "sequence whose mean lp_old - lp exceeds --opsm-delta leave the loss's numerator where their "
+                          "advantage is negative.")  # see slime_corr/opsm.py
+    opsm_delta: float = flag(1e-4, help="OPSM's bound on a sequence's mean lp_old - lp, in nats (slime's default "
+                             "1e-4).")
 
     # --- where settings and custom code come from ---
-    rollout_correction_preset: str | None = None
-    custom_config_path: str | None = None
-    custom_tis_function_path: str | None = None
+    rollout_correction_preset: str | None = flag(None, choices=list(PRESETS), help="Start from a named preset: "
+                                                 + ", ".join(PRESETS) + ".")
+    custom_config_path: str | None = flag(None, help="YAML file of rollout-correction settings (overridden by "
+                                          "explicit flags).")
+    custom_tis_function_path: str | None = flag(None, help="Your weighting function: pkg.mod.fn, pkg.mod:fn or "
+                                                "path/file.py:fn (see docs/usage.md).")
 
     # --- how it runs ---
-    rollout_correction_compile: bool = False  # torch.compile the per-token work of correction + loss
-    rollout_correction_cuda_graph: bool = False  # replay the correction from a CUDA graph per input shape
-    warn_invalid_inputs: bool = False  # impossible inputs (mask not 0/1, log-prob > 0 or NaN, advantage NaN/inf): warn
+    rollout_correction_compile: bool = flag(False, help="torch.compile the per-token work of correction + loss (fused "
+                                            "kernels; the first step compiles).")
+    rollout_correction_cuda_graph: bool = flag(False, help="On CUDA: capture the correction once per input shape into "
+                                               "a CUDA graph and replay it (one launch instead of ~200; pad "
+                                               "micro-batches to a few lengths). Calls with DP/CP groups or packed "
+                                               "rows run eager.")
+    warn_invalid_inputs: bool = flag(False, help="Impossible input values (loss mask outside {0,1} or NaN, log-prob > "
+                                     "0 or NaN, advantage NaN/inf in the mask) warn and are counted "
+                                     "(mis_invalid_mask_count, mis_positive_logprob_count, mis_nan_logprob_count, "
+                                     "pg_nonfinite_advantage_count) instead of stopping the run.")
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]]
 
@@ -185,167 +211,15 @@ class RolloutCorrectionConfig:
                 if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
                     value = bool(value)
                 if not isinstance(value, bool):
-                    raise ConfigError(f"{flag(f.name)} ({f.name}) must be true or false, got {got}.")
+                    raise ConfigError(f"{flag_of(f.name)} ({f.name}) must be true or false, got {got}.")
             elif kind == "float":
                 if isinstance(value, bool) or not isinstance(value, numbers.Real):
                     hint = "; write the number without quotes" if isinstance(value, str) else ""
-                    raise ConfigError(f"{flag(f.name)} ({f.name}) must be a number, got {got}{hint}.")
+                    raise ConfigError(f"{flag_of(f.name)} ({f.name}) must be a number, got {got}{hint}.")
                 value = float(value)
             elif not isinstance(value, str):
-                raise ConfigError(f"{flag(f.name)} ({f.name}) must be a string, got {got}.")
+                raise ConfigError(f"{flag_of(f.name)} ({f.name}) must be a string, got {got}.")
             object.__setattr__(self, f.name, value)
-
-    def _validate(self) -> None:
-        def fail(msg: str) -> None:
-            raise ConfigError(msg)
-
-        def check_choice(name: str, choices: tuple[str, ...]) -> None:
-            value = getattr(self, name)
-            if value not in choices:
-                fail(f"{flag(name)}={value!r} is not one of {', '.join(choices)}.")
-
-        check_choice("tis_mode", TIS_MODES)
-        check_choice("tis_level", LEVELS)
-        check_choice("rs_level", LEVELS)
-        check_choice("loss_type", LOSS_TYPES)
-        check_choice("loss_agg_mode", LOSS_AGG_MODES)
-        check_choice("rs_metric", RS_METRICS)
-        check_choice("policy_ratio_level", POLICY_RATIO_LEVELS)
-        if self.rs_agg is not None:
-            check_choice("rs_agg", RS_AGGS)
-
-        for name in ("tis_lower_bound", "tis_upper_bound", "tis_clip", "rs_lower_bound", "rs_upper_bound"):
-            value = getattr(self, name)
-            if value is not None and not (math.isfinite(value) and value > 0):
-                fail(f"{flag(name)}={value} must be a finite number > 0.")
-        if self.tis_clip_low is not None and not (math.isfinite(self.tis_clip_low) and self.tis_clip_low >= 0):
-            fail(f"--tis-clip-low={self.tis_clip_low} must be a finite number >= 0.")
-
-        uses_tis_clip = self.tis_clip is not None or self.tis_clip_low is not None
-        if uses_tis_clip and (self.tis_upper_bound is not None or self.tis_lower_bound is not None):
-            fail(
-                "--tis-clip/--tis-clip-low (slime's flags) and --tis-upper-bound/--tis-lower-bound set the same "
-                "bounds; use one pair."
-            )
-        if uses_tis_clip and self.tis_mode != "truncate":
-            fail(
-                f"--tis-clip/--tis-clip-low always clamp to [tis_clip_low, tis_clip]; drop --tis-mode "
-                f"{self.tis_mode} or use --tis-lower-bound/--tis-upper-bound instead."
-            )
-        if not self.use_tis:
-            given = [n for n in ("tis_lower_bound", "tis_upper_bound", "tis_clip", "tis_clip_low")
-                     if getattr(self, n) is not None]
-            if given:
-                fail(f"{', '.join(flag(n) for n in given)} set but --use-tis is not; add --use-tis or drop "
-                     f"{'it' if len(given) == 1 else 'them'}.")
-        if uses_tis_clip:
-            if self.tis_clip is not None and self.tis_clip_low is not None and self.tis_clip_low > self.tis_clip:
-                fail(f"--tis-clip-low {self.tis_clip_low} > --tis-clip {self.tis_clip}; swap them.")
-        elif self.effective_tis_mode != "truncate":  # truncate uses no lower bound
-            _check_bounds(fail, "tis", self.tis_lower_bound, self.tis_upper_bound, DEFAULT_TIS_UPPER_BOUND)
-        if self.tis_lower_bound is not None and self.tis_mode == "truncate":
-            fail("--tis-lower-bound has no effect with --tis-mode truncate; use --tis-mode clip or mask.")
-        if self.tis_batch_normalize and not self.use_tis:
-            fail("--tis-batch-normalize needs --use-tis.")
-
-        if self.use_rs and self.rs_upper_bound is None:
-            fail("--use-rs needs --rs-upper-bound (e.g. 2.0 for token/sequence, 1.001 for geometric).")
-        if not self.use_rs and (self.rs_upper_bound is not None or self.rs_lower_bound is not None):
-            fail("--rs-upper-bound/--rs-lower-bound are set but --use-rs is not; add --use-rs or drop them.")
-        self._validate_budgets(fail)
-        if self.rs_upper_bound is not None:
-            if self.rejects_divergence and self.rs_upper_bound < 1.0 and self.rs_lower_bound is None:
-                fail(f"--rs-upper-bound {self.rs_upper_bound} is the ratio filter's (--use-rs) bound, below 1; "
-                     f"the --rs-metric {self.rs_metric} bound is --rs-divergence-bound. Drop --use-rs and give "
-                     f"--rs-divergence-bound {self.rs_upper_bound}, or give the ratio bounds you meant.")
-            _check_bounds(fail, "rs", self.rs_lower_bound, self.rs_upper_bound, None)
-        if self.rs_veto_threshold is not None and not (0.0 < self.rs_veto_threshold < 1.0):
-            fail(
-                f"--rs-veto-threshold={self.rs_veto_threshold} must be in (0, 1): it is the smallest allowed "
-                "token ratio pi_train/pi_rollout (typical 1e-4 to 1e-6)."
-            )
-        if self.rs_keep_loss_denominator and not (self.use_rs or self.rs_veto_threshold is not None
-                                                  or self.rejects_divergence):
-            fail("--rs-keep-loss-denominator needs --use-rs or --rs-veto-threshold (or --rs-metric k2|k3).")
-
-        if self.use_rollout_correction and not self.requests_correction:
-            fail(
-                "--use-rollout-correction enables nothing by itself: add --use-tis and/or --use-rs "
-                "(or --rs-veto-threshold), or use --get-mismatch-metrics to only measure."
-            )
-
-        if self.custom_tis_function_path and not self.requests_correction:
-            fail(
-                "--custom-tis-function-path is only called when correction is on; add --use-tis (and/or "
-                "--use-rs or --rs-veto-threshold), or drop the path."
-            )
-
-        if self.loss_type == "reinforce" and not self.use_rollout_logprobs:
-            fail(
-                "--policy-loss-type reinforce is pure policy gradient on rollout data and needs --use-rollout-logprobs "
-                "(bypass mode); for a recomputed pi_old use --policy-loss-type ppo."
-            )
-        if self.loss_type == "ppo" and self.use_rollout_logprobs and self.use_tis:
-            fail(
-                "--use-tis with --use-rollout-logprobs and --policy-loss-type ppo corrects twice: the PPO ratio is "
-                "already pi_theta/pi_rollout. Drop --use-tis (keep --use-rs if wanted), or use "
-                "--policy-loss-type reinforce for pg_is."
-            )
-
-        if not (math.isfinite(self.eps_clip) and 0.0 < self.eps_clip < 1.0):
-            fail(f"--eps-clip={self.eps_clip} must be in (0, 1).")
-        if self.eps_clip_high is not None and not (math.isfinite(self.eps_clip_high) and self.eps_clip_high > 0):
-            fail(f"--eps-clip-high={self.eps_clip_high} must be a finite number > 0.")
-        if self.eps_clip_c is not None and not (math.isfinite(self.eps_clip_c) and self.eps_clip_c > 1.0):
-            fail(f"--eps-clip-c={self.eps_clip_c} must be > 1 (dual clip lower bound on -A*ratio).")
-        if not (math.isfinite(self.opsm_delta) and self.opsm_delta >= 0):
-            fail(f"--opsm-delta={self.opsm_delta} must be a finite number >= 0 (nats: a sequence's mean "
-                 "lp_old - lp above it is masked where its advantage is negative).")
-        if self.loss_type == "reinforce" and self.eps_clip_c is not None:
-            fail("--eps-clip-c (dual clip) applies to the PPO loss only; drop it with --policy-loss-type reinforce.")
-        if self.policy_ratio_level == "sequence" and self.loss_type != "ppo":
-            fail("--policy-ratio-level sequence (GSPO) is a PPO ratio; it needs --policy-loss-type ppo (REINFORCE has "
-                 "no ratio).")
-
-        if self.rollout_correction_preset is not None and self.rollout_correction_preset not in PRESETS:
-            fail(
-                f"--rollout-correction-preset {self.rollout_correction_preset!r} is unknown; choose one of "
-                f"{', '.join(PRESETS)}."
-            )
-
-    def _validate_budgets(self, fail: Callable[[str], None]) -> None:
-        """The divergence filter (--rs-metric, --rs-agg, --rs-divergence-bound/-budget) and --tis-ess-target."""
-        div_given = [n for n in ("rs_agg", "rs_divergence_bound", "rs_divergence_budget") if getattr(self, n) is not None]
-        if not self.rejects_divergence and div_given:
-            fail(f"{', '.join(flag(n) for n in div_given)} set but --rs-metric is ratio; add --rs-metric k2 or k3 "
-                 f"(a divergence filter), or drop {'it' if len(div_given) == 1 else 'them'}.")
-        for name in ("rs_divergence_bound", "rs_divergence_budget"):
-            value = getattr(self, name)
-            if value is not None and not (math.isfinite(value) and value > 0):
-                fail(f"{flag(name)}={value} must be a finite number > 0 (an upper bound on a divergence >= 0).")
-        if self.rejects_divergence:
-            if self.rs_agg is None:
-                fail(f"--rs-metric {self.rs_metric} needs --rs-agg: token (each token on its own), mean, sum or "
-                     "max (of the sequence's token divergences; the whole sequence is rejected).")
-            if (self.rs_divergence_bound is None) == (self.rs_divergence_budget is None):
-                fail(f"--rs-metric {self.rs_metric} needs exactly one of --rs-divergence-bound (a fixed upper bound "
-                     f"in {self.rs_metric} units, e.g. 0.005 for k3 with --rs-agg mean) and --rs-divergence-budget "
-                     "(the bound of each optimizer step is set so that the mean of its kept units is at most this).")
-            if self.rs_divergence_budget is not None and self.rs_agg == "max":
-                fail("--rs-divergence-budget works with --rs-agg token, mean or sum: a sequence's max over "
-                     "context-parallel ranks is not a sum; give --rs-divergence-bound with --rs-agg max.")
-        if self.tis_ess_target is not None:
-            t = self.tis_ess_target
-            if not (math.isfinite(t) and 0.0 < t <= 1.0):
-                fail(f"--tis-ess-target={t} must be in (0, 1]: the normalized effective sample size "
-                     "(sum w)^2 / (N sum w^2) the truncated weights must keep (e.g. 0.9).")
-            if not self.use_tis:
-                fail("--tis-ess-target needs --use-tis.")
-            if self.effective_tis_mode != "truncate" or self.tis_upper_bound is not None or self.tis_clip is not None:
-                fail("--tis-ess-target sets the truncation bound U of each step: it needs --tis-mode truncate and "
-                     "no --tis-upper-bound/--tis-clip.")
-            if self.custom_tis_function_path:
-                fail("--tis-ess-target bounds the built-in weights; a --custom-tis-function-path makes its own.")
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -454,19 +328,6 @@ class RolloutCorrectionConfig:
             if value != f.default or f.name in ("loss_type", "loss_agg_mode"):
                 lines.append(f"  {f.name} = {value!r}")
         return "\n".join(lines)
-
-
-def _check_bounds(fail: Callable[[str], None], prefix: str, lower: float | None, upper: float | None,
-                  default_upper: float | None) -> None:
-    """L <= U, with a message that names only the bounds the user gave (L defaults to 1/U)."""
-    lo, up = flag(f"{prefix}_lower_bound"), flag(f"{prefix}_upper_bound")
-    u = upper if upper is not None else default_upper
-    if lower is not None and lower > u:
-        given_u = f"{up} {u}" if upper is not None else f"the default upper bound {u} ({up})"
-        fail(f"{lo} {lower} > {given_u}; give {lo} <= {up}.")
-    if lower is None and u < 1.0:
-        fail(f"{up} {u} is below 1, so the default lower bound 1/U = {1.0 / u:g} is above it; give {lo} "
-             f"(<= {u}) explicitly, or an upper bound >= 1.")
 
 
 def _check_keys(values: Mapping[str, Any], source: str) -> None:

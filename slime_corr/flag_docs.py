@@ -12,6 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from slime_corr.main import build_parser
+
 DOC = Path(__file__).resolve().parents[1] / "docs" / "flags.md"
 HEADER = """# Flags of the main job
 
@@ -50,8 +52,6 @@ def render(parser: argparse.ArgumentParser) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from slime_corr.main import build_parser
-
     check = "--check" in (sys.argv[1:] if argv is None else argv)
     text = render(build_parser())
     if check:

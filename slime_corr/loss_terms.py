@@ -1,6 +1,6 @@
 """The loss terms GRPO users add to the policy loss: KL to a frozen reference policy, and an entropy bonus.
 
-    add_loss_terms_args(parser)          # slime_corr.arguments: slime's flags; a Megatron `extra_args_provider` too
+    add_loss_terms_args(parser)          # slime_corr.flags.loss_terms: slime's flags; a Megatron `extra_args_provider`
     terms = LossTermsConfig.from_args(parser.parse_args())
 
 Per valid token, with lp = log π_θ, lp_ref = log π_ref and H the entropy of π_θ (the math: `slime_corr.losses`):
@@ -11,7 +11,7 @@ aggregated with the policy loss's own `--loss-agg-mode` and denominator. Flags a
 `--kl-loss-coef`, `--kl-loss-type` (k1, k2, k3, low_var_kl), `--entropy-coef`. `--kl-coef` has slime's meaning, a
 KL penalty on the reward applied before the advantages, which slime_corr's trainer does not implement: a non-zero
 value is refused at parse time (0, slime's default, is accepted). On slime's parser the flags slime defines are
-reused (`slime_corr.arguments.compose_flag`); the flags are defined in `slime_corr.arguments`.
+reused (`slime_corr.flags.compose`); the flags' help is on the fields, `slime_corr.flags.loss_terms` adds them.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slime_corr.errors import ConfigError
+from slime_corr.flags.fields import flag
 
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
 
@@ -37,11 +38,14 @@ class LossTermsConfig:
     entropy_coef: the entropy bonus (loss −= coef · H).
     """
 
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.0
-    kl_loss_type: str = "k1"
-    use_unbiased_kl: bool = False  # the KL per token times ρ = exp(lp − lp_old) (DeepSeek-V3.2; slime's flag)
-    entropy_coef: float = 0.0
+    use_kl_loss: bool = flag(False, help="KL to a frozen reference policy (the initial model); logged as kl_loss, "
+                             "added to the loss with --kl-loss-coef.")
+    kl_loss_coef: float = flag(0.0, help="Coefficient of the KL loss (> 0 implies --use-kl-loss).")
+    kl_loss_type: str = flag("k1", choices=KL_LOSS_TYPES, help="KL estimator per token, x = lp - lp_ref: k1 = x, "
+                             "k2 = x^2/2, k3 = exp(-x) - 1 + x, low_var_kl = k3 clamped to [-10, 10].")
+    use_unbiased_kl: bool = flag(False, help="Weight each token's KL by exp(lp - lp_old) (DeepSeek-V3.2's unbiased "
+                                 "estimate on pi_old's samples; the gradient flows through the weight too).")
+    entropy_coef: float = flag(0.0, help="Entropy bonus: loss -= coef * entropy of the policy (token level).")
 
     def __post_init__(self) -> None:
         if self.kl_loss_type not in KL_LOSS_TYPES:

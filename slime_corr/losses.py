@@ -46,7 +46,7 @@ from slime_corr.correction.reductions import (
     seq_sums,
     valid_float,
 )
-from slime_corr.correction.segments import Segments
+from slime_corr.layout.segments import Segments
 from slime_corr.loss_terms import LossTermsConfig
 from slime_corr.opsm import opsm_masked
 from slime_corr.registry import LOSS_FUNCTIONS, Registry

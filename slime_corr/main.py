@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import signal
 
+from slime_corr.mcore import import_warnings  # noqa: F401  (megatron-core's import-time warnings filtered, first)
 from slime_corr.trainer import interrupts  # the standard library only: before the slow imports
 
 if __name__ == "__main__":
@@ -27,64 +28,41 @@ elif __name__ == "__mp_main__":  # a "spawn" child re-importing this module (Meg
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the job's to handle; the job ends it
 
 import argparse
-import json
 import os
 import sys
 import time
 import traceback
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from slime_corr.arguments import (
-    add_loss_terms_args,
-    add_rollout_correction_args,
-    parse_rollout_correction_config,
-)
-from slime_corr.correction.proximal import check_prox_logp_method
-from slime_corr.device import resolve as resolve_device
-from slime_corr.engines.sglang_server import server_args
+from slime_corr.correction.checks import CustomFunctionError, InputValueError
+from slime_corr.engines.sglang_server import SGLangLaunchError, server_args
 from slime_corr.errors import ConfigError
+from slime_corr.flags import main_job
+from slime_corr.flags.checks import check_run
+from slime_corr.flags.correction import parse_rollout_correction_config
+from slime_corr.flags.trainer import split_sglang_passthrough
 from slime_corr.loss_terms import LossTermsConfig
-from slime_corr.monitoring.config import MonitoringConfig, add_monitoring_args
-from slime_corr.monitoring.logger import CONFIG_FILE, METRICS_FILE
-from slime_corr.trainer.agreement import precision_notice
-from slime_corr.trainer.config import (
-    TrainerConfig,
-    check_writable_dir,
-)
-from slime_corr.trainer.flags import add_trainer_args, split_sglang_passthrough
-
-# megatron-core warns on every rank, at import, that TransformerEngine and apex are missing (expected on CPU)
-warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")
-warnings.filterwarnings("ignore", message=r"full scope is deprecated")  # megatron-core 0.16's TransformerConfig
-# megatron-core's tensor-parallel layers advise a CUDA setting on every TP rank, also on CPU where it means nothing
-warnings.filterwarnings("ignore", message=r"When using async grad allreduce it is recommended to set the environment")
-# megatron-core's dist_checkpointing loads through torch APIs that torch has deprecated (not ours to change)
-warnings.filterwarnings("ignore", message=r"`load_state_dict` is deprecated and will be removed", category=FutureWarning)
-warnings.filterwarnings("ignore", message=r"Please use DTensor instead and we are deprecating ShardedTensor",
-                        category=FutureWarning)
+from slime_corr.mcore.checkpoint import CheckpointError
+from slime_corr.monitoring.config import MonitoringConfig
+from slime_corr.monitoring.logger import METRICS_FILE
+from slime_corr.rollout.client import probe_health
+from slime_corr.rollout.control import ControlError
+from slime_corr.rollout.rollout import RolloutFailedError
+from slime_corr.trainer.agreement import EngineAgreementError, precision_notice
+from slime_corr.trainer.config import TrainerConfig
+from slime_corr.trainer.loop import RunConfig, RunProgress, run
+from slime_corr.trainer.watchdog import PeerError, StuckRankError, collective_error
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from slime_corr.mcore.model import add_tiny_model_args
-    from slime_corr.models.selection import add_model_args
-
-    parser = argparse.ArgumentParser(prog="slime_corr.main", description=__doc__, allow_abbrev=False,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--self-check", action="store_true", help="Parse flags, build the config, print it, exit.")
-    add_trainer_args(parser)
-    add_loss_terms_args(parser)
-    add_tiny_model_args(parser)
-    add_model_args(parser)
-    add_monitoring_args(parser)
-    parser.set_defaults(vocab_size=256)  # byte-level tokens, as the embedded engine uses
-    return add_rollout_correction_args(parser)
+    """The main job's parser (every flag: `slime_corr.flags`)."""
+    return main_job.build_parser(description=__doc__)
 
 
 def parse_run_config(argv: Sequence[str] | None = None, *, check_urls: bool = True):  # -> RunConfig
-    """Parse and validate every flag; any error exits through `parser.error` naming the flag (exit code 2)."""
-    from slime_corr.trainer.loop import RunConfig
+    """Parse and validate every flag, each config and then the configs together (`flags.checks.check_run`); any
+    error exits through `parser.error` naming the flag (exit code 2)."""
 
     parser = build_parser()
     own, passthrough = split_sglang_passthrough(sys.argv[1:] if argv is None else argv)
@@ -92,22 +70,9 @@ def parse_run_config(argv: Sequence[str] | None = None, *, check_urls: bool = Tr
     args.sglang_server_args = server_args(passthrough)
     try:
         trainer = TrainerConfig.from_args(args)
-        try:
-            check_prox_logp_method(trainer.prox_logp_method, correction, trainer.truncation.active)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        placement = resolve_device(trainer.device)
-        if correction.rollout_correction_cuda_graph and not placement.is_cuda:
-            raise ConfigError(f"--rollout-correction-cuda-graph replays CUDA graphs, and this run is on "
-                              f"{placement.device}: leave it off, or run on a GPU (--device cuda).")
-        if trainer.use_routing_replay and correction.use_rollout_logprobs:
-            raise ConfigError("--use-routing-replay replays the routes of the recomputed lp_old pass, which bypass "
-                              "mode (--use-rollout-logprobs) skips: use a decoupled preset, or "
-                              "--use-rollout-routing-replay (the engines' routes).")
         loss_terms = LossTermsConfig.from_args(args)
         monitoring = MonitoringConfig.from_args(args, run_dir=args.run_dir or args.work_dir or _new_run_dir())
-        _check_run_dir(monitoring.run_dir, "--run-dir" if args.run_dir else "--work-dir" if args.work_dir else
-                       "the default run directory", resuming=trainer.load)
+        check_run(args, trainer, correction, monitoring)
     except ConfigError as e:
         parser.error(str(e))
     if check_urls:
@@ -127,34 +92,7 @@ def _new_run_dir() -> str:
     return path
 
 
-def _check_run_dir(run_dir: str | None, flag: str, resuming: str | None) -> None:
-    """Writable, and not holding another run's metrics: a resumed run (`resuming`: its --load) continues only the
-    metrics of the run that saved (or resumed from) that checkpoint directory."""
-    if not run_dir:
-        return
-    check_writable_dir(flag, run_dir)
-    metrics = Path(run_dir) / METRICS_FILE
-    if not (metrics.is_file() and metrics.stat().st_size):
-        return
-    if not resuming:
-        raise ConfigError(f"{flag} {run_dir} already holds a run's {METRICS_FILE}: a run never appends to another "
-                          "run's metrics. Pass a new --run-dir (or none: a new runs/DATE-TIME), or add --load to resume "
-                          "that run.")
-    try:
-        saved = json.loads((Path(run_dir) / CONFIG_FILE).read_text())
-    except (OSError, ValueError):
-        saved = {}
-    ckpts = {str(Path(p).resolve()) for p in (saved.get("save"), saved.get("load")) if isinstance(p, str) and p}
-    if str(Path(resuming).resolve()) not in ckpts:
-        raise ConfigError(f"{flag} {run_dir} holds the metrics of another run (its {CONFIG_FILE} names the "
-                          f"checkpoints {sorted(ckpts) or 'of no run'}, and this run resumes from --load {resuming}): a "
-                          "run never appends to another run's metrics. Pass the --run-dir of the run that saved "
-                          f"{resuming}, or a new one.")
-
-
 def _check_sglang_urls(parser: argparse.ArgumentParser, urls: Sequence[str]) -> None:
-    from slime_corr.rollout.client import probe_health
-
     for url in urls:
         reason = probe_health(url)
         if reason is not None:
@@ -173,14 +111,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"slime_corr.main: note: {notice}", flush=True)
     if run_config.hparams.get("self_check"):
         return 0
-    from slime_corr.correction.checks import CustomFunctionError, InputValueError
-    from slime_corr.engines.sglang_server import SGLangLaunchError
-    from slime_corr.mcore.checkpoint import CheckpointError
-    from slime_corr.rollout.control import ControlError
-    from slime_corr.rollout.rollout import RolloutFailedError
-    from slime_corr.trainer.agreement import EngineAgreementError
-    from slime_corr.trainer.loop import RunProgress, run
-    from slime_corr.trainer.watchdog import PeerError, StuckRankError, collective_error
 
     rank = int(os.environ.get("RANK", "0"))
     progress = RunProgress()

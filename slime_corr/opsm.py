@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from slime_corr.correction.reductions import ProcessGroup, seq_sums
-from slime_corr.correction.segments import Segments
+from slime_corr.layout.segments import Segments
 
 
 def opsm_masked(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, valid: Tensor, delta: float,

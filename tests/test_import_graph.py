@@ -1,6 +1,7 @@
 """The package's import graph, read from the source (every import: module level, inside functions and under
 TYPE_CHECKING): no circles, and the layers import downwards only — the pure tensor math (`correction`, `losses`)
-imports no distributed glue, rollout or trainer code, and nothing but the main job imports the trainer."""
+imports no distributed glue, rollout or trainer code, and nothing but the main job imports the trainer (the flag
+layer, `slime_corr.flags`, which owns the main job's flags, reads the trainer's config modules only)."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_graph_reader_finds_a_circle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
-    assert "slime_corr.config" in import_graph()["slime_corr.arguments"]
+    assert "slime_corr.config" in import_graph()["slime_corr.flags.correction"]
 
 
 def test_no_import_circles() -> None:
@@ -95,4 +96,40 @@ def test_layers_import_downwards() -> None:
     assert _imports_under(graph, "slime_corr.correction", upper) == []
     assert _imports_under(graph, "slime_corr.losses", upper) == []
     outside = [m for m in graph if not m.startswith(("slime_corr.trainer", "slime_corr.main"))]
-    assert sorted(f"{m} -> {t}" for m in outside for t in graph[m] if t.startswith("slime_corr.trainer")) == []
+    config = ("slime_corr.trainer.config", "slime_corr.trainer.config_checks", "slime_corr.trainer.task")
+    assert sorted(f"{m} -> {t}" for m in outside for t in graph[m] if t.startswith("slime_corr.trainer")
+                  and not (m.startswith("slime_corr.flags.") and t in config)) == []
+
+
+def test_the_layout_is_the_ground_floor_of_the_trainer_and_the_megatron_glue() -> None:
+    """`slime_corr.layout` owns the sequence layout: it imports only torch and the rollout's `Sample` record, and
+    the trainer, the Megatron glue and the correction core read the layout from it (no other module defines it)."""
+    graph = import_graph()
+    upward = [f"{m} -> {t}" for m, targets in graph.items() if m.startswith("slime_corr.layout")
+              for t in targets if not t.startswith(("slime_corr.layout", "slime_corr.rollout.sample"))]
+    assert upward == []
+    users = {m.split(".")[1] for m, targets in graph.items() for t in targets
+             if t.startswith("slime_corr.layout") and not m.startswith("slime_corr.layout")}
+    assert {"trainer", "mcore", "correction", "rollout"} <= users
+    assert not (PACKAGE / "rollout" / "batching.py").exists() and not (PACKAGE / "correction" / "segments.py").exists()
+
+
+def _function_local_imports() -> list[str]:
+    """`module:line` of every import of the project's own modules inside a function, unless its line says why it is
+    lazy (`# lazily: ...`, an optional dependency or a cheap import path)."""
+    found = []
+    for name, path in _modules().items():
+        source = path.read_text()
+        lines = source.splitlines()
+        for fn in ast.walk(ast.parse(source)):
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(fn):
+                if (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("slime_corr")
+                        and "lazily" not in lines[node.end_lineno - 1]):
+                    found.append(f"{name}:{node.lineno}")
+    return sorted(set(found))
+
+
+def test_the_project_imports_its_modules_at_module_level() -> None:
+    assert _function_local_imports() == []

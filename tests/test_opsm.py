@@ -12,8 +12,8 @@ import torch
 
 from slime_corr.arguments import add_rollout_correction_args, parse_rollout_correction_config
 from slime_corr.config import RolloutCorrectionConfig as C
-from slime_corr.correction.segments import Segments
 from slime_corr.errors import ConfigError
+from slime_corr.layout.segments import Segments
 from slime_corr.losses import OPSM_COUNT, compute_policy_loss
 from slime_corr.opsm import opsm_masked
 

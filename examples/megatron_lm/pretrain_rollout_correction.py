@@ -37,10 +37,10 @@ from typing import Any
 import torch
 
 from slime_corr.arguments import add_rollout_correction_args, config_from_args  # slime_corr
+from slime_corr.layout.groups import grpo_advantages, micro_batch_iterator, split_for_dp
 from slime_corr.mcore.compat import import_megatron_training
 from slime_corr.mcore.loss_hook import RolloutCorrectionLoss  # slime_corr
 from slime_corr.mcore.rollout_steps import RolloutStepIterator  # slime_corr
-from slime_corr.rollout.batching import grpo_advantages, micro_batch_iterator, split_for_dp
 from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.rollout import generate_group_samples
 

@@ -2,7 +2,7 @@
 
 The IS/RS formulas live in `weights.py`, the orchestration (and the only collectives) in `core.py`, metric
 definitions in `metrics.py`, the masked-reduction helpers in `reductions.py`, and the per-sequence reductions of
-padded rows or packed (THD) rows in `segments.py`.
+padded rows or packed (THD) rows in `slime_corr.layout.segments`.
 """
 
 from slime_corr.correction.budget import StepBounds
@@ -14,9 +14,9 @@ from slime_corr.correction.core import (
     weight_mean,
 )
 from slime_corr.correction.metrics import merge_stats, metrics_to_host
-from slime_corr.correction.segments import Segments
 from slime_corr.correction.types import CorrectionResult, WeightInputs, WeightOutputs
 from slime_corr.correction.weights import default_weights
+from slime_corr.layout.segments import Segments
 
 __all__ = [
     "CorrectionResult",

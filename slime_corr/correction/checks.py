@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from slime_corr.config import RolloutCorrectionConfig
-from slime_corr.correction.segments import Segments
 from slime_corr.correction.types import CorrectionResult, WeightInputs, WeightOutputs
+from slime_corr.layout.segments import Segments
 
 
 def _describe(x: Any) -> str:
@@ -77,7 +77,7 @@ def check_segments(segments: Any, shape: tuple[int, ...], where: str) -> None:
     if segments is None:
         return
     if not isinstance(segments, Segments):
-        raise TypeError(f"{where}: segments must be a slime_corr.correction.segments.Segments (e.g. "
+        raise TypeError(f"{where}: segments must be a slime_corr.layout.segments.Segments (e.g. "
                         f"Segments.packed_row(cu_seqlens, T)) or None, got {_describe(segments)}.")
     if segments.shape() != shape:
         raise ValueError(f"{where}: segments describe tokens of shape {segments.shape()}, but log_probs has shape "

@@ -3,8 +3,8 @@
 Order of operations (docs/theory.md, docs/metrics.md), one function per stage (their records: `records.py`):
 1. `log_ratio_stage`: lr = lp_train - lp_rollout on valid tokens; per-sequence sums (count, Σlr, Σlp_train, veto
    and token-RS counts) in ONE CP all_reduce. A sequence is a row of the [B, S] inputs, or a segment of a packed
-   [1, T] row (`segments.py`): every per-sequence sum, maximum and broadcast goes through a `Segments`, the rest is
-   per token and layout-free. `sequence_stage`: a sequence with a non-finite lr at a valid position is rejected.
+   [1, T] row (`slime_corr.layout.segments`): every per-sequence sum, maximum and broadcast goes through a
+   `Segments`, the rest is per token and layout-free. `sequence_stage`: a sequence with a non-finite lr at a valid position is rejected.
 2. `rejection_stage`: the weighting function ("default" = `weights.default_weights`, or
    `--custom-tis-function-path`) gives the RS mask; the veto (`lr < log C` at any valid token) then rejects whole
    sequences. `weighting.weight_stage`: the IS weights of what stays.
@@ -58,9 +58,9 @@ from slime_corr.correction.reductions import (
     valid_float,
 )
 from slime_corr.correction.reporting import OPTIONAL_RATIOS
-from slime_corr.correction.segments import Segments
 from slime_corr.correction.types import CorrectionResult, WeightInputs
 from slime_corr.correction.weights import default_weights, in_log_bounds, rs_keep
+from slime_corr.layout.segments import Segments
 from slime_corr.registry import WEIGHT_FUNCTIONS
 
 BATCH_NORM_MIN_MEAN = 1e-8

@@ -30,7 +30,7 @@ from torch import Tensor
 from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.correction import budget as B
 from slime_corr.correction.reductions import at_most_, count_greater_, indicator
-from slime_corr.correction.segments import Segments
+from slime_corr.layout.segments import Segments
 
 MAX_FINITE_LOG_RATIO = 1e30  # |lr| above this marks a non-finite log-prob (`metrics.MAX_ABS_LOG_RATIO`)
 

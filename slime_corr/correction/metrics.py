@@ -58,8 +58,8 @@ from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.correction import quantiles as Q
 from slime_corr.correction.checks import check_host_metrics
 from slime_corr.correction.reductions import count_greater_, device_constant, row_products
-from slime_corr.correction.segments import Segments
 from slime_corr.correction.weights import LOG_RATIO_CLAMP
+from slime_corr.layout.segments import Segments
 
 PPL_EXP_CLAMP = 80.0
 LOG_PROB_CLAMP = 20.0

@@ -18,7 +18,7 @@ from slime_corr.correction import divergence as D
 from slime_corr.correction import metrics as M
 from slime_corr.correction import quantiles as Q
 from slime_corr.correction.reductions import BatchStats, ProcessGroup, active_groups, cp_first, group_size
-from slime_corr.correction.segments import Segments
+from slime_corr.layout.segments import Segments
 
 VETO_COLUMN = len(M.LOCAL)  # in `LogRatios.seq_sums`: the tokens under the veto threshold, when the veto is on
 

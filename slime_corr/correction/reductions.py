@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from slime_corr.correction.segments import Segments
+    from slime_corr.layout.segments import Segments
 
 ProcessGroup = dist.ProcessGroup | None
 _CONSTANTS: dict[tuple[str, torch.device], Tensor] = {}

@@ -25,7 +25,7 @@ from torch.distributed import ProcessGroup
 
 from slime_corr.correction.reductions import cp_first, seq_sums
 from slime_corr.correction.reporting import ratio_pair
-from slime_corr.correction.segments import Segments
+from slime_corr.layout.segments import Segments
 
 REJECTION_OUTCOME_METRICS = (
     "mis_rejected_seq_pos_adv_fraction",

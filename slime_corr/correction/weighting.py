@@ -27,9 +27,9 @@ from slime_corr.correction.checks import call_weight_function, custom_weight_cou
 from slime_corr.correction.compiling import maybe_compiled
 from slime_corr.correction.records import BatchColumns, CorrectionPlan, Kept, Layout, Sequences, Weighted
 from slime_corr.correction.reductions import count_greater_, indicator, row_products, seq_sums, valid_float
-from slime_corr.correction.segments import Segments
 from slime_corr.correction.types import WeightInputs
 from slime_corr.correction.weights import LOG_RATIO_CLAMP, default_weight_parts
+from slime_corr.layout.segments import Segments
 
 
 class TokenWeights(NamedTuple):

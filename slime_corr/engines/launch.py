@@ -21,7 +21,10 @@ from typing import Any
 import torch
 
 from slime_corr.device import engine_device
+from slime_corr.engines.embedded.engine import start_local_engine
+from slime_corr.engines.embedded.model import TorchEngineModel
 from slime_corr.engines.group import EngineGroup, start_engine_group
+from slime_corr.engines.sglang_server import SGLangServerConfig, launch_sglang_server, sglang_python
 
 ENGINE_KINDS = ("sglang", "embedded")
 STEP_DELAY_ENV = "SLIME_CORR_EMBEDDED_STEP_DELAY"
@@ -57,8 +60,6 @@ def start_engines(spec: EngineSpec, checkpoint_dir: str, weight_version: str) ->
     if spec.kind not in ENGINE_KINDS:
         raise ValueError(f"--rollout-engine {spec.kind!r} is not one of {', '.join(ENGINE_KINDS)}")
     if spec.kind == "sglang":
-        from slime_corr.engines.sglang_server import SGLangServerConfig, launch_sglang_server, sglang_python
-
         server = SGLangServerConfig(
             model_path=checkpoint_dir, python=sglang_python(spec.sglang_python), dtype=spec.dtype, device=spec.device,
             skip_tokenizer_init=spec.skip_tokenizer_init, served_model_name=spec.served_model_name,
@@ -67,9 +68,6 @@ def start_engines(spec: EngineSpec, checkpoint_dir: str, weight_version: str) ->
         def make_engine(i: int) -> Any:
             return launch_sglang_server(server, name=f"sglang-{i}")
     else:
-        from slime_corr.engines.embedded.engine import start_local_engine
-        from slime_corr.engines.embedded.model import TorchEngineModel
-
         if spec.embedded_module is None:
             raise ValueError("EngineSpec.embedded_module: the embedded engine needs the module it serves")
         dtype = getattr(torch, spec.dtype)

@@ -1,12 +1,6 @@
-"""Context-parallel (CP) and sequence-layout helpers Megatron needs around the correction core.
-
-Layout (Megatron's zig-zag, load-balanced for causal attention): with C CP ranks a padded row is split into 2·C
-chunks and CP rank r holds chunks r and 2·C−1−r; a packed (THD) row is partitioned the same way sample by sample
-(Megatron-Core's `get_thd_batch_on_this_cp_rank`). The layout itself lives in ONE place,
-`slime_corr.rollout.batching`; this module re-exports it and adds the parallel-state glue: process groups, the
-`Segments` the core reduces a micro-batch's sequences with, Megatron's `PackedSeqParams`, the full sequence length
-used by `seq-mean-token-sum-norm`, and the inverse (gather) used only by tests and debugging. Sequence-level sums
-are NOT gathered: the core all-reduces per-sequence [n, k] scalars over the CP group once per micro-batch.
+"""Megatron's parallel state around the correction core: the process groups, this rank's CP slice of a micro-batch
+and its sequences, and Megatron's `PackedSeqParams`. The layout itself (the zig-zag and THD slices) lives in
+`slime_corr.layout.context_parallel`; this module only binds it to `megatron.core.parallel_state`.
 """
 
 from __future__ import annotations
@@ -18,35 +12,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from slime_corr.correction.segments import Segments
-from slime_corr.rollout.batching import (
-    BATCH_KEYS,
-    TOKEN_KEYS,
-    packed_starts,
-    slice_micro_batch_for_cp,
-    thd_local_offsets,
-    zigzag_slice,
-)
+from slime_corr.layout.context_parallel import packed_segments, slice_micro_batch_for_cp
+from slime_corr.layout.micro_batch import TOKEN_KEYS, packed_starts
+from slime_corr.layout.segments import Segments
 
 ProcessGroup = dist.ProcessGroup | None
-
-
-def zigzag_indices(seq_len: int, cp_rank: int, cp_size: int, device: torch.device | str | None = None) -> Tensor:
-    """Global positions held by `cp_rank` (in local order): chunks r and 2·C−1−r of 2·C, on `device` (pass the
-    device of the tensor they index)."""
-    return zigzag_slice(torch.arange(seq_len, device=device).unsqueeze(0), cp_rank, cp_size, dim=1)[0]
-
-
-def zigzag_unslice(parts: list[Tensor], dim: int = 1) -> Tensor:
-    """Inverse of `zigzag_slice`: rebuild the full tensor from every CP rank's local slice (rank order)."""
-    cp_size = len(parts)
-    if cp_size == 1:
-        return parts[0]
-    chunks: list[Tensor | None] = [None] * (2 * cp_size)
-    for r, part in enumerate(parts):
-        first, second = part.chunk(2, dim=dim)
-        chunks[r], chunks[2 * cp_size - 1 - r] = first, second
-    return torch.cat([c for c in chunks if c is not None], dim=dim)
 
 
 @dataclass(frozen=True)
@@ -99,11 +69,6 @@ def all_reduce_dp_cp(x: Tensor, groups: ParallelGroups) -> Tensor:
     return x
 
 
-def seq_length_for_norm(local_seq_len: int, cp_size: int) -> int:
-    """Full (un-sliced) padded sequence length T used by `seq-mean-token-sum-norm`: S_local · C."""
-    return local_seq_len * cp_size
-
-
 def slice_batch_for_cp(batch: dict[str, Tensor], groups: ParallelGroups) -> dict[str, Tensor]:
     """This CP rank's part of every [B, S] / [1, T] micro-batch entry (tokens, labels, masks, log-probs, ...):
     the zig-zag slice of a padded batch, the THD partition of a packed one.
@@ -114,19 +79,10 @@ def slice_batch_for_cp(batch: dict[str, Tensor], groups: ParallelGroups) -> dict
                                     keys=(*TOKEN_KEYS, "old_log_probs", "ref_log_probs"))
 
 
-def is_packed(batch: dict[str, Any]) -> bool:
-    """Whether a micro-batch is packed (THD: one row [1, T] with `cu_seqlens`)."""
-    return "cu_seqlens" in batch
-
-
 def batch_segments(batch: dict[str, Any], groups: ParallelGroups) -> Segments | None:
     """The sequences of this rank's (CP-sliced) micro-batch for the core: None for padded rows (one sequence per
     row), else the packed row's local sample offsets (`cu_seqlens_padded / CP`)."""
-    if not is_packed(batch):
-        return None
-    labels = batch["labels"]
-    offsets = thd_local_offsets(packed_starts(batch), groups.cp_size).to(labels.device)
-    return Segments.packed_row(offsets, labels.shape[-1])
+    return packed_segments(batch, groups.cp_size)
 
 
 def slice_tensor_for_cp(x: Tensor, batch: dict[str, Any], groups: ParallelGroups) -> Tensor:
@@ -134,18 +90,6 @@ def slice_tensor_for_cp(x: Tensor, batch: dict[str, Any], groups: ParallelGroups
     the full sequence under emulated CP): its zig-zag slice, or packed, its THD partition."""
     cu = {k: batch[k] for k in ("cu_seqlens", "cu_seqlens_padded") if k in batch}
     return slice_micro_batch_for_cp({**cu, "x": x}, groups.cp_rank, groups.cp_size, keys=("x",))["x"]
-
-
-def block_causal_mask(starts: Tensor, length: int) -> Tensor:
-    """[1, 1, T, T] bool, True where attention is masked (Megatron's convention): causal within each sample of a
-    packed row of `length` positions whose samples start at `starts` (`cu_seqlens_padded`), nothing across
-    samples — what THD attention computes, for attention implementations without it (the local layer spec on CPU,
-    `mcore.local_spec`). Positions past the last sample attend among themselves."""
-    starts = starts.long()
-    pos = torch.arange(length, device=starts.device)
-    ids = torch.searchsorted(starts[1:].contiguous(), pos, right=True)
-    allowed = (ids[:, None] == ids[None, :]) & (pos[None, :] <= pos[:, None])
-    return (~allowed)[None, None]
 
 
 def packed_seq_params(batch: dict[str, Any]) -> Any:
@@ -161,18 +105,3 @@ def packed_seq_params(batch: dict[str, Any]) -> Any:
                            cu_seqlens_kv_padded=cu_padded, max_seqlen_q=max_len, max_seqlen_kv=max_len)
 
 
-__all__ = [
-    "all_reduce_dp_cp",
-    "BATCH_KEYS",
-    "batch_segments",
-    "is_packed",
-    "block_causal_mask",
-    "packed_seq_params",
-    "ParallelGroups",
-    "seq_length_for_norm",
-    "slice_batch_for_cp",
-    "slice_tensor_for_cp",
-    "zigzag_indices",
-    "zigzag_slice",
-    "zigzag_unslice",
-]

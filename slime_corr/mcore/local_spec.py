@@ -24,7 +24,7 @@ from typing import Any
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from torch import Tensor
 
-from slime_corr.mcore.context_parallel import block_causal_mask
+from slime_corr.layout.context_parallel import block_causal_mask
 
 
 class PackedDotProductAttention(DotProductAttention):

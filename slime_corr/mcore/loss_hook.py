@@ -52,7 +52,7 @@ trainer's own routes in the batch; `loss_func` then adds the routing-mismatch pa
 the trained positions, `correction.routing`) to the report, reduced like the others.
 
 Layouts. Micro-batches are padded [B, S] (one sequence per row) or packed (THD: one row [1, T] with `cu_seqlens`
-and `cu_seqlens_padded`, `slime_corr.rollout.batching`); every sequence-level quantity is per packed sequence, the
+and `cu_seqlens_padded`, `slime_corr.layout.micro_batch`); every sequence-level quantity is per packed sequence, the
 same as padded. `seq-mean-token-sum-norm` divides by `seq_length_for_norm` (the run's maximum response length; a
 padded batch defaults to its length S·CP, a packed one must be given it).
 
@@ -81,15 +81,11 @@ from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.correction import metrics_to_host
 from slime_corr.correction.diagnostics import DiagnosticsResult, MismatchDiagnostics, response_positions
 from slime_corr.correction.proximal import check_prox_logp_method
+from slime_corr.layout.context_parallel import is_packed, seq_length_for_norm
 from slime_corr.loss_terms import LossTermsConfig
+from slime_corr.losses import compute_policy_loss
 from slime_corr.mcore.compat import get_forward_backward_func, megatron_lm_args
-from slime_corr.mcore.context_parallel import (
-    ParallelGroups,
-    batch_segments,
-    is_packed,
-    packed_seq_params,
-    seq_length_for_norm,
-)
+from slime_corr.mcore.context_parallel import ParallelGroups, batch_segments, packed_seq_params
 from slime_corr.mcore.logprobs import DEFAULT_CHUNK_SIZE
 from slime_corr.mcore.nucleus import (
     RENORMALIZED_KEYS,
@@ -258,7 +254,6 @@ class RolloutCorrectionLoss(StepPrepass, PolicyLogProbs):
         from its config; else Megatron-LM's arguments are checked when set. The report is Megatron's
         `{key: tensor([numerator, denominator])}` (see the module doc).
         """
-        from slime_corr.losses import compute_policy_loss
 
         if model is not None:
             check_model_config(model)

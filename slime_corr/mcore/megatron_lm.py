@@ -4,7 +4,7 @@ in Megatron-LM's own training loop.
 RL flags. Megatron-LM's GRPO loss has its own importance-sampling correction against the inference engine's
 log-probs: `--rl-inference-logprobs-is-correction` turns it on and `--rl-importance-sampling-truncation-coef`
 truncates its ratio. With slime_corr's correction on as well, the loss would be corrected twice. The check reads
-the parsed namespace only and lives in the flag layer (`slime_corr.megatron_lm_flags`, run by `config_from_args`).
+the parsed namespace only and lives in the flag layer (`slime_corr.flags.checks`, run by `config_from_args`).
 
 Routing replay. A pretrain_gpt.py-style script trains a MoE GPT (`--num-experts`, `--moe-router-topk`, ...) and
 replays the experts the rollout engine routed each token to: Megatron-Core's `RouterReplay` forces them, and it
@@ -20,7 +20,7 @@ built, a replay asked without `--moe-enable-routing-replay` (else the first forw
         batch = hook.next_micro_batch(data_iterator, model)          # lp_old pre-pass: hook.model_forward too
         return hook.model_forward(model, batch), partial(hook.loss_func, batch, model=model)
 
-Each micro-batch carries the engine's routes as `batch["routed_experts"]` (`slime_corr.rollout.batching.ROUTE_KEY`,
+Each micro-batch carries the engine's routes as `batch["routed_experts"]` (`slime_corr.layout.micro_batch.ROUTE_KEY`,
 `[B, S, layers, top_k]` expert ids, any small int dtype, aligned with `batch["tokens"]`: the same DP rows, and the
 same CP slice when the model sees one). The lp_old pre-pass and the training pass then route with those experts;
 `loss_func` adds the routing-mismatch pairs (`routing_mismatch_frac`, ..., the trainer's own top-k vs the engine's)
@@ -32,30 +32,14 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from slime_corr.arguments import add_rollout_correction_args
-from slime_corr.megatron_lm_flags import (  # noqa: F401  (their home is the flag layer; importable from here too)
+from slime_corr.flags.checks import (  # noqa: F401  (their home is the flag layer; importable from here too)
     ROUTING_FLAGS_ATTR,
     check_megatron_lm_rl_flags,
     check_megatron_lm_routing_flags,
 )
-
-
-def add_megatron_lm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron-LM's `extra_args_provider`: slime_corr's correction flags plus slime's routing flags (those the
-    parser lacks). Returns the parser."""
-    add_rollout_correction_args(parser)
-    if "--use-rollout-routing-replay" in parser._option_string_actions:  # the host's own (slime's parser)
-        return parser
-    g = parser.add_argument_group(title="MoE rollout routing replay (slime_corr)")
-    g.add_argument("--use-rollout-routing-replay", action="store_true",
-                   help="R3 (slime's flag): the lp_old pre-pass and every training pass route each token to the "
-                        "experts the rollout engine chose (batch['routed_experts']); needs "
-                        "--moe-enable-routing-replay. Logs the routing-mismatch metrics too.")
-    g.add_argument("--log-routing-mismatch", action="store_true",
-                   help="Compare the trainer's routes with the engine's (routing_mismatch_* in the loss dict) "
-                        "without replaying them.")
-    parser.set_defaults(**{ROUTING_FLAGS_ATTR: True})
-    return parser
+from slime_corr.flags.megatron_lm import add_megatron_lm_args
+from slime_corr.mcore.loss_hook import default_model_forward
+from slime_corr.mcore.routing import routed_forward
 
 
 def routed_model_forward(args: argparse.Namespace, inner: Callable | None = None) -> Callable:
@@ -63,9 +47,6 @@ def routed_model_forward(args: argparse.Namespace, inner: Callable | None = None
     with a routing flag on (a micro-batch without routes runs `inner` as is), else `inner` itself. `inner`: how the
     model runs (default: `loss_hook.default_model_forward`, GPTModel on tokens / position_ids). Checks the flags
     first, for scripts that build their config otherwise than with `config_from_args`."""
-    from slime_corr.mcore.loss_hook import default_model_forward
-    from slime_corr.mcore.routing import routed_forward
-
     check_megatron_lm_routing_flags(args)
     inner = inner or default_model_forward
     replay = bool(getattr(args, "use_rollout_routing_replay", False))

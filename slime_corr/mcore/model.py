@@ -22,30 +22,25 @@ import torch
 from torch import Tensor
 
 from slime_corr.device import place_module
+from slime_corr.flags.fields import flag
+from slime_corr.layout.context_parallel import is_packed
+from slime_corr.mcore.context_parallel import ParallelGroups, packed_seq_params, slice_tensor_for_cp
+from slime_corr.mcore.local_spec import local_layer_spec
+from slime_corr.mcore.params import unsplit_name
 
 
 @dataclass(frozen=True)
 class TinyGPTArgs:
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    vocab_size: int = 128  # must be divisible by the TP size
-    max_position_embeddings: int = 256
-    seed: int = 1234
+    """The tiny GPT's shape and seed; the fields that are flags carry their help (`slime_corr.flags.model`)."""
+
+    num_layers: int = flag(2, help="Transformer layers of the tiny GPT.")
+    hidden_size: int = flag(64, help="Hidden size of the tiny GPT.")
+    num_attention_heads: int = flag(4, help="Attention heads of the tiny GPT (must divide --hidden-size).")
+    vocab_size: int = flag(128, help="Vocabulary size of the tiny GPT (the main job: 256, byte tokens).")  # divisible by TP
+    max_position_embeddings: int = flag(256, help="Positions of the tiny GPT (prompt + response must fit).")
+    seed: int = flag(1234, help="Random seed: the model's initialization (in the main job also the prompts and the "
+                    "sampling).")
     params_dtype: torch.dtype = torch.float32  # tests use float64 to compare gradients at 1e-6
-
-
-def add_tiny_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron-like model flags (`--num-layers`, `--hidden-size`, ...) for the tiny model."""
-    group = parser.add_argument_group("tiny GPT model (Megatron-Core)")
-    d = TinyGPTArgs()
-    group.add_argument("--num-layers", type=int, default=d.num_layers)
-    group.add_argument("--hidden-size", type=int, default=d.hidden_size)
-    group.add_argument("--num-attention-heads", type=int, default=d.num_attention_heads)
-    group.add_argument("--vocab-size", type=int, default=d.vocab_size)
-    group.add_argument("--max-position-embeddings", type=int, default=d.max_position_embeddings)
-    group.add_argument("--seed", type=int, default=d.seed)
-    return parser
 
 
 def build_tiny_gpt(args: TinyGPTArgs | argparse.Namespace | None = None, *, ddp: bool = True,
@@ -66,9 +61,6 @@ def build_tiny_gpt(args: TinyGPTArgs | argparse.Namespace | None = None, *, ddp:
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
-
-    from slime_corr.mcore.local_spec import local_layer_spec
-    from slime_corr.mcore.params import unsplit_name
 
     a = args or TinyGPTArgs()
     dtype = getattr(a, "params_dtype", torch.float32)
@@ -157,13 +149,6 @@ def emulated_cp_forward(model: torch.nn.Module, batch: dict[str, Tensor]) -> Ten
     sees the layout of real CP attention). A packed (THD) row passes Megatron's `PackedSeqParams` of the full row
     (`mcore.local_spec` runs them on CPU). Without CP it is `default_model_forward`. Under pipeline parallelism
     only the last stage's output (the logits) is sliced; the others pass hidden states on."""
-    from slime_corr.mcore.context_parallel import (
-        ParallelGroups,
-        is_packed,
-        packed_seq_params,
-        slice_tensor_for_cp,
-    )
-
     groups = ParallelGroups.current()
     if groups.cp_size > 1 and "full_tokens" not in batch:
         raise KeyError("emulated CP runs the full row: the micro-batch needs 'full_tokens' and 'full_position_ids' "
@@ -175,4 +160,4 @@ def emulated_cp_forward(model: torch.nn.Module, batch: dict[str, Tensor]) -> Ten
     return slice_tensor_for_cp(out, batch, groups) if groups.pp_last and groups.cp_size > 1 else out
 
 
-__all__ = ["TinyGPTArgs", "add_tiny_model_args", "build_tiny_gpt", "emulated_cp_forward", "single_rank_groups"]
+__all__ = ["TinyGPTArgs", "build_tiny_gpt", "emulated_cp_forward", "single_rank_groups"]

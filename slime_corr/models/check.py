@@ -20,9 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from slime_corr.device import init_distributed
+from slime_corr.flags.model import add_model_args
+from slime_corr.mcore.cpu_compat import apply_cpu_compat
+from slime_corr.mcore.logprobs import vocab_parallel_log_probs
 from slime_corr.models.bridge import MegatronHFBridge
 from slime_corr.models.hf_checkpoint import load_hf_causal_lm
-from slime_corr.models.selection import add_model_args, parse_model_source
+from slime_corr.models.selection import parse_model_source
 from slime_corr.models.tokenizer import ChatTokenizer
 
 
@@ -76,8 +80,6 @@ def sample_and_rescore(model: nn.Module, hf_model: nn.Module, prompt: Sequence[i
     recompute them teacher-forced, each in one forward over prompt + response."""
     from megatron.core import parallel_state as ps
 
-    from slime_corr.mcore.logprobs import vocab_parallel_log_probs
-
     ids = torch.tensor([list(prompt)])
     torch.manual_seed(seed)
     with torch.no_grad():
@@ -116,9 +118,6 @@ def main(argv: list[str] | None = None) -> None:
 
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
-
-    from slime_corr.device import init_distributed  # torchrun's group, or a one-process one
-    from slime_corr.mcore.cpu_compat import apply_cpu_compat
 
     init_distributed(device="cpu")  # the HF reference runs on the CPU: the Megatron model there too
     world = dist.get_world_size()

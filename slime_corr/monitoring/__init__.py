@@ -6,7 +6,8 @@ The logger API a trainer uses (see `logger.py` for the sinks and `keys.py` for t
     from slime_corr.monitoring import MetricsLogger, MonitoringConfig, add_monitoring_args, loss_step_metrics
 """
 
-from slime_corr.monitoring.config import MonitoringConfig, add_monitoring_args
+from slime_corr.flags.monitoring import add_monitoring_args
+from slime_corr.monitoring.config import MonitoringConfig
 from slime_corr.monitoring.keys import loss_step_metrics, with_prefix
 from slime_corr.monitoring.logger import MetricsLogger, is_logging_rank
 

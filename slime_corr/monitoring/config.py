@@ -1,6 +1,6 @@
 """Logging flags (Megatron's names where Megatron has them) and the typed config they build.
 
-    add_monitoring_args(parser)                       # one call; a Megatron `extra_args_provider` too
+    add_monitoring_args(parser)                       # slime_corr.flags.monitoring; a Megatron `extra_args_provider` too
     args = parser.parse_args()
     config = MonitoringConfig.from_args(args)         # validated; ConfigError names the flag and the fix
 
@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from slime_corr.errors import ConfigError
+from slime_corr.flags.fields import flag
 from slime_corr.integrations.slime.names import METRIC_NAMINGS
 
 WANDB_MODES = ("online", "offline", "disabled")
@@ -40,20 +41,28 @@ class MonitoringConfig:
     slime_corr's names).
     """
 
-    run_dir: str | None = None
-    log_interval: int = 1
-    tensorboard_dir: str | None = None
-    tensorboard_log_interval: int = 1
-    tensorboard_queue_size: int = 1000
-    wandb_project: str | None = None
-    wandb_exp_name: str | None = None
-    wandb_save_dir: str | None = None
-    wandb_entity: str | None = None
-    wandb_mode: str | None = None
-    rollout_progress: str = "auto"
-    log_mismatch_diagnostics: bool = True
-    log_top_mismatch_samples: int = 4
-    metric_names: str = "both"
+    run_dir: str | None = flag(None, help="Directory for metrics.jsonl (every metric of every step), "
+                               "top_mismatch.jsonl and run_config.json; `slime-corr report RUN_DIR` reads it.")
+    log_interval: int = flag(1, help="Print the step line every N steps.")
+    tensorboard_dir: str | None = flag(None, help="Write TensorBoard event files here (needs the tensorboard extra).")
+    tensorboard_log_interval: int = flag(1, help="Write to TensorBoard and W&B every N steps.")
+    tensorboard_queue_size: int = flag(1000, help="TensorBoard events kept in memory before a flush to disk.")
+    wandb_project: str | None = flag(None, help="W&B project; W&B is off without it.")
+    wandb_exp_name: str | None = flag(None, help="W&B run name (default: the run dir's name).")
+    wandb_save_dir: str | None = flag(None, help="Where W&B keeps its files (default: RUN_DIR/wandb).")
+    wandb_entity: str | None = flag(None, help="W&B entity (team or user).")
+    wandb_mode: str | None = flag(None, choices=WANDB_MODES, help="online, offline (nothing leaves the machine; "
+                                  "`wandb sync` later) or disabled. Default: WANDB_MODE, else wandb's default (online).")
+    rollout_progress: str = flag("auto", choices=PROGRESS_MODES, help="Rollout progress: auto = a bar on a terminal, "
+                                 "plain lines otherwise (CI logs).")
+    log_mismatch_diagnostics: bool = flag(True, help="Log the mismatch by rollout-probability bucket, response "
+                                          "position, weight lag, and the decoupled drift split (when mismatch metrics "
+                                          "are on).")
+    log_top_mismatch_samples: int = flag(4, help="Record the N sequences of each step with the largest |sum of "
+                                         "log-ratios| (with their text).")
+    metric_names: str = flag("both", choices=METRIC_NAMINGS, help="Metric key names in the logs: both (slime_corr's, "
+                             "plus slime's for the metrics slime logs: train/train_rollout_logprob_abs_diff, train/tis, "
+                             "rollout/raw_reward, ...), slime, or slime_corr.")
 
     def __post_init__(self) -> None:
         for name in ("log_interval", "tensorboard_log_interval", "tensorboard_queue_size"):
@@ -99,45 +108,4 @@ def _flag(name: str) -> str:
     return name.replace("_", "-")
 
 
-def add_monitoring_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the logging flags the parser does not have yet (so Megatron's own stay as they are). Returns it."""
-    have = set(parser._option_string_actions)  # noqa: SLF001 - argparse has no public "has option"
-    g = parser.add_argument_group(title="monitoring (slime_corr)")
-    d = MonitoringConfig()
-
-    def add(flag: str, **kw: Any) -> None:
-        if flag not in have:
-            g.add_argument(flag, **kw)
-
-    add("--run-dir", type=str, default=d.run_dir,
-        help="Directory for metrics.jsonl (every metric of every step), top_mismatch.jsonl and run_config.json; "
-             "`slime-corr report RUN_DIR` reads it.")
-    add("--log-interval", type=int, default=d.log_interval, help="Print the step line every N steps.")
-    add("--tensorboard-dir", type=str, default=d.tensorboard_dir,
-        help="Write TensorBoard event files here (needs the tensorboard extra).")
-    add("--tensorboard-log-interval", type=int, default=d.tensorboard_log_interval,
-        help="Write to TensorBoard and W&B every N steps.")
-    add("--tensorboard-queue-size", type=int, default=d.tensorboard_queue_size,
-        help="TensorBoard events kept in memory before a flush to disk.")
-    add("--wandb-project", type=str, default=d.wandb_project, help="W&B project; W&B is off without it.")
-    add("--wandb-exp-name", type=str, default=d.wandb_exp_name, help="W&B run name (default: the run dir's name).")
-    add("--wandb-save-dir", type=str, default=d.wandb_save_dir,
-        help="Where W&B keeps its files (default: RUN_DIR/wandb).")
-    add("--wandb-entity", type=str, default=d.wandb_entity, help="W&B entity (team or user).")
-    add("--wandb-mode", type=str, choices=WANDB_MODES, default=d.wandb_mode,
-        help="online, offline (nothing leaves the machine; `wandb sync` later) or disabled. Default: WANDB_MODE, "
-             "else wandb's default (online).")
-    add("--rollout-progress", type=str, choices=PROGRESS_MODES, default=d.rollout_progress,
-        help="Rollout progress: auto = a bar on a terminal, plain lines otherwise (CI logs).")
-    add("--log-mismatch-diagnostics", action=argparse.BooleanOptionalAction, default=d.log_mismatch_diagnostics,
-        help="Log the mismatch by rollout-probability bucket, response position, weight lag, and the decoupled "
-             "drift split (when mismatch metrics are on).")
-    add("--log-top-mismatch-samples", type=int, default=d.log_top_mismatch_samples,
-        help="Record the N sequences of each step with the largest |sum of log-ratios| (with their text).")
-    add("--metric-names", type=str, choices=METRIC_NAMINGS, default=d.metric_names,
-        help="Metric key names in the logs: both (slime_corr's, plus slime's for the metrics slime logs: "
-             "train/train_rollout_logprob_abs_diff, train/tis, rollout/raw_reward, ...), slime, or slime_corr.")
-    return parser
-
-
-__all__ = ["MonitoringConfig", "PROGRESS_MODES", "WANDB_MODES", "add_monitoring_args"]
+__all__ = ["MonitoringConfig", "PROGRESS_MODES", "WANDB_MODES"]

@@ -218,7 +218,7 @@ def rejection_lines(run: Run) -> list[str]:
 
 def report_run(run: Run, out_dir: Path, thresholds: Thresholds) -> tuple[list[Path], str]:
     """Write the PNGs and summary.txt of one run into `out_dir`; returns (written files, summary text)."""
-    from slime_corr.monitoring import plots
+    from slime_corr.monitoring import plots  # lazily: matplotlib is the optional `plot` extra
 
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -276,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(text, end="")
         print(f"wrote {len(written)} files to {target}\n")
     if len(runs) > 1:
-        from slime_corr.monitoring.plots import plot_comparison
+        from slime_corr.monitoring.plots import plot_comparison  # lazily: the optional `plot` extra
 
         assert out is not None
         path = plot_comparison({sub: [run] for sub, run in zip(labels, runs, strict=True)}, out / "comparison.png")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from slime_corr.layout.micro_batch import TRAINABLE
 from slime_corr.monitoring.keys import ROLLOUT, with_prefix
-from slime_corr.rollout.data_iterator import TRAINABLE
 from slime_corr.rollout.sample import Sample, SampleStatus
 
 

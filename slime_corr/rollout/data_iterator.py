@@ -3,7 +3,7 @@
 The rollout runs on an asyncio event loop in a background thread (`background_event_loop`) and puts each GRPO
 group into a bounded `SampleBuffer` as soon as the group has finished. The trainer's thread iterates a
 `BufferMicroBatchIterator`: every `next()` waits for the next `micro_batch_size` samples and returns a Megatron
-micro-batch (see `slime_corr.rollout.batching`), so the first micro-batch is ready while later samples are still
+micro-batch (see `slime_corr.layout.micro_batch`), so the first micro-batch is ready while later samples are still
 being generated, and the rollout blocks (backpressure) when training falls behind.
 
     with background_event_loop() as loop:
@@ -22,7 +22,7 @@ them. How many micro-batches that makes depends on the lengths, but Megatron's s
 before the first one is read, and every DP rank must run as many (the correction reduces over DP once per
 micro-batch). So `len()` is a bound that holds on every rank before any sample arrives: the number of groups of
 the step (each micro-batch holds at least one); once the samples run out, empty micro-batches (nothing to train,
-`batching.empty_micro_batch`) fill up to it. A caller that reads the step as a list first (decoupled mode,
+`layout.micro_batch.empty_micro_batch`) fill up to it. A caller that reads the step as a list first (decoupled mode,
 step-wide normalization) drops those with `materialize(dp_group)`: all DP ranks keep the same number, the most
 real micro-batches any of them has (one all_reduce).
 """
@@ -39,21 +39,18 @@ import torch
 import torch.distributed as dist
 
 from slime_corr.device import collective_device
-from slime_corr.rollout.batching import (
+from slime_corr.layout.context_parallel import slice_micro_batch_for_cp
+from slime_corr.layout.groups import grpo_advantages
+from slime_corr.layout.micro_batch import (
+    TRAINABLE,
     build_micro_batch,
     cp_pad_multiple,
     empty_micro_batch,
-    grpo_advantages,
+    mask_not_trained,
     packed_length,
-    packed_starts,
-    slice_micro_batch_for_cp,
 )
 from slime_corr.rollout.buffer import SampleBuffer
-from slime_corr.rollout.sample import Sample, SampleStatus
-
-# Samples the loss trains on: a finished response (stop or length). ABORTED (KEEP policy) and FAILED are not.
-TRAINABLE = (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
-NOT_TRAINED_KEYS = ("loss_mask", "rollout_log_probs", "advantages")
+from slime_corr.rollout.sample import Sample
 
 
 @contextlib.contextmanager
@@ -216,26 +213,8 @@ class BufferMicroBatchIterator:
         return slice_micro_batch_for_cp(mask_not_trained(batch, samples), self.cp_rank, self.cp_size)
 
 
-def mask_not_trained(batch: dict[str, torch.Tensor], samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
-    """Zero the loss mask, rollout log-probs and advantages of the samples that did not finish (not TRAINABLE) in
-    the micro-batch built from `samples` (in place; returned): they stay in it, so every rank runs the same
-    micro-batches, but contribute nothing."""
-    for i, s in enumerate(samples):
-        if s.status not in TRAINABLE:
-            rows = _sample_positions(batch, i)
-            for key in NOT_TRAINED_KEYS:
-                batch[key][rows] = 0
-    return batch
-
-
 def _group_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where a collective over `group` takes its tensors (`slime_corr.device`); the CPU without a group."""
     return torch.device("cpu") if group is None else collective_device(dist.get_backend(group))
 
 
-def _sample_positions(batch: dict[str, torch.Tensor], i: int) -> tuple[int, slice]:
-    """Index of sample `i`'s positions in a padded ([i, :]) or packed ([0, its span in the row]) batch."""
-    if "cu_seqlens" in batch:
-        starts = packed_starts(batch)
-        return 0, slice(int(starts[i]), int(starts[i + 1]))
-    return i, slice(None)

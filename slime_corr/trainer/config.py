@@ -20,9 +20,9 @@ Every check runs at parse time and names the flag; the process count is `WORLD_S
 TP × CP × PP.
 
 Where it lives: this module holds the dataclass, its batch defaults, derived values, the checks of batches, the
-rollout loop (async, staleness, π_old) and `from_args`; `config_checks` the checks of the engines, the model, PP and
-packing, MoE routes and `--load` (a mixin) with the shared choices; `flags` the argparse flags (`add_trainer_args`)
-and `split_sglang_passthrough`; it reads this module's defaults, so this module does not import it.
+rollout loop (async, π_old) and `from_args`; `config_checks` the checks of the engines, the model, PP and packing,
+MoE routes, staleness and `--load` (a mixin) with the shared choices. Each field that is a flag carries its help
+(`slime_corr.flags.fields.flag`); `slime_corr.flags.trainer` adds them to a parser (`add_trainer_args`).
 """
 
 from __future__ import annotations
@@ -35,13 +35,16 @@ from dataclasses import dataclass, field
 import torch
 
 from slime_corr.correction.proximal import PROX_LOGP_METHODS
-from slime_corr.device import resolve
+from slime_corr.device import DEVICE_CHOICES, DEVICE_ENV, resolve
 from slime_corr.engines.router import router_available
 from slime_corr.errors import ConfigError, DeviceError
+from slime_corr.flags.fields import flag
 from slime_corr.mcore.model import TinyGPTArgs
 from slime_corr.mcore.nucleus import Truncation
 from slime_corr.models.hf_checkpoint import CheckpointError
 from slime_corr.models.selection import ModelSource
+from slime_corr.rollout.control import WEIGHT_LOAD_S_PER_GB
+from slime_corr.rollout.routing import RoutedExpertsSpec
 from slime_corr.trainer.config_checks import (  # noqa: F401  (the choices and defaults, importable from here too)
     CHAT_TEMPLATE_ALLOWANCE,
     DEFAULT_MICRO_BATCH_SIZE,
@@ -69,74 +72,152 @@ class TrainerConfig(TrainerConfigChecks):
     """What the trainer runs. Field names are the flag names with `-` replaced by `_` (`sglang_url` is a tuple)."""
 
     # where it computes (slime_corr.device: None = $SLIME_CORR_DEVICE, else auto) and parallelism (Megatron)
-    device: str | None = None
-    tensor_model_parallel_size: int = 1
-    context_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
+    device: str | None = flag(None, choices=DEVICE_CHOICES, help="Where the trainer and the embedded engines compute: "
+                              "cuda (GPU LOCAL_RANK, NCCL), cpu (gloo), auto (cuda when torch sees a GPU). Default: "
+                              f"${DEVICE_ENV}, else auto.")
+    tensor_model_parallel_size: int = flag(1, help="Tensor-parallel size: the ranks that split each layer.")
+    context_parallel_size: int = flag(1, help="On CPU, CP is emulated: each CP rank runs the full sequence and keeps "
+                                      "its zig-zag slice.")
+    pipeline_model_parallel_size: int = flag(1, help="Pipeline stages (must divide --num-layers); the loss and its "
+                                             "metrics live on the last one.")
     world_size: int = 1
     # batches (slime / Megatron)
-    rollout_batch_size: int | None = None  # default: DEFAULT_ROLLOUT_BATCH_SIZE rounded up to a multiple of DP
-    n_samples_per_prompt: int = 8
-    num_steps_per_rollout: int | None = None  # default: see `_derive_batch_defaults`
-    global_batch_size: int | None = None
-    micro_batch_size: int | None = None  # default: gcd(DEFAULT_MICRO_BATCH_SIZE, samples per DP rank and step)
-    num_rollout: int = 16
+    rollout_batch_size: int | None = flag(None, help=f"Prompts per rollout (default: {DEFAULT_ROLLOUT_BATCH_SIZE}, "
+                                          "rounded up to a multiple of DP).")
+    n_samples_per_prompt: int = flag(8, help="GRPO group size.")
+    num_steps_per_rollout: int | None = flag(None, help="Optimizer steps trained on each rollout (decoupled mode: "
+                                             "lp_old is computed once, before the first). Default: the rollout / "
+                                             "--global-batch-size when given, else the largest of "
+                                             f"{DEFAULT_STEPS_PER_ROLLOUT}..1 that gives every DP rank whole GRPO "
+                                             "groups in every step.")
+    global_batch_size: int | None = flag(None, help="Samples per optimizer step (default: the rollout's samples / "
+                                         "--num-steps-per-rollout).")
+    micro_batch_size: int | None = flag(None, help="Samples per micro-batch (padded; not used with "
+                                        "--use-dynamic-batch-size). Default: gcd(8, the samples a DP rank trains per "
+                                        "step).")
+    num_rollout: int = flag(16, help="Rollouts of the run.")
     # packed micro-batches (slime's dynamic batch size)
-    use_dynamic_batch_size: bool = False
-    max_tokens_per_gpu: int | None = None
+    use_dynamic_batch_size: bool = flag(False, help="Packed (THD) micro-batches of whole GRPO groups up to "
+                                        "--max-tokens-per-gpu tokens (slime's flag): no padding between samples; "
+                                        "every DP rank runs as many micro-batches.")
+    max_tokens_per_gpu: int | None = flag(None, help="Token budget of a packed micro-batch per GPU (with CP, a "
+                                          "micro-batch holds N × CP tokens).")
     # rollout
-    rollout_max_response_len: int = 12
-    rollout_temperature: float = 1.0
+    rollout_max_response_len: int = flag(12, help="Response length cap (SGLang's max_new_tokens).")
+    rollout_temperature: float = flag(1.0, help="Sampling temperature (> 0); the trainer's log-probs use the same.")
     # top-p / top-k sampling (slime's flags; the trainer takes its log-probs under the same truncation)
-    rollout_top_p: float = 1.0
-    rollout_top_k: int = -1
-    async_rollout: bool = False
-    max_staleness: int | None = None  # optimizer steps; default with --async-rollout: 2·num_steps_per_rollout − 1
-    staleness_policy: str | None = None  # default: "drop"
-    partial_rollout: bool = False  # slime's: weight updates reach the engines mid-request (pause -> update -> continue)
-    mask_offpolicy_in_partial_rollout: bool = False  # slime's: tokens before a sample's last update leave the loss
-    max_token_staleness: int | None = None  # optimizer steps: older tokens leave the loss (per token, not sample)
+    rollout_top_p: float = flag(1.0, help="Nucleus sampling, in (0, 1] (1.0: off). The trainer's log-probs are taken "
+                                "under the same truncated, renormalized distribution, the rollout's renormalized to "
+                                "the trainer's nucleus.")
+    rollout_top_k: int = flag(-1, help="Top-k sampling (-1 or 0: off), honoured by the trainer like --rollout-top-p.")
+    async_rollout: bool = flag(False, help="Generate rollout k+1 while rollout k trains (one rollout off-policy, as "
+                               "slime's train_async.py); the weights reach the engines between rollouts.")
+    max_staleness: int | None = flag(None, help="With --async-rollout: the most optimizer steps between the weights "
+                                     "that sampled a sample's oldest token and the step that trains it (AReaL's "
+                                     "max_head_offpolicyness, Megatron-LM's --rl-generation-lag, prime-rl's "
+                                     "max_off_policy_steps). The producer generates A = (K + 1) // "
+                                     "--num-steps-per-rollout − 1 rollouts ahead; >= 2 × steps per rollout − 1. "
+                                     "Default: one rollout ahead (2 × steps − 1).")
+    staleness_policy: str | None = flag(None, choices=STALENESS_POLICIES, help="A sample older than --max-staleness "
+                                        "at the step that trains it (e.g. pending in a checkpoint resumed with a "
+                                        "smaller bound): drop it from the loss and its group's baseline, or "
+                                        "regenerate its GRPO group with the engines' current weights. Default: drop.")
+    # slime's: weight updates reach the engines mid-request (pause -> update -> continue)
+    partial_rollout: bool = flag(False, help="With --async-rollout: sync the weights right after training, while the "
+                                 "rollouts ahead are still generating (pause -> update -> continue; slime's flag): "
+                                 "their requests continue under the new weights and each token keeps the version "
+                                 "that sampled it.")
+    mask_offpolicy_in_partial_rollout: bool = flag(False, help="With --partial-rollout (slime's flag): the tokens a "
+                                                   "sample generated before its last weight update leave the loss.")
+    max_token_staleness: int | None = flag(None, help="Per token: a response token sampled more than K optimizer "
+                                           "steps before the step that trains it leaves the loss, the sample's newer "
+                                           "tokens stay (partial rollouts carry tokens of several weight versions; "
+                                           "--max-staleness bounds whole samples). >= --num-steps-per-rollout − 1. "
+                                           "Logged as rollout/stale_masked_tokens.")
     sglang_url: tuple[str, ...] = ()
-    rollout_engine: str = "sglang"
-    sglang_python: str | None = None
+    rollout_engine: str = flag("sglang", choices=ENGINE_KINDS, help="Engines the trainer starts when no --sglang-url "
+                               "is given. sglang (default): real SGLang servers (installed by scripts/run.sh on CPU; "
+                               "a GPU machine's own sglang), sampling_seed honoured only under SGLang's deterministic "
+                               "inference (not on CPU), so two runs differ. embedded: this package's engine, "
+                               "bit-reproducible (the same command logs the same metrics), for tests and runs "
+                               "without SGLang.")
+    sglang_python: str | None = flag(None, help="The Python that runs the SGLang servers (default: this one if it has "
+                                     "sglang, else .venv-sglang/ from scripts/setup_sglang.sh).")
     sglang_server_args: tuple[str, ...] = ()  # slime's --sglang-X pass-through, as SGLang's own --X
-    rollout_num_engines: int = 1
-    rollout_router: str = "auto"
-    rollout_weight_sync: str = "disk"
-    update_weight_buffer_size: int = 512 * 1024**2
-    engine_dtype: str = "bfloat16"
+    rollout_num_engines: int = flag(1, help="Engines to start (no --sglang-url); several sit behind sglang-router. Any "
+                                    "other --sglang-X [VALUE] flag is passed to every SGLang server as its --X [VALUE] "
+                                    "(slime's pass-through), e.g. --sglang-mem-fraction-static 0.5, "
+                                    "--sglang-max-total-tokens 32768.")
+    rollout_router: str = flag("auto", choices=ROUTER_CHOICES, help="sglang-router in front of several engines: auto "
+                               "= when installed.")
+    rollout_weight_sync: str = flag("disk", choices=WEIGHT_SYNC_MODES, help="How new weights reach the engines: a "
+                                    "checkpoint on disk, or a broadcast over a process group (NCCL from a GPU to "
+                                    "--sglang-url engines, gloo otherwise).")
+    update_weight_buffer_size: int = flag(512 * 1024**2, help="Bytes per bucket of the distributed weight sync.")
+    engine_dtype: str = flag("bfloat16", choices=ENGINE_DTYPES, help="Dtype the engines serve in (SGLang's --dtype; "
+                             "bfloat16 gives a real mismatch with the fp32 trainer, float32 about 1e-5).")
     # failures and bounded waits
-    max_failed_sample_fraction: float = 0.5
-    rollout_request_timeout: float = 60.0
-    rollout_control_timeout: float = 60.0  # a control call's bound; weight updates add WEIGHT_LOAD_S_PER_GB
-    engine_agreement_check: bool = True  # the first trained step's engine-trainer agreement (trainer.agreement)
-    rollout_health_check_interval: float = 30.0
-    rollout_health_check_timeout: float = 30.0
-    distributed_timeout_minutes: float = 10.0
+    max_failed_sample_fraction: float = flag(0.5, help="Stop the run (exit 1, the failures grouped by kind and "
+                                             "server) when more than this share of a rollout's samples failed after "
+                                             "their retries (0: any failure; 1: never).")
+    rollout_request_timeout: float = flag(60.0, help="Seconds a /generate attempt may go without a byte from the "
+                                          "server before it is aborted and retried (4 attempts per sample).")
+    rollout_control_timeout: float = flag(60.0, help="Seconds an engine may take to answer a control call (pause, "
+                                          "continue, flush, abort, weight-group set-up) before the run stops naming "
+                                          f"it; a weight update gets this plus {WEIGHT_LOAD_S_PER_GB:.0f} s per GB it "
+                                          "carries.")
+    # the first trained step's engine-trainer agreement (trainer.agreement)
+    engine_agreement_check: bool = flag(True, option="--no-engine-agreement-check", help="Do not stop the run when, on "
+                                        "its first trained step (same weights on both sides), the engine's log-probs "
+                                        "and the trainer's disagree beyond what their precisions explain (mean "
+                                        "|lp_train - lp_rollout| > 0.01 nats in fp32, 0.25 with bf16/fp16 on either "
+                                        "side).")
+    rollout_health_check_interval: float = flag(30.0, help="Seconds between the health checks of every engine during "
+                                                "a rollout (slime's flag).")
+    rollout_health_check_timeout: float = flag(30.0, help="Seconds an engine may take to answer /health_generate "
+                                               "(/health where it has none) before it counts as dead (slime's flag).")
+    distributed_timeout_minutes: float = flag(10.0, help="How long a rank waits on the others (a collective, or the "
+                                              "driver's rollout with no sign of life from it) before the job stops "
+                                              "with an error (Megatron's flag; fractions allowed).")
     # decoupled mode's π_old (AReaL's names): the forward-only recompute, or the log-linear approximation
-    prox_logp_method: str = "recompute"
-    prox_logp_error_interval: int = 10  # loglinear: recompute too every N rollouts and log the error (0: never)
+    prox_logp_method: str = flag("recompute", choices=PROX_LOGP_METHODS, help="recompute: a forward-only pass before "
+                                 "each rollout's first update (exact); loglinear: AReaL's log-linear interpolation "
+                                 "between the behaviour and the current log-prob by weight version (no pass; exact at "
+                                 "a rollout's first step).")
+    prox_logp_error_interval: int = flag(10, help="With loglinear: every N rollouts also recompute lp_old and log "
+                                         "train/prox_logp_abs_error_mean and _max of the approximation against it (0: "
+                                         "never).")
     # optimization
-    lr: float = 1e-2
-    clip_grad: float = 1.0
-    seed: int = 1234
-    grpo_std_normalization: bool = True
-    params_dtype: str = "float32"
+    lr: float = 1e-2  # the tiny model's; the flag's default is None (`from_args`: the model's default)
+    clip_grad: float = flag(1.0, help="Gradient clipping by global L2 norm (0: off).")
+    seed: int = 1234  # the flag is the model's (`TinyGPTArgs.seed`)
+    grpo_std_normalization: bool = flag(True, option="--disable-grpo-std-normalization", help="GRPO advantage = "
+                                        "reward − group mean, without dividing by the group's std (Dr. GRPO).")
+    params_dtype: str = flag("float32", choices=PARAMS_DTYPES, help="Dtype of the trained model (float64 makes runs "
+                             "comparable across parallel layouts).")
     # checkpoints
-    save: str | None = None
-    save_interval: int | None = None
-    load: str | None = None
-    ckpt_step: int | None = None
-    work_dir: str | None = None
+    save: str | None = flag(None, help="Checkpoint directory (Megatron-LM's layout, dist_checkpointing).")
+    save_interval: int | None = flag(None, help="Save every N rollouts (and after the last).")
+    load: str | None = flag(None, help="Resume from this checkpoint directory (model, optimizer, step, RNG, rollout "
+                            "position).")
+    ckpt_step: int | None = flag(None, help="Load this iteration of --load (default: latest).")
+    work_dir: str | None = flag(None, help="Where the engines' weight files go (default: a temporary folder).")
     # the model: the tiny GPT of `model`, or a pretrained one (`--model` / `--hf-checkpoint`)
     model: TinyGPTArgs = field(default_factory=lambda: TinyGPTArgs(vocab_size=256))
     model_source: ModelSource = field(default_factory=ModelSource)
-    task: str = "lowercase"
+    task: str = "lowercase"  # the flag's default is None (`from_args`: the model's default)
     # Mixture of Experts (slime's --use-rollout-routing-replay, R3, and --use-routing-replay, R2;
     # --log-routing-mismatch is slime_corr's)
-    use_rollout_routing_replay: bool = False
-    log_routing_mismatch: bool = False
-    use_routing_replay: bool = False
+    use_rollout_routing_replay: bool = flag(False, help="R3 (slime's flag): the engines return the experts they routed "
+                                            "every token to, and every trainer forward that computes log-probs to "
+                                            "train on (lp_old, the reference's, each training pass) routes with them "
+                                            "(Megatron's RouterReplay). MoE models only; logs the routing-mismatch "
+                                            "metrics too.")
+    log_routing_mismatch: bool = flag(False, help="Ask the engines for their routes and log how often the trainer's "
+                                      "own router differs (diag/routing_mismatch_*) without replaying them.")
+    use_routing_replay: bool = flag(False, help="R2 (slime's flag): the trainer's lp_old pass records the experts its "
+                                    "routers choose, and the reference's and every training forward of that rollout "
+                                    "route with them. MoE models, decoupled mode (a recomputed lp_old) only.")
 
     def __post_init__(self) -> None:
         self._derive_batch_defaults()
@@ -229,9 +310,8 @@ class TrainerConfig(TrainerConfigChecks):
         """The rollout asks the engines for the routed experts (replay, or the routing-mismatch metrics)."""
         return self.use_rollout_routing_replay or self.log_routing_mismatch
 
-    def routed_experts_spec(self):  # -> slime_corr.rollout.routing.RoutedExpertsSpec | None
+    def routed_experts_spec(self) -> RoutedExpertsSpec | None:
         """The MoE shape the engines' routes are checked against (None when no routes are asked for)."""
-        from slime_corr.rollout.routing import RoutedExpertsSpec
 
         if not self.asks_routes:
             return None
@@ -342,38 +422,6 @@ class TrainerConfig(TrainerConfigChecks):
         if self.load:
             self._check_load()
 
-    def _check_staleness(self) -> None:
-        k, steps = self.max_staleness, self.num_steps_per_rollout
-        if self.partial_rollout and not self.async_rollout:
-            raise ConfigError("--partial-rollout: updates the weights while rollouts are in flight, but a synchronous "
-                              "run has none in flight at a sync: add --async-rollout.")
-        if self.mask_offpolicy_in_partial_rollout and not self.partial_rollout:
-            raise ConfigError("--mask-offpolicy-in-partial-rollout masks the tokens a sample generated before a "
-                              "weight update reached it mid-request, which only --partial-rollout makes: add it.")
-        t = self.max_token_staleness
-        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < steps - 1):
-            raise ConfigError(f"--max-token-staleness {t} must be an integer >= --num-steps-per-rollout − 1 = "
-                              f"{steps - 1}: the k-th step of a rollout trains tokens k steps old, so a smaller bound "
-                              "would take whole steps out of the loss.")
-        if not self.async_rollout:
-            for name in ("max_staleness", "staleness_policy"):
-                if getattr(self, name) is not None:
-                    raise ConfigError(f"--{flag_name(name)} {getattr(self, name)}: bounds the asynchronous rollout "
-                                      "producer, but the run is synchronous (every sample is at most "
-                                      "--num-steps-per-rollout − 1 steps old): add --async-rollout or drop it.")
-        if self.staleness_policy is not None and self.staleness_policy not in STALENESS_POLICIES:
-            raise ConfigError(f"--staleness-policy {self.staleness_policy!r} is not one of "
-                              f"{', '.join(STALENESS_POLICIES)}.")
-        if k is None:
-            return
-        if not isinstance(k, int) or k < 0:
-            raise ConfigError(f"--max-staleness {k} must be an integer >= 0 (optimizer steps).")
-        if k < 2 * steps - 1:
-            raise ConfigError(f"--max-staleness {k}: with --num-steps-per-rollout {steps}, a rollout generated one "
-                              f"rollout ahead is trained up to {2 * steps - 1} optimizer steps after the weights that "
-                              f"sampled it (A rollouts ahead: (A + 1) × {steps} − 1); use --max-staleness >= "
-                              f"{2 * steps - 1}, fewer steps per rollout, or drop --async-rollout.")
-
     @property
     def staleness_bound(self) -> int:
         """The bound in optimizer steps (`--max-staleness`; default with --async-rollout: one rollout ahead,
@@ -396,7 +444,7 @@ class TrainerConfig(TrainerConfigChecks):
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_args(cls, args: argparse.Namespace, *, world_size: int | None = None) -> TrainerConfig:
-        """From parsed flags (`add_trainer_args`, `add_tiny_model_args`, `models.add_model_args`); `world_size`
+        """From parsed flags (`slime_corr.flags.trainer`, `slime_corr.flags.model`); `world_size`
         defaults to WORLD_SIZE. `--task` and `--lr` default to the model's: lowercase and 1e-2 for the tiny one,
         arithmetic and PRETRAINED_LR for a pretrained one."""
         names = [f for f in cls.__dataclass_fields__ if f not in ("world_size", "model", "sglang_url", "model_source",

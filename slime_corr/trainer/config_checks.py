@@ -1,6 +1,7 @@
 """The validation of `TrainerConfig` that is not about batches and the rollout loop: the rollout engines, the model
 (the tiny GPT's shape, a pretrained checkpoint's TP split and positions), pipeline parallelism and packed micro-batches,
-MoE routes and the checkpoint to load; with the choices and defaults the flags and the config share.
+MoE routes, the staleness bounds of asynchronous and partial rollouts, and the checkpoint to load; with the choices and
+defaults the flags and the config share.
 
 `TrainerConfig` (slime_corr.trainer.config) inherits these checks (`TrainerConfigChecks`) and calls them from its
 `_validate`; every check raises `ConfigError` naming the flag.
@@ -12,6 +13,9 @@ import os
 from pathlib import Path
 
 from slime_corr.errors import ConfigError
+from slime_corr.layout.micro_batch import packed_length
+from slime_corr.mcore.checkpoint import TRACKER_FILE, iteration_dir, latest_iteration
+from slime_corr.mcore.checkpoint import CheckpointError as CheckpointLoadError
 from slime_corr.models.hf_checkpoint import CheckpointError, check_tensor_parallel
 from slime_corr.trainer.task import TASKS
 
@@ -60,8 +64,8 @@ def check_writable_dir(flag: str, path: str | os.PathLike[str]) -> None:
 
 
 class TrainerConfigChecks:
-    """`TrainerConfig`'s checks of the engines, the model, PP and packing, MoE routes and `--load` (a mixin: they
-    read the config's fields)."""
+    """`TrainerConfig`'s checks of the engines, the model, PP and packing, MoE routes, staleness and `--load` (a
+    mixin: they read the config's fields)."""
 
     def _check_engine(self) -> None:
         if self.rollout_engine not in ENGINE_KINDS:
@@ -124,8 +128,6 @@ class TrainerConfigChecks:
                               f"more than the model's max_position_embeddings {spec.max_position_embeddings}.")
 
     def _check_pipeline_and_packing(self) -> None:
-        from slime_corr.rollout.batching import packed_length
-
         pp = self.pipeline_model_parallel_size
         spec = self.model_source.spec() if self.model_source.is_pretrained else None
         layers = spec.num_layers if spec else self.model.num_layers
@@ -191,9 +193,6 @@ class TrainerConfigChecks:
                               "checkpoint; drop the flag for a dense model.")
 
     def _check_load(self) -> None:
-        from slime_corr.mcore.checkpoint import TRACKER_FILE, iteration_dir, latest_iteration
-        from slime_corr.mcore.checkpoint import CheckpointError as CheckpointLoadError
-
         root = Path(self.load)  # type: ignore[arg-type]
         if not root.is_dir():
             raise ConfigError(f"--load {root}: no such directory; pass the --save directory of an earlier run.")
@@ -207,3 +206,35 @@ class TrainerConfigChecks:
             saved = sorted(p.name for p in root.glob("iter_*"))
             raise ConfigError(f"--ckpt-step {step}: {iteration_dir(root, step)} is not a complete checkpoint "
                               f"(saved: {', '.join(saved) or 'none'}).")
+
+    def _check_staleness(self) -> None:
+        k, steps = self.max_staleness, self.num_steps_per_rollout
+        if self.partial_rollout and not self.async_rollout:
+            raise ConfigError("--partial-rollout: updates the weights while rollouts are in flight, but a synchronous "
+                              "run has none in flight at a sync: add --async-rollout.")
+        if self.mask_offpolicy_in_partial_rollout and not self.partial_rollout:
+            raise ConfigError("--mask-offpolicy-in-partial-rollout masks the tokens a sample generated before a "
+                              "weight update reached it mid-request, which only --partial-rollout makes: add it.")
+        t = self.max_token_staleness
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < steps - 1):
+            raise ConfigError(f"--max-token-staleness {t} must be an integer >= --num-steps-per-rollout − 1 = "
+                              f"{steps - 1}: the k-th step of a rollout trains tokens k steps old, so a smaller bound "
+                              "would take whole steps out of the loss.")
+        if not self.async_rollout:
+            for name in ("max_staleness", "staleness_policy"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"--{flag_name(name)} {getattr(self, name)}: bounds the asynchronous rollout "
+                                      "producer, but the run is synchronous (every sample is at most "
+                                      "--num-steps-per-rollout − 1 steps old): add --async-rollout or drop it.")
+        if self.staleness_policy is not None and self.staleness_policy not in STALENESS_POLICIES:
+            raise ConfigError(f"--staleness-policy {self.staleness_policy!r} is not one of "
+                              f"{', '.join(STALENESS_POLICIES)}.")
+        if k is None:
+            return
+        if not isinstance(k, int) or k < 0:
+            raise ConfigError(f"--max-staleness {k} must be an integer >= 0 (optimizer steps).")
+        if k < 2 * steps - 1:
+            raise ConfigError(f"--max-staleness {k}: with --num-steps-per-rollout {steps}, a rollout generated one "
+                              f"rollout ahead is trained up to {2 * steps - 1} optimizer steps after the weights that "
+                              f"sampled it (A rollouts ahead: (A + 1) × {steps} − 1); use --max-staleness >= "
+                              f"{2 * steps - 1}, fewer steps per rollout, or drop --async-rollout.")

@@ -26,17 +26,16 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from slime_corr.rollout.batching import (
-    balance_across_dp,
+from slime_corr.layout.context_parallel import slice_micro_batch_for_cp
+from slime_corr.layout.groups import balance_across_dp, grpo_advantages, pack_by_tokens
+from slime_corr.layout.micro_batch import (
+    TRAINABLE,
     build_micro_batch,
     cp_pad_multiple,
-    grpo_advantages,
-    pack_by_tokens,
+    mask_not_trained,
     packed_length,
     padding_sample,
-    slice_micro_batch_for_cp,
 )
-from slime_corr.rollout.data_iterator import TRAINABLE, mask_not_trained
 from slime_corr.rollout.routing import RoutedExpertsSpec
 from slime_corr.rollout.sample import Sample
 
@@ -151,8 +150,8 @@ def scatter_shards(shards: list[RankShard] | None, dp_rank_of: Sequence[int]) ->
 def _with_routes(samples: list[Sample], routes: RoutedExpertsSpec | None) -> list[Sample]:
     """MoE (`routes`: the engine's routes were asked for): samples without them (failed or untrained ones, whose
     tokens are masked out of the loss, or an empty micro-batch's padding sample) get filler routes (experts
-    0..k-1, as batching pads), so that every micro-batch has the same layout; a trained sample without routes is an
-    error."""
+    0..k-1, as `layout.micro_batch` pads), so that every micro-batch has the same layout; a trained sample without
+    routes is an error."""
     if routes is None:
         return samples
     shaped = torch.zeros(0, routes.num_layers, routes.top_k, dtype=routes.dtype)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.device import init_distributed
+from slime_corr.layout.micro_batch import TRAINABLE
 from slime_corr.loss_terms import LossTermsConfig
 from slime_corr.mcore import threads as mcore_threads
 from slime_corr.mcore.cpu_compat import apply_cpu_compat
@@ -40,7 +41,6 @@ from slime_corr.monitoring.keys import loss_step_metrics
 from slime_corr.monitoring.logger import MetricsLogger
 from slime_corr.monitoring.rollout_stats import rollout_metrics, step_sample_counts
 from slime_corr.monitoring.step_diagnostics import diagnostic_metrics, top_mismatch_records
-from slime_corr.rollout.data_iterator import TRAINABLE
 from slime_corr.rollout.sample import Sample, SampleStatus
 from slime_corr.trainer import interrupts
 from slime_corr.trainer.agreement import check_agreement

@@ -36,6 +36,13 @@ from slime_corr.engines.embedded.model import (
     Tokenizer,
     write_engine_module_file,
 )
+from slime_corr.mcore.cpu_compat import apply_cpu_compat
+from slime_corr.mcore.loss_hook import default_model_forward
+from slime_corr.mcore.model import TinyGPTArgs, build_tiny_gpt, emulated_cp_forward, single_rank_groups
+from slime_corr.mcore.params import full_named_tensors
+from slime_corr.mcore.routing import old_routes_forward, routed_forward
+from slime_corr.models import ChatTokenizer, build_gpt_from_hf, load_engine_module, write_hf_checkpoint
+from slime_corr.models.tiny_opt import opt_weights, write_opt_checkpoint
 from slime_corr.trainer.config import TrainerConfig
 
 WEIGHTS_FILE = "model.pt"
@@ -48,8 +55,6 @@ class EngineGPT:
     device `slime_corr.device` chose (position ids follow the token ids)."""
 
     def __init__(self, model_args: Any, checkpoint_dir: str) -> None:
-        from slime_corr.mcore.model import build_tiny_gpt, single_rank_groups
-
         self.module = build_tiny_gpt(model_args, ddp=False, pg_collection=single_rank_groups())
         state = torch.load(Path(checkpoint_dir) / WEIGHTS_FILE, map_location=current().device, weights_only=True)
         result = self.module.load_state_dict(state, strict=False)  # the file holds tensors, not _extra_state
@@ -124,9 +129,6 @@ def engine_gpt_from_checkpoint(checkpoint_dir: str) -> EngineGPT:
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
-    from slime_corr.mcore.cpu_compat import apply_cpu_compat
-    from slime_corr.mcore.model import TinyGPTArgs
-
     apply_cpu_compat()  # Megatron on CPU (no-op where it computes on CUDA)
     if not dist.is_initialized():
         dist.init_process_group(current().backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -142,7 +144,6 @@ def engine_gpt_from_checkpoint(checkpoint_dir: str) -> EngineGPT:
 
 def _save_hf_for_embedded(weights: dict[str, Tensor], source_dir: str, directory: Path) -> str:
     """An HF checkpoint an embedded engine serves (`models.load_engine_module` named in it)."""
-    from slime_corr.models import write_hf_checkpoint
 
     out = str(write_hf_checkpoint(weights, source_dir, directory))
     write_engine_module_file(out, "slime_corr.models.hf_checkpoint:load_engine_module")
@@ -152,19 +153,12 @@ def _save_hf_for_embedded(weights: dict[str, Tensor], source_dir: str, directory
 def build_policy(config: TrainerConfig, *, with_reference: bool) -> Policy:
     """The policy of `config` on the current parallel_state (call `apply_cpu_compat()` first on CPU). Collective:
     every rank builds its shard (same seed: same full weights) and the engines' single-rank process groups."""
-    from slime_corr.mcore.loss_hook import default_model_forward
-    from slime_corr.mcore.model import build_tiny_gpt, emulated_cp_forward, single_rank_groups
-    from slime_corr.mcore.params import full_named_tensors
 
     emulated = config.context_parallel_size > 1 or config.use_dynamic_batch_size  # CP / THD attention on CPU
     forward = emulated_cp_forward if emulated else default_model_forward
     if config.asks_routes:  # MoE: the engine's routes replayed (or compared with the trainer's own)
-        from slime_corr.mcore.routing import routed_forward
-
         forward = routed_forward(forward, replay=config.use_rollout_routing_replay)
     elif config.use_routing_replay:  # MoE: the lp_old pass's routes replayed
-        from slime_corr.mcore.routing import old_routes_forward
-
         forward = old_routes_forward(forward)
     if config.model_source.is_pretrained:
         return _pretrained_policy(config, forward, with_reference)
@@ -178,8 +172,6 @@ def build_policy(config: TrainerConfig, *, with_reference: bool) -> Policy:
     single_rank_groups()
     engine_args = dataclasses.replace(args, params_dtype=torch.float32)  # the engine casts to --engine-dtype
     if config.rollout_engine == "sglang":  # SGLang serves it as an HF OPT checkpoint (models.tiny_opt)
-        from slime_corr.models.tiny_opt import opt_weights, write_opt_checkpoint
-
         return Policy(model=model, reference=reference, forward=forward,
                       engine_module=lambda directory: EngineGPT(engine_args, directory),
                       export_weights=lambda: opt_weights(full_named_tensors(model.module), args.num_attention_heads),
@@ -198,8 +190,6 @@ def _pretrained_policy(config: TrainerConfig, forward: ModelForward, with_refere
     `--use-rollout-routing-replay` / `--use-routing-replay` both are built with Megatron's `RouterReplay` and the
     reference replays the same routes too (its KL term then compares the two policies on the same expert path)."""
     from megatron.core import tensor_parallel
-
-    from slime_corr.models import ChatTokenizer, build_gpt_from_hf, load_engine_module, write_hf_checkpoint
 
     hf_dir = config.model_source.resolve()
     assert hf_dir is not None

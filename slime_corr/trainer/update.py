@@ -32,12 +32,12 @@ from torch import Tensor
 
 from slime_corr.correction.diagnostics import DiagnosticsResult
 from slime_corr.device import to_device
+from slime_corr.layout.groups import group_advantages
 from slime_corr.mcore.compat import get_forward_backward_func
 from slime_corr.mcore.context_parallel import batch_segments
 from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
 from slime_corr.mcore.params import optimizer_step
 from slime_corr.mcore.pipeline import from_last_stage
-from slime_corr.rollout.batching import group_advantages
 
 
 def rebaseline_rejected(hook: RolloutCorrectionLoss, micro_batches: Sequence[dict[str, Tensor]],

@@ -23,8 +23,8 @@ import torch.multiprocessing as mp
 from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.correction import compute_rollout_correction, metrics_to_host, normalize_weights, weight_mean
 from slime_corr.correction.diagnostics import MismatchDiagnostics, response_positions
-from slime_corr.correction.segments import Segments
 from slime_corr.device_check import DeviceCheck, fake_process_groups
+from slime_corr.layout.segments import Segments
 from slime_corr.loss_terms import LossTermsConfig
 from slime_corr.losses import compute_policy_loss
 from tests.device_helpers import rank_placement

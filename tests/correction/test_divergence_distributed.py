@@ -22,7 +22,7 @@ from test_distributed import CountingAllReduce, zigzag_index
 from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.correction import StepBounds, compute_rollout_correction, merge_stats, metrics_to_host
 from slime_corr.correction.core import correction_metrics
-from slime_corr.correction.segments import Segments
+from slime_corr.layout.segments import Segments
 from slime_corr.losses import compute_policy_loss
 
 WORLD = 2

@@ -15,7 +15,7 @@ import torch
 from slime_corr.config import PRESETS
 from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.correction import compute_rollout_correction, metrics_to_host
-from slime_corr.correction.segments import Segments
+from slime_corr.layout.segments import Segments
 from slime_corr.losses import compute_policy_loss
 
 B, S = 7, 12
@@ -180,7 +180,7 @@ def test_packed_inputs_are_checked():
     lp, old, ro, adv, mask = _data()
     with pytest.raises(ValueError, match=r"segments describe tokens of shape \(1, 47\), but log_probs has shape"):
         compute_rollout_correction(old, ro, mask, C.preset("pg_is"), segments=_segments())
-    with pytest.raises(TypeError, match="segments must be a slime_corr.correction.segments.Segments"):
+    with pytest.raises(TypeError, match="segments must be a slime_corr.layout.segments.Segments"):
         compute_rollout_correction(old, ro, mask, C.preset("pg_is"), segments=_offsets())
     with pytest.raises(ValueError, match="seq-mean-token-sum-norm .* pass seq_length_for_norm"):
         compute_policy_loss(_pack(lp), _pack(old), _pack(ro), adv, _pack(mask),

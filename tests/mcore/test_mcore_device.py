@@ -16,9 +16,10 @@ import torch
 from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.device import setup as setup_device
 from slime_corr.device_check import DeviceCheck, fake_process_groups
+from slime_corr.layout.context_parallel import zigzag_indices
 from slime_corr.losses import PolicyLossOutput
 from slime_corr.mcore import params
-from slime_corr.mcore.context_parallel import ParallelGroups, all_reduce_dp_cp, zigzag_indices
+from slime_corr.mcore.context_parallel import ParallelGroups, all_reduce_dp_cp
 from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
 from slime_corr.mcore.step_metrics import build_report
 from tests.device_helpers import rank_placement

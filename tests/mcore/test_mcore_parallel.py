@@ -42,12 +42,13 @@ from mcore_helpers import (
 from slime_corr.config import PRESETS, RolloutCorrectionConfig
 from slime_corr.correction import compute_rollout_correction
 from slime_corr.correction.quantiles import LEVEL1_BINS
+from slime_corr.layout.context_parallel import slice_micro_batch_for_cp, zigzag_slice
+from slime_corr.layout.micro_batch import BATCH_KEYS
 from slime_corr.loss_terms import LossTermsConfig
 from slime_corr.mcore.compat import get_batch_on_this_cp_rank
-from slime_corr.mcore.context_parallel import ParallelGroups, slice_batch_for_cp, zigzag_slice
+from slime_corr.mcore.context_parallel import ParallelGroups, slice_batch_for_cp
 from slime_corr.mcore.logprobs import vocab_parallel_log_probs
 from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
-from slime_corr.rollout.batching import BATCH_KEYS, slice_micro_batch_for_cp
 
 pytestmark = pytest.mark.cost(50)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 

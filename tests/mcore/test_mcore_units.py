@@ -6,14 +6,9 @@ import pytest
 import torch
 
 from slime_corr.config import RolloutCorrectionConfig
+from slime_corr.layout.context_parallel import seq_length_for_norm, zigzag_indices, zigzag_unslice
 from slime_corr.mcore import cpu_compat
-from slime_corr.mcore.context_parallel import (
-    ParallelGroups,
-    seq_length_for_norm,
-    slice_batch_for_cp,
-    zigzag_indices,
-    zigzag_unslice,
-)
+from slime_corr.mcore.context_parallel import ParallelGroups, slice_batch_for_cp
 from slime_corr.mcore.logprobs import vocab_parallel_log_probs
 from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
 
@@ -90,7 +85,7 @@ def test_decoupled_loss_func_requires_old_log_probs():
 
 def _packed_and_padded(seed: int = 4):
     """The same samples as one packed micro-batch and as a padded one (batching's layouts), with logits."""
-    from slime_corr.rollout.batching import build_micro_batch
+    from slime_corr.layout.micro_batch import build_micro_batch
     from slime_corr.rollout.sample import Sample
 
     g = torch.Generator().manual_seed(seed)
@@ -142,8 +137,8 @@ def test_loss_func_on_a_packed_micro_batch_equals_padded(agg):
 def test_packed_batch_segments_are_the_thd_local_offsets():
     """The core's segments of a CP rank's packed slice: sample i at [cu_seqlens_padded[i] / CP, ...); the slice
     itself is compared with Megatron's own CP slicing in test_mcore_parallel.py (it needs a real CP group)."""
+    from slime_corr.layout.micro_batch import build_micro_batch, cp_pad_multiple
     from slime_corr.mcore.context_parallel import batch_segments
-    from slime_corr.rollout.batching import build_micro_batch, cp_pad_multiple
     from slime_corr.rollout.sample import Sample
 
     samples = [Sample(prompt_tokens=list(range(1, 1 + n)), index=i) for i, n in enumerate((5, 1, 12, 6))]

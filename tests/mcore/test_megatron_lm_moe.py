@@ -34,8 +34,8 @@ import torch
 from mcore_helpers import B_GLOBAL, TEMPERATURE, S, local_rows, spawn
 from test_megatron_lm import BASE_ARGV, LR, ROLLOUTS, _init_parallel, _parse, rollout_data, train_iterations
 
+from slime_corr.layout.micro_batch import ROUTE_KEY
 from slime_corr.mcore.compat import has_megatron_training
-from slime_corr.rollout.batching import ROUTE_KEY
 
 pytestmark = [
     pytest.mark.skipif(not has_megatron_training(),

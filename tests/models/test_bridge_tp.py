@@ -64,12 +64,12 @@ def _pp2(rank: int, cases: list[str], root: str) -> None:
 
     from megatron.core import parallel_state as ps
 
+    from slime_corr.layout.micro_batch import build_micro_batch
     from slime_corr.mcore.context_parallel import ParallelGroups
     from slime_corr.mcore.loss_hook import default_model_forward
     from slime_corr.mcore.pipeline import forward_only
     from slime_corr.models import build_gpt_from_hf, load_hf_causal_lm
     from slime_corr.models.check import round_trip_mismatches
-    from slime_corr.rollout.batching import build_micro_batch
     from slime_corr.rollout.sample import Sample
 
     ps.initialize_model_parallel(pipeline_model_parallel_size=2)

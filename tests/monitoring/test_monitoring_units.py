@@ -15,8 +15,9 @@ import torch
 
 from slime_corr.config import ConfigError, RolloutCorrectionConfig
 from slime_corr.correction.diagnostics import VIEWS
+from slime_corr.flags.monitoring import add_monitoring_args
 from slime_corr.losses import compute_policy_loss
-from slime_corr.monitoring.config import MonitoringConfig, add_monitoring_args
+from slime_corr.monitoring.config import MonitoringConfig
 from slime_corr.monitoring.keys import loss_step_metrics, with_prefix
 from slime_corr.monitoring.logger import MetricsLogger, console_line
 from slime_corr.monitoring.progress import RolloutProgress

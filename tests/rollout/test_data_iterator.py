@@ -7,14 +7,9 @@ import asyncio
 import pytest
 import torch
 
-from slime_corr.mcore.context_parallel import zigzag_unslice
-from slime_corr.rollout.batching import (
-    build_micro_batch,
-    cp_pad_multiple,
-    grpo_advantages,
-    packed_length,
-    slice_micro_batch_for_cp,
-)
+from slime_corr.layout.context_parallel import slice_micro_batch_for_cp, zigzag_unslice
+from slime_corr.layout.groups import grpo_advantages
+from slime_corr.layout.micro_batch import build_micro_batch, cp_pad_multiple, packed_length
 from slime_corr.rollout.buffer import SampleBuffer
 from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.data_iterator import BufferMicroBatchIterator, background_event_loop

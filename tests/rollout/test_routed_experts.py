@@ -198,7 +198,8 @@ def _check_layout(tokens: torch.Tensor, routes: torch.Tensor, real: torch.Tensor
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_routes_in_micro_batches_and_cp_slices(packed):
-    from slime_corr.rollout.batching import ROUTE_KEY, TOKEN_KEYS, build_micro_batch, slice_micro_batch_for_cp
+    from slime_corr.layout.context_parallel import slice_micro_batch_for_cp
+    from slime_corr.layout.micro_batch import ROUTE_KEY, TOKEN_KEYS, build_micro_batch
 
     samples = [_routed_sample([101, 102, 103], [104, 105]), _routed_sample([111], [112, 113, 114, 115, 116], 1),
                _routed_sample([121, 122], [], 2)]
@@ -221,7 +222,7 @@ def test_routes_in_micro_batches_and_cp_slices(packed):
 
 
 def test_micro_batch_refuses_missing_or_partial_routes():
-    from slime_corr.rollout.batching import build_micro_batch
+    from slime_corr.layout.micro_batch import build_micro_batch
 
     a = _routed_sample([1, 2], [3])
     b = Sample(prompt_tokens=[4, 5], response_tokens=[6], rollout_log_probs=[-1.0], index=7)

@@ -298,10 +298,10 @@ def _old_routes_replay(rank: int, world: int, tiny_moe_cache: str, samples: list
     own choices then differ) the reference pass and the training step still route with the recorded ones."""
     from mcore_helpers import init_layout
 
+    from slime_corr.layout.micro_batch import ROUTE_KEY
     from slime_corr.loss_terms import LossTermsConfig
     from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
     from slime_corr.mcore.routing import capture_routes, moe_routers, routing_map_to_ids
-    from slime_corr.rollout.batching import ROUTE_KEY
     from slime_corr.trainer.data import build_micro_batches, rollout_shards
     from slime_corr.trainer.policy import build_policy
 

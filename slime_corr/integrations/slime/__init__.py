@@ -19,7 +19,7 @@ _HOOKS = ("compute_mis_weights_with_cp", "icepop_function", "tis_function", "van
 
 def __getattr__(name: str) -> Any:
     if name in _HOOKS:
-        from slime_corr.integrations.slime import hook
+        from slime_corr.integrations.slime import hook  # lazily: see the module doc
 
         return getattr(hook, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,8 +8,8 @@ The core works on 2-D token tensors and reduces per SEQUENCE only through a `Seg
 
 Per-token math is layout-free; sums, maxima and broadcasts of per-sequence values go through here, so the padded
 layout is the special case of one segment per row and runs the same kernels as without this class. Which offsets a
-rank's slice has (per-sequence padding, the CP partition) is the data layout's business
-(`slime_corr.rollout.batching`, `slime_corr.mcore.context_parallel`), not the core's.
+rank's slice has (per-sequence padding, the CP partition) is the rest of this package's business
+(`micro_batch`, `context_parallel`), not the core's.
 """
 
 from __future__ import annotations

@@ -1,21 +1,81 @@
-"""Checks of Megatron-LM's own flags against slime_corr's, on a parsed namespace (imports nothing of Megatron):
+"""Every check across configs, on the parsed flags: what one config cannot check alone.
 
+- `check_run`: the main job's configs together (`slime_corr.main.parse_run_config` builds them, then calls it):
+  decoupled mode's π_old against the correction and the sampling, the CUDA-graph correction against the device,
+  routing replay against bypass mode, and the run directory against the checkpoint it resumes;
 - `check_megatron_lm_rl_flags`: Megatron-LM's GRPO importance sampling (`--rl-inference-logprobs-is-correction`,
-  `--rl-importance-sampling-truncation-coef`) with slime_corr's correction would correct the loss twice;
+  `--rl-importance-sampling-truncation-coef`) with slime_corr's correction would correct the loss twice
+  (`slime_corr.flags.correction.config_from_args` calls it, for any host parser);
 - `check_megatron_lm_routing_flags`: slime's routing flags (`--use-rollout-routing-replay`, `--log-routing-mismatch`,
-  added by `slime_corr.mcore.megatron_lm.add_megatron_lm_args`) need a MoE model built with
+  added by `slime_corr.flags.megatron_lm.add_megatron_lm_args`) need a MoE model built with
   `--moe-enable-routing-replay` and no recompute of the routers in backward.
 
-`slime_corr.arguments.config_from_args` runs them; the flags absent from a namespace Megatron-LM did not parse are
-left alone.
+The Megatron-LM checks read the namespace only (nothing of Megatron is imported); the flags absent from a namespace
+Megatron-LM did not parse are left alone. Every check raises `ConfigError` naming the flags.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from slime_corr.config import RolloutCorrectionConfig
+from slime_corr.correction.proximal import check_prox_logp_method
+from slime_corr.device import resolve as resolve_device
 from slime_corr.errors import ConfigError
+from slime_corr.monitoring.config import MonitoringConfig
+from slime_corr.monitoring.logger import CONFIG_FILE, METRICS_FILE
+from slime_corr.trainer.config_checks import check_writable_dir
+
+if TYPE_CHECKING:  # the trainer's config imports the model code; the checks only read its fields
+    from slime_corr.trainer.config import TrainerConfig
+
+
+def check_run(args: argparse.Namespace, trainer: TrainerConfig, correction: RolloutCorrectionConfig,
+              monitoring: MonitoringConfig) -> None:
+    """The main job's checks across its configs (`args`: the parsed flags, for the flag that chose the run dir)."""
+    try:
+        check_prox_logp_method(trainer.prox_logp_method, correction, trainer.truncation.active)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    placement = resolve_device(trainer.device)
+    if correction.rollout_correction_cuda_graph and not placement.is_cuda:
+        raise ConfigError(f"--rollout-correction-cuda-graph replays CUDA graphs, and this run is on "
+                          f"{placement.device}: leave it off, or run on a GPU (--device cuda).")
+    if trainer.use_routing_replay and correction.use_rollout_logprobs:
+        raise ConfigError("--use-routing-replay replays the routes of the recomputed lp_old pass, which bypass "
+                          "mode (--use-rollout-logprobs) skips: use a decoupled preset, or "
+                          "--use-rollout-routing-replay (the engines' routes).")
+    flag = "--run-dir" if args.run_dir else "--work-dir" if args.work_dir else "the default run directory"
+    check_run_dir(monitoring.run_dir, flag, resuming=trainer.load)
+
+
+def check_run_dir(run_dir: str | None, flag: str, resuming: str | None) -> None:
+    """Writable, and not holding another run's metrics: a resumed run (`resuming`: its --load) continues only the
+    metrics of the run that saved (or resumed from) that checkpoint directory."""
+    if not run_dir:
+        return
+    check_writable_dir(flag, run_dir)
+    metrics = Path(run_dir) / METRICS_FILE
+    if not (metrics.is_file() and metrics.stat().st_size):
+        return
+    if not resuming:
+        raise ConfigError(f"{flag} {run_dir} already holds a run's {METRICS_FILE}: a run never appends to another "
+                          "run's metrics. Pass a new --run-dir (or none: a new runs/DATE-TIME), or add --load to resume "
+                          "that run.")
+    try:
+        saved = json.loads((Path(run_dir) / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        saved = {}
+    ckpts = {str(Path(p).resolve()) for p in (saved.get("save"), saved.get("load")) if isinstance(p, str) and p}
+    if str(Path(resuming).resolve()) not in ckpts:
+        raise ConfigError(f"{flag} {run_dir} holds the metrics of another run (its {CONFIG_FILE} names the "
+                          f"checkpoints {sorted(ckpts) or 'of no run'}, and this run resumes from --load {resuming}): a "
+                          "run never appends to another run's metrics. Pass the --run-dir of the run that saved "
+                          f"{resuming}, or a new one.")
+
 
 # Set (as a parser default) by `add_megatron_lm_args` when it added the routing flags: the routing checks apply to
 # such namespaces only (slime's parser and slime_corr's trainer define the flags with their own model building).
@@ -90,4 +150,5 @@ def _router_recompute_flag(args: argparse.Namespace) -> str | None:
     return "--moe-layer-recompute" if getattr(args, "moe_layer_recompute", False) else None
 
 
-__all__ = ["ROUTING_FLAGS_ATTR", "check_megatron_lm_rl_flags", "check_megatron_lm_routing_flags"]
+__all__ = ["ROUTING_FLAGS_ATTR", "check_megatron_lm_rl_flags", "check_megatron_lm_routing_flags", "check_run",
+           "check_run_dir"]

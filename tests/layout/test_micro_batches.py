@@ -11,20 +11,20 @@ import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slime_corr.rollout.batching import (
-    BATCH_KEYS,
+from slime_corr.layout.context_parallel import slice_micro_batch_for_cp, thd_local_offsets, zigzag_slice
+from slime_corr.layout.groups import (
     balance_across_dp,
+    grpo_advantages,
+    micro_batch_iterator,
+    pack_by_tokens,
+    split_for_dp,
+)
+from slime_corr.layout.micro_batch import (
+    BATCH_KEYS,
     broadcast_micro_batch,
     build_micro_batch,
     cp_pad_multiple,
     empty_micro_batch,
-    grpo_advantages,
-    micro_batch_iterator,
-    pack_by_tokens,
-    slice_micro_batch_for_cp,
-    split_for_dp,
-    thd_local_offsets,
-    zigzag_slice,
 )
 from slime_corr.rollout.sample import Sample
 
