@@ -23,7 +23,12 @@ What it changes (each item was measured to break on CPU torch with megatron-core
 - its training module's tensor factories given device="cuda" (train_step / training_log accumulators) build on CPU;
 - `validate_args` asks for the GPU architecture (with TP or CP > 1): 0 on CPU, i.e. pre-Blackwell, so it
   requires CUDA_DEVICE_MAX_CONNECTIONS=1 as on such GPUs.
-Megatron's optimizer (hard-coded CUDA) is not adapted: use a plain `torch.optim` optimizer on CPU.
+Megatron's optimizer (`megatron.core.optimizer`, the mixed-precision one of `slime_corr.mcore.precision`):
+- its modules' tensor factories given device="cuda" (found_inf, the loss scale, grad norms) build on CPU, and so
+  does the l2-norm it uses without apex/TE (`utils.local_multi_tensor_l2_norm`);
+- `Float16OptimizerWithFloat16Params.__init__` and `clip_grad_by_total_norm_fp32` read a CPU float tensor's
+  `type()` as its CUDA name ('torch.cuda.BFloat16Tensor'...): they sort / assert parameters by that name;
+- `DynamicGradScaler.load_state_dict` keeps the loaded scale where it is (it calls `.cuda()`).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from typing import Any
 import torch
 
 from slime_corr import device
+from slime_corr.mcore.compat import import_megatron_training, import_schedules
 
 _APPLIED = False
 
@@ -78,7 +84,6 @@ class _CPUTorchProxy(types.ModuleType):
     def __getattr__(self, name: str) -> Any:
         attr = getattr(torch, name)
         if name in self._FACTORIES:
-
             @functools.wraps(attr)
             def factory(*args: Any, **kwargs: Any) -> Any:
                 if "device" in kwargs:
@@ -187,6 +192,59 @@ def _tensors_stay_on_cpu(method: Any) -> Any:
     return wrapper
 
 
+_CUDA_TYPE_NAMES = {torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cuda.HalfTensor",
+                    torch.bfloat16: "torch.cuda.BFloat16Tensor"}
+
+
+def _tensor_types_read_as_cuda(method: Any) -> Any:
+    """`method` with `Tensor.type()` (no argument) answering the CUDA type name of a float tensor while it runs:
+    Megatron's optimizer sorts and checks parameters by `param.type() == 'torch.cuda.FloatTensor'` etc."""
+    tensor_type = torch.Tensor.type
+
+    def cuda_type(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs or self.is_cuda or self.dtype not in _CUDA_TYPE_NAMES:
+            return tensor_type(self, *args, **kwargs)
+        return _CUDA_TYPE_NAMES[self.dtype]
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        torch.Tensor.type = cuda_type  # type: ignore[method-assign]
+        try:
+            return method(*args, **kwargs)
+        finally:
+            torch.Tensor.type = tensor_type  # type: ignore[method-assign]
+
+    return wrapper
+
+
+def _with_cpu_factories(function: Any) -> Any:
+    """A copy of a Megatron module-level `function` whose `torch` is `_CPUTorchProxy` (its module keeps torch)."""
+    scope = {**function.__globals__, "torch": _CPUTorchProxy()}
+    return functools.wraps(function)(
+        types.FunctionType(function.__code__, scope, function.__name__, function.__defaults__, function.__closure__))
+
+
+def _adapt_optimizer() -> None:
+    """Megatron's optimizer (`megatron.core.optimizer`: Float16OptimizerWithFloat16Params, FP32Optimizer, the
+    grad scalers, gradient clipping) on the CPU: its tensor factories given device="cuda" (found_inf, the loss
+    scale, norms) build on CPU; its parameter sorting and clipping read CPU float tensors as their CUDA types; a
+    grad scaler's `load_state_dict` keeps the scale on CPU (`.cuda()`); the local (no apex/TE) l2-norm builds on CPU."""
+    from megatron.core import utils as megatron_utils
+    from megatron.core.optimizer import clip_grads, grad_scaler
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    for module in (megatron_optimizer, grad_scaler, clip_grads):
+        module.torch = _CPUTorchProxy()
+    float16_optimizer = megatron_optimizer.Float16OptimizerWithFloat16Params
+    float16_optimizer.__init__ = _tensor_types_read_as_cuda(float16_optimizer.__init__)
+    clip = _tensor_types_read_as_cuda(clip_grads.clip_grad_by_total_norm_fp32)
+    clip_grads.clip_grad_by_total_norm_fp32 = megatron_optimizer.clip_grad_by_total_norm_fp32 = clip
+    scaler = grad_scaler.DynamicGradScaler
+    scaler.load_state_dict = _tensors_stay_on_cpu(scaler.load_state_dict)
+    if clip_grads.l2_norm_impl is megatron_utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = _with_cpu_factories(megatron_utils.local_multi_tensor_l2_norm)
+
+
 def apply_cpu_compat() -> bool:
     """Apply the CPU adaptations once (idempotent). Returns True if they are active, False on CUDA machines."""
     global _APPLIED
@@ -202,8 +260,6 @@ def apply_cpu_compat() -> bool:
 
     from megatron.core.fusions import fused_softmax
     from megatron.core.transformer import utils as transformer_utils
-
-    from slime_corr.mcore.compat import import_schedules
 
     schedules = import_schedules()
 
@@ -223,6 +279,7 @@ def apply_cpu_compat() -> bool:
 
     LanguageModule.setup_embeddings_and_output_layer = _tensors_stay_on_cpu(
         LanguageModule.setup_embeddings_and_output_layer)
+    _adapt_optimizer()
     _APPLIED = True
     return True
 
@@ -232,7 +289,6 @@ def apply_cpu_compat_megatron_training() -> bool:
     the adaptations are active, False on CUDA machines."""
     if not apply_cpu_compat():
         return False
-    from slime_corr.mcore.compat import import_megatron_training
 
     import_megatron_training()
     training = importlib.import_module("megatron.training.training")
