@@ -282,15 +282,21 @@ def test_fp16_constant_loss_scale():
 # --- checkpoint of the optimizer state -----------------------------------------------------------------------------
 
 
-def _optimizer_state_round_trip(rank: int, world: int) -> None:
-    """state_dict() after a good and a skipped step, loaded into a fresh model + optimizer (the model's own
-    weights loaded beside it): the next step is the same as the uninterrupted run's, scaler state included."""
+def _after_a_good_and_a_skipped_step() -> tuple:
+    """(model, optimizer, batches) of one process after one applied and one skipped (overflowing) fp16 step."""
     init_layout(1, 1)
     batches = micro_batches(0, 1)
     model = build_mixed_precision_gpt(ARGS, FP16)
     optimizer = build_optimizer([model], FP16, lr=LR, clip_grad=CLIP)
     train_step(model, optimizer, batches)
     train_step(model, optimizer, batches, overflow=True)
+    return model, optimizer, batches
+
+
+def _optimizer_state_round_trip(rank: int, world: int) -> None:
+    """state_dict() after a good and a skipped step, loaded into a fresh model + optimizer (the model's own
+    weights loaded beside it): the next step is the same as the uninterrupted run's, scaler state included."""
+    model, optimizer, batches = _after_a_good_and_a_skipped_step()
     saved_optimizer = copy.deepcopy(optimizer.state_dict())
     saved_model = copy.deepcopy(unwrap_model(model).state_dict())
 
@@ -324,12 +330,7 @@ def _dist_checkpointing_round_trip(rank: int, world: int, directory: str) -> Non
     `load_state_dict`: main params, Adam moments and the scaler's trackers come back (the next steps match)."""
     from megatron.core import dist_checkpointing
 
-    init_layout(1, 1)
-    batches = micro_batches(0, 1)
-    model = build_mixed_precision_gpt(ARGS, FP16)
-    optimizer = build_optimizer([model], FP16, lr=LR, clip_grad=CLIP)
-    train_step(model, optimizer, batches)
-    train_step(model, optimizer, batches, overflow=True)
+    model, optimizer, batches = _after_a_good_and_a_skipped_step()
     state = unwrap_model(model).sharded_state_dict()
     dist_checkpointing.save({"model": state, "optimizer": optimizer.sharded_state_dict(state)}, directory)
 
