@@ -105,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if int(os.environ.get("RANK", "0")) == 0:  # the console is rank 0's
         print("rollout correction config:")
         print(run_config.correction.describe())
-        notice = precision_notice(run_config.trainer.engine_dtype, run_config.trainer.params_dtype,
+        notice = precision_notice(run_config.trainer.engine_dtype, run_config.trainer.trainer_dtype,
                                   run_config.correction.use_rollout_correction)
         if notice:
             print(f"slime_corr.main: note: {notice}", flush=True)

@@ -25,6 +25,7 @@ from slime_corr.flags.main_job import MAIN_JOB_DEFAULTS
 from slime_corr.loss_terms import LossTermsConfig
 from slime_corr.main import build_parser
 from slime_corr.mcore.model import TinyGPTArgs
+from slime_corr.mcore.precision import PrecisionConfig
 from slime_corr.models.selection import ModelSource
 from slime_corr.monitoring.config import MonitoringConfig
 from slime_corr.trainer.config import TrainerConfig
@@ -60,7 +61,7 @@ def test_a_stale_reference_is_found(tmp_path, monkeypatch) -> None:
 # Every config field that is a flag (`slime_corr.flags.fields.flag`), by the flag group that shows it.
 OWNERS = {RolloutCorrectionConfig: correction_flags.FIELDS, LossTermsConfig: loss_terms_flags.FIELDS,
           TrainerConfig: trainer_flags.FIELDS, TinyGPTArgs: model_flags.TINY_MODEL, ModelSource: model_flags.PRETRAINED,
-          MonitoringConfig: monitoring_flags.FIELDS}
+          MonitoringConfig: monitoring_flags.FIELDS, PrecisionConfig: trainer_flags.PRECISION}
 # The main job's flags that are not a config field's (defaults that depend on other flags, verl's spelling, ...).
 HAND_WRITTEN = {"--self-check", "--lr", "--task", "--sglang-url", "--custom-function-traceback", "--kl-coef",
                 "--rollout-rs", "--rollout-rs-threshold", "--loss-type"}

@@ -1,7 +1,8 @@
 """The trainer's flags (`add_trainer_args`), which build a `TrainerConfig` (slime_corr.trainer.config: its module doc
 lists whose names they follow), and slime's `--sglang-X` pass-through (`split_sglang_passthrough`).
 
-The help, defaults and choices are `TrainerConfig`'s fields'. The special cases here: `--lr` and `--task`, whose
+The help, defaults and choices are `TrainerConfig`'s fields' (and `PrecisionConfig`'s: `--bf16`, `--fp16`, the loss
+scaling). The special cases here: `--lr` and `--task`, whose
 defaults depend on the model (None on the command line, resolved by `TrainerConfig.from_args`), `--sglang-url`
 (repeatable), and `--custom-function-traceback`, which only the main job's error report reads.
 """
@@ -12,6 +13,7 @@ import argparse
 from collections.abc import Sequence
 
 from slime_corr.flags.fields import add_flags
+from slime_corr.mcore.precision import PrecisionConfig
 from slime_corr.trainer.config import PRETRAINED_LR, TrainerConfig
 from slime_corr.trainer.task import TASKS
 
@@ -19,6 +21,8 @@ PARALLELISM = ("device", "tensor_model_parallel_size", "context_parallel_size", 
                "micro_batch_size", "use_dynamic_batch_size", "max_tokens_per_gpu", "global_batch_size",
                "distributed_timeout_minutes")
 OPTIMIZATION = ("clip_grad", "params_dtype", "save", "save_interval", "load", "ckpt_step")
+PRECISION = ("bf16", "fp16", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
+             "hysteresis")  # PrecisionConfig's fields
 ROLLOUT = ("rollout_batch_size", "n_samples_per_prompt", "num_steps_per_rollout", "num_rollout",
            "rollout_max_response_len", "rollout_temperature", "rollout_top_p", "rollout_top_k", "async_rollout",
            "max_staleness", "staleness_policy", "partial_rollout", "mask_offpolicy_in_partial_rollout",
@@ -42,6 +46,7 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help=f"Adam learning rate (default: {TrainerConfig.lr:g} for the tiny model, {PRETRAINED_LR:g} "
                         "with --model / --hf-checkpoint).")
     add_flags(g, TrainerConfig, OPTIMIZATION)
+    add_flags(parser.add_argument_group(title="mixed precision (Megatron's flags)"), PrecisionConfig, PRECISION)
 
     r = parser.add_argument_group(title="rollout (slime's flags)")
     add_flags(r, TrainerConfig, ROLLOUT)
@@ -85,4 +90,4 @@ def split_sglang_passthrough(argv: Sequence[str]) -> tuple[list[str], list[str]]
     return own, passthrough
 
 
-__all__ = ["FIELDS", "KNOWN_SGLANG_FLAGS", "add_trainer_args", "split_sglang_passthrough"]
+__all__ = ["FIELDS", "KNOWN_SGLANG_FLAGS", "PRECISION", "add_trainer_args", "split_sglang_passthrough"]

@@ -6,7 +6,8 @@
 
 What is saved: the model's `sharded_state_dict()` (each TP shard once, DP/CP replicas deduplicated: a checkpoint
 loads at another TP size), the optimizer state sharded like its parameters (a plain `torch.optim` optimizer: its
-per-parameter state tensors follow the parameter's sharding; Adam's scalar `step` goes to the common state), a
+per-parameter state tensors follow the parameter's sharding; Adam's scalar `step` goes to the common state;
+Megatron's optimizer of --bf16 / --fp16: its own `sharded_state_dict`, fp32 main params and the loss scaler too), a
 `common` dict (the same on every rank: counters), one picklable object per rank (`rank_state`, e.g. RNG states;
 loaded only at the same world size) and one object only rank 0 has (`rank0_state`, e.g. what the rollout driver
 holds), saved from rank 0 and given back to every rank.
@@ -53,8 +54,15 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _sharded_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, common: dict[str, Any],
-                   rank_state: Any, rank0_state: Any) -> dict[str, Any]:
+def is_megatron_optimizer(optimizer: Any) -> bool:
+    """Megatron's optimizer (`mcore.precision.build_optimizer`, --bf16 / --fp16), not a `torch.optim` one."""
+    from megatron.core.optimizer import MegatronOptimizer
+
+    return isinstance(optimizer, MegatronOptimizer)
+
+
+def _sharded_state(module: torch.nn.Module, optimizer: Any, common: dict[str, Any], rank_state: Any,
+                   rank0_state: Any, loading: bool = False) -> dict[str, Any]:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.dist_checkpointing.optimizer import (
         get_param_id_to_sharded_param_map,
@@ -62,6 +70,12 @@ def _sharded_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, co
     )
 
     model_state = module.sharded_state_dict()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ranks = {"rank_state": ShardedObject("rank_state", rank_state, (world,), (rank,), replica_id=0),
+             "rank0_state": ShardedObject("rank0_state", rank0_state, (1,), (0,), replica_id=rank)}
+    if is_megatron_optimizer(optimizer):  # its own sharded state: fp32 main params, Adam's moments, the scaler
+        return {"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state, is_loading=loading),
+                **ranks, "common": common}
     optim_state = optimizer.state_dict()
     # state_dict() hands out the optimizer's own per-parameter dicts: edit copies (a save must not change the run)
     optim_state["state"] = {k: dict(v) for k, v in optim_state["state"].items()}
@@ -70,18 +84,11 @@ def _sharded_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, co
         raise CheckpointError(f"optimizer: parameters at different steps {sorted(steps)}; cannot save one step")
     id_map = get_param_id_to_sharded_param_map(model_state, _params(optimizer))
     optim_state_to_sharding_state(optim_state, id_map)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    return {
-        "model": model_state,
-        "optimizer": optim_state,
-        "optimizer_step": steps.pop() if steps else None,
-        "rank_state": ShardedObject("rank_state", rank_state, (world,), (rank,), replica_id=0),
-        "rank0_state": ShardedObject("rank0_state", rank0_state, (1,), (0,), replica_id=rank),
-        "common": common,
-    }
+    return {"model": model_state, "optimizer": optim_state, "optimizer_step": steps.pop() if steps else None,
+            **ranks, "common": common}
 
 
-def save_checkpoint(root: str | Path, iteration: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def save_checkpoint(root: str | Path, iteration: int, module: torch.nn.Module, optimizer: Any,
                     common: dict[str, Any], rank_state: Any = None, rank0_state: Any = None) -> Path:
     """Save on every rank (collective); the tracker names `iteration` once all ranks are done. `module` is the
     model without its DDP wrapper."""
@@ -101,7 +108,7 @@ def save_checkpoint(root: str | Path, iteration: int, module: torch.nn.Module, o
     return path
 
 
-def load_checkpoint(root: str | Path, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def load_checkpoint(root: str | Path, module: torch.nn.Module, optimizer: Any,
                     iteration: int | None = None) -> tuple[int, dict[str, Any], Any, Any]:
     """Load model and optimizer in place (collective); returns (iteration, common, this rank's rank_state,
     rank0_state). The latest iteration unless `iteration` is given."""
@@ -116,10 +123,12 @@ def load_checkpoint(root: str | Path, module: torch.nn.Module, optimizer: torch.
     if not (path / "metadata.json").is_file():
         raise CheckpointError(f"--load {root}: {path.name} is not a complete checkpoint (no metadata.json).")
     check_checkpoint_files(root, path)
-    # the optimizer needs its state before it can describe it: one zero-gradient step with lr 0 creates it
-    if not optimizer.state:
+    # a torch optimizer needs its state before it can describe it: one zero-gradient step with lr 0 creates it
+    # (Megatron's makes its own when asked for a state to load)
+    megatron = is_megatron_optimizer(optimizer)
+    if not megatron and not optimizer.state:
         _init_optimizer_state(optimizer)
-    template = _sharded_state(module, optimizer, {}, None, None)
+    template = _sharded_state(module, optimizer, {}, None, None, loading=True)
     template.pop("common")
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
@@ -130,7 +139,7 @@ def load_checkpoint(root: str | Path, module: torch.nn.Module, optimizer: torch.
         raise CheckpointError(_load_failure(root, path, e)) from None
     optim_state = loaded["optimizer"]
     step = loaded.get("optimizer_step")
-    if step is not None:
+    if step is not None and not megatron:
         for state in optim_state["state"].values():
             # on the CPU on purpose: torch's Optimizer.load_state_dict keeps `step` there, or moves it to the
             # parameters' device itself when the optimizer is fused / capturable
@@ -211,5 +220,5 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         group["lr"] = lr
 
 
-__all__ = ["CheckpointError", "TRACKER_FILE", "check_checkpoint_files", "iteration_dir", "latest_iteration", "load_checkpoint",
-           "save_checkpoint"]
+__all__ = ["CheckpointError", "TRACKER_FILE", "check_checkpoint_files", "is_megatron_optimizer", "iteration_dir",
+           "latest_iteration", "load_checkpoint", "save_checkpoint"]

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from slime_corr.errors import ConfigError
+from slime_corr.flags.fields import flag
 from slime_corr.mcore.model import TinyGPTArgs, build_tiny_gpt
 
 
@@ -42,13 +43,19 @@ class PrecisionConfig:
     """Megatron-LM's mixed-precision flags, under their names and with their defaults (megatron-core 0.19.2's
     `megatron/training/arguments.py`). Validated on construction (`ConfigError` naming the flags)."""
 
-    bf16: bool = False
-    fp16: bool = False
-    loss_scale: float | None = None  # None: dynamic loss scaling (fp16); a constant scale otherwise
-    initial_loss_scale: float = 2.0**32
-    min_loss_scale: float = 1.0
-    loss_scale_window: float = 1000
-    hysteresis: int = 2
+    bf16: bool = flag(False, help="Train the model in bfloat16 (Megatron's flag): bf16 weights and activations, fp32 "
+                      "main weights and gradients in Megatron's mixed-precision optimizer. The engines get the bf16 "
+                      "weights.")
+    fp16: bool = flag(False, help="Train the model in float16 (Megatron's flag), as --bf16, with loss scaling "
+                      "(dynamic unless --loss-scale): a step whose gradients overflow is skipped.")
+    loss_scale: float | None = flag(None, help="A constant loss scale (Megatron's flag; a power of 2 is exact). "
+                                    "Default: dynamic loss scaling under --fp16, none under --bf16.")
+    initial_loss_scale: float = flag(2.0**32, help="The first loss scale of dynamic loss scaling.")
+    min_loss_scale: float = flag(1.0, help="The lowest loss scale of dynamic loss scaling.")
+    loss_scale_window: float = flag(1000, help="Steps without an overflow before dynamic loss scaling doubles the "
+                                    "scale.")
+    hysteresis: int = flag(2, help="Overflowing steps (since the last growth) before dynamic loss scaling halves the "
+                           "scale.")
 
     def __post_init__(self) -> None:
         for name in ("bf16", "fp16"):
@@ -64,11 +71,11 @@ class PrecisionConfig:
             if not _positive(self.loss_scale):
                 raise ConfigError(f"--loss-scale {self.loss_scale}: must be > 0 (a power of 2 is exact), or "
                                   "omitted for dynamic loss scaling.")
-        for flag, value in (("--initial-loss-scale", self.initial_loss_scale),
+        for option, value in (("--initial-loss-scale", self.initial_loss_scale),
                             ("--min-loss-scale", self.min_loss_scale),
                             ("--loss-scale-window", self.loss_scale_window)):
             if not _positive(value):
-                raise ConfigError(f"{flag} {value}: must be > 0.")
+                raise ConfigError(f"{option} {value}: must be > 0.")
         if self.min_loss_scale > self.initial_loss_scale:
             raise ConfigError(f"--min-loss-scale {self.min_loss_scale} > --initial-loss-scale "
                               f"{self.initial_loss_scale}: the minimum must not exceed the initial scale.")
@@ -85,6 +92,16 @@ class PrecisionConfig:
     def params_dtype(self) -> torch.dtype:
         """The model's dtype: bfloat16 (--bf16), float16 (--fp16), else float32."""
         return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+
+    @property
+    def option(self) -> str | None:
+        """The flag that trains in 16 bits: "--bf16" / "--fp16", else None."""
+        return "--bf16" if self.bf16 else "--fp16" if self.fp16 else None
+
+    @property
+    def dtype_name(self) -> str | None:
+        """"bfloat16" / "float16" under --bf16 / --fp16, else None (the trainer's --params-dtype)."""
+        return str(self.params_dtype).removeprefix("torch.") if self.mixed else None
 
     @property
     def dynamic_loss_scale(self) -> bool:
@@ -110,20 +127,28 @@ def mark_model_precision(module: torch.nn.Module, precision: PrecisionConfig) ->
             layer.input_in_float16 = precision.mixed
 
 
+def float16_module(module: torch.nn.Module, precision: PrecisionConfig) -> torch.nn.Module:
+    """Under --bf16 / --fp16 the built model marked (`mark_model_precision`) in Megatron's `Float16Module` (16-bit
+    weights, fp32 logits); the model itself otherwise. For a model that is not trained too (the reference)."""
+    from megatron.core.transformer.module import Float16Module
+
+    if not precision.mixed:
+        return module
+    mark_model_precision(module, precision)
+    return Float16Module(module.config, module)
+
+
 def wrap_for_training(module: torch.nn.Module, precision: PrecisionConfig) -> torch.nn.Module:
     """A built (not DDP-wrapped) Megatron model made ready for Megatron's optimizer, as `get_model` does it:
     TP attributes on every parameter, `Float16Module` (bf16 / fp16; it casts the weights), Megatron DDP with fp32
     gradient buffers (float64 models keep float64 ones). The model's config is the wrappers' config."""
     from megatron.core import tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.transformer.module import Float16Module
 
     config = module.config
     for param in module.parameters():
         tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
-    if precision.mixed:
-        mark_model_precision(module, precision)
-        module = Float16Module(config, module)
+    module = float16_module(module, precision)
     dtype = next(module.parameters()).dtype
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=dtype != torch.float64)
     return DistributedDataParallel(config, ddp_config, module=module)
@@ -212,5 +237,6 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-__all__ = ["PrecisionConfig", "StepOutcome", "build_mixed_precision_gpt", "build_optimizer", "main_params",
+__all__ = ["PrecisionConfig", "StepOutcome", "build_mixed_precision_gpt", "build_optimizer", "float16_module",
+           "main_params",
            "mark_model_precision", "step_optimizer", "unwrap_model", "wrap_for_training"]

@@ -19,7 +19,7 @@ PREFIXES = (CORRECTION, TRAIN, ROLLOUT, PERF, DIAG)
 # Keys of `RolloutCorrectionLoss.reduce_step_metrics` that belong to the loss, not to the correction.
 TRAIN_KEYS = frozenset({"loss", "pg_loss", "loss_denominator", "pg_clipfrac", "ppo_kl", "entropy",
                         "pg_nonfinite_token_count", "pg_nonfinite_advantage_count", "pg_opsm_masked_token_count",
-                        "pg_opsm_masked_token_fraction", "kl_loss", "grad_norm",
+                        "pg_opsm_masked_token_fraction", "kl_loss", "grad_norm", "loss_scale", "skipped_steps",
                         "baseline_rejected_samples", "prox_logp_abs_error_mean", "prox_logp_abs_error_max"})
 
 # Keys of the loss's report that are MoE routing diagnostics (`slime_corr.correction.routing`): -> `diag/`.
@@ -34,6 +34,8 @@ CONSOLE_KEYS = (
     (f"{TRAIN}/pg_clipfrac", "pg_clipfrac"),
     (f"{TRAIN}/ppo_kl", "ppo_kl"),
     (f"{TRAIN}/grad_norm", "grad_norm"),
+    (f"{TRAIN}/loss_scale", "loss_scale"),  # --bf16 / --fp16
+    (f"{TRAIN}/skipped_steps", "skipped"),
     (f"{ROLLOUT}/staleness_mean", "staleness"),
     (f"{TRAIN}/kl_loss", "kl_loss"),
     (f"{TRAIN}/entropy", "entropy"),

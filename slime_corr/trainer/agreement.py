@@ -32,15 +32,19 @@ def agreement_bound(engine_dtype: str, trainer_dtype: str) -> float:
 
 
 def precision_notice(engine_dtype: str, trainer_dtype: str, corrects: bool) -> str | None:
-    """A line for a run whose engine samples in half precision (bf16, fp16) against another trainer precision with
-    no correction on (their log-probs differ by the precision alone: with the tiny model here a bf16 engine against
-    the fp32 trainer was 7e-4 nats per token, an fp16 one 9e-5), else None."""
-    if engine_dtype in FULL_PRECISION or engine_dtype == trainer_dtype or corrects:
+    """A line for a run whose engine and trainer compute in different precisions, one of them in half precision
+    (bf16, fp16; the trainer's under --bf16 / --fp16), with no correction on (their log-probs differ by the precision
+    alone: with the tiny model here a bf16 engine against the fp32 trainer was 7e-4 nats per token, an fp16 one
+    9e-5), else None. The default pairing (fp32 trainer, bf16 engine) gets it; a bf16 trainer with a bf16 engine
+    is a matched pair."""
+    full = engine_dtype in FULL_PRECISION and trainer_dtype in FULL_PRECISION
+    if full or engine_dtype == trainer_dtype or corrects:
         return None
+    narrow = (f"--engine-dtype {trainer_dtype} matches the trainer" if trainer_dtype not in FULL_PRECISION else
+              "--engine-dtype float16 keeps 3 more mantissa bits than bfloat16, float32 closes it")
     return (f"the engine samples in {engine_dtype} and the trainer computes in {trainer_dtype}, and no rollout "
             "correction is on: the training is off-policy by that precision gap. Add a correction (e.g. "
-            "--rollout-correction-preset decoupled_seq_is_rs), or narrow the gap: --engine-dtype float16 keeps 3 "
-            "more mantissa bits than bfloat16, float32 closes it.")
+            f"--rollout-correction-preset decoupled_seq_is_rs), or narrow the gap: {narrow}.")
 
 
 def check_agreement(metrics: Mapping[str, float], engine_dtype: str, trainer_dtype: str, step: int) -> None:

@@ -64,20 +64,20 @@ def _identity(config: TrainerConfig) -> dict[str, Any]:
     source = config.model_source
     return {"seed": config.seed, "samples_per_rollout": config.samples_per_rollout,
             "num_steps_per_rollout": config.num_steps_per_rollout, "async_rollout": config.async_rollout,
-            "model": source.model or source.hf_checkpoint, "task": config.task}
+            "model": source.model or source.hf_checkpoint, "task": config.task,
+            "precision": config.precision.dtype_name}  # --bf16 / --fp16 (None: fp32 / fp64, plain Adam)
 
 
-def save_train_state(config: TrainerConfig, state: TrainState, module: torch.nn.Module,
-                     optimizer: torch.optim.Optimizer) -> Path:
-    """Collective: every rank saves its shard; the iteration is the optimizer step."""
+def save_train_state(config: TrainerConfig, state: TrainState, module: torch.nn.Module, optimizer: Any) -> Path:
+    """Collective: every rank saves its shard; the iteration is the optimizer step. `module`: the GPTModel
+    (`Policy.module`); `optimizer`: torch's Adam, or Megatron's under --bf16 / --fp16."""
     assert config.save is not None
     common = {"rollout": state.rollout, "step": state.step, "run": _identity(config)}
     return save_checkpoint(config.save, state.step, module, optimizer, common, rank_state=_rng_states(),
                            rank0_state={"pending": state.pending})
 
 
-def load_train_state(config: TrainerConfig, module: torch.nn.Module, optimizer: torch.optim.Optimizer
-                     ) -> TrainState:
+def load_train_state(config: TrainerConfig, module: torch.nn.Module, optimizer: Any) -> TrainState:
     """Collective: model and optimizer in place, RNG restored; the run's position (`pending` on rank 0 only)."""
     import torch.distributed as dist
 

@@ -38,9 +38,10 @@ from slime_corr.correction.proximal import PROX_LOGP_METHODS
 from slime_corr.device import DEVICE_CHOICES, DEVICE_ENV, resolve
 from slime_corr.engines.router import router_available
 from slime_corr.errors import ConfigError, DeviceError
-from slime_corr.flags.fields import flag
+from slime_corr.flags.fields import flag, flag_fields
 from slime_corr.mcore.model import TinyGPTArgs
 from slime_corr.mcore.nucleus import Truncation
+from slime_corr.mcore.precision import PrecisionConfig
 from slime_corr.models.hf_checkpoint import CheckpointError
 from slime_corr.models.selection import ModelSource
 from slime_corr.rollout.control import WEIGHT_LOAD_S_PER_GB
@@ -194,7 +195,8 @@ class TrainerConfig(TrainerConfigChecks):
     grpo_std_normalization: bool = flag(True, option="--disable-grpo-std-normalization", help="GRPO advantage = "
                                         "reward − group mean, without dividing by the group's std (Dr. GRPO).")
     params_dtype: str = flag("float32", choices=PARAMS_DTYPES, help="Dtype of the trained model (float64 makes runs "
-                             "comparable across parallel layouts).")
+                             "comparable across parallel layouts; --bf16 / --fp16 train in 16 bits).")
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)  # --bf16 / --fp16 and the loss scaling
     # checkpoints
     save: str | None = flag(None, help="Checkpoint directory (Megatron-LM's layout, dist_checkpointing).")
     save_interval: int | None = flag(None, help="Save every N rollouts (and after the last).")
@@ -323,6 +325,11 @@ class TrainerConfig(TrainerConfigChecks):
     def torch_params_dtype(self) -> torch.dtype:
         return getattr(torch, self.params_dtype)
 
+    @property
+    def trainer_dtype(self) -> str:
+        """What the trained model computes in: bfloat16 / float16 under --bf16 / --fp16, else --params-dtype."""
+        return self.precision.dtype_name or self.params_dtype
+
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:
         def fail(msg: str) -> None:
@@ -398,6 +405,7 @@ class TrainerConfig(TrainerConfigChecks):
         if self.sglang_url and self.rollout_num_engines != 1:
             fail("--rollout-num-engines starts engines; with --sglang-url the engines are yours: drop one.")
         self._check_engine()
+        self._check_precision()
         if self.task not in TASKS:
             fail(f"--task {self.task!r} is not one of {', '.join(TASKS)}.")
         if self.model_source.is_pretrained:
@@ -449,7 +457,7 @@ class TrainerConfig(TrainerConfigChecks):
         arithmetic and PRETRAINED_LR for a pretrained one."""
         names = [f for f in cls.__dataclass_fields__ if f not in ("world_size", "model", "sglang_url", "model_source",
                                                                   "task", "lr", "sglang_server_args", "device",
-                                                                  *MOE_FLAGS)]
+                                                                  "precision", *MOE_FLAGS)]
         values = {n: getattr(args, n) for n in names}
         values.update({n: bool(getattr(args, n, False)) for n in MOE_FLAGS})
         model = TinyGPTArgs(num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -469,7 +477,8 @@ class TrainerConfig(TrainerConfigChecks):
             raise ConfigError(str(e)) from None
         lr = args.lr if args.lr is not None else PRETRAINED_LR if text_model else \
             TINY_MOE_LR if source.byte_tokens else cls.lr
-        return cls(**values, device=getattr(args, "device", None), world_size=world,
+        precision = PrecisionConfig(**{n: getattr(args, n) for n in flag_fields(PrecisionConfig) if hasattr(args, n)})
+        return cls(**values, device=getattr(args, "device", None), world_size=world, precision=precision,
                    sglang_url=tuple(args.sglang_url or ()), model=model,
                    model_source=source, task=task, lr=lr,
                    sglang_server_args=tuple(getattr(args, "sglang_server_args", None) or ()))

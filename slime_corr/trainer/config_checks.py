@@ -85,6 +85,13 @@ class TrainerConfigChecks:
             raise ConfigError(f"--engine-dtype {self.engine_dtype}: the SGLang server serves "
                               f"{' or '.join(SGLANG_DTYPES)}; use --rollout-engine embedded for {self.engine_dtype}.")
 
+    def _check_precision(self) -> None:
+        """--bf16 / --fp16 (checked on their own by `PrecisionConfig`) against --params-dtype."""
+        precision = self.precision
+        if precision.mixed and self.params_dtype != "float32":
+            raise ConfigError(f"{precision.option} and --params-dtype {self.params_dtype} are exclusive: the 16-bit "
+                              "model keeps fp32 main weights in the optimizer; drop one of them.")
+
     def _check_tiny_model(self) -> None:
         m = self.model
         for name in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings"):

@@ -100,7 +100,7 @@ class RolloutDriver:
             urls = group.urls
             kind = "SGLang servers" if cfg.rollout_engine == "sglang" else "embedded engines"
             logs = f"; logs in {self.log_dir}" if cfg.rollout_engine == "sglang" else ""
-            self.description = f"{kind} ({cfg.engine_dtype}; trainer in {cfg.params_dtype}): {group.describe()}{logs}"
+            self.description = f"{kind} ({cfg.engine_dtype}; trainer in {cfg.trainer_dtype}): {group.describe()}{logs}"
         self.loop = self._stack.enter_context(background_event_loop())
         self.client = self._run(_open_client(urls, cfg))
         self._stack.callback(self._close_client)

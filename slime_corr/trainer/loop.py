@@ -36,6 +36,7 @@ from slime_corr.mcore import threads as mcore_threads
 from slime_corr.mcore.cpu_compat import apply_cpu_compat
 from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
 from slime_corr.mcore.pipeline import gather_stages
+from slime_corr.mcore.precision import build_optimizer
 from slime_corr.monitoring.config import MonitoringConfig
 from slime_corr.monitoring.keys import loss_step_metrics
 from slime_corr.monitoring.logger import MetricsLogger
@@ -150,7 +151,9 @@ class _Job:
         self.dp_rank_of = [int(r) for r in dp_ranks]  # type: ignore[arg-type]
         self.policy = build_policy(cfg, with_reference=config.loss_terms.uses_reference)
         self.routes = cfg.routed_experts_spec()  # MoE: the shape of the engine's routes (None: not asked)
-        self.optimizer = torch.optim.Adam(self.policy.model.parameters(), lr=cfg.lr)
+        mixed = cfg.precision.mixed  # --bf16 / --fp16: Megatron's optimizer (fp32 main params, loss scaling)
+        self.optimizer = build_optimizer([self.policy.model], cfg.precision, lr=cfg.lr, clip_grad=cfg.clip_grad) \
+            if mixed else torch.optim.Adam(self.policy.model.parameters(), lr=cfg.lr)
         monitoring = config.monitoring
         diagnostics = monitoring.log_mismatch_diagnostics and corr.computes_metrics
         self.hook = RolloutCorrectionLoss(
@@ -163,8 +166,8 @@ class _Job:
         rebaseline = not corr.use_rollout_logprobs and corr.use_rollout_correction and \
             cfg.prox_logp_method == "recompute"
         self.updater = Updater(self.policy.model, self.optimizer, self.hook, clip_grad=cfg.clip_grad,
-                               rebaseline=rebaseline,
-                               normalize_std=cfg.grpo_std_normalization)
+                               rebaseline=rebaseline, normalize_std=cfg.grpo_std_normalization,
+                               mixed_precision=mixed)
         self.state = load_train_state(cfg, self.policy.module, self.optimizer) if cfg.load else TrainState()
         progress.rollout, progress.step = self.state.rollout, self.state.step
         progress.checkpoint = cfg.load if cfg.load else None
@@ -446,7 +449,7 @@ class _Job:
             if loss_part and fresh and not self._agreement_checked:
                 self._agreement_checked = True
                 if cfg.engine_agreement_check:
-                    check_agreement(metrics, cfg.engine_dtype, cfg.params_dtype, step)
+                    check_agreement(metrics, cfg.engine_dtype, cfg.trainer_dtype, step)
             if loss_part and result.diagnostics.top:
                 self.logger.log_samples(step, top_mismatch_records(result.diagnostics, samples,
                                                                    self.policy.tokenizer.decode))

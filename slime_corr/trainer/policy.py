@@ -40,6 +40,12 @@ from slime_corr.mcore.cpu_compat import apply_cpu_compat
 from slime_corr.mcore.loss_hook import default_model_forward
 from slime_corr.mcore.model import TinyGPTArgs, build_tiny_gpt, emulated_cp_forward, single_rank_groups
 from slime_corr.mcore.params import full_named_tensors
+from slime_corr.mcore.precision import (
+    build_mixed_precision_gpt,
+    float16_module,
+    unwrap_model,
+    wrap_for_training,
+)
 from slime_corr.mcore.routing import old_routes_forward, routed_forward
 from slime_corr.models import ChatTokenizer, build_gpt_from_hf, load_engine_module, write_hf_checkpoint
 from slime_corr.models.tiny_opt import opt_weights, write_opt_checkpoint
@@ -86,7 +92,7 @@ class EngineGPT:
 class Policy:
     """The trained policy on this rank (see the module doc)."""
 
-    model: nn.Module  # Megatron DDP around this rank's GPTModel shard
+    model: nn.Module  # Megatron DDP around this rank's GPTModel shard (and Float16Module under --bf16 / --fp16)
     reference: nn.Module | None  # the frozen initial policy (KL term), or None
     forward: ModelForward  # logits [B, S_local, V/TP] of this rank's (CP-sliced) micro-batch
     engine_module: Callable[[str], Any]  # checkpoint dir -> the module an embedded engine serves
@@ -99,8 +105,8 @@ class Policy:
 
     @property
     def module(self) -> nn.Module:
-        """The GPTModel inside the DDP wrapper."""
-        return self.model.module
+        """The GPTModel inside the DDP (and Float16Module) wrappers."""
+        return unwrap_model(self.model)
 
     def full_weights(self) -> dict[str, Tensor]:
         """Every weight as its full tensor under the engines' names, copied (an optimizer step does not change
@@ -163,30 +169,35 @@ def build_policy(config: TrainerConfig, *, with_reference: bool) -> Policy:
     if config.model_source.is_pretrained:
         return _pretrained_policy(config, forward, with_reference)
 
-    args = config.model
-    model = build_tiny_gpt(args, ddp=True)
+    args, precision = config.model, config.precision
+    model = build_mixed_precision_gpt(args, precision) if precision.mixed else build_tiny_gpt(args, ddp=True)
+    gpt = unwrap_model(model)
     reference = None
-    if with_reference:  # the initial policy: the same seed builds the same weights
-        reference = build_tiny_gpt(args, ddp=False).eval()
+    if with_reference:  # the initial policy: the same seed builds the same weights (in the trainer's precision)
+        reference_args = dataclasses.replace(args, params_dtype=precision.params_dtype) if precision.mixed else args
+        reference = float16_module(build_tiny_gpt(reference_args, ddp=False), precision).eval()
         reference.requires_grad_(False)
     single_rank_groups()
-    engine_args = dataclasses.replace(args, params_dtype=torch.float32)  # the engine casts to --engine-dtype
+    # the engines get the weights the trainer computes with (bf16 / fp16 under --bf16 / --fp16, not the fp32 main
+    # weights); the engine casts them to --engine-dtype
+    engine_args = dataclasses.replace(args, params_dtype=torch.float32)
     if config.rollout_engine == "sglang":  # SGLang serves it as an HF OPT checkpoint (models.tiny_opt)
         return Policy(model=model, reference=reference, forward=forward,
                       engine_module=lambda directory: EngineGPT(engine_args, directory),
-                      export_weights=lambda: opt_weights(full_named_tensors(model.module), args.num_attention_heads),
+                      export_weights=lambda: opt_weights(full_named_tensors(gpt), args.num_attention_heads),
                       save_engine_checkpoint=lambda weights, directory: write_opt_checkpoint(weights, args,
                                                                                              directory))
     return Policy(model=model, reference=reference, forward=forward,
                   engine_module=lambda directory: EngineGPT(engine_args, directory),
-                  export_weights=lambda: full_named_tensors(model.module),
+                  export_weights=lambda: full_named_tensors(gpt),
                   save_engine_checkpoint=lambda weights, directory: save_engine_gpt_checkpoint(weights, directory,
                                                                                                engine_args))
 
 
 def _pretrained_policy(config: TrainerConfig, forward: ModelForward, with_reference: bool) -> Policy:
-    """The `--model` / `--hf-checkpoint` policy: Megatron GPTModel from the HF checkpoint in `--params-dtype`
-    (every rank loads its TP shard), the reference a second copy of the checkpoint's weights. With
+    """The `--model` / `--hf-checkpoint` policy: Megatron GPTModel from the HF checkpoint in `--params-dtype` (under
+    --bf16 / --fp16: in 16 bits inside Float16Module; every rank loads its TP shard), the reference a second copy of
+    the checkpoint's weights. With
     `--use-rollout-routing-replay` / `--use-routing-replay` both are built with Megatron's `RouterReplay` and the
     reference replays the same routes too (its KL term then compares the two policies on the same expert path)."""
     from megatron.core import tensor_parallel
@@ -196,11 +207,15 @@ def _pretrained_policy(config: TrainerConfig, forward: ModelForward, with_refere
     torch.manual_seed(config.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
     overrides = {"moe_enable_routing_replay": True} if config.replays_routes else None
-    model, bridge = build_gpt_from_hf(hf_dir, dtype=config.torch_params_dtype, ddp=True, config_overrides=overrides,
+    precision = config.precision
+    dtype = precision.params_dtype if precision.mixed else config.torch_params_dtype
+    model, bridge = build_gpt_from_hf(hf_dir, dtype=dtype, ddp=not precision.mixed, config_overrides=overrides,
                                       emulated_context_parallel=config.context_parallel_size > 1)
+    if precision.mixed:  # Float16Module + DDP with fp32 gradients, for Megatron's mixed-precision optimizer
+        model = wrap_for_training(model, precision)
     reference = None
     if with_reference:
-        reference = bridge.build_model().eval()
+        reference = float16_module(bridge.build_model(), precision).eval()
         reference.requires_grad_(False)
     common = dict(model=model, reference=reference, forward=forward, engine_module=load_engine_module,
                   export_weights=lambda: bridge.export_weights(model),

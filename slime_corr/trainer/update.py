@@ -38,6 +38,7 @@ from slime_corr.mcore.context_parallel import batch_segments
 from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
 from slime_corr.mcore.params import optimizer_step
 from slime_corr.mcore.pipeline import from_last_stage
+from slime_corr.mcore.precision import step_optimizer
 
 
 def rebaseline_rejected(hook: RolloutCorrectionLoss, micro_batches: Sequence[dict[str, Tensor]],
@@ -76,7 +77,8 @@ class RolloutTimes:
 
 @dataclass
 class StepResult:
-    """One optimizer step: its metrics (the hook's `reduce_step_metrics` and `grad_norm`), its diagnostics."""
+    """One optimizer step: its metrics (the hook's `reduce_step_metrics` and `grad_norm`; under --bf16 / --fp16
+    `loss_scale` and `skipped_steps`), its diagnostics."""
 
     metrics: dict[str, float]
     diagnostics: DiagnosticsResult
@@ -85,9 +87,12 @@ class StepResult:
 class Updater:
     """Trains rollouts: `train_rollout(steps)` returns each optimizer step's metrics (see the module doc)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, hook: RolloutCorrectionLoss, *,
-                 clip_grad: float, rebaseline: bool, normalize_std: bool) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: Any, hook: RolloutCorrectionLoss, *,
+                 clip_grad: float, rebaseline: bool, normalize_std: bool, mixed_precision: bool = False) -> None:
+        """`optimizer`: a `torch.optim` one, or with `mixed_precision` (--bf16 / --fp16) Megatron's
+        (`mcore.precision.build_optimizer`, which clips itself)."""
         self.model, self.optimizer, self.hook = model, optimizer, hook
+        self.mixed_precision = mixed_precision
         self.clip_grad, self.rebaseline, self.normalize_std = clip_grad, rebaseline, normalize_std
         self._loss_seconds = 0.0
 
@@ -135,9 +140,9 @@ class Updater:
             self.optimizer.zero_grad(set_to_none=True)
             metrics = self.hook.train_step(self.model, micro_batches, forward_backward_func=fb,
                                            recompute_old_log_probs=False, forward_step=self._forward_step)
-            norm = optimizer_step(self.model, self.optimizer, self.clip_grad)  # every stage steps
+            optimizer_metrics = self._step()  # every stage steps
             if metrics:  # the loss's stage (the last one under PP)
-                metrics["grad_norm"] = norm
+                metrics.update(optimizer_metrics)
                 if k == 0:
                     metrics["baseline_rejected_samples"] = float(rejected)
             times.steps.append(time.perf_counter() - start)
@@ -145,6 +150,15 @@ class Updater:
             results.append(StepResult(metrics, self.hook.last_diagnostics))
         results, times.loss = from_last_stage((results, times.loss))
         return results, times
+
+    def _step(self) -> dict[str, float]:
+        """The optimizer step: `grad_norm` (before clipping); under --bf16 / --fp16 also `loss_scale` (the scale
+        after the step, Megatron-LM's "loss scale") and `skipped_steps` (1 when an fp16 overflow skipped it)."""
+        if not self.mixed_precision:
+            return {"grad_norm": optimizer_step(self.model, self.optimizer, self.clip_grad)}
+        outcome = step_optimizer(self.optimizer)
+        return {"grad_norm": outcome.grad_norm, "loss_scale": outcome.loss_scale,
+                "skipped_steps": float(not outcome.applied)}
 
 
 __all__ = ["RolloutTimes", "Updater", "rebaseline_rejected"]
