@@ -1,7 +1,8 @@
-"""The main job's `--bf16` / `--fp16` (Megatron's mixed precision, `slime_corr.mcore.precision`): the flags checked at
-parse time naming both flags, the precision notice, and real runs through `python -m slime_corr.main` on the embedded
-engine: the checkpoint holds 16-bit model weights and fp32 main weights (Megatron's optimizer), the fp16 run logs its
-loss scale, and a `--bf16` run resumed from a checkpoint logs what the uninterrupted run logs.
+"""The main job's `--bf16` / `--fp16` (Megatron's mixed precision, `slime_corr.mcore.precision`): the precision
+notice, and real runs through `python -m slime_corr.main` on the embedded engine: the checkpoint holds 16-bit model
+weights and fp32 main weights (Megatron's optimizer), the fp16 run logs its loss scale, and a `--bf16` run resumed
+from a checkpoint logs what the uninterrupted run logs. The flags refused at parse time are in
+tests/trainer/test_trainer_units.py's BAD_FLAGS.
 
 CI cost: 3 one-process runs (~10 s each).
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
-from slime_corr.main import main, parse_run_config
+from slime_corr.main import parse_run_config
 from slime_corr.trainer.agreement import precision_notice
 
 pytestmark = pytest.mark.cost(40)  # CI seconds, roughly (tests/conftest.py runs the costliest modules first)
@@ -28,24 +29,6 @@ COMMON = ["--rollout-correction-preset", "decoupled_seq_is_rs", "--num-rollout",
           "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--micro-batch-size", "2",
           "--rollout-max-response-len", "8", "--kl-loss-coef", "0.01", "--rollout-progress", "none", "--seed", "7",
           "--rollout-engine", "embedded"]
-
-BAD_FLAGS = [
-    (["--bf16", "--fp16"], "--bf16 and --fp16 are exclusive"),
-    (["--fp16", "--loss-scale", "0"], "--loss-scale 0.0: must be > 0"),
-    (["--loss-scale", "8"], "--loss-scale 8.0: loss scaling applies to --fp16 or --bf16 training only"),
-    (["--bf16", "--params-dtype", "float64"], "--bf16 and --params-dtype float64 are exclusive"),
-    (["--fp16", "--params-dtype", "float64"], "--fp16 and --params-dtype float64 are exclusive"),
-    (["--fp16", "--initial-loss-scale", "4", "--min-loss-scale", "8"], "--min-loss-scale 8.0 > --initial-loss-scale"),
-    (["--fp16", "--hysteresis", "0"], "--hysteresis 0: must be an integer >= 1"),
-]
-
-
-@pytest.mark.parametrize("argv, message", BAD_FLAGS, ids=[" ".join(a) for a, _ in BAD_FLAGS])
-def test_conflicting_precision_flags_are_refused_at_parse_time_naming_them(argv, message, capsys):
-    with pytest.raises(SystemExit) as e:
-        main([*argv, "--self-check"])
-    assert e.value.code == 2
-    assert message in capsys.readouterr().err
 
 
 def test_the_trainer_precision_and_the_notice_follow_the_flags():

@@ -90,6 +90,14 @@ BAD_FLAGS = [
     (["--async-rollout", "--mask-offpolicy-in-partial-rollout"], "--mask-offpolicy-in-partial-rollout masks the "
                                                                  "tokens"),
     (["--prox-logp-error-interval", "-1"], "--prox-logp-error-interval -1 must be an integer >= 0"),
+    # --bf16 / --fp16 (Megatron's mixed precision, slime_corr.mcore.precision)
+    (["--bf16", "--fp16"], "--bf16 and --fp16 are exclusive"),
+    (["--fp16", "--loss-scale", "0"], "--loss-scale 0.0: must be > 0"),
+    (["--loss-scale", "8"], "--loss-scale 8.0: loss scaling applies to --fp16 or --bf16 training only"),
+    (["--bf16", "--params-dtype", "float64"], "--bf16 and --params-dtype float64 are exclusive"),
+    (["--fp16", "--params-dtype", "float64"], "--fp16 and --params-dtype float64 are exclusive"),
+    (["--fp16", "--initial-loss-scale", "4", "--min-loss-scale", "8"], "--min-loss-scale 8.0 > --initial-loss-scale"),
+    (["--fp16", "--hysteresis", "0"], "--hysteresis 0: must be an integer >= 1"),
 ]
 
 
