@@ -160,7 +160,7 @@ def plot(summary: dict, out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work-dir", type=Path, default=ROOT / "runs" / "precision_pairs")
     p.add_argument("--summary", type=Path, default=ROOT / "experiments" / "precision_pairs.json")
@@ -171,7 +171,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=2, help="runs at a time")
     p.add_argument("--force", action="store_true")
     p.add_argument("--plot-only", action="store_true")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     measured, trained = plan(args)
     if not args.plot_only:
         run_all([*measured, *trained], args.work_dir, args.jobs, args.force)
