@@ -6,7 +6,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from slime_corr.main import main as run_main
 from slime_corr.monitoring.report import main as report_main
 
 SUBCOMMANDS = ("report",)
@@ -16,6 +15,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "report":
         return report_main(args[1:])
+    from slime_corr.main import main as run_main  # lazily: a report needs no Megatron
 
     return run_main(args)
 

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slime_corr.mcore.precision import is_megatron_optimizer
+
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 
 
@@ -52,13 +54,6 @@ def latest_iteration(root: str | Path) -> int | None:
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def is_megatron_optimizer(optimizer: Any) -> bool:
-    """Megatron's optimizer (`mcore.precision.build_optimizer`, --bf16 / --fp16), not a `torch.optim` one."""
-    from megatron.core.optimizer import MegatronOptimizer
-
-    return isinstance(optimizer, MegatronOptimizer)
 
 
 def _sharded_state(module: torch.nn.Module, optimizer: Any, common: dict[str, Any], rank_state: Any,
@@ -220,5 +215,5 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         group["lr"] = lr
 
 
-__all__ = ["CheckpointError", "TRACKER_FILE", "check_checkpoint_files", "is_megatron_optimizer", "iteration_dir",
+__all__ = ["CheckpointError", "TRACKER_FILE", "check_checkpoint_files", "iteration_dir",
            "latest_iteration", "load_checkpoint", "save_checkpoint"]

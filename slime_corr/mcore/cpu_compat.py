@@ -84,6 +84,7 @@ class _CPUTorchProxy(types.ModuleType):
     def __getattr__(self, name: str) -> Any:
         attr = getattr(torch, name)
         if name in self._FACTORIES:
+
             @functools.wraps(attr)
             def factory(*args: Any, **kwargs: Any) -> Any:
                 if "device" in kwargs:

@@ -113,6 +113,13 @@ def _positive(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
+def is_megatron_optimizer(optimizer: Any) -> bool:
+    """Megatron's optimizer (`build_optimizer`, --bf16 / --fp16), not a `torch.optim` one."""
+    from megatron.core.optimizer import MegatronOptimizer
+
+    return isinstance(optimizer, MegatronOptimizer)
+
+
 def mark_model_precision(module: torch.nn.Module, precision: PrecisionConfig) -> None:
     """Make a built model's config say what `TransformerConfig(bf16=..., fp16=...)` would have at construction:
     `config.bf16` / `config.fp16`, and the core attention's softmax told its input is 16-bit (it then runs in

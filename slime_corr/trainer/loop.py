@@ -166,8 +166,7 @@ class _Job:
         rebaseline = not corr.use_rollout_logprobs and corr.use_rollout_correction and \
             cfg.prox_logp_method == "recompute"
         self.updater = Updater(self.policy.model, self.optimizer, self.hook, clip_grad=cfg.clip_grad,
-                               rebaseline=rebaseline, normalize_std=cfg.grpo_std_normalization,
-                               mixed_precision=mixed)
+                               rebaseline=rebaseline, normalize_std=cfg.grpo_std_normalization)
         self.state = load_train_state(cfg, self.policy.module, self.optimizer) if cfg.load else TrainState()
         progress.rollout, progress.step = self.state.rollout, self.state.step
         progress.checkpoint = cfg.load if cfg.load else None

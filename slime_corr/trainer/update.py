@@ -38,7 +38,7 @@ from slime_corr.mcore.context_parallel import batch_segments
 from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
 from slime_corr.mcore.params import optimizer_step
 from slime_corr.mcore.pipeline import from_last_stage
-from slime_corr.mcore.precision import step_optimizer
+from slime_corr.mcore.precision import is_megatron_optimizer, step_optimizer
 
 
 def rebaseline_rejected(hook: RolloutCorrectionLoss, micro_batches: Sequence[dict[str, Tensor]],
@@ -88,11 +88,10 @@ class Updater:
     """Trains rollouts: `train_rollout(steps)` returns each optimizer step's metrics (see the module doc)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: Any, hook: RolloutCorrectionLoss, *,
-                 clip_grad: float, rebaseline: bool, normalize_std: bool, mixed_precision: bool = False) -> None:
-        """`optimizer`: a `torch.optim` one, or with `mixed_precision` (--bf16 / --fp16) Megatron's
-        (`mcore.precision.build_optimizer`, which clips itself)."""
+                 clip_grad: float, rebaseline: bool, normalize_std: bool) -> None:
+        """`optimizer`: a `torch.optim` one, or under --bf16 / --fp16 Megatron's (`mcore.precision.build_optimizer`,
+        which clips itself)."""
         self.model, self.optimizer, self.hook = model, optimizer, hook
-        self.mixed_precision = mixed_precision
         self.clip_grad, self.rebaseline, self.normalize_std = clip_grad, rebaseline, normalize_std
         self._loss_seconds = 0.0
 
@@ -154,7 +153,7 @@ class Updater:
     def _step(self) -> dict[str, float]:
         """The optimizer step: `grad_norm` (before clipping); under --bf16 / --fp16 also `loss_scale` (the scale
         after the step, Megatron-LM's "loss scale") and `skipped_steps` (1 when an fp16 overflow skipped it)."""
-        if not self.mixed_precision:
+        if not is_megatron_optimizer(self.optimizer):
             return {"grad_norm": optimizer_step(self.model, self.optimizer, self.clip_grad)}
         outcome = step_optimizer(self.optimizer)
         return {"grad_norm": outcome.grad_norm, "loss_scale": outcome.loss_scale,

@@ -3,7 +3,6 @@ and (slow) the script end to end on real, very short runs of the main job."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import statistics
@@ -11,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from experiment_helpers import experiment_script
 
 from slime_corr.monitoring.plots import seed_band
 from slime_corr.monitoring.report import load_run
@@ -21,12 +21,8 @@ SCRIPT = ROOT / "experiments" / "mismatch_vs_correction.py"
 
 @pytest.fixture(scope="module")
 def experiment():
-    spec = importlib.util.spec_from_file_location("mismatch_vs_correction", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    with experiment_script("mismatch_vs_correction") as module:
+        yield module
 
 
 def _write_run(experiment, argv: list[str], name: str, lr: float, seed: int, rewards: list[float],

@@ -4,25 +4,17 @@ fractions' sum, and a run is reused only for the same command."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "experiments" / "precision_pairs.py"
+from experiment_helpers import experiment_script
 
 
 @pytest.fixture(scope="module")
 def experiment():
-    spec = importlib.util.spec_from_file_location("precision_pairs", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    with experiment_script("precision_pairs") as module:
+        yield module
 
 
 def _write(run_dir: Path, records: list[dict]) -> None:
