@@ -24,9 +24,9 @@ OPTIMIZATION = ("clip_grad", "params_dtype", "save", "save_interval", "load", "c
 PRECISION = ("bf16", "fp16", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
              "hysteresis")  # PrecisionConfig's fields
 ROLLOUT = ("rollout_batch_size", "n_samples_per_prompt", "num_steps_per_rollout", "num_rollout",
-           "rollout_max_response_len", "rollout_temperature", "rollout_top_p", "rollout_top_k", "async_rollout",
-           "max_staleness", "staleness_policy", "partial_rollout", "mask_offpolicy_in_partial_rollout",
-           "max_token_staleness", "grpo_std_normalization")
+           "rollout_max_response_len", "rollout_temperature", "rollout_top_p", "rollout_top_k",
+           "rollout_nucleus_logprobs", "async_rollout", "max_staleness", "staleness_policy", "partial_rollout",
+           "mask_offpolicy_in_partial_rollout", "max_token_staleness", "grpo_std_normalization")
 PROX_LOGP = ("prox_logp_method", "prox_logp_error_interval")
 FAILURES = ("max_failed_sample_fraction", "rollout_request_timeout")
 AGREEMENT_AND_HEALTH = ("engine_agreement_check", "rollout_control_timeout", "rollout_health_check_interval",

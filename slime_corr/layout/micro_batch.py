@@ -17,7 +17,13 @@ MoE samples that carry the engine's routes (``Sample.routed_experts``, all sampl
     routed_experts     [B, S, L, k] uint8/int16   the experts of tokens[t] (the tokens' alignment, not the labels');
                                                   at a sample's last token and at padding: experts 0..k-1
 
-It is not in ``TOKEN_KEYS``: CP emulated on CPU runs whole sequences; slice it with
+Samples that carry the engine's nucleus log-mass (``Sample.rollout_nucleus_log_mass``, top-p / top-k with
+``--rollout-nucleus-logprobs``; any sample of the batch) add, in the labels' alignment and in ``TOKEN_KEYS``::
+
+    rollout_nucleus_log_mass   [B, S] float32  the engine's log M_μ of labels[t] where known; 0 elsewhere
+    rollout_nucleus_known      [B, S] bool     True where that mass is known (a trained token whose nucleus fit)
+
+``routed_experts`` is not in ``TOKEN_KEYS``: CP emulated on CPU runs whole sequences; slice it with
 ``keys=(*TOKEN_KEYS, ROUTE_KEY)`` where the model sees only its CP slice.
 
 Packed batches (``packed=True``, Megatron's THD layout) are one row, ``B == 1``: sample i occupies positions
@@ -41,8 +47,10 @@ import torch.distributed as dist
 from slime_corr.rollout.sample import Sample, SampleStatus
 
 BATCH_KEYS = ("tokens", "position_ids", "labels", "loss_mask", "rollout_log_probs", "advantages")
-# optional per-token entries, laid out (and CP-sliced) like the others: the weight lag of each trained token
-TOKEN_KEYS = (*BATCH_KEYS, "weight_lag")
+NUCLEUS_MASS_KEY, NUCLEUS_KNOWN_KEY = "rollout_nucleus_log_mass", "rollout_nucleus_known"
+# optional per-token entries, laid out (and CP-sliced) like the others: the weight lag of each trained token, the
+# engine's nucleus log-mass
+TOKEN_KEYS = (*BATCH_KEYS, "weight_lag", NUCLEUS_MASS_KEY, NUCLEUS_KNOWN_KEY)
 ROUTE_KEY = "routed_experts"
 # Samples the loss trains on: a finished response (stop or length). ABORTED (KEEP policy) and FAILED are not.
 TRAINABLE = (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
@@ -54,8 +62,9 @@ def _round_up(n: int, m: int) -> int:
 
 
 def _sample_rows(s: Sample, adv: float | Sequence[float], pad_token_id: int,
-                 weight_lag: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
-    """One sample's 1-D rows (length prompt + response), already shifted to Megatron's alignment."""
+                 weight_lag: Sequence[int] | None = None, nucleus: bool = False) -> dict[str, torch.Tensor]:
+    """One sample's 1-D rows (length prompt + response), already shifted to Megatron's alignment; `nucleus`: with
+    the engine's nucleus log-mass rows (unknown everywhere for a sample without it)."""
     p, r = len(s.prompt_tokens), s.response_length
     n = p + r
     tokens = torch.tensor(s.prompt_tokens + s.response_tokens, dtype=torch.long)
@@ -80,6 +89,14 @@ def _sample_rows(s: Sample, adv: float | Sequence[float], pad_token_id: int,
             raise ValueError(f"routed_experts: sample {s.index} has routes for {re.shape[0]} of its {n - 1} input "
                              "tokens (every token but the last must be routed: was the last segment generated?)")
         rows[ROUTE_KEY] = torch.cat([re, _route_filler(re, 1)])
+    if nucleus:
+        known = torch.zeros(n, dtype=torch.bool)
+        mass = torch.zeros(n, dtype=torch.float32)
+        if s.rollout_nucleus_log_mass is not None and r:
+            engine = s.rollout_nucleus_log_mass
+            known[p - 1 : n - 1] = ~engine.isnan() & (mask[p - 1 : n - 1] > 0)
+            mass[p - 1 : n - 1] = torch.where(known[p - 1 : n - 1], engine, 0.0)
+        rows[NUCLEUS_MASS_KEY], rows[NUCLEUS_KNOWN_KEY] = mass, known
     if weight_lag is not None:
         if len(weight_lag) != r:
             raise ValueError(f"weight_lag: {len(weight_lag)} values for {r} response tokens of sample {s.index}")
@@ -119,7 +136,8 @@ def build_micro_batch(
     token); None means zeros. ``pad_to_multiple``: pad S (packed: every sample) to a multiple of it (2 * CP
     size for context parallelism, ``cp_pad_multiple``).
     ``weight_lag``: per sample, the weight lag of each response token (trainer version − the version that
-    sampled it); adds ``weight_lag`` [B, S] int64 in the labels' alignment (0 elsewhere).
+    sampled it); adds ``weight_lag`` [B, S] int64 in the labels' alignment (0 elsewhere). A sample with
+    ``rollout_nucleus_log_mass`` adds the engine's nucleus keys (module doc).
     """
     if not samples:
         raise ValueError("samples: empty micro-batch")
@@ -129,7 +147,8 @@ def build_micro_batch(
     lags = list(weight_lag) if weight_lag is not None else [None] * len(samples)
     if len(lags) != len(samples):
         raise ValueError(f"weight_lag: {len(lags)} entries for {len(samples)} samples")
-    rows = [_sample_rows(s, a, pad_token_id, lag) for s, a, lag in zip(samples, advs, lags, strict=True)]
+    nucleus = any(s.rollout_nucleus_log_mass is not None for s in samples)
+    rows = [_sample_rows(s, a, pad_token_id, lag, nucleus) for s, a, lag in zip(samples, advs, lags, strict=True)]
     with_routes = [ROUTE_KEY in r for r in rows]
     if any(with_routes) and not all(with_routes):
         raise ValueError(f"routed_experts: samples {[s.index for s, w in zip(samples, with_routes, strict=True) if not w]} "

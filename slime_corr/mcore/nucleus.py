@@ -3,9 +3,14 @@ renormalized distribution (Megatron glue around `truncated_logprobs`).
 
 The engine samples y from μ_trunc(y) = μ(y) / M_μ on its nucleus N_μ (M_μ = μ(N_μ)), but returns log μ(y),
 NOT renormalized (SGLang's `log_softmax(logits / T)[y]`). The trainer takes every policy log-prob under its own
-truncation, lp_trunc(y) = log π(y) − log M_π on its nucleus N_π (−inf outside). The engine's M_μ is unknown without
-its logits, so the rollout log-prob is renormalized by the trainer's nucleus mass of the policy the rollout is
-compared with (decoupled: π_old, from the lp_old pass; bypass: the training pass's π_θ, detached):
+truncation, lp_trunc(y) = log π(y) − log M_π on its nucleus N_π (−inf outside).
+
+Where the engine's own nucleus is known (`--rollout-nucleus-logprobs`: its top-N log-probs held its top-k / top-p
+boundary, `slime_corr.rollout.nucleus`; the micro-batch's `rollout_nucleus_log_mass` / `_known`), the
+rollout log-prob is renormalized exactly, lp_rollout_trunc = lp_rollout − log M_μ = log μ_trunc(y), and the IS ratio
+is π_old_trunc / μ_trunc. Elsewhere (the engine path off, or the boundary beyond the N) M_μ is unknown, and the
+rollout log-prob is renormalized by the trainer's nucleus mass of the policy the rollout is compared with
+(decoupled: π_old, from the lp_old pass; bypass: the training pass's π_θ, detached):
 
     lp_rollout_trunc = lp_rollout − log M_π_old
 
@@ -14,6 +19,10 @@ so the IS ratio π_old_trunc / μ_trunĉ = π_old(y) / μ(y) (the normalizers c
 truncated ratio is (π_old / μ) · M_μ / M_π_old, so each token's weight is off by the factor M_π_old / M_μ, the
 nucleus-mass mismatch of engine and trainer — zero when they agree, of the order of the log-prob mismatch itself,
 and not one-signed (where the uncorrected π_trunc / μ is off by 1 / M ≥ 1, e.g. ≈ 1.1 at top_p = 0.9, always up).
+
+The metrics count the paths: `mismatch_nucleus_engine_share` (valid tokens renormalized by the engine's mass; the
+rest fell back to the trainer's), and on the engine path the mass mismatch log(M_π_old / M_μ) the fallback would
+have left in the weight (`mismatch_nucleus_mass_log_ratio`, and its absolute value).
 
 Tokens the engine sampled outside the trainer's nucleus (lp_trunc = −inf) leave the loss mask (per token, counted:
 `mismatch_nucleus_disagreement`); tokens that leave the nucleus during the update (π_θ) are dropped by the loss's
@@ -28,15 +37,18 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from slime_corr.layout.micro_batch import NUCLEUS_KNOWN_KEY, NUCLEUS_MASS_KEY
 from slime_corr.mcore.logprobs import DEFAULT_CHUNK_SIZE, ProcessGroup, vocab_parallel_log_probs
 from slime_corr.mcore.truncated_logprobs import truncated_log_probs
 
 # batch keys: the engine's values, kept when the truncation replaces `rollout_log_probs` / `loss_mask`
 UNTRUNCATED_ROLLOUT = "rollout_log_probs_untruncated"
 UNTRUNCATED_MASK = "loss_mask_untruncated"
-RENORMALIZED_KEYS = ("rollout_log_probs", "loss_mask")  # what `renormalize_batch` replaces
+TRAINER_LOG_MASS = "nucleus_log_mass_trainer"  # the trainer's log M of the policy `renormalize_batch` was given
+RENORMALIZED_KEYS = ("rollout_log_probs", "loss_mask", TRAINER_LOG_MASS)  # what `renormalize_batch` replaces
 NUCLEUS_KEYS = ("mismatch_nucleus_disagreement", "mismatch_nucleus_log_mass", "mismatch_nucleus_ratio_mean",
-                "mismatch_nucleus_uncorrected_ratio_mean")
+                "mismatch_nucleus_uncorrected_ratio_mean", "mismatch_nucleus_engine_share",
+                "mismatch_nucleus_mass_log_ratio", "mismatch_nucleus_mass_abs_log_ratio")
 _LOG_RATIO_CLAMP = 20.0
 
 
@@ -97,15 +109,27 @@ def nucleus_log_probs(logits: Tensor, labels: Tensor, truncation: Truncation, *,
     return NucleusLogProbs(lp_trunc, log_mass, inside, entropy)
 
 
+def engine_path(batch: dict[str, Tensor]) -> Tensor | None:
+    """Where the engine's nucleus log-mass is known ([B, S] bool), None when the micro-batch carries none."""
+    return batch.get(NUCLEUS_KNOWN_KEY)
+
+
 def renormalize_batch(batch: dict[str, Tensor], nucleus: NucleusLogProbs) -> Tensor:
     """Put a micro-batch under the trainer's truncation, from the engine's values (kept under UNTRUNCATED_*, so
-    calling it again with another nucleus starts afresh): `rollout_log_probs` := lp_rollout − log M,
-    `loss_mask` := mask · in_nucleus. Returns lp_trunc with the tokens outside the nucleus (now masked) set to the
-    renormalized rollout log-prob, so it is finite everywhere (log-ratio 0 there)."""
+    calling it again with another nucleus starts afresh): `rollout_log_probs` := lp_rollout − log M_μ where the
+    engine's mass is known (`engine_path`), lp_rollout − log M (the trainer's, `nucleus.log_mass`) elsewhere;
+    `loss_mask` := mask · in_nucleus; the trainer's log M kept under TRAINER_LOG_MASS (for the metrics). Returns
+    lp_trunc with the tokens outside the nucleus (now masked) set to the renormalized rollout log-prob, so it is
+    finite everywhere (log-ratio 0 there)."""
     raw = batch.setdefault(UNTRUNCATED_ROLLOUT, batch["rollout_log_probs"])
     mask = batch.setdefault(UNTRUNCATED_MASK, batch["loss_mask"])
     lp = nucleus.log_probs.detach()
-    rollout = raw.to(lp.dtype) - nucleus.log_mass
+    log_mass = nucleus.log_mass
+    known = engine_path(batch)
+    if known is not None:
+        log_mass = torch.where(known, batch[NUCLEUS_MASS_KEY].to(log_mass.dtype), log_mass)
+    rollout = raw.to(lp.dtype) - log_mass
+    batch[TRAINER_LOG_MASS] = nucleus.log_mass.detach()
     batch["rollout_log_probs"] = rollout.to(raw.dtype)
     batch["loss_mask"] = mask * nucleus.in_nucleus.to(mask.dtype)
     return torch.where(nucleus.in_nucleus, lp, rollout)
@@ -118,17 +142,25 @@ def nucleus_report(batch: dict[str, Tensor], lp_train: Tensor) -> dict[str, Tens
     `mismatch_nucleus_log_mass` = token mean of log M (the renormalization; ≤ 0);
     `mismatch_nucleus_ratio_mean` = token mean of π_train_trunc / μ_trunĉ (the corrected ratio) and
     `mismatch_nucleus_uncorrected_ratio_mean` = of π_train_trunc / μ (the rollout log-prob not renormalized), both
-    on the tokens in the nucleus, log-ratios clamped to ±20."""
+    on the tokens in the nucleus, log-ratios clamped to ±20;
+    `mismatch_nucleus_engine_share` = valid tokens renormalized by the engine's own mass / valid tokens;
+    `mismatch_nucleus_mass_log_ratio` / `_abs_log_ratio` = token mean of log(M_π_train / M_μ) / of its absolute
+    value, over the tokens in the nucleus on the engine path."""
     valid = batch[UNTRUNCATED_MASK] > 0
     kept = batch["loss_mask"] > 0
+    known = engine_path(batch)
+    known = torch.zeros_like(kept) if known is None else known
+    on_engine = kept & known
+    trainer_mass = batch[TRAINER_LOG_MASS].to(torch.float64)
+    mass_log_ratio = trainer_mass - batch.get(NUCLEUS_MASS_KEY, trainer_mass).to(torch.float64)
     raw = batch[UNTRUNCATED_ROLLOUT].to(torch.float64)
     rollout = batch["rollout_log_probs"].to(torch.float64)
     lp = torch.where(kept, lp_train.detach().to(torch.float64), rollout)
     lo, hi = -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP
-    n_valid, n_kept = valid.sum().to(torch.float64), kept.sum().to(torch.float64)
+    n_valid, n_kept, n_engine = (x.sum().to(torch.float64) for x in (valid, kept, on_engine))
 
-    def kept_sum(x: Tensor) -> Tensor:
-        return torch.where(kept, x, 0.0).sum()
+    def kept_sum(x: Tensor, where: Tensor = kept) -> Tensor:
+        return torch.where(where, x, 0.0).sum()
 
     def pair(num: Tensor, den: Tensor) -> Tensor:
         return torch.stack([num.to(torch.float64), den])
@@ -138,8 +170,11 @@ def nucleus_report(batch: dict[str, Tensor], lp_train: Tensor) -> dict[str, Tens
         "mismatch_nucleus_log_mass": pair(kept_sum(raw - rollout), n_kept),
         "mismatch_nucleus_ratio_mean": pair(kept_sum((lp - rollout).clamp(lo, hi).exp()), n_kept),
         "mismatch_nucleus_uncorrected_ratio_mean": pair(kept_sum((lp - raw).clamp(lo, hi).exp()), n_kept),
+        "mismatch_nucleus_engine_share": pair((valid & known).sum(), n_valid),
+        "mismatch_nucleus_mass_log_ratio": pair(kept_sum(mass_log_ratio, on_engine), n_engine),
+        "mismatch_nucleus_mass_abs_log_ratio": pair(kept_sum(mass_log_ratio.abs(), on_engine), n_engine),
     }
 
 
-__all__ = ["NUCLEUS_KEYS", "RENORMALIZED_KEYS", "UNTRUNCATED_MASK", "UNTRUNCATED_ROLLOUT", "NucleusLogProbs", "Truncation", "nucleus_log_probs", "nucleus_report",
-           "renormalize_batch"]
+__all__ = ["NUCLEUS_KEYS", "RENORMALIZED_KEYS", "TRAINER_LOG_MASS", "UNTRUNCATED_MASK", "UNTRUNCATED_ROLLOUT",
+           "NucleusLogProbs", "Truncation", "engine_path", "nucleus_log_probs", "nucleus_report", "renormalize_batch"]

@@ -50,6 +50,8 @@ CONSOLE_KEYS = (
     (f"{CORRECTION}/mismatch_nucleus_disagreement", "nucleus_disagreement"),  # --rollout-top-p / --rollout-top-k
     (f"{CORRECTION}/mismatch_nucleus_ratio_mean", "nucleus_ratio"),
     (f"{CORRECTION}/mismatch_nucleus_uncorrected_ratio_mean", "nucleus_uncorrected_ratio"),
+    (f"{CORRECTION}/mismatch_nucleus_engine_share", "nucleus_engine_share"),  # --rollout-nucleus-logprobs
+    (f"{CORRECTION}/mismatch_nucleus_mass_abs_log_ratio", "nucleus_mass_abs_log_ratio"),
 )
 
 

@@ -39,6 +39,7 @@ from typing import Any
 import aiohttp
 
 from slime_corr.rollout.control import ControlPlane
+from slime_corr.rollout.nucleus import NucleusRequest
 from slime_corr.rollout.protocol import (
     GenerateOutput,
     NonFiniteLogProbError,
@@ -238,11 +239,14 @@ class SGLangClient(ControlPlane):
         stream: bool = False,
         return_logprob: bool = True,
         routed_experts: RoutedExpertsSpec | None = None,
+        nucleus: NucleusRequest | None = None,
     ) -> GenerateResult:
         """Generate one sample from token ids; retries safe faults; raises :class:`GenerationError`.
-        ``routed_experts``: ask for the MoE routes and check them against this shape (``result.routed_experts``)."""
+        ``routed_experts``: ask for the MoE routes and check them against this shape (``result.routed_experts``).
+        ``nucleus``: ask for the engine's top-N log-probs and read its nucleus (``result.nucleus_log_mass``)."""
         routes = routed_experts is not None
-        build_generate_request(input_ids, sampling_params, "check", stream, return_logprob, routes)  # fail fast
+        top_n = nucleus.num if nucleus is not None else 0
+        build_generate_request(input_ids, sampling_params, "check", stream, return_logprob, routes, top_n)  # fail fast
         await self.discover()  # once: which targets are routers (their failures are probed worker by worker)
         errors: list[str] = []
         server: str | None = None
@@ -250,14 +254,14 @@ class SGLangClient(ControlPlane):
         for attempt in range(1, self.retry.max_attempts + 1):
             server = self._pick_server(avoid=server)
             rid = self.new_rid()
-            body = build_generate_request(input_ids, sampling_params, rid, stream, return_logprob, routes)
+            body = build_generate_request(input_ids, sampling_params, rid, stream, return_logprob, routes, top_n)
             self._load[server] += 1  # counted while queued on the semaphore too, so new work goes elsewhere
             try:
                 async with self._sems[server]:
                     await self._wait_running()  # nothing is sent between our pause() and continue
                     self._inflight[rid] = server
                     try:
-                        out = await self._attempt(server, body, stream, return_logprob, routed_experts)
+                        out = await self._attempt(server, body, stream, return_logprob, routed_experts, nucleus)
                     finally:
                         self._inflight.pop(rid, None)
                 return GenerateResult(**vars(out), server=server, attempts=attempt, errors=errors)
@@ -280,7 +284,8 @@ class SGLangClient(ControlPlane):
                               kind=last.kind if last is not None else "")
 
     async def _attempt(self, server: str, body: dict[str, Any], stream: bool, want_lp: bool,
-                       routes: RoutedExpertsSpec | None = None) -> GenerateOutput:
+                       routes: RoutedExpertsSpec | None = None, nucleus: NucleusRequest | None = None
+                       ) -> GenerateOutput:
         """One HTTP attempt, with every failure mapped to a GenerationError(retryable=...)."""
         session = self._get_session()
         try:
@@ -292,13 +297,13 @@ class SGLangClient(ControlPlane):
                     raise GenerationError(f"HTTP {resp.status}: {text}", resp.status in RETRYABLE_STATUS,
                                           target_down=resp.status >= 500 and self.is_router(server))
                 if stream:
-                    out = await self._read_stream(resp, want_lp, routes)
+                    out = await self._read_stream(resp, want_lp, routes, nucleus)
                 else:
                     try:
                         obj = json.loads(await resp.read())
                     except (json.JSONDecodeError, UnicodeDecodeError) as e:
                         raise ResponseError(f"response: malformed JSON ({e})") from e
-                    out = parse_generate_response(obj, want_lp, routes)
+                    out = parse_generate_response(obj, want_lp, routes, nucleus)
         except GenerationError:
             raise
         except NonFiniteLogProbError as e:  # another engine may serve it (retried elsewhere when there is one)
@@ -321,8 +326,9 @@ class SGLangClient(ControlPlane):
         return out
 
     async def _read_stream(self, resp: aiohttp.ClientResponse, want_lp: bool,
-                           routes: RoutedExpertsSpec | None = None) -> GenerateOutput:
-        acc = StreamAccumulator(want_lp, routes)
+                           routes: RoutedExpertsSpec | None = None, nucleus: NucleusRequest | None = None
+                           ) -> GenerateOutput:
+        acc = StreamAccumulator(want_lp, routes, nucleus)
         buf = b""
         async for chunk in resp.content.iter_any():
             buf += chunk

@@ -5,6 +5,13 @@ Everything a response must satisfy before its tokens reach a sample is checked h
 one of stop / length / abort, and stream events are consistent with ``completion_tokens`` (which tells
 cumulative from incremental streaming). A violation raises :class:`ResponseError`. Routed experts (MoE, asked for
 with a :class:`~slime_corr.rollout.routing.RoutedExpertsSpec`) are decoded and checked by `rollout.routing`.
+
+Under top-p / top-k, a :class:`~slime_corr.rollout.nucleus.NucleusRequest` asks for the engine's top-N
+log-probs (`top_logprobs_num`); ``meta_info.output_top_logprobs`` (per output token N ``[logprob, token_id, text]``,
+sorted descending, distinct ids, the sampled token's log-prob equal to its ``output_token_logprobs`` one) gives
+the engine's nucleus log-mass per token (`rollout.nucleus`; NaN where its boundary lies beyond the N). A
+sampled token outside the engine's own kept set is a protocol error: the server did not sample under the top_p /
+top_k it was sent (or reports other log-probs than it samples from).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from typing import Any
 
 import torch
 
+from slime_corr.rollout.nucleus import NucleusRequest, engine_nucleus
 from slime_corr.rollout.routing import RoutedExpertsError, RoutedExpertsSpec, decode_routed_experts
 
 # Keys of SGLang 0.5.23's SamplingParams schema; any other key makes the server answer 400.
@@ -39,9 +47,11 @@ def build_generate_request(
     stream: bool = False,
     return_logprob: bool = True,
     return_routed_experts: bool = False,
+    top_logprobs_num: int = 0,
 ) -> dict[str, Any]:
     """The JSON body of one /generate request (one sample: token ids in, ``n`` must stay 1).
-    ``return_routed_experts``: ask for the MoE routes (the server needs ``--enable-return-routed-experts``)."""
+    ``return_routed_experts``: ask for the MoE routes (the server needs ``--enable-return-routed-experts``).
+    ``top_logprobs_num``: also the N largest log-probs at every output position (0: not asked)."""
     params = dict(sampling_params or {})
     unknown = sorted(set(params) - SAMPLING_KEYS)
     if unknown:
@@ -59,6 +69,10 @@ def build_generate_request(
     }
     if return_routed_experts:
         body["return_routed_experts"] = True
+    if top_logprobs_num:
+        if not return_logprob or isinstance(top_logprobs_num, bool) or int(top_logprobs_num) < 1:
+            raise ValueError(f"top_logprobs_num {top_logprobs_num!r}: a count >= 1, with return_logprob")
+        body["top_logprobs_num"] = int(top_logprobs_num)
     return body
 
 
@@ -76,6 +90,11 @@ class GenerateOutput:
     rid: str = ""
     # [prompt_tokens + completion_tokens - 1, layers, top_k] (rollout.routing), when asked for and returned
     routed_experts: torch.Tensor | None = None
+    # under a NucleusRequest: the engine's top-N log-probs and ids per output token, and its nucleus log-mass
+    # log M_μ per output token (NaN where the nucleus does not fit in the N)
+    top_log_probs: list[list[float]] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    nucleus_log_mass: list[float] | None = None
 
     @property
     def finish_type(self) -> str | None:
@@ -130,6 +149,79 @@ def _parse_chunk(obj: Any, want_logprobs: bool) -> tuple[list[int], list[float],
     return ids, log_probs, meta
 
 
+_TOP = "meta_info.output_top_logprobs"
+_NUMBER_TYPES, _INT_TYPES = frozenset({int, float}), frozenset({int})  # (bool is neither: refused)
+
+
+def _top_entries(meta: dict[str, Any], n_ids: int, num: int, start: int = 0
+                 ) -> tuple[list[list[float]], list[list[int]]]:
+    """(log-probs, token ids) of ``output_top_logprobs[start:]``, each a list of ``num``; checks the shape and the
+    types (order and values are checked once for the whole output: `nucleus_log_mass`)."""
+    entries = meta.get("output_top_logprobs")
+    if not isinstance(entries, list):
+        raise ResponseError(f"{_TOP}: missing (was top_logprobs_num honoured?)")
+    if len(entries) != n_ids:
+        raise ResponseError(f"{_TOP}: {len(entries)} entries for {n_ids} output tokens")
+    values, ids = [], []
+    for i in range(start, n_ids):
+        row = entries[i]
+        if not isinstance(row, list) or len(row) != num:
+            got = f"{len(row)} entries" if isinstance(row, list) else repr(row)
+            raise ResponseError(f"{_TOP}[{i}]: expected top_logprobs_num={num} [logprob, token_id, text] entries, "
+                                f"got {got}")
+        try:
+            row_values, row_ids = [e[0] for e in row], [e[1] for e in row]
+        except (TypeError, IndexError, KeyError):
+            row_values, row_ids = [None], [None]
+        if not (_NUMBER_TYPES.issuperset(map(type, row_values)) and _INT_TYPES.issuperset(map(type, row_ids))):
+            raise ResponseError(f"{_TOP}[{i}]: expected [logprob, token_id, text] entries with a number and an int, "
+                                f"got {row[:3]!r}...")
+        values.append(row_values)
+        ids.append(row_ids)
+    return values, ids
+
+
+def _first(bad: torch.Tensor) -> int:
+    return int(bad.nonzero()[0, 0])
+
+
+def nucleus_log_mass(out: GenerateOutput, request: NucleusRequest) -> list[float]:
+    """log M_μ per output token of `out` (NaN where the engine's nucleus does not fit in its top-N), from its
+    `top_log_probs` / `top_ids`; raises ResponseError naming the position when the lists are not the engine's
+    sorted top-N (non-finite or positive log-probs, out of order, repeated ids, the sampled token's log-prob
+    differing from its entry) or the sampled token lies outside the engine's kept set."""
+    if not out.output_ids:
+        return []
+    values = torch.tensor(out.top_log_probs, dtype=torch.float64)
+    ids = torch.tensor(out.top_ids, dtype=torch.int64)
+    sampled = torch.tensor(out.output_ids, dtype=torch.int64)
+    sampled_lp = torch.tensor(out.log_probs, dtype=torch.float64)
+    checks = (
+        (~values.isfinite() | (values > 1e-4)).any(-1), "a log-prob is not a finite number <= 0",
+        (values[:, 1:] > values[:, :-1]).any(-1), "log-probs not sorted in descending order",
+        (ids < 0).any(-1), "a token id is negative",
+        (ids.sort(-1).values.diff(dim=-1) == 0).any(-1), "a token id appears twice",
+    )
+    for bad, why in zip(checks[::2], checks[1::2], strict=True):
+        if bad.any():
+            raise ResponseError(f"{_TOP}[{_first(bad)}]: {why}")
+    differs = (values - sampled_lp[:, None]).abs() > 1e-5 * (1 + sampled_lp.abs()[:, None])
+    off = ((ids == sampled[:, None]) & differs).any(-1)
+    if off.any():
+        i = _first(off)
+        raise ResponseError(f"{_TOP}[{i}]: the sampled token {out.output_ids[i]} has log-prob "
+                            f"{out.log_probs[i]} in output_token_logprobs but another one here")
+    nucleus = engine_nucleus(values, ids, sampled, sampled_lp, top_p=request.top_p, top_k=request.top_k)
+    outside = nucleus.fits & ~nucleus.inside
+    if outside.any():
+        i = _first(outside)
+        raise ResponseError(f"{_TOP}[{i}]: the sampled token {out.output_ids[i]} (log-prob {out.log_probs[i]:.6g}) "
+                            f"lies outside the engine's own top_p={request.top_p} / top_k={request.top_k} set (its "
+                            f"first {int(nucleus.kept[i])} tokens): the server does not sample under the truncation "
+                            "it was sent")
+    return nucleus.log_mass.tolist()
+
+
 def _spans(meta: dict[str, Any]) -> list[tuple[str, int, int]]:
     spans = meta.get("weight_versions") or []
     try:
@@ -159,17 +251,22 @@ def _routes(meta: dict[str, Any], completion_tokens: int, spec: RoutedExpertsSpe
         raise ResponseError(str(e)) from e
 
 
-def parse_generate_response(obj: Any, want_logprobs: bool = True,
-                            routed_experts: RoutedExpertsSpec | None = None) -> GenerateOutput:
-    """Validate a non-streaming /generate response body (one sample); with `routed_experts`, decode its routes."""
+def parse_generate_response(obj: Any, want_logprobs: bool = True, routed_experts: RoutedExpertsSpec | None = None,
+                            nucleus: NucleusRequest | None = None) -> GenerateOutput:
+    """Validate a non-streaming /generate response body (one sample); with `routed_experts`, decode its routes;
+    with `nucleus`, read the engine's nucleus from its top-N log-probs."""
     ids, lps, meta = _parse_chunk(obj, want_logprobs)
     if meta["completion_tokens"] != len(ids):
         raise ResponseError(f"meta_info.completion_tokens {meta['completion_tokens']} != {len(ids)} output ids")
     fr = _check_finish(meta.get("finish_reason"))
     if fr is None:
         raise ResponseError("meta_info.finish_reason: missing in a finished response")
-    return GenerateOutput(ids, lps, fr, meta.get("weight_version"), _spans(meta), int(meta.get("prompt_tokens", 0)),
-                          len(ids), str(meta.get("id", "")), _routes(meta, len(ids), routed_experts, fr))
+    out = GenerateOutput(ids, lps, fr, meta.get("weight_version"), _spans(meta), int(meta.get("prompt_tokens", 0)),
+                         len(ids), str(meta.get("id", "")), _routes(meta, len(ids), routed_experts, fr))
+    if nucleus is not None:
+        out.top_log_probs, out.top_ids = _top_entries(meta, len(ids), nucleus.num)
+        out.nucleus_log_mass = nucleus_log_mass(out, nucleus)
+    return out
 
 
 class StreamAccumulator:
@@ -179,9 +276,11 @@ class StreamAccumulator:
     we have) is cumulative; one whose count plus what we have equals it is a delta. Anything else is an error.
     """
 
-    def __init__(self, want_logprobs: bool = True, routed_experts: RoutedExpertsSpec | None = None) -> None:
+    def __init__(self, want_logprobs: bool = True, routed_experts: RoutedExpertsSpec | None = None,
+                 nucleus: NucleusRequest | None = None) -> None:
         self.want_logprobs = want_logprobs
         self.routed_experts = routed_experts  # routes come with the finishing event
+        self.nucleus = nucleus  # top-N log-probs come with every event (a cumulative one's new entries are read)
         self.out = GenerateOutput()
         self.mode: str | None = None  # "cumulative" | "incremental" once told apart
         self.events = 0
@@ -221,12 +320,14 @@ class StreamAccumulator:
                 raise ResponseError(f"stream: delta of {n} tokens after {have} != completion_tokens {total}")
             self.out.output_ids.extend(ids)  # the lists are ours (decoded from this stream): append in place
             self.out.log_probs.extend(lps)
+            self._add_top(meta, n, 0)
         else:
             if n != total or n < have or ids[:have] != self.out.output_ids:
                 raise ResponseError(f"stream: cumulative event of {n} tokens inconsistent with {have} received "
                                     f"and completion_tokens {total}")
             if self.want_logprobs and lps[:have] != self.out.log_probs:
                 raise ResponseError("stream: cumulative event rewrote earlier log-probs")
+            self._add_top(meta, n, have)
             self.out.output_ids, self.out.log_probs = ids, lps
         self.events += 1
         self.out.finish_reason = _check_finish(meta.get("finish_reason"))
@@ -237,12 +338,21 @@ class StreamAccumulator:
         self.out.rid = str(meta.get("id", self.out.rid))
         self.out.routed_experts = _routes(meta, total, self.routed_experts, self.out.finish_reason)
 
+    def _add_top(self, meta: dict[str, Any], n: int, start: int) -> None:
+        if self.nucleus is not None:
+            values, ids = _top_entries(meta, n, self.nucleus.num, start)
+            self.out.top_log_probs.extend(values)
+            self.out.top_ids.extend(ids)
+
     def result(self) -> GenerateOutput:
-        """The finished output; raises if the stream did not end properly."""
+        """The finished output (with the engine's nucleus log-mass when asked); raises if the stream did not end
+        properly."""
         if self.out.finish_reason is None:
             raise ResponseError("stream: ended without a finish_reason")
         if not self.done:
             raise ResponseError("stream: ended without [DONE]")
+        if self.nucleus is not None:
+            self.out.nucleus_log_mass = nucleus_log_mass(self.out, self.nucleus)
         return self.out
 
 

@@ -29,6 +29,7 @@ import torch
 
 from slime_corr.rollout.buffer import SampleBuffer
 from slime_corr.rollout.client import GenerationError, SGLangClient
+from slime_corr.rollout.nucleus import nucleus_request
 from slime_corr.rollout.routing import RoutedExpertsSpec
 from slime_corr.rollout.sample import Sample, SampleStatus, SampleValidationError
 from slime_corr.rollout.sampling import mix_seed
@@ -52,12 +53,16 @@ async def generate_sample(
     max_resumes: int = 8,
     stop: asyncio.Event | None = None,
     routed_experts: RoutedExpertsSpec | None = None,
+    nucleus_logprobs: int = 0,
 ) -> Sample:
     """Fill ``sample``'s response by generation; returns it with a final status (never raises on faults).
-    ``routed_experts``: ask for the MoE routes of this shape; they land in ``sample.routed_experts``."""
+    ``routed_experts``: ask for the MoE routes of this shape; they land in ``sample.routed_experts``.
+    ``nucleus_logprobs``: under ``sampling_params``' top_p / top_k, ask for the engine's top-N log-probs (N = top_k,
+    or this cap: `nucleus.nucleus_request`) and keep its nucleus log-mass in
+    ``sample.rollout_nucleus_log_mass``; 0: not asked."""
     try:
         return await _generate_sample(client, sample, sampling_params, stream, PausePolicy(pause_policy),
-                                      max_resumes, stop, routed_experts)
+                                      max_resumes, stop, routed_experts, nucleus_logprobs)
     except SampleValidationError as e:  # a response the sample rejects (defence in depth: protocol checks first)
         sample.status, sample.failure_reason = SampleStatus.FAILED, f"invalid response: {e}"
         return sample
@@ -65,22 +70,26 @@ async def generate_sample(
 
 async def _generate_sample(
     client: SGLangClient, sample: Sample, sampling_params: dict[str, Any], stream: bool, policy: PausePolicy,
-    max_resumes: int, stop: asyncio.Event | None, routes: RoutedExpertsSpec | None = None,
+    max_resumes: int, stop: asyncio.Event | None, routes: RoutedExpertsSpec | None = None, nucleus_logprobs: int = 0,
 ) -> Sample:
     max_new = int(sampling_params.get("max_new_tokens", 128))
+    nucleus = nucleus_request(sampling_params, nucleus_logprobs)
+    asked: dict[str, Any] = {"routed_experts": routes} if routes is not None else {}
+    if nucleus is not None:
+        asked["nucleus"] = nucleus
     aborts = 0
     while True:
         params = dict(sampling_params, max_new_tokens=max_new - sample.response_length)
         try:
-            res = await client.generate(sample.prompt_tokens + sample.response_tokens, params, stream=stream,
-                                        **({"routed_experts": routes} if routes is not None else {}))
+            res = await client.generate(sample.prompt_tokens + sample.response_tokens, params, stream=stream, **asked)
         except GenerationError as e:
             sample.attempts += e.attempts
             sample.status, sample.failure_reason = SampleStatus.FAILED, e.reason
             sample.metadata.update(failure_kind=e.kind, failure_server=e.server)
             return sample
         sample.attempts += res.attempts
-        segment = dict(spans=res.weight_versions, routed_experts=res.routed_experts)
+        segment = dict(spans=res.weight_versions, routed_experts=res.routed_experts,
+                       nucleus_log_mass=res.nucleus_log_mass)
         if res.finish_type != "abort":
             sample.append_segment(res.output_ids, res.log_probs, res.weight_version, **segment)
             sample.status = SampleStatus.COMPLETED if res.finish_type == "stop" else SampleStatus.TRUNCATED
@@ -98,7 +107,7 @@ async def _generate_sample(
                 return sample
         else:  # RESAMPLE: start over
             sample.response_tokens, sample.loss_mask, sample.weight_versions = [], [], []
-            sample.routed_experts = None
+            sample.routed_experts = sample.rollout_nucleus_log_mass = None
             sample.rollout_log_probs = torch.zeros(0, dtype=torch.float32)
 
 
@@ -117,6 +126,7 @@ async def generate_group_samples(
     sampling_seed: int | None = None,
     max_failed_fraction: float | None = None,
     routed_experts: RoutedExpertsSpec | None = None,
+    nucleus_logprobs: int = 0,
 ) -> list[Sample]:
     """Generate ``n_samples_per_prompt`` samples per prompt concurrently (one request per sample).
 
@@ -126,7 +136,8 @@ async def generate_group_samples(
     ``sampling_seed``: each request gets ``sampling_params.sampling_seed = mix_seed(sampling_seed, index)``, so the
     rollout samples the same tokens every time (an engine that honours the seed, as SGLang and the embedded engine
     do, draws per (seed, position) whatever the batching; a resumed request continues the same draws).
-    ``routed_experts``: ask every request for the engine's MoE routes (see `generate_sample`).
+    ``routed_experts``: ask every request for the engine's MoE routes, ``nucleus_logprobs``: for the engine's
+    top-N log-probs (see `generate_sample`).
     ``max_failed_fraction``: raise :class:`RolloutFailedError` (cancelling the requests still running) as soon as
     more than this share of the rollout's samples failed.
     """
@@ -165,7 +176,7 @@ async def generate_group_samples(
 
     async def one_sample(s: Sample) -> Sample:
         await generate_sample(client, s, params_of(s.index), stream=stream, pause_policy=pause_policy, stop=stop,
-                              routed_experts=routed_experts)
+                              routed_experts=routed_experts, nucleus_logprobs=nucleus_logprobs)
         count_failures([s])
         return s
 

@@ -37,6 +37,9 @@ class Sample:
     ``rollout.routing``) of the sequence's tokens ``prompt + response`` from the first on; ``rows`` is
     ``total_length - 1`` once the last segment was generated (the last token was never a forward's input), fewer
     while spliced tool tokens wait for the next request to route them.
+    ``rollout_nucleus_log_mass`` (top-p / top-k with the engine's top-N log-probs asked for): the engine's nucleus
+    log-mass log M_μ of each response token (float32, ≤ 0), NaN where it is unknown (its nucleus did not fit in the
+    top-N, or a segment without it); None when never asked for.
     """
 
     prompt_tokens: list[int]
@@ -53,6 +56,7 @@ class Sample:
     attempts: int = 0
     metadata: dict = field(default_factory=dict)
     routed_experts: torch.Tensor | None = None
+    rollout_nucleus_log_mass: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.rollout_log_probs, torch.Tensor):
@@ -103,6 +107,14 @@ class Sample:
             if r.shape[0] > self.total_length - 1:
                 raise SampleValidationError(f"routed_experts: {r.shape[0]} rows for {self.total_length} tokens "
                                             f"(at most total_length - 1)")
+        mass = self.rollout_nucleus_log_mass
+        if mass is not None:
+            if mass.dtype != torch.float32 or mass.dim() != 1 or mass.numel() != n:
+                raise SampleValidationError(f"rollout_nucleus_log_mass: expected float32 [{n}] (one per response "
+                                            f"token), got {mass.dtype} {tuple(mass.shape)}")
+            known = mass[~mass.isnan()]
+            if bool(known.isinf().any()) or bool((known > 1e-4).any()):
+                raise SampleValidationError("rollout_nucleus_log_mass: values must be NaN (unknown) or finite <= 0")
         if self.status == SampleStatus.FAILED and not self.failure_reason:
             raise SampleValidationError("failure_reason: required when status is failed")
 
@@ -114,12 +126,15 @@ class Sample:
         trained: bool = True,
         spans: list[tuple[str, int, int]] | None = None,
         routed_experts: torch.Tensor | None = None,
+        nucleus_log_mass: list[float] | None = None,
     ) -> None:
         """Append generated (``trained``) or tool/environment tokens (loss mask 0) and re-validate.
 
         ``spans``: the server's per-token weight versions for this segment (relative positions), when the
         weights changed during it (an in-place pause); otherwise the whole segment gets ``weight_version``.
         ``routed_experts``: the response's routes over its whole request (``routing.extend_routes``).
+        ``nucleus_log_mass``: the engine's nucleus log-mass of each token (NaN: unknown); a segment without it
+        extends ``rollout_nucleus_log_mass`` with NaN once a segment had it (and the other way round).
         """
         start = len(self.response_tokens)
         if spans and tokens:
@@ -133,6 +148,12 @@ class Sample:
             [self.rollout_log_probs, torch.tensor(log_probs, dtype=torch.float32).reshape(-1)]
         )
         self.loss_mask = list(self.loss_mask or []) + [1 if trained else 0] * len(tokens)
+        if nucleus_log_mass is not None or self.rollout_nucleus_log_mass is not None:
+            before = self.rollout_nucleus_log_mass
+            before = torch.full((start,), torch.nan) if before is None else before
+            added = torch.full((len(tokens),), torch.nan) if nucleus_log_mass is None else torch.tensor(
+                nucleus_log_mass, dtype=torch.float32).reshape(-1)
+            self.rollout_nucleus_log_mass = torch.cat([before, added])
         if routed_experts is not None:
             self.routed_experts = extend_routes(self.routed_experts, routed_experts)
         if tokens and weight_version is not None:

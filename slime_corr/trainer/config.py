@@ -45,6 +45,7 @@ from slime_corr.mcore.precision import PrecisionConfig
 from slime_corr.models.hf_checkpoint import CheckpointError
 from slime_corr.models.selection import ModelSource
 from slime_corr.rollout.control import WEIGHT_LOAD_S_PER_GB
+from slime_corr.rollout.nucleus import DEFAULT_NUCLEUS_LOGPROBS
 from slime_corr.rollout.routing import RoutedExpertsSpec
 from slime_corr.trainer.config_checks import (  # noqa: F401  (the choices and defaults, importable from here too)
     CHAT_TEMPLATE_ALLOWANCE,
@@ -111,6 +112,13 @@ class TrainerConfig(TrainerConfigChecks):
                                 "under the same truncated, renormalized distribution, the rollout's renormalized to "
                                 "the trainer's nucleus.")
     rollout_top_k: int = flag(-1, help="Top-k sampling (-1 or 0: off), honoured by the trainer like --rollout-top-p.")
+    rollout_nucleus_logprobs: int = flag(DEFAULT_NUCLEUS_LOGPROBS, metavar="N", help="Under --rollout-top-p / "
+                                         "--rollout-top-k: ask the engines for their N largest log-probs per token "
+                                         "(SGLang's top_logprobs_num; top-k alone, or top_k <= N, asks for top_k) "
+                                         "and renormalize the rollout log-probs by the engine's own nucleus mass "
+                                         "where its boundary lies within them (exact IS ratio π_old_trunc / "
+                                         "μ_trunc), by the trainer's elsewhere (counted: "
+                                         "rollout_corr/mismatch_nucleus_engine_share). 0: the trainer's mass always.")
     async_rollout: bool = flag(False, help="Generate rollout k+1 while rollout k trains (one rollout off-policy, as "
                                "slime's train_async.py); the weights reach the engines between rollouts.")
     max_staleness: int | None = flag(None, help="With --async-rollout: the most optimizer steps between the weights "
@@ -350,6 +358,9 @@ class TrainerConfig(TrainerConfigChecks):
         if not (math.isfinite(self.rollout_temperature) and self.rollout_temperature > 0):
             fail(f"--rollout-temperature {self.rollout_temperature} must be > 0: temperature 0 is greedy decoding, "
                  "not a policy to train (the log-probs are log_softmax(logits / T)); e.g. 1.0.")
+        n = self.rollout_nucleus_logprobs
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            fail(f"--rollout-nucleus-logprobs {n} must be an integer >= 0 (0: the trainer's nucleus mass only).")
         try:  # top-p / top-k: the one owner of their checks is the truncation the hook takes
             object.__setattr__(self, "rollout_top_k", self.truncation.top_k)
         except ValueError as e:

@@ -175,7 +175,8 @@ class RolloutDriver:
             return generate_group_samples(
                 client, [encode_prompt(self.tokenizer, prompts[g]) for g in prompt_groups], n, params,
                 stream=True, reward_fn=reward, buffer=buffer, group_id_offset=group_offset, sampling_seed=seed,
-                max_failed_fraction=cfg.max_failed_sample_fraction, routed_experts=routes)
+                max_failed_fraction=cfg.max_failed_sample_fraction, routed_experts=routes,
+                nucleus_logprobs=cfg.rollout_nucleus_logprobs)
 
         async def generate() -> list[Sample]:
             if self._lock is None:

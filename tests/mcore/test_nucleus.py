@@ -71,6 +71,10 @@ def test_good_flags_reach_the_config_and_the_engine_params():
                            check_urls=False).trainer
     assert (cfg.rollout_top_p, cfg.rollout_top_k) == (0.9, -1)
     assert cfg.truncation.sampling_params() == {"top_p": 0.9, "top_k": -1}
+    assert cfg.rollout_nucleus_logprobs == 20  # the engine's top-20 log-probs by default
+    off = parse_run_config(["--rollout-top-p", "0.9", "--rollout-nucleus-logprobs", "0", "--rollout-engine",
+                            "embedded"], check_urls=False).trainer
+    assert off.rollout_nucleus_logprobs == 0
 
 
 @pytest.mark.parametrize("top_k, top_p, t", [(0, 0.9, 1.0), (6, 1.0, 0.8), (6, 0.7, 1.2)])

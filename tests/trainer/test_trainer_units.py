@@ -43,6 +43,7 @@ BAD_FLAGS = [
     (["--rollout-max-response-len", "0"], "--rollout-max-response-len 0 must be an integer >= 1"),
     (["--num-rollout", "0"], "--num-rollout 0 must be an integer >= 1"),
     (["--rollout-temperature", "0"], "--rollout-temperature 0.0 must be > 0"),
+    (["--rollout-nucleus-logprobs", "-1"], "--rollout-nucleus-logprobs -1 must be an integer >= 0"),
     (["--lr", "-0.001"], "--lr -0.001 must be a finite number > 0"),
     (["--lr", "nan"], "--lr nan must be a finite number > 0"),
     (["--n-samples-per-prompt", "1"], "--n-samples-per-prompt 1: GRPO"),

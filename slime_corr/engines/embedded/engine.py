@@ -11,8 +11,9 @@ no KV cache: the tiny model recomputes the prefix) in a worker thread. A request
 computed in a forward of its own and draws its tokens by (seed, position) (:mod:`.sampling`): its output does
 not depend on what it was batched with or when it ran. Log-probs follow SGLang: ``log_softmax(logits / T)`` of
 the sampled token, not renormalised after top-p/top-k/min-p filtering; ``T == 0`` is greedy with the raw
-``log_softmax(logits)``. The matched stop token / EOS stays in ``output_ids`` and the log-probs; only ``text``
-is trimmed. Requests arriving during a pause (or while memory is released) wait until generation continues.
+``log_softmax(logits)``; ``top_logprobs_num`` returns the largest of the same log-probs
+(``meta_info.output_top_logprobs``). The matched stop token / EOS stays in ``output_ids`` and the log-probs; only
+``text`` is trimmed. Requests arriving during a pause (or while memory is released) wait until generation continues.
 A Mixture-of-Experts model returns ``meta_info.routed_experts`` as SGLang 0.5.23 does (:mod:`.routes`).
 """
 
@@ -48,8 +49,11 @@ from slime_corr.engines.embedded.requests import (
     response_payload,
 )
 from slime_corr.engines.embedded.routes import routes_enabled
-from slime_corr.engines.embedded.sampling import position_generator, sample_next_token
+from slime_corr.engines.embedded.sampling import position_generator, sample_token, top_log_probs
 from slime_corr.threads import inference_thread
+
+# one request's step: (token, its log-prob, the MoE routes computed first, the top log-probs (values, ids) asked for)
+StepResult = tuple[int, float, torch.Tensor | None, tuple[list[float], list[int]] | None]
 
 
 class LocalEngine:
@@ -161,13 +165,15 @@ class LocalEngine:
                                          "err_type": "InternalServerError"})
                     continue
             version = self.weight_version
-            for req, (tok, lp, routes) in zip(batch, results, strict=True):
+            for req, (tok, lp, routes, top) in zip(batch, results, strict=True):
                 if req.finish is not None:  # aborted while the step ran: the token is discarded
                     continue
                 if routes is not None:
                     req.add_routes(routes)
                 req.output_ids.append(tok)
                 req.logprobs.append(lp)
+                if top is not None:
+                    req.top_logprobs.append(top)
                 req.versions.append(version)
                 self._check_finish(req, tok)
                 req.changed.set()
@@ -175,14 +181,15 @@ class LocalEngine:
             await asyncio.sleep(self.step_delay)  # let handlers run between steps
 
     @torch.inference_mode()
-    def _step(self, batch: list[EngineRequest]) -> list[tuple[int, float, torch.Tensor | None]]:
+    def _step(self, batch: list[EngineRequest]) -> list[StepResult]:
         with inference_thread():  # a trainer in this process keeps its Megatron scratch state (mcore/threads.py)
             return self._step_forwards(batch)
 
-    def _step_forwards(self, batch: list[EngineRequest]) -> list[tuple[int, float, torch.Tensor | None]]:
+    def _step_forwards(self, batch: list[EngineRequest]) -> list[StepResult]:
         """One token for each request: unseeded ones share a padded forward, seeded ones get one each. With the
         token and its log-prob, the MoE routes of the rows this forward computed first for a request that asked
-        for them (the whole sequence at its first step, then its last token), else None."""
+        for them (the whole sequence at its first step, then its last token), else None, and the top log-probs
+        (values, ids) of a request that asked for them, else None."""
         rows: dict[int, torch.Tensor] = {}
         new_routes: dict[int, torch.Tensor] = {}
         shared = [i for i, r in enumerate(batch) if not r.seeded]
@@ -205,8 +212,9 @@ class LocalEngine:
             for t, bias in (req.params.get("logit_bias") or {}).items():
                 row[int(t)] += float(bias)
             position = len(req.prompt) + len(req.output_ids)
-            tok, lp = sample_next_token(row, req.params, position_generator(req.seed, position))
-            out.append((tok, lp, new_routes.get(i)))
+            tok, logp = sample_token(row, req.params, position_generator(req.seed, position))
+            top = top_log_probs(logp, req.top_logprobs_num) if req.top_logprobs_num else None
+            out.append((tok, float(logp[tok]), new_routes.get(i), top))
         return out
 
     def _forward(self, seqs: list[list[int]], with_routes: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

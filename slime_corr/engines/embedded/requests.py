@@ -75,6 +75,9 @@ class EngineRequest:
     routes_start: int = 0  # routed_experts_start_len
     route_chunks: list[torch.Tensor] = field(default_factory=list)
     route_rows: int = 0
+    # `top_logprobs_num` (with return_logprob): per output token the largest log-probs and their ids
+    top_logprobs_num: int = 0
+    top_logprobs: list[tuple[list[float], list[int]]] = field(default_factory=list)
 
     def finish_with(self, reason: dict[str, Any]) -> None:
         if self.finish is None:
@@ -158,27 +161,43 @@ def parse_generate(body: Any, model: EngineModel, tokenizer: Tokenizer, active: 
     ret_lp = body.get("return_logprob") or False
     ret_lps = ret_lp if isinstance(ret_lp, list) else [ret_lp] * n
     lp_start = body.get("logprob_start_len")
-    if lp_start not in (None, -1) or body.get("top_logprobs_num") or body.get("token_ids_logprob"):
-        raise BadRequest("only output log-probs are supported (logprob_start_len=-1, no top_logprobs)")
+    if lp_start not in (None, -1) or body.get("token_ids_logprob"):
+        raise BadRequest("only output log-probs are supported (logprob_start_len=-1, no token_ids_logprob)")
+    top = body.get("top_logprobs_num")
+    tops = top if isinstance(top, list) else [top] * n
+    if len(tops) != n:
+        raise BadRequest("top_logprobs_num list length must match the number of prompts")
     want_routes = _lax_bool(body.get("return_routed_experts", False), "return_routed_experts")
     start_len = body.get("routed_experts_start_len", 0)
     if not isinstance(start_len, int):
         raise BadRequest("routed_experts_start_len: Input should be a valid integer")
     reqs = []
-    for prompt, params, rid, rlp in zip(prompts, sps, rids, ret_lps, strict=True):
+    for prompt, params, rid, rlp, num in zip(prompts, sps, rids, ret_lps, tops, strict=True):
         check_request(params, prompt, model)
+        num = _top_logprobs_num(num, model.vocab_size)
         if rid is None:
             rid = f"{rid_tag}-{time.monotonic_ns()}-{len(active)}-{len(reqs)}"
         if rid in active or any(r.rid == rid for r in reqs):
             raise BadRequest(f"Duplicate request ID detected: {rid}")
         req = EngineRequest(rid, list(prompt), dict(params), bool(rlp), bool(body.get("return_text_in_logprobs")),
                             request_seed(params), params.get("sampling_seed") is not None,
-                            return_routes=want_routes and routes_enabled, routes_start=int(start_len))
+                            return_routes=want_routes and routes_enabled, routes_start=int(start_len),
+                            top_logprobs_num=num if rlp else 0)
         error = check_start_len(int(start_len), len(prompt)) if want_routes else None
         if error is not None:
             req.finish = {"type": "abort", "message": error, "status_code": 400, "err_type": "BadRequestError"}
         reqs.append(req)
     return reqs, is_batch, stream
+
+
+def _top_logprobs_num(value: Any, vocab_size: int) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise BadRequest(f"top_logprobs_num: expected an integer >= 0, got {value!r}")
+    if value > vocab_size:
+        raise BadRequest(f"top_logprobs_num {value} > the vocabulary's {vocab_size} tokens")
+    return value
 
 
 def _lax_bool(value: Any, name: str) -> bool:
@@ -236,6 +255,11 @@ def response_payload(req: EngineRequest, tokenizer: Tokenizer, weight_version: s
             [lp, tok, req.text(tokenizer, [tok]) if req.text_in_logprobs else None]
             for lp, tok in zip(req.logprobs[start:], req.output_ids[start:], strict=True)
         ]
+        if req.top_logprobs_num:
+            meta["output_top_logprobs"] = [
+                [[v, t, req.text(tokenizer, [t]) if req.text_in_logprobs else None] for v, t in zip(*top, strict=True)]
+                for top in req.top_logprobs[start:]
+            ]
     spans: list[dict[str, Any]] = []
     for i, v in enumerate(req.versions):
         if spans and spans[-1]["version"] == v:

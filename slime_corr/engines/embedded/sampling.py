@@ -27,19 +27,22 @@ def position_generator(seed: int, position: int) -> torch.Generator:
     return torch.Generator().manual_seed(mix_seed(seed, position))
 
 
-def sample_next_token(
-    logits: torch.Tensor, params: dict[str, Any], generator: torch.Generator | None
-) -> tuple[int, float]:
-    """Sample one token from float32 ``logits`` [V] with SGLang's semantics; returns (token, log-prob).
-
-    log-prob = ``log_softmax(logits / T)[token]``, NOT renormalised after top-p / top-k / min-p filtering;
-    ``T == 0`` is greedy with the log-prob of the raw logits.
-    """
+def engine_log_probs(logits: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    """What the engine reports log-probs from, [V]: ``log_softmax(logits / T)`` (float32 ``logits``); the raw
+    ``log_softmax(logits)`` when greedy (``T`` < 1e-6), as SGLang."""
     temperature = float(params.get("temperature", 1.0))
-    if temperature < 1e-6:  # greedy; log-prob of the raw logits
-        tok = int(torch.argmax(logits))
-        return tok, float(torch.log_softmax(logits, dim=-1)[tok])
-    logp = torch.log_softmax(logits / temperature, dim=-1)
+    if temperature < 1e-6:
+        return torch.log_softmax(logits, dim=-1)
+    return torch.log_softmax(logits / temperature, dim=-1)
+
+
+def sample_token(logits: torch.Tensor, params: dict[str, Any], generator: torch.Generator | None
+                 ) -> tuple[int, torch.Tensor]:
+    """Sample one token from float32 ``logits`` [V] with SGLang's semantics; returns (token, `engine_log_probs`),
+    the log-probs NOT renormalised after top-p / top-k / min-p filtering; ``T == 0`` is greedy."""
+    logp = engine_log_probs(logits, params)
+    if float(params.get("temperature", 1.0)) < 1e-6:  # greedy
+        return int(torch.argmax(logits)), logp
     # SGLang's filter, on the probabilities sorted once: top-p on the cumulative sum of the FULL distribution,
     # top-k by rank, min-p relative to the largest probability; then sample among what is left.
     sorted_p, order = torch.sort(logp.exp(), descending=True)
@@ -53,5 +56,23 @@ def sample_next_token(
     min_p = float(params.get("min_p", 0.0))
     if min_p > 0.0:
         keep &= sorted_p >= sorted_p[0] * min_p
-    tok = int(order[torch.multinomial(torch.where(keep, sorted_p, 0.0), 1, generator=generator)])
-    return tok, float(logp[tok])  # NOT renormalised after filtering
+    return int(order[torch.multinomial(torch.where(keep, sorted_p, 0.0), 1, generator=generator)]), logp
+
+
+def sample_next_token(
+    logits: torch.Tensor, params: dict[str, Any], generator: torch.Generator | None
+) -> tuple[int, float]:
+    """Sample one token from float32 ``logits`` [V] with SGLang's semantics; returns (token, log-prob).
+
+    log-prob = ``log_softmax(logits / T)[token]``, NOT renormalised after top-p / top-k / min-p filtering;
+    ``T == 0`` is greedy with the log-prob of the raw logits.
+    """
+    tok, logp = sample_token(logits, params, generator)
+    return tok, float(logp[tok])
+
+
+def top_log_probs(logp: torch.Tensor, num: int) -> tuple[list[float], list[int]]:
+    """SGLang's ``top_logprobs_num`` entries of one position: the ``num`` largest of ``logp`` [V] (clamped to the
+    smallest float32, as SGLang), sorted descending, and their token ids."""
+    values, ids = logp.clamp_min(torch.finfo(torch.float32).min).topk(num)
+    return values.tolist(), ids.tolist()
