@@ -493,8 +493,9 @@ class ControlPlane:
             workers=ws, weight_call=True)
         return ranks
 
-    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
-        await self._fan_out("/destroy_weights_update_group", {"group_name": group_name})
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group",
+                                           workers: Sequence[str] | None = None) -> None:
+        await self._fan_out("/destroy_weights_update_group", {"group_name": group_name}, workers=workers)
 
     async def begin_weight_update(self, workers: Sequence[str] | None = None) -> None:
         """``/begin_weight_update`` (SGLang 0.5.23 needs it around distributed updates; older servers: 404, ok)."""

@@ -11,13 +11,18 @@ cast what they receive to their own dtype exactly as loading the same tensors fr
 
 When the set of live engines changes (the client found one dead), the next sync builds a new group with the
 engines that are left. A failure is raised (never a hang: the group has a timeout) and the next sync starts
-from a new group.
+from a new group. SGLang refuses to build a group under a name it already holds ("The specified group name has
+already been created"), and a server outlives the jobs that use it: every group gets a name of its own
+(``{group_name}-{pid}-{n}``), and leaving it (a new group, the job's end) destroys it on the engines
+(``/destroy_weights_update_group``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -35,6 +40,7 @@ from slime_corr.rollout.weight_group import (
 )
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2  # slime's --update-weight-buffer-size default
+_groups_built = itertools.count()  # this process's groups: a part of each one's name
 
 
 @dataclass
@@ -66,20 +72,30 @@ class DistributedWeightSync:
         self.bucket_bytes, self.load_format, self.timeout = bucket_bytes, load_format, timeout
         self.group: WeightUpdateGroup | None = None
         self.workers: list[str] = []
+        self.name = ""  # the current group's name
 
     async def connect(self) -> None:
         """(Re)build the group with the live engines: they join as ranks 1..N while the trainer joins as 0."""
-        self.close()
+        await self.disconnect()
         workers = await self.client.workers()
         if not workers:
             raise ControlError("/init_weights_update_group", {"(none)": "no live engine to sync"})
         port, world = free_port(), 1 + len(workers)
+        name = f"{self.group_name}-{os.getpid()}-{next(_groups_built)}"
         mine = asyncio.ensure_future(asyncio.to_thread(
-            WeightUpdateGroup, self.master_address, port, 0, world, self.group_name, self.backend, self.timeout))
+            WeightUpdateGroup, self.master_address, port, 0, world, name, self.backend, self.timeout))
         theirs = asyncio.ensure_future(self.client.init_weights_update_group(
-            self.master_address, port, 1, world, self.group_name, self.backend, workers=workers))
+            self.master_address, port, 1, world, name, self.backend, workers=workers))
         await _both(mine, theirs)  # an engine's refusal surfaces at once (our side then times out by itself)
-        self.group, self.workers = mine.result(), workers
+        self.group, self.workers, self.name = mine.result(), workers, name
+
+    async def disconnect(self) -> None:
+        """Leave the group: the engines destroy theirs, then the trainer's side closes. Best effort on the engines'
+        side (one may be gone): the next group has a name of its own anyway."""
+        if self.group is not None:
+            with contextlib.suppress(Exception):
+                await self.client.destroy_weights_update_group(self.name, workers=self.workers)
+        self.close()
 
     async def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str,
                    pause_mode: str = "abort") -> SyncReport:
@@ -115,7 +131,7 @@ class DistributedWeightSync:
     async def _send(self, bucket: Bucket, weight_version: str | None) -> None:
         assert self.group is not None
         post = asyncio.ensure_future(self.client.update_weights_from_distributed(
-            bucket.names, bucket.dtypes, bucket.shapes, self.group_name, flush_cache=False,
+            bucket.names, bucket.dtypes, bucket.shapes, self.name, flush_cache=False,
             weight_version=weight_version, load_format=self.load_format, workers=self.workers,
             nbytes=bucket.nbytes))
         flattened = self.load_format == FLATTENED_BUCKET
@@ -123,7 +139,7 @@ class DistributedWeightSync:
         await _both(send, post)
 
     def close(self) -> None:
-        """Leave the group (the engines drop theirs when a new one of the same name is built)."""
+        """Close the trainer's side of the group (`disconnect` also destroys the engines')."""
         if self.group is not None:
             self.group.close()
         self.group, self.workers = None, []

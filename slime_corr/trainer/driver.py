@@ -109,7 +109,7 @@ class RolloutDriver:
                 self.client, bucket_bytes=cfg.update_weight_buffer_size,
                 backend=weight_sync_backend(engines_share_device=not cfg.sglang_url),
                 timeout=weight_call_timeout(cfg.rollout_control_timeout, cfg.update_weight_buffer_size))
-            self._stack.callback(self.syncer.close)
+            self._stack.callback(self._leave_weight_group)
         if cfg.sglang_url:  # the servers start with their own weights: serve the trainer's policy
             # an embedded engine may serve another architecture than the trainer's: its first weights come as a
             # checkpoint that names its module (later updates by name fit it); SGLang serves the same model
@@ -122,6 +122,14 @@ class RolloutDriver:
         assert self.client is not None
         return with_health_watch(self.client, aw, self.config.rollout_health_check_interval,
                                  self.config.rollout_health_check_timeout, generate)
+
+    def _leave_weight_group(self) -> None:
+        """The engines outlive the job (`--sglang-url`): leave them without the job's weight-update group
+        (bounded, best effort: an engine that does not answer does not hold up the exit)."""
+        assert self.loop is not None and self.syncer is not None
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self.syncer.disconnect(), self.loop).result(timeout=CANCEL_TIMEOUT)
+        self.syncer.close()
 
     def _close_client(self) -> None:
         """Cancel the rollouts still running (a Ctrl-C or an error mid-rollout), then close the client's

@@ -124,6 +124,42 @@ def test_a_refused_bucket_is_an_error_and_the_next_sync_works(engines, trainer, 
     assert not client_paused and paused == [False, False] and versions == dict.fromkeys(urls, "good")
 
 
+def test_jobs_one_after_another_each_build_their_own_group_on_the_same_engines(engines, trainer):
+    """An engine outlives the jobs that sync to it (`--sglang-url`) and, like SGLang, refuses a group name it
+    holds: a job that left (`disconnect`) leaves the engines without its group, and one that did not (a crash:
+    only its own side closed) does not stop the next job, whose group has a name of its own."""
+    urls = [h.url for h in engines]
+    held = [h.engine.control.groups for h in engines]
+    earlier = [set(g) for g in held]  # the groups this module's earlier tests left (they only close their side)
+
+    def new_groups() -> list[list[str]]:
+        return [sorted(set(g) - e) for g, e in zip(held, earlier, strict=True)]
+
+    async def go():
+        async with SGLangClient(urls) as c:
+            first = DistributedWeightSync(c, timeout=60)
+            await first.sync(trainer.state_dict().items(), "job-1")
+            during = new_groups()
+            await first.disconnect()
+            left = new_groups()
+            crashed = DistributedWeightSync(c, timeout=60)
+            await crashed.sync(trainer.state_dict().items(), "job-2")
+            crashed.close()  # no disconnect: its group stays on the engines
+            last = DistributedWeightSync(c, timeout=60)
+            try:
+                await last.sync(trainer.state_dict().items(), "job-3")
+                return during, left, new_groups(), first.name, crashed.name, last.name, await c.weight_versions()
+            finally:
+                await last.disconnect()
+
+    during, left, after, first_name, crashed_name, last_name, versions = asyncio.run(go())
+    assert during == [[first_name]] * 2 and left == [[], []]
+    assert crashed_name != last_name and after == [sorted([crashed_name, last_name])] * 2
+    assert versions == dict.fromkeys(urls, "job-3")
+    for g in held:  # the crashed job's group, left behind
+        g.pop(crashed_name).close()
+
+
 def test_engine_refusals_name_the_problem(engines):
     fp32, _ = engines
 

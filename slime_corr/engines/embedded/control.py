@@ -298,9 +298,9 @@ class EngineControl:
         except (BadRequest, KeyError, TypeError, ValueError) as ex:
             return weight_response(False, f"bad request: {ex!r}")
         name = args[4]
-        old = self.groups.pop(name, None)
-        if old is not None:
-            old.close()
+        if name in self.groups:  # as SGLang 0.5.23: a name is built once until destroyed
+            return weight_response(False, "Failed to initialize custom process group: The specified group name has "
+                                          "already been created, please use a different group name.")
         try:
             self.groups[name] = await asyncio.to_thread(WeightUpdateGroup, *args, timeout=self.e.group_timeout)
         except Exception as ex:  # noqa: BLE001 - reported as SGLang does
