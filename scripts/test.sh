@@ -2,15 +2,17 @@
 # Install slime_corr with its dev extra into .venv and the real SGLang server into .venv-sglang, and run ruff + the
 # test suite (benchmarks marked slow are skipped; tests/real_sglang runs against real SGLang servers), then the
 # Megatron tests (tests/mcore) again on megatron-core 0.19.x, whose wheel ships Megatron-LM's own training loop
-# (megatron.training), in a second environment kept in .venv-mcore019/ (git-ignored; created on the first run,
-# reused after, installed while the first run's tests run). Arguments go to the first pytest run and skip the
-# second one (set MCORE019=1 to run it anyway).
+# (megatron.training): that release (and the triton its schedules import) is installed without dependencies into
+# .mcore019/ (git-ignored; seconds, once), laid over .venv's packages with PYTHONPATH, so both runs share one
+# environment but for megatron-core. Arguments go to the first pytest run and skip the second one (set MCORE019=1
+# to run it anyway).
 #
 # Tests run in PYTEST_WORKERS processes (default 2; 0 = in this process), one test file per worker at a time
-# (pytest-xdist --dist loadfile: a module's shared SGLang server or Megatron state stays in one process), the
-# modules marked with their cost first, longest first (tests/conftest.py), so that the workers end together. Most of
-# the suite's time is spent waiting on subprocesses (torchrun ranks, SGLang servers starting), so two workers
-# finish sooner than one even on two cores.
+# (pytest-xdist --dist loadfile: a module's shared SGLang server or Megatron state stays in one process; the
+# modules of tests/real_sglang share one worker and their servers), the modules marked with their cost first,
+# longest first (tests/conftest.py), so that the workers end together. The main job's runs and the tests' gloo
+# worlds are processes forked from one that has imported the project (tests/job_runner.py), not fresh
+# interpreters: on two cores the imports were most of the suite's time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MCORE019_VERSION=0.19.2
@@ -20,13 +22,7 @@ SETUP_SGLANG=$!
 trap 'kill "$SETUP_SGLANG" 2>/dev/null || true' EXIT  # a failed run leaves no install behind it
 PY=$(EXTRAS=dev bash scripts/setup_env.sh)
 SECOND_RUN=$([ $# -eq 0 ] || [ -n "${MCORE019:-}" ] && echo 1 || true)
-if [ -n "$SECOND_RUN" ]; then
-  mkdir -p .venv-mcore019
-  (VENV=.venv-mcore019 MEGATRON_CORE=$MCORE019_VERSION EXTRAS=dev bash scripts/setup_env.sh \
-    > .venv-mcore019/.python 2> .venv-mcore019/.setup.log) &
-  SETUP019=$!
-  trap 'kill "$SETUP019" "$SETUP_SGLANG" 2>/dev/null || true' EXIT
-fi
+OVERLAY=.mcore019
 "$PY" -m ruff check .
 # The real SGLang server for tests/real_sglang (CPU build, .venv-sglang/), installed while .venv was. If it cannot be
 # installed the run goes on and those tests say why: they skip on a developer machine and fail under CI (CI=true).
@@ -35,11 +31,18 @@ PARALLEL=()
 [ "$WORKERS" != 0 ] && PARALLEL=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder)  # longest first: tests/conftest.py
 "$PY" -m pytest -q "${PARALLEL[@]}" --durations=15 "$@"  # and the slowest 15 modules (tests/conftest.py)
 if [ -n "$SECOND_RUN" ]; then
-  echo "== tests/mcore on megatron-core $MCORE019_VERSION (.venv-mcore019)"
-  wait "$SETUP019" || { cat .venv-mcore019/.setup.log >&2; exit 1; }
+  echo "== tests/mcore on megatron-core $MCORE019_VERSION ($OVERLAY over .venv)"
+  if ! PYTHONPATH=$OVERLAY "$PY" -c "import importlib.metadata as m, sys
+sys.exit(m.version('megatron-core') != '$MCORE019_VERSION')" 2>/dev/null; then
+    rm -rf "$OVERLAY"
+    source scripts/pip_quiet.sh
+    # 0.19.x declares Python >= 3.12 (its wheel runs on 3.11); its dependencies are .venv's
+    pip_quiet "$PY" -m pip install -q --target "$OVERLAY" --no-deps --ignore-requires-python \
+      "megatron-core==$MCORE019_VERSION" triton >&2
+  fi
   # the four-process layouts run on one megatron-core version: the version-dependent calls (schedules, DDP,
   # finalize_model_grads) are the same at two processes
-  "$(cat .venv-mcore019/.python)" -m pytest -q "${PARALLEL[@]}" tests/mcore \
+  PYTHONPATH=$OVERLAY "$PY" -m pytest -q "${PARALLEL[@]}" tests/mcore \
     --ignore tests/mcore/test_mcore_parallel_world4.py \
     --deselect "tests/mcore/test_mcore_gpt.py::test_tiny_gpt_gradients_match_single_rank_under_dp_cp_tp_pp[4]"
 fi

@@ -1,6 +1,10 @@
 """Suite-wide options: the device of the device-parametrized subset (`-m device`; everything else runs on the CPU), and
 the order modules run in.
 
+Scheduling: a module's tests stay in one worker (`--dist loadfile`: a module's servers and Megatron state), and the
+modules of tests/real_sglang all go to one worker together (`pytest_xdist_make_scheduler`), so that the real SGLang
+servers they share (tests/real_sglang/conftest.py) start once in the run.
+
 Order: modules marked `pytest.mark.cost(seconds)` (their rough CI time, subprocesses and servers included) run
 first, longest first, then the rest in collection order; a module's own tests keep their order. scripts/test.sh runs
 the modules in two pytest-xdist workers (`--dist loadfile --no-loadscope-reorder`), which take modules in this
@@ -50,6 +54,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         position.setdefault(item.nodeid.split("::")[0], len(position))
     items.sort(key=lambda item: (-_module_cost(item), position[item.nodeid.split("::")[0]]))
+
+
+SHARED_SCOPES = ("tests/real_sglang/",)  # directories whose modules run in one worker
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 - xdist's scheduler
+    """`--dist loadfile`, but the modules of each SHARED_SCOPES directory form one scope (module doc)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedServerScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return next((d for d in SHARED_SCOPES if nodeid.startswith(d)), None) or super()._split_scope(nodeid)
+
+    return SharedServerScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

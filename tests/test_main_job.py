@@ -1,17 +1,20 @@
 """The main job end to end: embedded engine (real HTTP) -> rollout -> Megatron GPTModel steps -> weight sync.
-(Parallel launches, resume and the asynchronous loop: tests/trainer/test_trainer_launch.py.)"""
+(Parallel launches, resume and the asynchronous loop: tests/trainer/test_trainer_launch.py.) The runs are processes
+forked from tests/job_runner.py's server; the refused flags go through a fresh interpreter, the entry point as typed."""
 
 import re
 import subprocess
 import sys
 
+from tests.job_runner import run_main_job
+
 
 def run_main(tmp_path, *extra):
-    cmd = [sys.executable, "-m", "slime_corr.main", "--num-rollout", "2", "--num-steps-per-rollout", "1",
+    cmd = ["--num-rollout", "2", "--num-steps-per-rollout", "1",
            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--micro-batch-size", "4",
            "--rollout-max-response-len", "8", "--rollout-progress", "none", "--work-dir", str(tmp_path),
            "--rollout-engine", "embedded", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    proc = run_main_job(cmd, timeout=240, output_dir=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = re.findall(r"^step (\d+): trained=(\d+) failed=0 .*train_rollout_logprob_abs_diff=(\S+)", proc.stdout, re.M)
     assert [s[:2] for s in steps] == [("1", "4"), ("2", "4")], proc.stdout
@@ -43,11 +46,11 @@ def test_main_job_stops_with_one_line_on_negative_custom_weights(tmp_path):
     f.write_text("import torch\nfrom slime_corr.correction import WeightOutputs\n"
                  "def negative(inputs, config):\n"
                  "    return WeightOutputs(weights=-torch.ones_like(inputs.log_ratio), loss_mask=inputs.loss_mask)\n")
-    cmd = [sys.executable, "-m", "slime_corr.main", "--num-rollout", "2", "--num-steps-per-rollout", "1",
+    cmd = ["--num-rollout", "2", "--num-steps-per-rollout", "1",
            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--micro-batch-size", "4",
            "--rollout-max-response-len", "4", "--rollout-progress", "none", "--work-dir", str(tmp_path / "run"),
            "--use-tis", "--custom-tis-function-path", f"{f}:negative", "--rollout-engine", "embedded"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    proc = run_main_job(cmd, timeout=240, output_dir=tmp_path / "output")
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert f"slime_corr.main: error: --custom-tis-function-path {f}:negative returned 16 negative weight(s)" \
         in proc.stderr, proc.stderr[-3000:]

@@ -10,7 +10,6 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.correction import compute_rollout_correction, metrics_to_host
@@ -25,6 +24,7 @@ from slime_corr.correction.diagnostics import (
     reduce_diagnostics,
     response_positions,
 )
+from tests.job_runner import spawn_processes
 
 B, S = 6, 16
 
@@ -242,4 +242,4 @@ def _worker(rank: int, store: str) -> None:
 
 def test_dp_cp_split_reduces_to_the_single_rank_result():
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(os.path.join(tmp, "store"),), nprocs=WORLD, join=True)
+        spawn_processes(_worker, WORLD, (os.path.join(tmp, "store"),))

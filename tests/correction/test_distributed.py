@@ -9,11 +9,11 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.correction import compute_rollout_correction, metrics_to_host
 from slime_corr.losses import OPSM_COUNT, compute_policy_loss
+from tests.job_runner import spawn_processes
 
 WORLD = 4
 B, S = 8, 16
@@ -172,4 +172,4 @@ def test_dp_cp_sharding_matches_single_rank():
     if not dist.is_available():
         pytest.skip("torch.distributed unavailable")
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(os.path.join(tmp, "store"),), nprocs=WORLD, join=True)
+        spawn_processes(_worker, WORLD, (os.path.join(tmp, "store"),))

@@ -16,7 +16,6 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from test_distributed import CountingAllReduce, zigzag_index
 
 from slime_corr.config import RolloutCorrectionConfig as C
@@ -24,6 +23,7 @@ from slime_corr.correction import StepBounds, compute_rollout_correction, merge_
 from slime_corr.correction.core import correction_metrics
 from slime_corr.layout.segments import Segments
 from slime_corr.losses import compute_policy_loss
+from tests.job_runner import spawn_processes
 
 WORLD = 2
 B, S = 8, 16
@@ -195,4 +195,4 @@ def test_divergence_budgets_and_gspo_over_cp_and_dp():
     if not dist.is_available():
         pytest.skip("torch.distributed unavailable")
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(os.path.join(tmp, "store"),), nprocs=WORLD, join=True)
+        spawn_processes(_worker, WORLD, (os.path.join(tmp, "store"),))

@@ -14,13 +14,13 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.correction import compute_rollout_correction, metrics_to_host
 from slime_corr.correction import quantiles as Q
 from slime_corr.correction.budget import bin_sums
+from tests.job_runner import spawn_processes
 
 BACKENDS = ("counting", "sorting", "sorting in pieces")  # pieces: the sort split every 997 weights (`SORT_CHUNK`)
 
@@ -237,4 +237,4 @@ def test_merged_over_a_two_process_gloo_group(backend_name: str) -> None:
     if not dist.is_available():
         pytest.skip("torch.distributed unavailable")
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(os.path.join(tmp, "store"), backend_name), nprocs=2, join=True)
+        spawn_processes(_worker, 2, (os.path.join(tmp, "store"), backend_name))

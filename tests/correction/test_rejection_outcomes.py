@@ -17,6 +17,7 @@ from test_divergence_distributed import LENGTHS, packed_slicer
 from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.correction import compute_rollout_correction
 from slime_corr.correction.rejection_outcomes import REJECTION_OUTCOME_METRICS, rejection_outcome_pairs
+from tests.job_runner import spawn_processes
 
 B, S = 8, 16
 CONFIG = C(use_tis=True, use_rs=True, rs_level="sequence", rs_upper_bound=1.3, rs_veto_threshold=0.05)
@@ -118,5 +119,5 @@ def _worker(rank: int, store_path: str, out: dict) -> None:
 def test_pairs_summed_over_dp_and_cp_equal_one_rank() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = mp.Manager().dict()
-        mp.spawn(_worker, args=(os.path.join(tmp, "store"), out), nprocs=2, join=True)
+        spawn_processes(_worker, 2, (os.path.join(tmp, "store"), out))
         assert dict(out) == {0: True, 1: True}

@@ -9,9 +9,9 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from slime_corr.correction.routing import routes_differ, routing_mismatch_metrics, topk_routes
+from tests.job_runner import spawn_processes
 
 
 def _host(m: dict) -> dict[str, float]:
@@ -118,4 +118,4 @@ def _worker(rank: int, store: str) -> None:
 
 def test_dp_cp_sharding_matches_single_rank():
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(os.path.join(tmp, "store"),), nprocs=WORLD, join=True)
+        spawn_processes(_worker, WORLD, (os.path.join(tmp, "store"),))

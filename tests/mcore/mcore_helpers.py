@@ -1,7 +1,8 @@
 """Shared pieces of the Megatron-glue tests: gloo process spawning, the test batch, layouts, references.
 
 Multi-process tests spawn ONE set of processes and loop over (TP, CP, DP) layouts inside it
-(`destroy_model_parallel()` between layouts): each launch costs ~10 s of imports.
+(`destroy_model_parallel()` between layouts). The processes are forked from a server that has imported the project
+and Megatron (tests/job_runner.py), so a launch costs no imports.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from slime_corr.rollout.weight_group import free_port
+from tests.job_runner import spawn_processes
 
 N_MB = 2  # micro-batches per step
 B_GLOBAL = 4  # rows of one global micro-batch (split over DP)
@@ -24,7 +26,9 @@ V = 32  # divisible by TP
 TEMPERATURE = 0.7
 
 
-def _entry(rank: int, port: int, world: int, fn: Callable[..., Any], args: tuple) -> None:
+def _entry(rank: int, port: int, world: int, fn: Callable[..., Any], args: tuple, hide_gpus: bool = False) -> None:
+    if hide_gpus:  # before anything initializes CUDA
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -47,7 +51,7 @@ def spawn_on_free_port(entry: Callable[..., Any], nprocs: int, *args: Any) -> No
     store does, nothing ran yet (EADDRINUSE at the store), so the launch is repeated on a new port, 3 tries."""
     for attempt in (1, 2, 3):
         try:
-            mp.spawn(entry, args=(free_port(), *args), nprocs=nprocs, join=True)
+            spawn_processes(entry, nprocs, (free_port(), *args))
             return
         except mp.ProcessRaisedException as e:
             if "EADDRINUSE" not in str(e) or attempt == 3:
@@ -55,20 +59,13 @@ def spawn_on_free_port(entry: Callable[..., Any], nprocs: int, *args: Any) -> No
 
 
 def spawn(fn: Callable[..., Any], world: int, *args: Any) -> None:
-    """Run `fn(rank, world, *args)` in `world` gloo processes on a free loopback port; raise on any failure.
+    """Run `fn(rank, world, *args)` in `world` gloo processes on a free loopback port (forked from
+    tests/job_runner.py's server: the imports are done); raise on any failure.
 
     The processes never see a GPU (CUDA_VISIBLE_DEVICES is empty for them), so on a GPU machine these tests run
     unchanged: Megatron then allocates its DDP buffers on the CPU like the models, and gloo reduces CPU tensors.
     """
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # read by the children when they start
-    try:
-        spawn_on_free_port(_entry, world, world, fn, args)
-    finally:
-        if saved is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+    spawn_on_free_port(_entry, world, world, fn, args, True)
 
 
 def run_in_process(fn: Callable[..., Any], *args: Any) -> None:

@@ -10,10 +10,10 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from slime_corr.mcore.logprobs import vocab_parallel_log_probs
 from slime_corr.mcore.truncated_logprobs import float_keys, nucleus_disagreement, truncated_log_probs
+from tests.job_runner import spawn_processes
 
 V = 48
 SETTINGS = [(0, 1.0, 1.0), (5, 1.0, 1.0), (0, 0.9, 1.0), (0, 0.5, 0.7), (8, 0.8, 1.3), (1, 0.3, 1.0), (0, 0.05, 1.0)]
@@ -111,4 +111,4 @@ def _worker(rank: int, store: str) -> None:
 
 def test_tp2_equals_the_full_vocabulary():
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(os.path.join(tmp, "store"),), nprocs=2, join=True)
+        spawn_processes(_worker, 2, (os.path.join(tmp, "store"),))

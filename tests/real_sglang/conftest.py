@@ -1,7 +1,8 @@
 """Fixtures for the tests against the REAL SGLang server (sglang 0.5.23 on CPU, installed by
 scripts/setup_sglang.sh into .venv-sglang/; scripts/test.sh installs it before the tests).
 
-Servers are shared per test module (each takes ~3 GB and 20-40 s to start on 2 cores) and stopped by their PID.
+A server takes ~3 GB and 20-60 s of CPU to start on 2 cores: servers are shared by the modules of the run
+(`shared_servers`, one per spec name) or by the tests of a module (`launch`), and stopped by their PID.
 Without an SGLang install the tests skip with the reason on a developer machine, and FAIL under CI (CI=true): CI
 must run them.
 
@@ -11,14 +12,16 @@ as the HF OPT checkpoint it equals (`slime_corr.models.tiny_opt`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from sglang_helpers import ServerSpec
+from sglang_helpers import ServerSpec, restore
 
+from slime_corr.engines.group import _enter_all
 from slime_corr.engines.launch import engine_device
 from slime_corr.engines.sglang_server import (
     SGLangLaunchError,
@@ -78,23 +81,45 @@ def tiny_opt(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {v: str(out / v) for v in SEEDS}
 
 
+def _start(stack: contextlib.ExitStack, logs: Path, sglang_py: str, specs: tuple[ServerSpec, ...]) -> list:
+    """Start `specs` concurrently; each is stopped (by PID) when `stack` closes."""
+    managers = [launch_sglang_server(SGLangServerConfig(
+        model_path=s.model_path, python=sglang_py, dtype=s.dtype, device=engine_device(), skip_tokenizer_init=True,
+        weight_version="v0", extra_args=s.extra_args, log_dir=logs, startup_timeout=600), name=s.name)
+        for s in specs]
+    return _enter_all(stack, managers)
+
+
 @pytest.fixture(scope="module")
 def launch(sglang_py: str, tmp_path_factory: pytest.TempPathFactory):
     """`launch(ServerSpec(...), ...)` -> running real SGLang servers, started concurrently, stopped (by PID) at
-    the end of the module."""
-    import contextlib
-
-    from slime_corr.engines.group import _enter_all
-
+    the end of the module: for a server the module alone uses (or kills)."""
     with contextlib.ExitStack() as stack:
         logs = tmp_path_factory.mktemp("sglang_logs")
+        yield lambda *specs: _start(stack, logs, sglang_py, specs)
 
-        def start(*specs: ServerSpec) -> list:
-            managers = [launch_sglang_server(SGLangServerConfig(
-                model_path=s.model_path, python=sglang_py, dtype=s.dtype, device=engine_device(),
-                skip_tokenizer_init=True,
-                weight_version="v0", extra_args=s.extra_args, log_dir=logs, startup_timeout=600), name=s.name)
-                for s in specs]
-            return _enter_all(stack, managers)
 
-        yield start
+@pytest.fixture(scope="session")
+def shared_servers(sglang_py: str, tmp_path_factory: pytest.TempPathFactory):
+    """`shared_servers(ServerSpec(...), ...)` -> running real SGLang servers shared by the modules of the run (the
+    modules of tests/real_sglang run in one pytest worker: tests/conftest.py), one per spec name, started the first
+    time a module asks (concurrently), stopped at the end of the run. Handed out as a fresh server would be: the
+    spec's checkpoint loaded again under weight version "v0" if a module before left other weights (a weight update
+    or a main job's sync), and no throttle (`/slow_down`). A module that kills or reconfigures its server takes it
+    from `launch` instead."""
+    with contextlib.ExitStack() as stack:
+        logs = tmp_path_factory.mktemp("sglang_shared_logs")
+        running: dict[str, tuple[ServerSpec, object]] = {}
+
+        def get(*specs: ServerSpec) -> list:
+            for spec in specs:
+                if spec.name in running and running[spec.name][0] != spec:
+                    raise ValueError(f"shared server {spec.name!r}: asked as {spec}, running as {running[spec.name][0]}")
+            missing = tuple(s for s in specs if s.name not in running)
+            for spec, server in zip(missing, _start(stack, logs, sglang_py, missing) if missing else [], strict=True):
+                running[spec.name] = (spec, server)
+            for spec in specs:
+                restore(running[spec.name][1].url, spec.model_path, "v0")
+            return [running[s.name][1] for s in specs]
+
+        yield get

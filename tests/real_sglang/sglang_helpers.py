@@ -69,6 +69,21 @@ def slowed_down(url: str, forward_sleep: float) -> Iterator[None]:
         _post_json(url, "/slow_down", {"forward_sleep_time": None})
 
 
+def restore(url: str, model_path: str, version: str) -> None:
+    """Put a shared server back as it started: no throttle, and `model_path`'s weights under `version` unless it
+    already serves that version (every weight update names its version: SGLang's `weight_version`)."""
+    from slime_corr.rollout.client import SGLangClient
+
+    _post_json(url, "/slow_down", {"forward_sleep_time": None})
+
+    async def go() -> None:
+        async with SGLangClient(url) as client:
+            if (await client.weight_versions())[url] != version:
+                await client.sync_weights_from_disk(model_path, version)
+
+    asyncio.run(go())
+
+
 def _post_json(url: str, path: str, body: dict) -> None:
     req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})

@@ -30,9 +30,10 @@ LOGPROB_TOL = 1e-4  # fp32 server vs fp32 trainer (SGLANG_ON_CPU.md: 1.0-1.8e-5 
 
 
 @pytest.fixture(scope="module")
-def servers(launch, tiny_opt):
-    a, b = launch(ServerSpec(tiny_opt["v0"], name="cumulative"),
-                  ServerSpec(tiny_opt["v0"], extra_args=("--incremental-streaming-output",), name="incremental"))
+def servers(shared_servers, tiny_opt):
+    a, b = shared_servers(ServerSpec(tiny_opt["v0"], name="fp32"),
+                          ServerSpec(tiny_opt["v0"], extra_args=("--incremental-streaming-output",),
+                                     name="fp32-incremental"))
     return a.url, b.url
 
 

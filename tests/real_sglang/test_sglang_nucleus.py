@@ -27,8 +27,8 @@ MASS_TOL = 1e-4  # fp32 server vs fp32 trainer (log-probs agree to 1-2e-5: SGLAN
 
 
 @pytest.fixture(scope="module")
-def server(launch, tiny_opt):
-    (s,) = launch(ServerSpec(tiny_opt["v0"], name="nucleus"))
+def server(shared_servers, tiny_opt):
+    (s,) = shared_servers(ServerSpec(tiny_opt["v0"], name="fp32"))  # test_sglang_endpoints' cumulative server
     return s.url
 
 

@@ -7,13 +7,13 @@ in flight for >= 4.8 s, longer than a training step on any machine: the update l
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from sglang_helpers import ServerSpec, slowed_down
 from test_sglang_trainer import RUN_TIMEOUT, metrics, versions
+
+from tests.job_runner import run_main_job
 
 pytestmark = pytest.mark.cost(80)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 
@@ -21,19 +21,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def server(launch, tiny_opt):
-    return launch(ServerSpec(tiny_opt["v0"], dtype="bfloat16", name="bf16-partial"))[0]
+def server(shared_servers, tiny_opt):
+    return shared_servers(ServerSpec(tiny_opt["v0"], dtype="bfloat16", name="bf16"))[0]  # test_sglang_trainer's A
 
 
 def test_weight_updates_reach_requests_in_flight_through_the_router(server, tmp_path):
     from slime_corr.engines.router import start_router
 
     with start_router([server.url]) as router, slowed_down(server.url, 0.1):
-        cmd = [sys.executable, "-m", "slime_corr.main", "--num-rollout", "3", "--rollout-batch-size", "2",
-               "--n-samples-per-prompt", "4", "--num-steps-per-rollout", "1", "--rollout-max-response-len", "48",
-               "--run-dir", str(tmp_path), "--sglang-url", router.url, "--rollout-correction-preset", "ppo_is_bypass",
-               "--rollout-weight-sync", "distributed", "--async-rollout", "--partial-rollout"]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=ROOT)
+        args = ["--num-rollout", "3", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
+                "--num-steps-per-rollout", "1", "--rollout-max-response-len", "48", "--run-dir", str(tmp_path),
+                "--sglang-url", router.url, "--rollout-correction-preset", "ppo_is_bypass",
+                "--rollout-weight-sync", "distributed", "--async-rollout", "--partial-rollout"]
+        out = run_main_job(args, timeout=RUN_TIMEOUT, output_dir=tmp_path.parent / f"{tmp_path.name}_output")
+
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3]

@@ -1,16 +1,14 @@
 """The trainer end to end on the REAL SGLang server (bf16, CPU): decoupled and bypass mode, disk and distributed
 weight sync, two engines behind the real sglang-router, and a server killed mid-run. Each run goes through
-`python -m slime_corr.main`. A server the trainer launches itself (the default engine) is started, used and checked
+the main job's entry point (`python -m slime_corr.main`'s code, forked with its imports done: tests/job_runner.py). A
+server the trainer launches itself (the default engine) is started, used and checked
 stopped by tests/test_readme_commands.py, on the main job's command as the README gives it."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -18,6 +16,7 @@ import pytest
 from sglang_helpers import ServerSpec
 
 from slime_corr.rollout.client import SGLangClient
+from tests.job_runner import MainJob, run_main_job
 
 pytestmark = pytest.mark.cost(200)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 
@@ -28,9 +27,10 @@ RUN_TIMEOUT = 600
 
 
 @pytest.fixture(scope="module")
-def servers(launch, tiny_opt):
-    a, b = launch(ServerSpec(tiny_opt["v0"], dtype="bfloat16", name="bf16-a"),
-                  ServerSpec(tiny_opt["v0"], dtype="bfloat16", name="bf16-b"))
+def servers(shared_servers, launch, tiny_opt):
+    """A: shared with test_sglang_partial_rollout; B: this module's own (its last test kills it)."""
+    (a,) = shared_servers(ServerSpec(tiny_opt["v0"], dtype="bfloat16", name="bf16"))
+    (b,) = launch(ServerSpec(tiny_opt["v0"], dtype="bfloat16", name="bf16-b"))
     return a, b
 
 
@@ -43,8 +43,9 @@ def router(servers):
 
 
 def main(run_dir: Path, *args: str, timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "slime_corr.main", *SMALL, "--run-dir", str(run_dir), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    """The main job in a process of its own (forked with its imports done: tests/job_runner.py)."""
+    return run_main_job([*SMALL, "--run-dir", str(run_dir), *args], timeout=timeout,
+                        output_dir=run_dir.parent / f"{run_dir.name}_output")
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -84,24 +85,15 @@ def test_bypass_distributed_sync_two_engines_behind_the_router(servers, router, 
 def test_a_server_killed_mid_run_ends_the_run_with_its_name(servers, tmp_path):
     """Runs last in this module: it kills server B (SIGKILL to its process group) after the first step."""
     _, b = servers
-    cmd = [sys.executable, "-m", "slime_corr.main", *SMALL, "--num-rollout", "6", "--run-dir", str(tmp_path),
-           "--sglang-url", b.url, "--rollout-correction-preset", "decoupled_token_is"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            env=dict(os.environ))
-    lines: list[str] = []
-
-    def read() -> None:
-        assert proc.stdout is not None
-        lines.extend(proc.stdout)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    output = tmp_path.parent / f"{tmp_path.name}_output"
+    proc = MainJob([*SMALL, "--num-rollout", "6", "--run-dir", str(tmp_path), "--sglang-url", b.url,
+                    "--rollout-correction-preset", "decoupled_token_is"], stdout=output)
     deadline = time.monotonic() + RUN_TIMEOUT
-    while not any(line.startswith("step 1:") for line in lines) and time.monotonic() < deadline:
+    while "\nstep 1:" not in "\n" + output.read_text() and time.monotonic() < deadline:
         if proc.poll() is not None:
             break
         time.sleep(0.2)
-    assert any(line.startswith("step 1:") for line in lines), "".join(lines)[-3000:]
+    assert "\nstep 1:" in "\n" + output.read_text(), output.read_text()[-3000:]
     killed_at = time.monotonic()
     b.kill()
     try:
@@ -109,8 +101,8 @@ def test_a_server_killed_mid_run_ends_the_run_with_its_name(servers, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    reader.join(10)
     took = time.monotonic() - killed_at
+    lines = output.read_text().splitlines(keepends=True)
     text = "".join(lines)
     assert code != 0, text[-3000:]
     assert b.url.split("//")[1] in text, text[-3000:]  # the error names the server

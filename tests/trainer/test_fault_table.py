@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.job_runner import MainJob, run_main_job
 from tests.rollout.fault_server import run_fault_server
 
 pytestmark = pytest.mark.cost(160)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
@@ -62,19 +63,17 @@ def _launch(case: Case, tmp: Path) -> None:
     out_path = tmp / f"{case.name}.out"
     with contextlib.ExitStack() as server:
         run_dir = [] if "--run-dir" in case.flags else ["--run-dir", str(tmp / "runs" / case.name)]
-        cmd = [sys.executable, "-m", "slime_corr.main", *TINY, *run_dir, *case.flags]
+        args = [*TINY, *run_dir, *case.flags]
         if case.mode is not None:
             url, _ = server.enter_context(run_fault_server(mode=case.mode))
-            cmd += ["--sglang-url", url]
-        cmd = [c.replace("{tmp}", str(tmp)).replace("{name}", case.name) for c in cmd]
+            args += ["--sglang-url", url]
+        args = [c.replace("{tmp}", str(tmp)).replace("{name}", case.name) for c in args]
         start = time.monotonic()
-        with open(out_path, "w") as out:
-            # SIGINT as a terminal gives it: a harness started in the background (`cmd &`) runs with SIGINT
-            # ignored, and the job would inherit that
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2],
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-                                    process_group=0 if case.interrupt_group else None)
+        # the job's process runs the entry point forked from tests/job_runner.py's server (no interpreter start-up);
+        # SIGINT is handled as in a fresh interpreter, and `interrupt_group` makes it a process group's leader, as
+        # a terminal's foreground job
+        proc = MainJob(args, cwd=Path(__file__).parents[2], stdout=out_path,
+                       new_process_group=case.interrupt_group)
         ready = None
         interrupted = False
         while proc.poll() is None and time.monotonic() - start < JOB_LIMIT:
@@ -211,8 +210,8 @@ def test_paths_and_checkpoints_fail_with_one_message(tmp_path, capsys):
     from slime_corr.main import parse_run_config
 
     ckpt = tmp_path / "ckpt"
-    proc = subprocess.run([sys.executable, "-m", "slime_corr.main", *TINY, "--num-rollout", "1", "--save", str(ckpt),
-                           "--run-dir", str(tmp_path / "saved_run")], capture_output=True, text=True, timeout=300)
+    proc = run_main_job([*TINY, "--num-rollout", "1", "--save", str(ckpt), "--run-dir", str(tmp_path / "saved_run")],
+                        timeout=300, output_dir=tmp_path / "saved_output")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     # the step lines of the saved rollout come before its checkpoint line
     assert proc.stdout.index("step 2:") < proc.stdout.index("checkpoint:")

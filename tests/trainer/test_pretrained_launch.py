@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.job_runner import run_main_job
 
 pytestmark = pytest.mark.cost(215)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 
@@ -36,15 +37,14 @@ README_RUN = ["--model", "smollm2-135m", "--rollout-correction-preset", "decoupl
 
 
 def launch(run_dir: Path, flags: list[str], nproc: int = 0, timeout: int = 900) -> dict:
-    """The main job (torchrun with `nproc` processes, else plain python); its console and metrics by step."""
+    """The main job (its `nproc` torchrun ranks, else one process: tests/job_runner.py); its console and metrics by
+    step."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     for k in ("WORLD_SIZE", "RANK", "MASTER_PORT", "MASTER_ADDR"):
         env.pop(k, None)
-    head = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] \
-        if nproc else [sys.executable]
-    cmd = [*head, "-m", "slime_corr.main", *flags, "--work-dir", str(run_dir)]
     started = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    proc = run_main_job([*flags, "--work-dir", str(run_dir)], nproc=nproc, env=env, timeout=timeout,
+                        output_dir=run_dir)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {"out": proc.stdout, "steps": {r["step"]: r for r in records}, "started": started,

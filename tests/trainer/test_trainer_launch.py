@@ -19,11 +19,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.job_runner import run_main_job
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = ["--rollout-correction-preset", "decoupled_seq_is_rs", "--num-rollout", "2", "--num-steps-per-rollout", "2",
@@ -53,14 +53,10 @@ def _env() -> dict[str, str]:
 
 
 def launch(run_dir: Path, *flags: str, nproc: int = 0, timeout: int = 300) -> dict:
-    """Run the main job (torchrun with `nproc` processes, else plain python); its output and metrics by step."""
-    args = [*COMMON, "--work-dir", str(run_dir), *flags]
-    if nproc:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "-m", "slime_corr.main", *args]
-    else:
-        cmd = [sys.executable, "-m", "slime_corr.main", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=_env())
+    """Run the main job (its `nproc` torchrun ranks, else one process: tests/job_runner.py); its output and
+    metrics by step."""
+    proc = run_main_job([*COMMON, "--work-dir", str(run_dir), *flags], nproc=nproc, env=_env(), timeout=timeout,
+                        output_dir=run_dir)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {"out": proc.stdout, "err": proc.stderr, "steps": {r["step"]: r for r in records}, "dir": run_dir}
