@@ -85,6 +85,24 @@ def test_every_flag_field_has_one_owner_and_its_default() -> None:
     assert hand_written == HAND_WRITTEN
 
 
+def test_megatron_lm_s_flags_are_the_config_fields_flags() -> None:
+    """Megatron-LM's `extra_args_provider` (`add_megatron_lm_args`) shows the same flags as the main job, from the
+    same fields: the correction's and the two routing flags of `TrainerConfig`, each once, nothing of its own."""
+    from slime_corr.flags.megatron_lm import ROUTING_FIELDS, add_megatron_lm_args
+
+    parser = add_megatron_lm_args(argparse.ArgumentParser())
+    main_job = {option: a for a in build_parser()._actions for option in a.option_strings}
+    options = [o for a in parser._actions if not isinstance(a, argparse._HelpAction) for o in a.option_strings]
+    assert len(options) == len(set(options))
+    routing = {option_of(flag_fields(TrainerConfig)[name]) for name in ROUTING_FIELDS}
+    assert routing <= set(options)
+    for a in parser._actions:
+        if a.option_strings and not isinstance(a, argparse._HelpAction):
+            twin = main_job[a.option_strings[0]]  # the main job's flag of that name: same field, same shape
+            assert (a.dest, a.default, a.help, a.choices, a.nargs, a.const) == \
+                (twin.dest, twin.default, twin.help, twin.choices, twin.nargs, twin.const), a.option_strings
+
+
 def test_a_flag_field_takes_its_shape_from_the_annotation() -> None:
     @dataclass(frozen=True)
     class Example:

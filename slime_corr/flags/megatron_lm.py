@@ -9,8 +9,11 @@ import argparse
 
 from slime_corr.flags.checks import ROUTING_FLAGS_ATTR
 from slime_corr.flags.correction import add_rollout_correction_args
+from slime_corr.flags.fields import add_flags
+from slime_corr.trainer.config import TrainerConfig
 
 TITLE = "MoE rollout routing replay (slime_corr)"
+ROUTING_FIELDS = ("use_rollout_routing_replay", "log_routing_mismatch")
 
 
 def add_megatron_lm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -19,15 +22,9 @@ def add_megatron_lm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     add_rollout_correction_args(parser)
     if "--use-rollout-routing-replay" in parser._option_string_actions:  # the host's own (slime's parser)
         return parser
-    g = parser.add_argument_group(title=TITLE)
-    # Not `TrainerConfig`'s fields: this loop's routes come from batch["routed_experts"], its model from Megatron-LM
-    g.add_argument("--use-rollout-routing-replay", action="store_true",
-                   help="R3 (slime's flag): the lp_old pre-pass and every training pass route each token to the "
-                        "experts the rollout engine chose (batch['routed_experts']); needs "
-                        "--moe-enable-routing-replay. Logs the routing-mismatch metrics too.")
-    g.add_argument("--log-routing-mismatch", action="store_true",
-                   help="Compare the trainer's routes with the engine's (routing_mismatch_* in the loss dict) "
-                        "without replaying them.")
+    # the main job's two fields (`TrainerConfig`), one definition: this loop's routes come from
+    # batch["routed_experts"], its model from Megatron-LM, and the rest of TrainerConfig is not its
+    add_flags(parser.add_argument_group(title=TITLE), TrainerConfig, ROUTING_FIELDS)
     parser.set_defaults(**{ROUTING_FLAGS_ATTR: True})
     return parser
 

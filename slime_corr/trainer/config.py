@@ -221,10 +221,12 @@ class TrainerConfig(TrainerConfigChecks):
     use_rollout_routing_replay: bool = flag(False, help="R3 (slime's flag): the engines return the experts they routed "
                                             "every token to, and every trainer forward that computes log-probs to "
                                             "train on (lp_old, the reference's, each training pass) routes with them "
-                                            "(Megatron's RouterReplay). MoE models only; logs the routing-mismatch "
-                                            "metrics too.")
+                                            "(Megatron's RouterReplay; in Megatron-LM's own loop the routes come as "
+                                            "batch['routed_experts'] and it needs --moe-enable-routing-replay). MoE "
+                                            "models only; logs the routing-mismatch metrics too.")
     log_routing_mismatch: bool = flag(False, help="Ask the engines for their routes and log how often the trainer's "
-                                      "own router differs (diag/routing_mismatch_*) without replaying them.")
+                                      "own router differs (diag/routing_mismatch_*; routing_mismatch_* in "
+                                      "Megatron-LM's loss dict) without replaying them.")
     use_routing_replay: bool = flag(False, help="R2 (slime's flag): the trainer's lp_old pass records the experts its "
                                     "routers choose, and the reference's and every training forward of that rollout "
                                     "route with them. MoE models, decoupled mode (a recomputed lp_old) only.")
