@@ -75,12 +75,15 @@ def _ranks(rank: int, port: int, timeout_s: float, out: str) -> None:
         # 4. the driver fails: the waiting rank stops with its error
         if rank == 0:
             beacon.publish(ABORT_KEY, "rollout 0: 4 of 4 samples failed")
-            time.sleep(1)
+            # the store lives in this process: stay until rank 1 has read the error (however loaded the machine)
+            beacon.store.wait(["driver_error_read"], timedelta(seconds=60))
         else:
             try:
                 beacon.wait("rollout/1", "generating rollout 1")
             except PeerError as e:
                 seen["driver_error"] = str(e)
+            finally:
+                beacon.store.set("driver_error_read", "1")
         beacon.close()
     finally:
         Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
