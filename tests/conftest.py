@@ -1,9 +1,9 @@
 """Suite-wide options: the device of the device-parametrized subset (`-m device`; everything else runs on the CPU), and
 the order modules run in.
 
-Scheduling: a module's tests stay in one worker (`--dist loadfile`: a module's servers and Megatron state), and the
-modules of tests/real_sglang all go to one worker together (`pytest_xdist_make_scheduler`), so that the real SGLang
-servers they share (tests/real_sglang/conftest.py) start once in the run.
+Scheduling: a module's tests stay in one worker (`--dist loadfile`: a module's servers and Megatron state), and so do
+the modules of a real-SGLang server group (`pytest_xdist_make_scheduler`, tests/real_sglang/sglang_helpers.py), so
+that the servers they share start once in the run.
 
 Order: modules marked `pytest.mark.cost(seconds)` (their rough CI time, subprocesses and servers included) run
 first, longest first, then the rest in collection order; a module's own tests keep their order. scripts/test.sh runs
@@ -56,20 +56,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: (-_module_cost(item), position[item.nodeid.split("::")[0]]))
 
 
-SHARED_SCOPES = ("tests/real_sglang/",)  # directories whose modules run in one worker
-
-
 def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 - xdist's scheduler
-    """`--dist loadfile`, but the modules of each SHARED_SCOPES directory form one scope (module doc)."""
+    """`--dist loadfile`, but the modules of a real-SGLang server group form one scope (module doc)."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    class SharedServerScheduling(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return next((d for d in SHARED_SCOPES if nodeid.startswith(d)), None) or super()._split_scope(nodeid)
+    from tests.real_sglang.sglang_helpers import server_group
 
-    return SharedServerScheduling(config, log)
+    class ServerGroupScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return server_group(nodeid) or super()._split_scope(nodeid)
+
+    return ServerGroupScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

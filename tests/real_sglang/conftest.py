@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from sglang_helpers import ServerSpec, restore
+from sglang_helpers import ServerSpec, restore, server_group
 
 from slime_corr.engines.group import _enter_all
 from slime_corr.engines.launch import engine_device
@@ -28,6 +28,7 @@ from slime_corr.engines.sglang_server import (
     SGLangServerConfig,
     launch_sglang_server,
     sglang_python,
+    stop_process_group,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mcore"))  # mcore_helpers (run_in_process)
@@ -99,27 +100,54 @@ def launch(sglang_py: str, tmp_path_factory: pytest.TempPathFactory):
         yield lambda *specs: _start(stack, logs, sglang_py, specs)
 
 
+class SharedServers:
+    """Real SGLang servers shared by the modules of the run, one per spec name (module doc of `shared_servers`)."""
+
+    def __init__(self, stack: contextlib.ExitStack, logs: Path, sglang_py: str) -> None:
+        self.stack, self.logs, self.sglang_py = stack, logs, sglang_py
+        self.running: dict[str, tuple[ServerSpec, object]] = {}
+
+    def __call__(self, *specs: ServerSpec) -> list:
+        for spec in specs:
+            if spec.name in self.running and self.running[spec.name][0] != spec:
+                raise ValueError(f"shared server {spec.name!r}: asked as {spec}, running as "
+                                 f"{self.running[spec.name][0]}")
+        missing = tuple(s for s in specs if s.name not in self.running)
+        for spec, server in zip(missing, _start(self.stack, self.logs, self.sglang_py, missing) if missing else [],
+                                strict=True):
+            self.running[spec.name] = (spec, server)
+        for spec in specs:
+            restore(self.running[spec.name][1].url, spec.model_path, "v0")
+        return [self.running[s.name][1] for s in specs]
+
+    def stop_all(self) -> None:
+        """Stop every server (an idle SGLang server's scheduler still takes ~20 % of a core)."""
+        while self.running:
+            stop_process_group(self.running.popitem()[1][1].proc)
+
+
 @pytest.fixture(scope="session")
 def shared_servers(sglang_py: str, tmp_path_factory: pytest.TempPathFactory):
-    """`shared_servers(ServerSpec(...), ...)` -> running real SGLang servers shared by the modules of the run (the
-    modules of tests/real_sglang run in one pytest worker: tests/conftest.py), one per spec name, started the first
-    time a module asks (concurrently), stopped at the end of the run. Handed out as a fresh server would be: the
-    spec's checkpoint loaded again under weight version "v0" if a module before left other weights (a weight update
-    or a main job's sync), and no throttle (`/slow_down`). A module that kills or reconfigures its server takes it
-    from `launch` instead."""
+    """`shared_servers(ServerSpec(...), ...)` -> running real SGLang servers shared by the modules of a group
+    (sglang_helpers.SERVER_GROUPS: one pytest worker runs them one after the other, tests/conftest.py), one per spec
+    name, started the first time a module asks (concurrently) and stopped after the group's last module
+    (`pytest_runtest_teardown`). Handed out as a fresh server would be: the spec's checkpoint loaded again under
+    weight version "v0" if a module before left other weights (a weight update or a main job's sync), and no
+    throttle (`/slow_down`). A module that kills or reconfigures its server takes it from `launch` instead."""
+    global _pool
     with contextlib.ExitStack() as stack:
-        logs = tmp_path_factory.mktemp("sglang_shared_logs")
-        running: dict[str, tuple[ServerSpec, object]] = {}
+        _pool = SharedServers(stack, tmp_path_factory.mktemp("sglang_shared_logs"), sglang_py)
+        try:
+            yield _pool
+        finally:
+            _pool = None
 
-        def get(*specs: ServerSpec) -> list:
-            for spec in specs:
-                if spec.name in running and running[spec.name][0] != spec:
-                    raise ValueError(f"shared server {spec.name!r}: asked as {spec}, running as {running[spec.name][0]}")
-            missing = tuple(s for s in specs if s.name not in running)
-            for spec, server in zip(missing, _start(stack, logs, sglang_py, missing) if missing else [], strict=True):
-                running[spec.name] = (spec, server)
-            for spec in specs:
-                restore(running[spec.name][1].url, spec.model_path, "v0")
-            return [running[s.name][1] for s in specs]
 
-        yield get
+_pool: SharedServers | None = None  # the run's, once a module asked for one
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After the last test of a server group (the next test this worker runs is not in it), stop its servers."""
+    if _pool is not None and (nextitem is None or server_group(nextitem.nodeid) != server_group(item.nodeid)):
+        _pool.stop_all()

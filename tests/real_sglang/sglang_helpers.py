@@ -49,6 +49,21 @@ def megatron_logprobs(version_dir: str, sequences: list[tuple[list[int], list[in
     return result
 
 
+# The modules that share real SGLang servers (conftest.shared_servers), by group: one pytest worker runs a group's
+# modules one after the other (tests/conftest.py's scheduling), the group's servers start once for them and stop
+# after its last module.
+SERVER_GROUPS = {
+    "sglang-fp32": ("test_sglang_endpoints.py", "test_sglang_nucleus.py"),
+    "sglang-bf16": ("test_sglang_trainer.py", "test_sglang_partial_rollout.py"),
+}
+
+
+def server_group(path: str) -> str | None:
+    """The SERVER_GROUPS group of the test module at `path` (a node id or a file path), or None."""
+    name = Path(path.split("::", 1)[0]).name
+    return next((group for group, modules in SERVER_GROUPS.items() if name in modules), None)
+
+
 @dataclass(frozen=True)
 class ServerSpec:
     model_path: str

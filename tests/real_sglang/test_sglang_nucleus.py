@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ServerSpec
+from sglang_helpers import ServerSpec
 
 from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.nucleus import NucleusRequest
 from slime_corr.rollout.rollout import generate_sample
 from slime_corr.rollout.sample import Sample, SampleStatus
 
-pytestmark = pytest.mark.cost(90)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
+pytestmark = pytest.mark.cost(20)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 
 PROMPTS = [list(b"spell 42: "), list(b"hello"), list(b"x")]
 T = 0.8

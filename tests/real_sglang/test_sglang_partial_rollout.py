@@ -15,7 +15,7 @@ from test_sglang_trainer import RUN_TIMEOUT, metrics, versions
 
 from tests.job_runner import run_main_job
 
-pytestmark = pytest.mark.cost(80)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
+pytestmark = pytest.mark.cost(40)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[2]
 
