@@ -22,13 +22,14 @@ import multiprocessing
 import os
 import runpy
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from slime_corr.rollout.weight_group import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 _GRACE_S = 30.0  # torchrun's wait between SIGTERM and SIGKILL of the ranks left when one fails
@@ -53,12 +54,6 @@ def spawn_processes(fn: Callable[..., Any], nprocs: int, args: tuple = ()) -> No
 
     fork_server()
     mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str, new_group: bool) -> None:
@@ -110,7 +105,7 @@ class MainJob:
         world = max(nproc, 1)
         if nproc:
             base.setdefault("OMP_NUM_THREADS", "1")
-            base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
+            base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
                         LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0",
                         TORCHELASTIC_RUN_ID=f"job-runner-{os.getpid()}-{time.monotonic_ns()}")
         self.args = ["slime_corr.main", *args]

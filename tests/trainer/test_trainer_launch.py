@@ -1,6 +1,7 @@
-"""The main job through its real entry point: one process (`python -m slime_corr.main`) and torchrun with 2 and 4
-processes (DP=2 packed, TP=2, CP=2 packed, PP=2, TP=2×DP=2), real embedded engine on loopback, real gloo groups,
-real Megatron schedule (1F1B over gloo p2p under PP).
+"""The main job through its entry point (`python -m slime_corr.main`'s code: tests/job_runner.py forks each process
+with the imports done) as one process and as the 2 and 4 ranks torchrun starts (DP=2 packed, TP=2, CP=2 packed,
+PP=2, TP=2×DP=2; the README's torchrun commands run under real torchrun in tests/test_readme_commands.py), real
+embedded engine on loopback, real gloo groups, real Megatron schedule (1F1B over gloo p2p under PP).
 
 Every run trains the same seed and batch in float64 (engine in float32) with decoupled PPO, sequence IS + RS, a KL
 term to the reference policy and an entropy bonus, 2 rollouts × 2 optimizer steps: the parallel runs must print
@@ -11,7 +12,8 @@ change the run). The same command twice gives the same metrics; a run saved afte
 uninterrupted run logs, and resumed from step 2 logs steps 3–4 as it does; the asynchronous loop samples one step
 behind and the bypass correction measures that lag.
 
-CI cost: 5 one-process runs (~8 s each) and 5 torchrun launches (~12–20 s each), about 2 minutes here.
+CI cost: 5 one-process runs and 5 launches of 2 or 4 ranks, ~1 minute here (a fresh interpreter per process made it
+~3).
 """
 
 from __future__ import annotations
