@@ -1,10 +1,12 @@
 """The main job's `--bf16` / `--fp16` (Megatron's mixed precision, `slime_corr.mcore.precision`): the precision
 notice, and real runs through `python -m slime_corr.main` on the embedded engine: the checkpoint holds 16-bit model
-weights and fp32 main weights (Megatron's optimizer), the fp16 run logs its loss scale, and a `--bf16` run resumed
-from a checkpoint logs what the uninterrupted run logs. The flags refused at parse time are in
-tests/trainer/test_trainer_units.py's BAD_FLAGS.
+weights and fp32 main weights (Megatron's optimizer), the fp16 run logs its loss scale, a `--bf16` run resumed
+from a checkpoint logs what the uninterrupted run logs, and runs under parallel layouts (`--bf16` at TP=2 and at
+DP=2 with packed micro-batches, `--fp16` at TP=2) log what the one-process run of their precision logs, to 16-bit
+rounding. The flags refused at parse time are in tests/trainer/test_trainer_units.py's BAD_FLAGS.
 
-CI cost: 3 one-process runs (~10 s each).
+CI cost: 3 one-process runs and 3 two-process launches, about 40 s here (the first run ~20 s: it starts the
+fork server of tests/job_runner.py; each two-process launch 3-4 s).
 """
 
 from __future__ import annotations
@@ -12,8 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,8 +21,9 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from slime_corr.main import parse_run_config
 from slime_corr.trainer.agreement import precision_notice
+from tests.job_runner import run_main_job
 
-pytestmark = pytest.mark.cost(40)  # CI seconds, roughly (tests/conftest.py runs the costliest modules first)
+pytestmark = pytest.mark.cost(50)  # CI seconds, roughly (tests/conftest.py runs the costliest modules first)
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = ["--rollout-correction-preset", "decoupled_seq_is_rs", "--num-rollout", "2", "--num-steps-per-rollout", "2",
@@ -46,13 +47,14 @@ def test_the_trainer_precision_and_the_notice_follow_the_flags():
     assert precision_notice("float32", "bfloat16", corrects=True) is None
 
 
-def launch(run_dir: Path, *flags: str) -> dict:
-    """The main job in a subprocess; its output and metrics by step."""
+def launch(run_dir: Path, *flags: str, nproc: int = 0) -> dict:
+    """The main job in a process of its own, or its `nproc` torchrun ranks (tests/job_runner.py); its output and
+    metrics by step."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
     env.pop("RANK", None)
-    proc = subprocess.run([sys.executable, "-m", "slime_corr.main", *COMMON, "--work-dir", str(run_dir), *flags],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    proc = run_main_job([*COMMON, "--work-dir", str(run_dir), *flags], nproc=nproc, timeout=600, cwd=ROOT, env=env,
+                        output_dir=run_dir)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {"out": proc.stdout, "steps": {r["step"]: r for r in records}}
@@ -99,14 +101,82 @@ def test_a_resumed_bf16_run_continues_as_the_uninterrupted_one(bf16_run, tmp_pat
         {s: compared(bf16_run["steps"][s]) for s in (3, 4)}
 
 
-def test_fp16_scales_the_loss_and_logs_the_scale(tmp_path):
-    run = launch(tmp_path / "fp16", "--fp16", "--initial-loss-scale", "1024", "--loss-scale-window", "3")
-    steps = run["steps"]
+FP16_SCALING = ("--fp16", "--initial-loss-scale", "1024", "--loss-scale-window", "3")
+
+
+@pytest.fixture(scope="module")
+def fp16_run(tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("fp16"), *FP16_SCALING)
+
+
+def test_fp16_scales_the_loss_and_logs_the_scale(fp16_run):
+    steps = fp16_run["steps"]
     assert sorted(steps) == [1, 2, 3, 4]
-    assert "embedded engines (bfloat16; trainer in float16)" in run["out"]
-    assert "loss_scale=" in run["out"] and "skipped=" in run["out"]
+    assert "embedded engines (bfloat16; trainer in float16)" in fp16_run["out"]
+    assert "loss_scale=" in fp16_run["out"] and "skipped=" in fp16_run["out"]
     for s in steps.values():
         assert math.isfinite(s["train/loss"]) and math.isfinite(s["train/grad_norm"]), s
         assert s["train/skipped_steps"] == 0
     # no overflow at 1024: the scale doubles after every 3 good steps (Megatron's DynamicGradScaler)
     assert [steps[k]["train/loss_scale"] for k in (1, 2, 3, 4)] == [1024.0, 1024.0, 2048.0, 2048.0]
+
+
+UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}  # 8 and 11 significant bits
+NOISE_RATIOS = ("k3_share", "mismatch_share")  # shares of a k3 that is rounding noise in the one-process run
+LAYOUTS = {  # name: (precision, processes, flags)
+    "bf16_tp2": ("bf16", 2, ("--bf16", "--tensor-model-parallel-size", "2")),
+    # one GRPO group per DP rank and step (4 samples of up to 24 tokens): one packed micro-batch of up to 96 tokens
+    "bf16_dp2_packed": ("bf16", 2, ("--bf16", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "96")),
+    "fp16_tp2": ("fp16", 2, (*FP16_SCALING, "--tensor-model-parallel-size", "2")),
+}
+
+
+def assert_close_to_16_bit_rounding(got: dict, want: dict, precision: str, tag: str) -> None:
+    """Steps 1-2 (the first rollout) of two runs in `precision`: the rollouts equal, the other metrics within
+    |got - want| <= 2u + (8u + 1/n)|want| (+ 1/n for a token fraction), u the dtype's unit roundoff, n the step's
+    trained tokens. Why: a 16-bit forward that reduces in another order (TP's split matmuls, packed rows) moves each
+    token's log-prob by about u (measured, TP=2 vs one process in bf16: mean 7e-4, at most 4e-3 nats), so what
+    averages log-probs (ppo_kl, KL, chi2, IS weights) moves by a few u in absolute terms and what multiplies them
+    (loss, gradient norm) by a few u relatively; and a token within rounding of the PPO clip or an IS bound can
+    land on its other side, moving a token fraction by 1/n and the loss and gradient norm by about its share."""
+    u = UNIT_ROUNDOFF[precision]
+    for step in (1, 2):
+        g, w = compared(got[step]), compared(want[step])
+        assert set(g) == set(w), f"{tag} step {step}: keys differ {set(g) ^ set(w)}"
+        n = w["rollout_corr/mis_valid_token_count"]
+        for key, value in w.items():
+            if key.startswith("rollout/") or value is None or g[key] is None:
+                assert g[key] == value, f"{tag} step {step} {key}: {g[key]} != {value}"
+            elif not key.endswith(NOISE_RATIOS):
+                tol = 2 * u + (8 * u + 1 / n) * abs(value) + (1 / n if "frac" in key else 0.0)
+                assert abs(g[key] - value) <= tol, f"{tag} step {step} {key}: {g[key]} != {value} (tol {tol:.3g})"
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_16_bit_parallel_layouts_log_what_one_process_logs(layout, bf16_run, fp16_run, tmp_path):
+    """TP=2, DP=2 with packed micro-batches: Megatron's mixed-precision optimizer reduces the fp32 main gradients
+    over DP, their norm and (fp16) the overflow check over TP, and the engine gets the 16-bit weights gathered from
+    the TP shards. Compared with the one-process run of the same precision (seed 7), the first rollout samples the
+    same tokens (the same initial weights) and its two steps log the same metrics to 16-bit rounding
+    (`assert_close_to_16_bit_rounding`). Measured worst differences there: bf16 TP=2 2.9e-3 absolute (chi2_seq)
+    and 1.1 % relative (grad norm), DP=2 packed 1.1 % (pg_loss), 3.6 % of a 0.016 ppo_kl (5.8e-4); fp16 TP=2 1.3e-4
+    and 0.15 %, about 8 times less (3 more bits); with seeds 8 and 9 the same or less, except that one of 64 tokens
+    crossed the PPO clip under fp16 (pg_clipfrac 1/64 apart, grad norm 1.2 %). The second rollout is not compared
+    number by number: Adam scales each element's update by that element's own gradient RMS, so elements whose
+    gradient is rounding noise step by ±lr either way, and after the first rollout's two steps 65 % (TP=2) and 41 %
+    (DP=2 packed) of the bf16 weights differ from the one-process run's (median 4 and 2 ulps, at most 0.038 = 4 lr):
+    the engine then samples other tokens, and the rewards differ."""
+    precision, nproc, flags = LAYOUTS[layout]
+    want = {"bf16": bf16_run, "fp16": fp16_run}[precision]
+    run = launch(tmp_path / layout, *flags, nproc=nproc)
+    out = run["out"]
+    assert f"({nproc} process(es))" in out and out.count("embedded engines") == 1
+    assert ("micro-batches: packed" in out) == ("packed" in layout)
+    assert sorted(run["steps"]) == sorted(want["steps"]) == [1, 2, 3, 4]
+    assert_close_to_16_bit_rounding(run["steps"], want["steps"], precision, layout)
+    for step in (3, 4):
+        g, w = compared(run["steps"][step]), compared(want["steps"][step])
+        assert set(g) == set(w), f"{layout} step {step}: keys differ {set(g) ^ set(w)}"
+        assert all(math.isfinite(v) for k, v in g.items() if k.startswith("train/") and isinstance(v, float)), g
+    for key in ("train/loss_scale", "train/skipped_steps"):  # fp16: the same scaler history, no overflow
+        assert [run["steps"][s][key] for s in (1, 2, 3, 4)] == [want["steps"][s][key] for s in (1, 2, 3, 4)], key
