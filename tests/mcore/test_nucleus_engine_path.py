@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_nucleus import ref_keep  # SGLang's kept set, from the full softmax
 
 from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.engines.embedded.sampling import sample_next_token
@@ -18,16 +19,6 @@ from slime_corr.mcore.nucleus import TRAINER_LOG_MASS, UNTRUNCATED_MASK, Truncat
 from slime_corr.rollout.nucleus import engine_nucleus
 
 B, S, V = 4, 12, 32
-
-
-def _keep(z: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
-    """SGLang's kept set of each row of logits/T `z`, by sorting the full softmax (rank < k, mass before ≤ top_p)."""
-    probs = torch.softmax(z, -1)
-    sorted_p, order = probs.sort(-1, descending=True)
-    kept = (sorted_p.cumsum(-1) - sorted_p) <= top_p
-    if top_k > 0:
-        kept[..., top_k:] = False
-    return torch.zeros_like(kept).scatter(-1, order, kept)
 
 
 def _truncated(z: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,9 +64,9 @@ def test_on_the_engine_path_the_is_log_ratio_is_exact(top_p, top_k, n, t):
                                  truncation=Truncation(top_p=top_p, top_k=top_k), temperature=t, keep_outputs=True,
                                  model_forward=lambda model, b: b["logits"])
     hook.compute_old_log_probs(object(), [batch])
-    keep_pi = _keep(pi / t, top_p, top_k)
+    keep_pi = ref_keep(pi / t, top_k, top_p)
     lp_old_trunc, log_m_old = _truncated(pi / t, batch["labels"], keep_pi)
-    _, log_m_mu = _truncated(mu / t, batch["labels"], _keep(mu / t, top_p, top_k))
+    _, log_m_mu = _truncated(mu / t, batch["labels"], ref_keep(mu / t, top_k, top_p))
     in_pi = keep_pi.gather(-1, batch["labels"][..., None])[..., 0]
     kept = (batch[UNTRUNCATED_MASK] > 0) & in_pi
     assert torch.equal(batch["loss_mask"] > 0, kept)
@@ -106,8 +97,8 @@ def test_bypass_renormalizes_by_the_engine_mass_where_known():
     hook = RolloutCorrectionLoss(RolloutCorrectionConfig.preset("pg_is"), groups=ParallelGroups(),
                                  truncation=Truncation(top_p=0.85), model_forward=lambda model, b: b["logits"])
     hook.loss_func(batch, pi.clone().requires_grad_())
-    _, log_m_mu = _truncated(mu, batch["labels"], _keep(mu, 0.85, -1))
-    _, log_m_pi = _truncated(pi, batch["labels"], _keep(pi, 0.85, -1))
+    _, log_m_mu = _truncated(mu, batch["labels"], ref_keep(mu, -1, 0.85))
+    _, log_m_pi = _truncated(pi, batch["labels"], ref_keep(pi, -1, 0.85))
     kept = batch["loss_mask"] > 0
     want = torch.where(known, raw - log_m_mu, raw - log_m_pi)
     torch.testing.assert_close(batch["rollout_log_probs"].double()[kept], want[kept], rtol=0, atol=2e-5)

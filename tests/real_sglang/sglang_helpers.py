@@ -21,17 +21,18 @@ from slime_corr.rollout import protocol
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mcore"))  # mcore_helpers (run_in_process)
 
 
-def megatron_logprobs(version_dir: str, sequences: list[tuple[list[int], list[int]]], temperature: float) -> list:
-    """Teacher-forced log-probs of each (prompt, response) under the trainer's model (Megatron GPTModel, fp32) and
-    its log-prob path (`vocab_parallel_log_probs`), in a one-rank gloo group in this process."""
+def teacher_forced(version_dir: str, sequences: list[tuple[list[int], list[int]]],
+                   per_sequence: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> list[torch.Tensor]:
+    """`per_sequence(logits, response)` for each (prompt, response), `logits` [len(response), V] the trainer's
+    (Megatron GPTModel, fp32, teacher-forced) at the response's positions, in a one-rank gloo group in this
+    process."""
     from mcore_helpers import run_in_process
 
-    result: list = []
+    result: list[torch.Tensor] = []
 
     def fn(rank: int, world: int) -> None:
         from mcore_helpers import init_layout
 
-        from slime_corr.mcore.logprobs import vocab_parallel_log_probs
         from slime_corr.mcore.model import TinyGPTArgs, build_tiny_gpt
 
         init_layout(1, 1)
@@ -41,12 +42,19 @@ def megatron_logprobs(version_dir: str, sequences: list[tuple[list[int], list[in
             ids = torch.tensor([prompt + response])
             with torch.no_grad():
                 logits = model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None], attention_mask=None)
-            lp = vocab_parallel_log_probs(logits[:, len(prompt) - 1:-1], ids[:, len(prompt):],
-                                          temperature=temperature)
-            result.append(lp[0])
+                result.append(per_sequence(logits[0, len(prompt) - 1:-1], response))
 
     run_in_process(fn)
     return result
+
+
+def megatron_logprobs(version_dir: str, sequences: list[tuple[list[int], list[int]]], temperature: float) -> list:
+    """Teacher-forced log-probs of each (prompt, response) under the trainer's model and its log-prob path
+    (`vocab_parallel_log_probs`)."""
+    from slime_corr.mcore.logprobs import vocab_parallel_log_probs
+
+    return teacher_forced(version_dir, sequences, lambda logits, response: vocab_parallel_log_probs(
+        logits[None], torch.tensor([response]), temperature=temperature)[0])
 
 
 # The modules that share real SGLang servers (conftest.shared_servers), by group: one pytest worker runs a group's

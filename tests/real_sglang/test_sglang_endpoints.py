@@ -14,9 +14,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 import torch
-from conftest import ServerSpec
 from safetensors.torch import load_file
-from sglang_helpers import megatron_logprobs, slowed_down, tokens_streamed
+from sglang_helpers import ServerSpec, megatron_logprobs, slowed_down, tokens_streamed
 
 from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.rollout import generate_sample

@@ -10,9 +10,8 @@ import asyncio
 
 import pytest
 import torch
-from conftest import ServerSpec
 from safetensors.torch import load_file
-from sglang_helpers import slowed_down, tokens_streamed
+from sglang_helpers import ServerSpec, slowed_down, tokens_streamed
 
 from slime_corr.models.bridge import write_hf_checkpoint
 from slime_corr.models.hf_checkpoint import load_hf_causal_lm

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import math
-from pathlib import Path
 
 import pytest
 import torch
-from sglang_helpers import ServerSpec
+from sglang_helpers import ServerSpec, teacher_forced
 
 from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.nucleus import NucleusRequest
@@ -36,26 +35,8 @@ def megatron_log_softmax(version_dir: str, sequences: list[tuple[list[int], list
                          ) -> list[torch.Tensor]:
     """log_softmax(logits / T) [response, V] at each response position, from the trainer's model (Megatron
     GPTModel, fp32, teacher-forced) in a one-rank gloo group in this process."""
-    from mcore_helpers import run_in_process
-
-    result: list[torch.Tensor] = []
-
-    def fn(rank: int, world: int) -> None:
-        from mcore_helpers import init_layout
-
-        from slime_corr.mcore.model import TinyGPTArgs, build_tiny_gpt
-
-        init_layout(1, 1)
-        model = build_tiny_gpt(TinyGPTArgs(vocab_size=256), ddp=False).eval()
-        model.load_state_dict(torch.load(Path(version_dir) / "megatron.pt", weights_only=True), strict=False)
-        for prompt, response in sequences:
-            ids = torch.tensor([prompt + response])
-            with torch.no_grad():
-                logits = model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None], attention_mask=None)
-            result.append(torch.log_softmax(logits[0, len(prompt) - 1:-1].double() / temperature, -1))
-
-    run_in_process(fn)
-    return result
+    return teacher_forced(version_dir, sequences,
+                          lambda logits, response: torch.log_softmax(logits.double() / temperature, -1))
 
 
 def test_top_k_the_engine_mass_is_its_own_top_k_sum_and_the_trainers(server, tiny_opt):
