@@ -27,13 +27,19 @@ def position_generator(seed: int, position: int) -> torch.Generator:
     return torch.Generator().manual_seed(mix_seed(seed, position))
 
 
+GREEDY_BELOW = 1e-6  # a temperature below this is greedy (SGLang's)
+
+
+def is_greedy(params: dict[str, Any]) -> bool:
+    return float(params.get("temperature", 1.0)) < GREEDY_BELOW
+
+
 def engine_log_probs(logits: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
     """What the engine reports log-probs from, [V]: ``log_softmax(logits / T)`` (float32 ``logits``); the raw
-    ``log_softmax(logits)`` when greedy (``T`` < 1e-6), as SGLang."""
-    temperature = float(params.get("temperature", 1.0))
-    if temperature < 1e-6:
+    ``log_softmax(logits)`` when greedy (`is_greedy`), as SGLang."""
+    if is_greedy(params):
         return torch.log_softmax(logits, dim=-1)
-    return torch.log_softmax(logits / temperature, dim=-1)
+    return torch.log_softmax(logits / float(params.get("temperature", 1.0)), dim=-1)
 
 
 def sample_token(logits: torch.Tensor, params: dict[str, Any], generator: torch.Generator | None
@@ -41,7 +47,7 @@ def sample_token(logits: torch.Tensor, params: dict[str, Any], generator: torch.
     """Sample one token from float32 ``logits`` [V] with SGLang's semantics; returns (token, `engine_log_probs`),
     the log-probs NOT renormalised after top-p / top-k / min-p filtering; ``T == 0`` is greedy."""
     logp = engine_log_probs(logits, params)
-    if float(params.get("temperature", 1.0)) < 1e-6:  # greedy
+    if is_greedy(params):
         return int(torch.argmax(logits)), logp
     # SGLang's filter, on the probabilities sorted once: top-p on the cumulative sum of the FULL distribution,
     # top-k by rank, min-p relative to the largest probability; then sample among what is left.
