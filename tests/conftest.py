@@ -92,7 +92,7 @@ def test_device(request: pytest.FixtureRequest) -> torch.device:
     return device
 
 
-SLOWEST_MODULES = 15
+SLOWEST_MODULES = int(os.environ.get("SLIME_CORR_SLOWEST_MODULES", "15"))  # 0: every module
 _module_seconds: defaultdict[str, float] = defaultdict(float)
 
 
@@ -103,7 +103,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if not _module_seconds or os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    slowest = sorted(_module_seconds.items(), key=lambda kv: -kv[1])[:SLOWEST_MODULES]
+    slowest = sorted(_module_seconds.items(), key=lambda kv: -kv[1])[:SLOWEST_MODULES or None]
     terminalreporter.section(f"slowest {len(slowest)} modules (set-up + call + tear-down of their tests)")
     for path, seconds in slowest:
         terminalreporter.write_line(f"{seconds:8.1f}s  {path}")

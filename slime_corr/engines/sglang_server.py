@@ -10,8 +10,8 @@ Which SGLang (`sglang_python`): ``--sglang-python PATH``, else this interpreter 
 machine's own install), else the CPU install that ``scripts/setup_sglang.sh`` makes in ``.venv-sglang/``.
 On CPU (``--device cpu``) the server runs with what SGLANG_ON_CPU.md measured: ``SGLANG_USE_CPU_ENGINE=1``, the
 stand-ins of ``sglang_cpu/`` first on PYTHONPATH (see its sitecustomize.py), torch-native attention, no overlap
-schedule, no server warm-up, a capped KV cache. Extra server flags (slime's ``--sglang-*`` pass-through) come last
-and win.
+schedule, no server warm-up, a capped KV cache, a scheduler that sleeps while idle. Extra server flags (slime's
+``--sglang-*`` pass-through) come last and win.
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ from slime_corr.engines.group import EngineProcess, startup_wait
 from slime_corr.rollout.weight_group import free_port
 
 CPU_STAND_INS = Path(__file__).resolve().parent / "sglang_cpu"
+# --sleep-on-idle: an idle scheduler otherwise spins through its self-checks and takes a whole core (10.1 CPU-s in
+# 10 s idle, 0.16 with it), the core the trainer beside it computes on
 CPU_SERVER_ARGS = ("--attention-backend", "torch_native", "--disable-overlap-schedule", "--skip-server-warmup",
-                   "--max-total-tokens", "16384")
+                   "--max-total-tokens", "16384", "--sleep-on-idle")
 SETUP_HINT = ("install it with `bash scripts/setup_sglang.sh` (CPU; into .venv-sglang/), or point --sglang-python "
               "at a Python that has sglang (GPU machines: pip install 'sglang[srt]'), or use --rollout-engine "
               "embedded")

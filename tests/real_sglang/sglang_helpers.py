@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import sys
 import time
 import urllib.request
@@ -105,6 +106,19 @@ def restore(url: str, model_path: str, version: str) -> None:
                 await client.sync_weights_from_disk(model_path, version)
 
     asyncio.run(go())
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU seconds (user + system) the live processes of process group `pgid` have used (Linux /proc): an SGLang
+    server leads its own group (its HTTP process, scheduler and detokenizer)."""
+    ticks = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[2]) == pgid:  # after ")": state ppid pgrp ... utime (index 11) stime (12)
+                    ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _post_json(url: str, path: str, body: dict) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
@@ -15,7 +16,7 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 from safetensors.torch import load_file
-from sglang_helpers import ServerSpec, megatron_logprobs, slowed_down, tokens_streamed
+from sglang_helpers import ServerSpec, group_cpu_seconds, megatron_logprobs, slowed_down, tokens_streamed
 
 from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.rollout import generate_sample
@@ -28,11 +29,14 @@ PROMPTS = [list(b"spell 42: "), list(b"spell 7: "), list(b"hello"), list(b"x")]
 LOGPROB_TOL = 1e-4  # fp32 server vs fp32 trainer (SGLANG_ON_CPU.md: 1.0-1.8e-5 measured)
 
 
+def _specs(tiny_opt) -> tuple[ServerSpec, ServerSpec]:
+    return (ServerSpec(tiny_opt["v0"], name="fp32"),
+            ServerSpec(tiny_opt["v0"], extra_args=("--incremental-streaming-output",), name="fp32-incremental"))
+
+
 @pytest.fixture(scope="module")
 def servers(shared_servers, tiny_opt):
-    a, b = shared_servers(ServerSpec(tiny_opt["v0"], name="fp32"),
-                          ServerSpec(tiny_opt["v0"], extra_args=("--incremental-streaming-output",),
-                                     name="fp32-incremental"))
+    a, b = shared_servers(*_specs(tiny_opt))
     return a.url, b.url
 
 
@@ -68,6 +72,17 @@ def test_generate_plain_and_both_streaming_modes_match_the_trainer(servers, tiny
         print(f"T={temperature}: max |lp_server - lp_trainer| = {worst:.2e} over "
               f"{sum(len(s.response_tokens) for s in plain + cumulative + incremental)} tokens")
         assert all(s.weight_versions == [("v0", 0, len(s.response_tokens))] for s in plain + incremental)
+
+
+def test_an_idle_server_sleeps(shared_servers, tiny_opt, servers):
+    """On CPU the server runs with --sleep-on-idle (CPU_SERVER_ARGS): without it an idle scheduler spins through
+    its self-checks and takes a whole core (10.1 CPU-s in 10 s, measured), the core the trainer beside it needs."""
+    server = shared_servers(*_specs(tiny_opt))[0]
+    time.sleep(1.0)  # the restore's request and its housekeeping done
+    before, start = group_cpu_seconds(server.proc.pid), time.monotonic()
+    time.sleep(3.0)
+    used, elapsed = group_cpu_seconds(server.proc.pid) - before, time.monotonic() - start
+    assert used < 0.15 * elapsed, f"an idle SGLang server used {used:.2f} CPU-s in {elapsed:.1f} s"
 
 
 def test_abort_by_rid_and_abort_all(servers):
