@@ -11,6 +11,7 @@ measures the peak memory of one call (net allocations seen by the profiler) and 
     python bench/vs_verl.py --threads 2 --repeats 41 --rows token_tis,reinforce --sizes 64x8192
     python bench/vs_verl.py --compile      # adds the --rollout-correction-compile path (fused torch.compile)
     python bench/vs_verl.py --device cuda --compile   # on a GPU (peak memory: torch.cuda's allocator)
+    python bench/vs_verl.py --revision HEAD --clock cpu   # this working tree against its last commit, bit for bit
 
 A ratio > 1 means slime_corr is faster (verl time / ours) or uses less memory (verl peak / ours).
 """
@@ -26,6 +27,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import types
 import zipfile
@@ -214,19 +216,52 @@ def make_inputs(batch: int, seq: int, seed: int = 0) -> dict[str, Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------- the two sides
-def run_ours(row: Row, x: dict[str, Tensor], config: RolloutCorrectionConfig | None = None) -> dict[str, Any]:
-    """One call with every metric on the host; returns weights, mask, metrics (and loss, grad for loss rows)."""
+THIS_CHECKOUT = types.SimpleNamespace(compute_rollout_correction=compute_rollout_correction,
+                                      compute_policy_loss=compute_policy_loss, metrics_to_host=metrics_to_host)
+
+
+def load_revision(revision: str) -> types.SimpleNamespace:
+    """`revision`'s slime_corr, imported as slime_corr_base (`vs_revision.import_revision`), as `run_ours` uses it."""
+    from vs_revision import import_revision  # bench/vs_revision.py
+
+    config, losses, correction = import_revision(revision, Path(tempfile.mkdtemp(prefix="vs_verl_revision_")))
+    return types.SimpleNamespace(compute_rollout_correction=correction.compute_rollout_correction,
+                                 compute_policy_loss=losses.compute_policy_loss,
+                                 metrics_to_host=correction.metrics_to_host, config_class=config.RolloutCorrectionConfig)
+
+
+def run_ours(row: Row, x: dict[str, Tensor], config: Any = None, side: types.SimpleNamespace = THIS_CHECKOUT
+             ) -> dict[str, Any]:
+    """One call with every metric on the host; returns weights, mask, metrics (and loss, grad for loss rows).
+    `side`: this checkout's slime_corr, or an earlier revision's (`load_revision`, with its own `config`)."""
     cfg = config or row.config
     if row.kind == "correction":
         with torch.no_grad():
-            res = compute_rollout_correction(x["old"], x["ro"], x["mask"], cfg)
-            return dict(weights=res.weights, mask=res.loss_mask, metrics=metrics_to_host(res.metrics))
+            res = side.compute_rollout_correction(x["old"], x["ro"], x["mask"], cfg)
+            return dict(weights=res.weights, mask=res.loss_mask, metrics=side.metrics_to_host(res.metrics))
     lp = x["lp"].detach().requires_grad_(True)
-    out = compute_policy_loss(lp, x["old"] if row.kind == "ppo" else None, x["ro"], x["adv"], x["mask"], cfg)
+    out = side.compute_policy_loss(lp, x["old"] if row.kind == "ppo" else None, x["ro"], x["adv"], x["mask"], cfg)
     out.loss.backward()
     corr = out.correction
     return dict(weights=corr.weights, mask=corr.loss_mask, loss=out.loss.detach(), grad=lp.grad,
-                metrics=metrics_to_host({**out.metrics, "loss": out.loss}))
+                metrics=side.metrics_to_host({**out.metrics, "loss": out.loss}))
+
+
+def bit_differences(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    """What differs between two `run_ours` results, bit for bit ([] = identical): tensors (dtype, shape, values;
+    NaN equals NaN), metric names in order and their host values."""
+    problems = []
+    for key in ours.keys() - {"metrics"}:
+        a, b = ours[key], theirs[key]
+        same = (a is None) == (b is None) and (a is None or (a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+            a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())))
+        if not same:
+            problems.append(key)
+    if list(ours["metrics"]) != list(theirs["metrics"]):
+        problems.append("metric names")
+    problems += [k for k, v in ours["metrics"].items() if k in theirs["metrics"] and not (
+        v == theirs["metrics"][k] or (v != v and theirs["metrics"][k] != theirs["metrics"][k]))]
+    return problems
 
 
 def run_verl(verl: types.SimpleNamespace, row: Row, x: dict[str, Tensor]) -> dict[str, Any]:
@@ -328,14 +363,16 @@ def _synced(fn: Callable[[], object]) -> object:
 
 def interleaved(fns: dict[str, Callable[[], object]], repeats: int, clock: Callable[[], float] = time.perf_counter
                 ) -> dict[str, float]:
-    """Median seconds per function; the functions alternate within each round so machine noise hits all alike."""
+    """Median seconds per function; the functions alternate within each round so machine noise hits all alike, in
+    forward order on even rounds and in reverse on odd ones (what runs just before a call changes its caches)."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    names = list(fns)
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
             t0 = clock()
-            fn()
+            fns[name]()
             times[name].append(clock() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
@@ -349,6 +386,8 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="also time --rollout-correction-compile (torch.compile)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="also time --rollout-correction-cuda-graph (the correction replayed from a CUDA graph)")
+    p.add_argument("--revision", metavar="REV", help="also time this checkout's slime_corr at git revision REV "
+                   "(e.g. HEAD, for uncommitted changes), after checking it gives bit-identical results")
     p.add_argument("--verl-version", default=VERL_VERSION)
     p.add_argument("--device", default="cpu", help="where the tensors live: cpu (default), cuda, cuda:1, ...")
     p.add_argument("--kernel-table", type=int, default=0, metavar="N",
@@ -361,6 +400,7 @@ def main() -> None:
     global DEVICE
     DEVICE = torch.device(args.device)
     verl = load_verl(args.verl_version)
+    revision = load_revision(args.revision) if args.revision else None
     all_rows = rows()
     selected = [all_rows[ROW_KEYS[k]] for k in args.rows.split(",")]
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
@@ -373,6 +413,8 @@ def main() -> None:
         head += " compiled ms | verl/compiled |"
     if args.cuda_graph:
         head += " graphed ms | verl/graphed |"
+    if revision is not None:
+        head += f" {args.revision} ms | {args.revision}/ours | ops {args.revision} |"
     if DEVICE.type == "cuda":  # torch.profiler: device activities, their summed time, host syncs (ours / verl)
         head += " kernels ours / verl | GPU busy ms ours / verl | syncs ours / verl |"
     print(head)
@@ -389,6 +431,10 @@ def main() -> None:
                                                               run_verl(verl, row, x), exact=False)]
             if graph_cfg is not None:
                 problems += [f"graphed {p}" for p in compare(row, run_ours(row, x, graph_cfg), run_verl(verl, row, x))]
+            if revision is not None:
+                revision_cfg = revision.config_class.from_dict(row.config.to_dict())
+                problems += [f"{args.revision} differs: {p}" for p in bit_differences(
+                    run_ours(row, x), run_ours(row, x, revision_cfg, revision))]
             if problems:
                 failed = True
                 print(f"| {row.name} | {b}x{s} | DIFFERENT: {'; '.join(problems)} |")
@@ -399,12 +445,14 @@ def main() -> None:
                 fns["compiled"] = partial(run_ours, row, x, compiled_cfg)
             if graph_cfg is not None:
                 fns["graphed"] = partial(run_ours, row, x, graph_cfg)
+            if revision is not None:
+                fns["revision"] = partial(run_ours, row, x, revision_cfg, revision)
             unsynced = fns
             if DEVICE.type == "cuda":  # the time until the device is done, not until the launches are queued
                 fns = {name: partial(_synced, fn) for name, fn in fns.items()}
             t = interleaved(fns, args.repeats, time.perf_counter if args.clock == "wall" else time.thread_time)
             mem = {name: peak_bytes(fn) / 2**20 for name, fn in fns.items()}
-            ops = {name: count_ops(fns[name]).total for name in ("ours", "verl")}
+            ops = {name: count_ops(fns[name]).total for name in ("ours", "verl", "revision") if name in fns}
             line = (f"| {row.name} | {b}x{s} | {t['ours'] * 1e3:.2f} | {t['verl'] * 1e3:.2f} | "
                     f"{t['verl'] / t['ours']:.2f}x | {mem['ours']:.1f} | {mem['verl']:.1f} | {ops['ours']} | "
                     f"{ops['verl']} |")
@@ -412,6 +460,8 @@ def main() -> None:
                 line += f" {t['compiled'] * 1e3:.2f} | {t['verl'] / t['compiled']:.2f}x |"
             if graph_cfg is not None:
                 line += f" {t['graphed'] * 1e3:.2f} | {t['verl'] / t['graphed']:.2f}x |"
+            if revision is not None:
+                line += f" {t['revision'] * 1e3:.2f} | {t['revision'] / t['ours']:.2f}x | {ops['revision']} |"
             if DEVICE.type == "cuda":
                 (ko, bo, so, top), (kv, bv, sv, _) = (cuda_profile(unsynced[name]) for name in ("ours", "verl"))
                 line += f" {ko} / {kv} | {bo:.2f} / {bv:.2f} | {so} / {sv} |"

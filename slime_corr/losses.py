@@ -22,7 +22,7 @@ its sequence.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, NamedTuple
@@ -141,10 +141,13 @@ class _PPO(torch.autograd.Function):
         loss, grad, kl_sum, ois_sum, clip_sum = maybe_compiled(ppo_terms, config)(
             lp, old, inputs.advantages, inputs.weights, inputs.token_mask, config.clip_range, config.eps_clip_c)
         n = inputs.count.clamp_min(1)
-        inputs.metrics["ppo_kl"] = kl_sum / n
-        if not config.use_rollout_logprobs:  # decoupled: the on-policy ratio pi_theta / pi_old ("ois")
-            inputs.metrics["ois"] = ois_sum.to(n.dtype) / n + 1.0
-        inputs.metrics["pg_clipfrac"] = clip_sum / n
+        decoupled = not config.use_rollout_logprobs  # the on-policy ratio pi_theta / pi_old ("ois") is logged
+        sums = [kl_sum, clip_sum, ois_sum.to(n.dtype)] if decoupled else [kl_sum, clip_sum]
+        means = (torch.stack(sums) / n).unbind()  # the token means, divided in one op
+        inputs.metrics["ppo_kl"] = means[0]
+        if decoupled:
+            inputs.metrics["ois"] = means[2] + 1.0
+        inputs.metrics["pg_clipfrac"] = means[1]
         ctx.save_for_backward(grad)
         return loss
 
@@ -375,9 +378,10 @@ def token_losses(inputs: LossInputs, config: RolloutCorrectionConfig, loss_fn: s
     the KL and entropy terms (`loss_term_tokens`)."""
     fn = loss_fn if callable(loss_fn) else LOSS_FUNCTIONS.get(loss_fn or config.loss_type, flag="--policy-loss-type")
     token_loss = fn(inputs, config)
-    lp = inputs.raw_log_probs
-    zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
-    masked = token_loss if fn in BUILTIN_LOSSES else torch.where(inputs.loss_mask, token_loss, zero)
+    masked = token_loss
+    if fn not in BUILTIN_LOSSES:  # the built-in ones are 0 outside the token mask already
+        lp = inputs.raw_log_probs
+        masked = torch.where(inputs.loss_mask, token_loss, torch.zeros((), dtype=lp.dtype, device=lp.device))
     if loss_terms is not None and loss_terms.active:
         masked = masked + loss_term_tokens(inputs, loss_terms, ref_log_probs, entropy)
     return masked
@@ -418,11 +422,16 @@ def loss_metrics(loss: Tensor, inputs: LossInputs, masks: LossMasks, correction:
     """The correction's metrics, the loss function's, the loss and the tokens it dropped for a non-finite lp,
     lp_old or A (`pg_nonfinite_token_count`) or advantage (`pg_nonfinite_advantage_count`)."""
     metrics: dict[str, Tensor] = dict(correction.metrics) if correction is not None else {}
-    metrics.update(inputs.metrics)
-    metrics["pg_loss"] = loss.detach()
-    metrics["pg_nonfinite_token_count"] = (masks.token_mask.sum() - inputs.count).to(torch.float64)
+    own = {**inputs.metrics, "pg_loss": loss.detach(), "pg_nonfinite_token_count": masks.token_mask.sum() - inputs.count}
+    metrics.update(zip(own, float64_scalars(own.values()), strict=True))
     metrics["pg_nonfinite_advantage_count"] = nonfinite_count(advantages, masks.valid)  # raised on by check_host_metrics
     return metrics
+
+
+def float64_scalars(values: Iterable[Tensor]) -> tuple[Tensor, ...]:
+    """One-element tensors (lp's dtype, float32, ...) as 0-dim float64 ones, detached, in one conversion: every
+    metric then has the dtype `metrics_to_host` stacks them in without converting them one by one."""
+    return torch.stack([v.reshape(()) if v.dim() else v for v in values]).detach().to(torch.float64).unbind()
 
 
 # ------------------------------------------------------------------------------------------ KL and entropy terms

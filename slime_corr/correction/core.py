@@ -55,6 +55,8 @@ from slime_corr.correction.reductions import (
     count_greater_,
     cp_sum_,
     device_constant,
+    float_not,
+    indicator,
     valid_float,
 )
 from slime_corr.correction.reporting import OPTIONAL_RATIOS
@@ -176,7 +178,7 @@ def _correction(log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor,
             inputs = WeightInputs(log_ratio=ratios.log_ratio, loss_mask=ratios.valid,
                                   seq_log_ratio_sum=seqs.log_ratio_sum, seq_token_count=seqs.token_count,
                                   cp_group=cp_group, dp_group=dp_group)
-        seq_keep = (~seqs.nonfinite).to(ratios.dtype)  # [n] 0/1; RS, divergence and veto follow
+        seq_keep = float_not(seqs.nonfinite, ratios.dtype)  # [n] 0/1; RS, divergence and veto follow
         if plan.builtin and config.tis_ess_target is not None:  # this call's U from the ESS target (one SUM)
             config = W.ess_bounded_config(inputs, config, seq_keep, seqs, layout, step_bounds, batch)
         kept = rejection_stage(inputs, ratios, seqs, seq_keep, config, plan, layout, step_bounds, batch)
@@ -296,7 +298,7 @@ def rejection_stage(inputs: WeightInputs | None, ratios: LogRatios, seqs: Sequen
         seq_keep = _zero_where(vetoed, seq_keep)
         kept_tokens = _zero_where(vetoed, rs_kept)
         batch.counts.update(n_cat_tok=seqs.usable * below, n_cat_seq=vetoed & seqs.usable)
-    kept = torch.stack([rs_kept, kept_tokens], -1) > 0  # rs_kept > 0 only in finite valid sequences
+    kept = indicator(torch.gt, torch.stack([rs_kept, kept_tokens], -1), 0.0)  # > 0 only in finite valid sequences
     batch.counts.update(n_fn_tok=rs_kept, n_fn_seq=kept[:, 0], n_final_tok=kept_tokens, n_final_seq=kept[:, 1])
     return Kept(token_keep, seq_keep, rs_kept, kept_tokens, kept[:, 1], custom_weights)
 
@@ -469,7 +471,7 @@ def correction_metrics(
     if not correct:
         return metrics
     metrics["mis_contributing_token_count"] = r["n_final_tok"]
-    metrics["mis_all_rejected"] = (r["n_final_tok"] == 0).to(torch.float64)
+    metrics["mis_all_rejected"] = indicator(torch.eq, r["n_final_tok"], 0.0, torch.float64)
     if "n_fn_bad_w" in r:
         metrics[CUSTOM_NONFINITE], metrics[CUSTOM_NEGATIVE] = r["n_fn_bad_w"], r["n_fn_neg_w"]
     if "w_u" in r:

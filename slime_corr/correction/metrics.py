@@ -95,7 +95,10 @@ def metrics_to_host(metrics: dict[str, Tensor], config: RolloutCorrectionConfig 
     if not metrics:
         return {}
     with torch.no_grad():
-        values = torch.stack([v.reshape(()) for v in metrics.values()]).to(torch.float64).tolist()
+        scalars = [v.reshape(()) if v.dim() else v for v in metrics.values()]  # most are 0-dim already: no op
+        if any(v.dtype != torch.float64 for v in scalars):  # a stack that converts dtypes copies input by input
+            scalars = [v.to(torch.float64) for v in scalars]
+        values = torch.stack(scalars).tolist()
     return check_host_metrics(dict(zip(metrics.keys(), values, strict=True)), config)
 
 
@@ -223,14 +226,14 @@ def mismatch_metrics(r: dict[str, Tensor], names: list[str], nums: list[Tensor],
                      ) -> dict[str, Tensor]:
     """The mismatch metrics of reduced statistics `r`, and every other ratio metric asked for in (`names`, `nums`,
     `dens`), divided in one go."""
-    n_tok, n_seq = r["n_tok"], r["n_seq"]
     num = torch.stack([r[k] for k in TOKEN_SUMS + SEQ_SUMS] + nums)
-    den = torch.cat([n_tok.expand(len(TOKEN_SUMS)), n_seq.expand(len(SEQ_SUMS))] + [d.reshape(1) for d in dens])
+    den = torch.stack([r["n_tok"]] * len(TOKEN_SUMS) + [r["n_seq"]] * len(SEQ_SUMS) + dens)
     means = _div(num, den)
-    tok = dict(zip(TOKEN_SUMS, means[:len(TOKEN_SUMS)].unbind(), strict=True))
-    seq = dict(zip(SEQ_SUMS, means[len(TOKEN_SUMS):len(TOKEN_SUMS) + len(SEQ_SUMS)].unbind(), strict=True))
+    values = means.unbind()
+    tok = dict(zip(TOKEN_SUMS, values[:len(TOKEN_SUMS)], strict=True))
+    seq = dict(zip(SEQ_SUMS, values[len(TOKEN_SUMS):len(TOKEN_SUMS) + len(SEQ_SUMS)], strict=True))
     first, second = means[4:7], means[7:10]  # [d, p_t, p_r] and their second moments
-    sd = torch.addcmul(second, first, first, value=-1.0).clamp_min_(0).sqrt_()
+    sd = torch.addcmul(second, first, first, value=-1.0).clamp_min_(0).sqrt_().unbind()
     cov = tok["tok_ptr"] - tok["tok_pt"] * tok["tok_pr"]
     denom = sd[1] * sd[2]
     pearson = (cov / denom).masked_fill_(denom <= 1e-20, 0.0).clamp_(-1, 1)
@@ -252,7 +255,7 @@ def mismatch_metrics(r: dict[str, Tensor], names: list[str], nums: list[Tensor],
         "rollout_probs_diff_std": sd[0],
         "rollout_actor_probs_pearson_corr": pearson,
     }
-    out.update(zip(names, means[len(TOKEN_SUMS) + len(SEQ_SUMS):].unbind(), strict=True))
+    out.update(zip(names, values[len(TOKEN_SUMS) + len(SEQ_SUMS):], strict=True))
     return out
 
 

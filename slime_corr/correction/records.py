@@ -87,7 +87,7 @@ class Kept(NamedTuple):
     seq_keep: Tensor  # [n] 0/1: sequence-level rejection (non-finite, sequence RS, divergence, veto)
     rs_kept_tokens: Tensor  # [n] tokens kept before the veto (the weighting function, RS and divergence)
     kept_tokens: Tensor  # [n] tokens kept after the veto too
-    kept_seqs: Tensor  # [n] bool: kept_tokens > 0
+    kept_seqs: Tensor  # [n] 0/1 floats (the compute dtype): kept_tokens > 0
     custom_weights: Tensor | None  # a custom function's weights (they come with its mask)
 
 

@@ -51,6 +51,13 @@ def indicator(op: Callable[..., Tensor], x: Tensor, other: Tensor | float, dtype
     return op(x, other, out=torch.empty(x.shape, dtype=dtype, device=x.device))
 
 
+def float_not(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """`~mask` of a bool mask as 0/1 floats of `dtype`, written by one op (no bool tensor in between)."""
+    if torch.compiler.is_compiling():
+        return (~mask).to(dtype)
+    return torch.logical_not(mask, out=torch.empty(mask.shape, dtype=dtype, device=mask.device))
+
+
 def row_products(x: Tensor) -> Tensor:
     """[B, k, S] -> [B, k, k]: Σ_s x[b, i, s]·x[b, j, s], every row product of k stacked [B, S] quantities at once.
     Eager: one batched matmul (one read of x instead of k² passes); under torch.compile: a fused reduction."""
@@ -146,6 +153,15 @@ def global_sum(x: Tensor, cp_group: ProcessGroup = None, dp_group: ProcessGroup 
     return x
 
 
+def _float64_vector(value: Tensor) -> Tensor:
+    """`value` as a detached 1-D float64 tensor, with no op (not even a view) where it is one already."""
+    if value.requires_grad:
+        value = value.detach()
+    if value.dtype != torch.float64:
+        value = value.to(torch.float64)
+    return value if value.dim() == 1 else value.reshape(-1)
+
+
 class BatchStats:
     """Collects 0-dim/1-dim batch statistics and reduces them all at once over DP x CP.
 
@@ -160,7 +176,7 @@ class BatchStats:
         self._vectors: list[tuple[str, Tensor]] = []  # summed histograms
 
     def add_sum(self, name: str, value: Tensor) -> None:
-        value = value.detach().to(torch.float64).reshape(-1)
+        value = _float64_vector(value)
         if value.numel() == 1:
             self._scalars["sum"].append(((name,), value))
         else:
@@ -168,13 +184,13 @@ class BatchStats:
 
     def add_sums(self, names: tuple[str, ...], values: Tensor) -> None:
         """Several scalar sums at once: `values[i]` is the sum called `names[i]`."""
-        self._scalars["sum"].append((tuple(names), values.detach().to(torch.float64).reshape(-1)))
+        self._scalars["sum"].append((tuple(names), _float64_vector(values)))
 
     def add_max(self, name: str, value: Tensor) -> None:
-        self._scalars["max"].append(((name,), value.detach().to(torch.float64).reshape(1)))
+        self._scalars["max"].append(((name,), _float64_vector(value)))
 
     def add_min(self, name: str, value: Tensor) -> None:
-        self._scalars["min"].append(((name,), value.detach().to(torch.float64).reshape(1)))
+        self._scalars["min"].append(((name,), _float64_vector(value)))
 
     def reduce(self, cp_group: ProcessGroup = None, dp_group: ProcessGroup = None) -> dict[str, Tensor]:
         groups = active_groups(cp_group, dp_group)

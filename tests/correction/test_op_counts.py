@@ -20,13 +20,13 @@ import torch
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 BUDGETS = {  # bench/vs_verl.py ROW_KEYS -> most ops per call
-    "token_tis": 179,
-    "seq_tis": 177,
-    "geo_rs": 93,
-    "token_tis_bn": 186,
+    "token_tis": 177,
+    "seq_tis": 174,
+    "geo_rs": 91,
+    "token_tis_bn": 184,
     "metrics": 79,
-    "ppo": 251,  # +5 with the NaN/inf advantage count (issue 32)
-    "reinforce": 214,
+    "ppo": 249,  # +5 with the NaN/inf advantage count (issue 32)
+    "reinforce": 212,
 }
 VERL = {"token_tis": 227, "seq_tis": 216, "geo_rs": 235, "token_tis_bn": 239, "metrics": 96, "ppo": 325, "reinforce": 246}
 
