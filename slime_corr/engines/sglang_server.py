@@ -41,6 +41,10 @@ SETUP_HINT = ("install it with `bash scripts/setup_sglang.sh` (CPU; into .venv-s
               "at a Python that has sglang (GPU machines: pip install 'sglang[srt]'), or use --rollout-engine "
               "embedded")
 STOP_GRACE_S = 5.0
+PORT_TRIES = 3
+# py-spy and CUDA core dumps of a crashing server (on by default in SGLang): neither exists on CPU
+CRASH_DIAGNOSTICS = ("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH")
+BIND_FAILED = "error while attempting to bind on address"  # uvicorn's words when the port is taken (errno 98)
 WARMUP_SLICE_S = 10.0  # seconds per try of the warm-up /generate (an interrupt is seen between tries)
 TORCHRUN_VARIABLES = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT"})
@@ -88,6 +92,8 @@ class SGLangServerConfig:
                if k not in TORCHRUN_VARIABLES and not k.startswith("TORCHELASTIC_")}
         if self.device == "cpu":
             env["SGLANG_USE_CPU_ENGINE"] = "1"
+            for diagnostic in CRASH_DIAGNOSTICS:  # a stop (SIGTERM) waited 5 s for GPU activity to settle
+                env.setdefault(diagnostic, "0")
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_STAND_INS), env.get("PYTHONPATH")) if p)
             env["SLIME_CORR_SERVER_PARENT"] = str(os.getpid())  # sglang_cpu/_parent_watch.py
         return env
@@ -120,27 +126,58 @@ def _has_sglang(python: str) -> bool:
 
 @contextlib.contextmanager
 def launch_sglang_server(config: SGLangServerConfig, *, name: str = "sglang") -> Iterator[EngineProcess]:
-    """Start one server (see the module doc); yields its handle once it serves. Stopped on exit."""
-    port = free_port()
+    """Start one server (see the module doc); yields its handle once it serves. Stopped on exit.
+
+    The port is probed free, then bound by the server tens of seconds later (its imports): when something took it
+    meanwhile (uvicorn's "address already in use"), the server is stopped and started again on another port."""
     config.log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = config.log_dir / f"{name}-{port}.log"
-    url = f"http://127.0.0.1:{port}"
-    with open(log_path, "wb") as log:
-        log.write(("$ " + " ".join(config.command(port)) + "\n").encode())
-        log.flush()
-        proc = subprocess.Popen(config.command(port), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=config.environment(), start_new_session=True)  # its own process group
+    for attempt in range(1, PORT_TRIES + 1):
+        port = free_port()
+        log_path = config.log_dir / f"{name}-{port}.log"
+        url = f"http://127.0.0.1:{port}"
+        with open(log_path, "wb") as log:
+            log.write(("$ " + " ".join(config.command(port)) + "\n").encode())
+            log.flush()
+            proc = subprocess.Popen(config.command(port), stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=config.environment(),
+                                    start_new_session=True)  # its own process group
+        try:
+            _wait_until_serving(url, proc, log_path, config.startup_timeout)
+            break
+        except _PortTaken:
+            stop_process_group(proc)
+            if attempt == PORT_TRIES:
+                raise SGLangLaunchError(f"the SGLang server could not bind a free port in {PORT_TRIES} tries; its "
+                                        f"last log ({log_path}) ends with:\n{_tail(log_path)}") from None
+        except BaseException:
+            stop_process_group(proc)
+            raise
     try:
-        _wait_until_serving(url, proc, log_path, config.startup_timeout)
         yield EngineProcess(url, proc, log_path=log_path)
     finally:
         stop_process_group(proc)
+
+
+class _PortTaken(Exception):
+    """The server's port was taken between the probe and its bind."""
+
+
+def _check_bound(log_path: Path) -> None:
+    """Raise _PortTaken if the server failed to bind its port (it then lingers ~10 s before it exits, and whatever
+    holds the port may answer /health in its place: checked again after the warm-up)."""
+    try:
+        failed = BIND_FAILED in log_path.read_text(errors="replace")
+    except OSError:
+        failed = False
+    if failed:
+        raise _PortTaken
 
 
 def _wait_until_serving(url: str, proc: subprocess.Popen, log_path: Path, timeout: float) -> None:
     """Poll /health (bounded by `timeout`), then one warm-up /generate of one token."""
     deadline = time.monotonic() + timeout
     while True:
+        _check_bound(log_path)
         if proc.poll() is not None:
             raise SGLangLaunchError(f"the SGLang server for {url} exited with code {proc.returncode} while starting; "
                                     f"its log ({log_path}) ends with:\n{_tail(log_path)}")
@@ -156,8 +193,10 @@ def _wait_until_serving(url: str, proc: subprocess.Popen, log_path: Path, timeou
         try:
             with urllib.request.urlopen(request, timeout=WARMUP_SLICE_S) as r:
                 r.read()
+            _check_bound(log_path)
             return
         except (urllib.error.URLError, TimeoutError, OSError) as e:
+            _check_bound(log_path)
             timed_out = isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError)
             if not timed_out or time.monotonic() > deadline:
                 raise SGLangLaunchError(f"the SGLang server at {url} failed its warm-up /generate ({e}); its log "

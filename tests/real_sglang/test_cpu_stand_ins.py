@@ -61,6 +61,8 @@ def test_a_server_launched_from_a_torchrun_rank_does_not_inherit_its_rendezvous(
     env = SGLangServerConfig(model_path="unused", python="python", device="cpu").environment()
     assert not {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"} & set(env)
     assert env["OMP_NUM_THREADS"] == "1" and env["SGLANG_USE_CPU_ENGINE"] == "1"
+    # no py-spy / CUDA core dump on CPU: SGLang would wait 5 s "for GPU activity to settle" at every stop
+    assert env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "0"
 
 
 # A launcher that starts a "server" the way launch_sglang_server does (its own session, the launcher's environment
