@@ -1,26 +1,30 @@
 """Every endpoint the client uses, against the REAL SGLang 0.5.23 server on CPU (two fp32 servers for the module:
 A streams cumulatively, SGLang's default; B with --incremental-streaming-output), serving the trainer's tiny model
 as its OPT checkpoint. Log-probs are checked against the trainer's own teacher-forced log-probs (Megatron GPTModel,
-fp32, `vocab_parallel_log_probs`)."""
+fp32, `vocab_parallel_log_probs`). The servers' start-up is tested first: a port taken before a server binds it."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import socket
 import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from sglang_helpers import ServerSpec, group_cpu_seconds, megatron_logprobs, slowed_down, tokens_streamed
 
+from slime_corr.engines import sglang_server
 from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.rollout import generate_sample
 from slime_corr.rollout.sample import Sample, SampleStatus
+from slime_corr.rollout.weight_group import free_port
 from slime_corr.rollout.weight_sync import DistributedWeightSync
 
 pytestmark = pytest.mark.cost(150)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
@@ -60,6 +64,27 @@ def _check_against_trainer(version_dir: str, samples: list[Sample], temperature:
         worst = max(worst, float((s.rollout_log_probs - r.float()).abs().max()))
     assert worst <= LOGPROB_TOL, worst
     return worst
+
+
+def test_a_port_taken_before_the_bind_starts_the_server_again_elsewhere(shared_servers, tiny_opt, monkeypatch):
+    """A server binds its port tens of seconds after the launcher probed it free (its imports come first); CI18 lost
+    a module's servers to a port taken meanwhile. The fault is real: a listening socket holds the first port the
+    probe returns, the real server fails to bind it, and the launcher starts it again on another port. This test
+    starts the group's servers (it runs first; a no-op stop otherwise)."""
+    shared_servers.stop_all()
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()  # held, not served: a request to it waits, as to a busy process's port
+    taken = holder.getsockname()[1]
+    ports = iter([taken])
+    monkeypatch.setattr(sglang_server, "free_port", lambda: next(ports, None) or free_port())
+    try:
+        started = shared_servers(*_specs(tiny_opt))
+    finally:
+        holder.close()
+    assert all(s.url != f"http://127.0.0.1:{taken}" and s.proc.poll() is None for s in started)
+    (failed,) = Path(started[0].log_path).parent.glob(f"*-{taken}.log")  # the first try of one of them
+    assert sglang_server.BIND_FAILED in failed.read_text(errors="replace")  # the real server's own words
 
 
 def test_generate_plain_and_both_streaming_modes_match_the_trainer(servers, tiny_opt):
