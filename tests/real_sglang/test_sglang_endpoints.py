@@ -70,7 +70,7 @@ def test_a_port_taken_before_the_bind_starts_the_server_again_elsewhere(shared_s
     """A server binds its port tens of seconds after the launcher probed it free (its imports come first); CI18 lost
     a module's servers to a port taken meanwhile. The fault is real: a listening socket holds the first port the
     probe returns, the real server fails to bind it, and the launcher starts it again on another port. This test
-    starts the group's servers (it runs first; a no-op stop otherwise)."""
+    starts the group's servers: it stops them first if a module before it started them (in CI it runs first)."""
     shared_servers.stop_all()
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
