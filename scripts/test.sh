@@ -9,7 +9,7 @@
 #
 # Tests run in PYTEST_WORKERS processes (default 2; 0 = in this process), one test file per worker at a time
 # (pytest-xdist --dist loadfile: a module's shared SGLang server or Megatron state stays in one process; the
-# modules of tests/real_sglang share one worker and their servers), the modules marked with their cost first,
+# modules of a real-SGLang server group share one worker and its servers), the modules marked with their cost first,
 # longest first (tests/conftest.py), so that the workers end together. The main job's runs and the tests' gloo
 # worlds are processes forked from one that has imported the project (tests/job_runner.py), not fresh
 # interpreters: on two cores the imports were most of the suite's time.

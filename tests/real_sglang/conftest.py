@@ -121,7 +121,7 @@ class SharedServers:
         return [self.running[s.name][1] for s in specs]
 
     def stop_all(self) -> None:
-        """Stop every server (an idle SGLang server's scheduler still takes ~20 % of a core)."""
+        """Stop every server (~3 GB each, and a group's servers are not needed after its last module)."""
         while self.running:
             stop_process_group(self.running.popitem()[1][1].proc)
 

@@ -7,8 +7,6 @@ in flight for >= 4.8 s, longer than a training step on any machine: the update l
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from sglang_helpers import ServerSpec, slowed_down
 from test_sglang_trainer import RUN_TIMEOUT, metrics, versions
@@ -16,8 +14,6 @@ from test_sglang_trainer import RUN_TIMEOUT, metrics, versions
 from tests.job_runner import run_main_job
 
 pytestmark = pytest.mark.cost(40)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
