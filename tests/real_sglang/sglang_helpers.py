@@ -108,17 +108,23 @@ def restore(url: str, model_path: str, version: str) -> None:
     asyncio.run(go())
 
 
-def group_cpu_seconds(pgid: int) -> float:
-    """CPU seconds (user + system) the live processes of process group `pgid` have used (Linux /proc): an SGLang
-    server leads its own group (its HTTP process, scheduler and detokenizer)."""
-    ticks = 0
+def group_processes(pgid: int) -> dict[int, tuple[str, float]]:
+    """{pid: (command line, CPU seconds used: user + system)} of the live processes of process group `pgid` (Linux
+    /proc): an SGLang server leads its own group (its HTTP process, scheduler and detokenizer)."""
+    found = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError):
                 fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
                 if int(fields[2]) == pgid:  # after ")": state ppid pgrp ... utime (index 11) stime (12)
-                    ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
+                    command = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+                    found[int(entry)] = (command, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+    return found
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU seconds the live processes of process group `pgid` have used (`group_processes`)."""
+    return sum(cpu for _, cpu in group_processes(pgid).values())
 
 
 def _post_json(url: str, path: str, body: dict) -> None:
