@@ -1,6 +1,7 @@
-"""Every main-job command line of the README and the docs pages runs as written (with `--num-rollout 1` and a
-`--run-dir` appended), the torchrun ones included: the commands are read from README.md and docs/*.md (`doc_pages`),
-so an edited page is tested as it reads.
+"""Every main-job command line of the README and the docs pages runs as written (with `--num-rollout 1` in place of
+its own and a `--run-dir` appended; commands that differ only in their --num-rollout run once), the torchrun ones
+included: the commands are read from README.md and docs/*.md (`doc_pages`), so an edited page is tested as it
+reads.
 
 The engine: the main job's command (`bash scripts/run.sh`), the tensor-parallel one (its TP shards are gathered into
 the weights the server loads), those that name `--rollout-engine` and the pretrained ones (marked slow) run on the
@@ -64,13 +65,24 @@ def _engine_flags(command: str) -> str:
     return "" if as_written else " --rollout-engine embedded"
 
 
+def _as_run(command: str) -> str:
+    """The command line the test runs for `command`: its own `--num-rollout N` dropped (the test's
+    `--num-rollout 1` replaces it), `_engine_flags` added. Commands that differ only in their --num-rollout run once."""
+    return re.sub(r" --num-rollout \d+", "", command) + _engine_flags(command)
+
+
 def _run(command: str, run_dir: Path, out: dict) -> None:
-    full = f"{command} --num-rollout 1 --run-dir {run_dir}{_engine_flags(command)}"
+    full = f"{_as_run(command)} --num-rollout 1 --run-dir {run_dir}"
     proc = subprocess.run(full, shell=True, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
     out[command] = proc
 
 
 def _run_all(commands: list[str], tmp_path: Path) -> dict:
+    """{command: its process}, two at a time; of commands that run the same line (`_as_run`), the first."""
+    first: dict[str, str] = {}
+    for command in commands:
+        first.setdefault(_as_run(command), command)
+    commands = list(first.values())
     results: dict = {}
     for i in range(0, len(commands), 2):
         threads = [threading.Thread(target=_run, args=(c, tmp_path / f"run{i + j}", results))
