@@ -14,7 +14,7 @@
 pushes new fp32 weights to all of them, interleaved: from disk (the baseline: ``torch.save`` of the checkpoint +
 ``/update_weights_from_disk`` on every engine) and over a gloo process group (``/update_weights_from_distributed``,
 one flattened bucket per ``--sync-bucket-mb``), each time pause -> update -> flush -> continue.
-``engines`` (not in the default sections: it starts a real SGLang server, ~3 GB and 20-60 s on 2 cores): the
+``engines`` (not in the default sections: it starts a real SGLang server, ~1 GB and ~10 s on 2 cores): the
 real SGLang server vs the embedded engine, both started by the trainer's launch interface (``start_engines``: the
 SGLang server in its own process group, the embedded engine in this process as the trainer runs it), both in bf16
 serving the SAME weights: the trainer's tiny model shape (``TinyGPTArgs``, ``--engine-layers``/``--engine-hidden``)

@@ -6,7 +6,7 @@ reads.
 The engine: the main job's command (`bash scripts/run.sh`), the tensor-parallel one (its TP shards are gathered into
 the weights the server loads), those that name `--rollout-engine` and the pretrained ones (marked slow) run on the
 engine they get as written (the real SGLang server by default). The others (DP, CP, async) also get
-`--rollout-engine embedded`: what they add is the trainer's layout, and a real server per command (~3 GB, ~20 s of
+`--rollout-engine embedded`: what they add is the trainer's layout, and a real server per command (~1 GB, ~10 s of
 start-up, two at a time next to torchrun ranks) made this test the longest in CI.
 
 `PY` points the scripts at this interpreter (no install); `torchrun` is this interpreter's. Commands that train a

@@ -1,8 +1,9 @@
 """Fixtures for the tests against the REAL SGLang server (sglang 0.5.23 on CPU, installed by
 scripts/setup_sglang.sh into .venv-sglang/; scripts/test.sh installs it before the tests).
 
-A server takes ~3 GB and 20-60 s of CPU to start on 2 cores: servers are shared by the modules of the run
-(`shared_servers`, one per spec name) or by the tests of a module (`launch`), and stopped by their PID.
+A tiny model's server takes ~1 GB (PSS) and ~10 CPU-s to start (docs/engines.md): servers are shared by the
+modules of the run (`shared_servers`, one per spec name) or by the tests of a module (`launch`), and stopped by their
+PID.
 Without an SGLang install the tests skip with the reason on a developer machine, and FAIL under CI (CI=true): CI
 must run them.
 
@@ -121,7 +122,7 @@ class SharedServers:
         return [self.running[s.name][1] for s in specs]
 
     def stop_all(self) -> None:
-        """Stop every server (~3 GB each, and a group's servers are not needed after its last module)."""
+        """Stop every server (~1 GB each, and a group's servers are not needed after its last module)."""
         while self.running:
             stop_process_group(self.running.popitem()[1][1].proc)
 
