@@ -16,8 +16,8 @@ detokenizer it forks (below) inherit what it did. No file of sglang is edited. I
 - below: the scheduler and the detokenizer are forked from the server's main process, not spawned. sglang asks for
   "spawn" (``_set_envs_and_config``), which CUDA needs; on CPU a spawned process imports sglang, torch and
   transformers again: of a tiny model's start, 23 CPU-s and 18 s (main 8.2, scheduler 8.4, detokenizer 6.7 CPU-s),
-  forked 10 CPU-s and 11 s. Only this process's own threads (``_parent_watch``) are not carried into a fork:
-  the children need none of them.
+  forked 10 CPU-s and 11 s. A fork carries only the thread that forks: the children lose ``_parent_watch``'s
+  thread, which only the group's leader runs anyway.
 """
 
 import importlib.abc
