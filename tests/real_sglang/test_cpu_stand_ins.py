@@ -88,7 +88,8 @@ def _alive(pid: int) -> bool:
 def test_a_server_stops_itself_when_its_launcher_is_killed():
     """A trainer killed by SIGKILL cannot stop its servers; each stops itself (sglang_cpu/_parent_watch.py), and
     not while the trainer lives. The "server" is a plain Python with the server's environment: the watch is in the
-    stand-ins' sitecustomize, which every server process imports."""
+    stand-ins' sitecustomize, which the server's main process imports (its scheduler and detokenizer are
+    forked from it)."""
     import os
     import signal
     import sys
