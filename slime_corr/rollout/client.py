@@ -17,6 +17,8 @@ NaN log-probs, inconsistent stream      fresh sample from the same policy is sti
                                         reaches a sample
 abort without status (abort / pause)    returned as a result with ``finish_type == "abort"`` and the partial
                                         output; the driver (:mod:`.rollout`) applies the pause policy
+the caller is cancelled (an early       the attempt is cancelled again until it has ended
+stop, Ctrl-C)                           (``cancel_for_certain``: aiohttp can lose a cancel)
 ======================================  =========================================================
 
 After ``RetryPolicy.max_attempts`` attempts the call raises :class:`GenerationError` with the last reason.
