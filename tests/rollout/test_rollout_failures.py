@@ -32,19 +32,28 @@ def test_failure_kind(reason, kind):
     assert failure_kind(reason) == kind
 
 
-def test_a_rollout_over_the_failed_share_stops_early_naming_each_kind_and_server():
-    """A third server holds its requests (no answer, and a read timeout longer than the test): the rollout must stop
-    while they are in flight, on any machine (two fast-failing servers alone could all end before the stop)."""
+def _stopped_early(read_timeout: float) -> tuple[RolloutFailedError, float, str, str]:
+    """A rollout of 16 samples (at most 25 % may fail) over a server answering HTTP 500, one answering malformed
+    JSON and one holding its requests (no answer within `read_timeout`): (its error, seconds until it was raised,
+    the 500 server's URL, the malformed one's)."""
     with run_fault_server(mode="http500") as (bad, _), run_fault_server(mode="non_json") as (odd, _), \
             run_fault_server(mode="hang_generate") as (held, _):
         async def go():
-            async with SGLangClient([bad, odd, held], read_timeout=120.0, request_timeout=120.0, retry=RETRY) as c:
+            async with SGLangClient([bad, odd, held], read_timeout=read_timeout, request_timeout=read_timeout,
+                                    retry=RETRY) as c:
                 return await generate_group_samples(c, [[1, 2, 3]] * 4, 4, {"max_new_tokens": 4},
                                                     max_failed_fraction=0.25)
 
+        start = time.monotonic()
         with pytest.raises(RolloutFailedError) as e:
             asyncio.run(go())
-    err = e.value
+        return e.value, time.monotonic() - start, bad, odd
+
+
+def test_a_rollout_over_the_failed_share_stops_early_naming_each_kind_and_server():
+    """A third server holds its requests (no answer, and a read timeout longer than the test): the rollout must stop
+    while they are in flight, on any machine (two fast-failing servers alone could all end before the stop)."""
+    err, _, bad, odd = _stopped_early(read_timeout=120.0)
     assert err.early and err.total == 16 and 4 < len(err.failed) < 16  # stopped with the held requests in flight
     assert all(s.status == SampleStatus.FAILED for s in err.failed)
     text = str(err)
@@ -71,19 +80,9 @@ def test_the_early_stop_ends_requests_whose_first_cancel_is_lost(monkeypatch):
             return await request  # the cancel is lost: the request runs on
 
     monkeypatch.setattr(SGLangClient, "_attempt", losing_the_first_cancel)
-    with run_fault_server(mode="http500") as (bad, _), run_fault_server(mode="non_json") as (odd, _), \
-            run_fault_server(mode="hang_generate") as (held, _):
-        async def go():
-            async with SGLangClient([bad, odd, held], read_timeout=30.0, request_timeout=30.0, retry=RETRY) as c:
-                return await generate_group_samples(c, [[1, 2, 3]] * 4, 4, {"max_new_tokens": 4},
-                                                    max_failed_fraction=0.25)
-
-        start = time.monotonic()
-        with pytest.raises(RolloutFailedError) as e:
-            asyncio.run(go())
-        seconds = time.monotonic() - start
+    err, seconds, _, _ = _stopped_early(read_timeout=30.0)
     assert seconds < 15, f"the early stop took {seconds:.1f} s: a held request ran on after its cancel"
-    assert e.value.early and "timeout" not in str(e.value)
+    assert err.early and "timeout" not in str(err)
 
 
 def test_failures_under_the_threshold_end_the_rollout_normally():
