@@ -163,7 +163,7 @@ def test_engine_control_bodies_are_sglangs(api_types, tiny_ckpt):
         assert set(loads) >= {"timestamp", "version", "loads"} and set(loads["loads"][0]) == LOAD_KEYS
         assert set(_call(url, "GET", "/get_load")[2][0]) == {"dp_rank", "num_reqs", "num_waiting_reqs",
                                                              "num_tokens"}
-        put = _call(url, "PUT", "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2},
+        put = _call(url, "PUT", "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True},
                                                "return_logprob": True})
         api_types.GenerateResponse.from_json_value(put[2])
         assert _call(url, "POST", "/pause_generation", {"mode": "in_place"})[2] == {
@@ -185,7 +185,7 @@ def test_engine_control_bodies_are_sglangs(api_types, tiny_ckpt):
                 await busy
                 async with s.post(url + "/release_memory_occupation", json={"tags": ["weights"]}) as r:
                     released = r.status, await r.json()
-                held = asyncio.create_task(c.generate([3, 4], {"max_new_tokens": 3}))
+                held = asyncio.create_task(c.generate([3, 4], {"max_new_tokens": 3, "ignore_eos": True}))
                 await asyncio.sleep(0.2)
                 was_held = not held.done() and [r.admitted for r in h.engine.active.values()] == [False]
                 async with s.post(url + "/resume_memory_occupation", json={"tags": ["bogus"]}) as r:

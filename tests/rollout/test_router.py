@@ -176,7 +176,7 @@ def test_failed_control_calls_leave_the_client_usable(routed, tiny_ckpt, tmp_pat
                 with pytest.raises(ControlError, match="update_weights_from_disk.*Failed to update weights"):
                     await c.sync_weights_from_disk(str(tmp_path), "never")
                 state = c.paused, mixed.paused, [h.engine.paused for h in routed.engines]
-                out = await asyncio.wait_for(c.generate(PROMPT, {"max_new_tokens": 4}), 30)
+                out = await asyncio.wait_for(c.generate(PROMPT, {"max_new_tokens": 4, "ignore_eos": True}), 30)
                 return state, out, await c.weight_versions()
 
         (client_paused, mixed_paused, engines_paused), out, versions = asyncio.run(go())
