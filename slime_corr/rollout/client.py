@@ -31,7 +31,6 @@ seconds, then fails: never a silent hang.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import random
@@ -42,6 +41,7 @@ from typing import Any
 import aiohttp
 
 from slime_corr.rollout.control import ControlPlane
+from slime_corr.rollout.http import cancel_for_certain
 from slime_corr.rollout.nucleus import NucleusRequest
 from slime_corr.rollout.protocol import (
     GenerateOutput,
@@ -59,27 +59,6 @@ RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 # SGLANG_TIMEOUT_KEEP_ALIVE) closes it, so a request does not go out on a connection the server is closing
 # (aiohttp's default keeps them 15 s: ServerDisconnectedError, seen on control requests between weight syncs)
 KEEPALIVE_TIMEOUT = 4.0
-
-CANCEL_REPEAT_S = 0.05  # seconds between the cancels of a request that has not ended yet
-
-
-async def cancel_for_certain(coro: Any) -> Any:
-    """Await `coro` in a task of its own; when the caller is cancelled, cancel that task again every
-    CANCEL_REPEAT_S until it has ended, then raise CancelledError. aiohttp (3.14.5, Python 3.11) can lose a cancel
-    that lands at a certain point of a request, which then ran on to its read timeout: a rollout's early stop waited
-    the 120 s of a held request (5 times in ~330 under load). The request's own timeouts bound the repeats."""
-    task = asyncio.ensure_future(coro)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        while not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):  # a cancel of ours again: keep waiting for the task
-                await asyncio.wait({task}, timeout=CANCEL_REPEAT_S)
-        if not task.cancelled():
-            task.exception()  # retrieved: its error is not the caller's any more
-        raise
-
 
 class GenerationError(Exception):
     """A /generate call that ended without a usable result; ``reason`` says why, ``attempts`` how many tries.

@@ -11,20 +11,22 @@ Every control call goes to each live worker concurrently and either succeeds on 
 does not answer and fails a health probe is *dead*: it leaves the client's worker set (and its router's, via
 ``DELETE /workers/{id}``), is listed in :attr:`ControlPlane.dead`, and later calls go on without it; a call with
 no live worker left fails. Calls that change the client's state restore it when they fail: a failed ``pause``
-continues the workers and releases the requests the client holds back.
+continues the workers and releases the requests the client holds back. A control call that its caller cancels
+(a timeout, an early stop, Ctrl-C) ends then, not at its own timeout (``http.cancel_for_certain``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiohttp
+
+from slime_corr.rollout.http import cancel_for_certain, read_body
 
 PROBE_TIMEOUT = 3.0  # seconds a health probe or a discovery request may take
 # A weight update may take the client's control_timeout plus this per GB it carries: loading from disk or receiving a
@@ -117,11 +119,11 @@ class ControlPlane:
         if params:
             kw["params"] = params
         try:
-            return await self._send(method, f"{url}{path}", kw)
+            return await cancel_for_certain(self._send(method, f"{url}{path}", kw))
         except aiohttp.ServerDisconnectedError:
             # a kept-alive connection the server closed as the request went out, unread (SGLang's uvicorn closes
             # idle ones after 5 s): sent once more; a server that is gone refuses that one
-            return await self._send(method, f"{url}{path}", kw)
+            return await cancel_for_certain(self._send(method, f"{url}{path}", kw))
 
     async def _send(self, method: str, url: str, kw: dict[str, Any]) -> tuple[int, Any]:
         async with self._get_session().request(method, url, **kw) as resp:
@@ -529,8 +531,7 @@ class ControlPlane:
         """Register a worker with the router at ``self.urls[0]`` (``POST /workers``, older: /add_worker)."""
         status, body = await self._post(self.urls[0], "/workers", {"url": worker_url})
         if status == 404:
-            async with self._get_session().post(f"{self.urls[0]}/add_worker", params={"url": worker_url}) as r:
-                status, body = r.status, await read_body(r)
+            status, body = await self._request("POST", self.urls[0], "/add_worker", params={"url": worker_url})
         if status >= 300:
             raise ControlError("/workers", {self.urls[0]: f"add {worker_url}: HTTP {status} {body}"})
         self._workers_of = None  # rediscover
@@ -548,12 +549,3 @@ def _folder_bytes(path: str) -> int:
     """Bytes of the files in the folder `path` (not recursive: a checkpoint's weight files)."""
     with os.scandir(path) as entries:
         return sum(e.stat().st_size for e in entries if e.is_file())
-
-
-async def read_body(resp: aiohttp.ClientResponse) -> Any:
-    """The response's JSON, or its text when it is not JSON (SGLang's flush answers plain text)."""
-    raw = await resp.read()
-    try:
-        return json.loads(raw) if raw else None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return raw.decode("utf-8", errors="replace")

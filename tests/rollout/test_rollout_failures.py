@@ -11,7 +11,7 @@ import time
 import pytest
 
 from slime_corr.rollout.client import RetryPolicy, SGLangClient, failure_kind
-from slime_corr.rollout.control import EnginesDownError
+from slime_corr.rollout.control import ControlPlane, EnginesDownError
 from slime_corr.rollout.rollout import RolloutFailedError, generate_group_samples, with_health_watch
 from slime_corr.rollout.sample import SampleStatus
 
@@ -50,6 +50,17 @@ def _stopped_early(read_timeout: float) -> tuple[RolloutFailedError, float, str,
         return e.value, time.monotonic() - start, bad, odd
 
 
+def _losing_the_first_cancel(call):
+    """`call` (an async method) run as a request that loses the first cancel it gets (runs on), as aiohttp can."""
+    async def wrapper(self, *args, **kwargs):
+        request = asyncio.ensure_future(call(self, *args, **kwargs))
+        try:
+            return await asyncio.shield(request)
+        except asyncio.CancelledError:
+            return await request
+    return wrapper
+
+
 def test_a_rollout_over_the_failed_share_stops_early_naming_each_kind_and_server():
     """A third server holds its requests (no answer, and a read timeout longer than the test): the rollout must stop
     while they are in flight, on any machine (two fast-failing servers alone could all end before the stop)."""
@@ -70,19 +81,28 @@ def test_the_early_stop_ends_requests_whose_first_cancel_is_lost(monkeypatch):
     attempt: the only stand-in in this test). The client cancels again until the request ends
     (`cancel_for_certain`): the rollout still stops while the held requests are in flight, long before their
     30 s read timeout."""
-    attempt = SGLangClient._attempt
-
-    async def losing_the_first_cancel(self, *args, **kwargs):
-        request = asyncio.ensure_future(attempt(self, *args, **kwargs))
-        try:
-            return await asyncio.shield(request)
-        except asyncio.CancelledError:
-            return await request  # the cancel is lost: the request runs on
-
-    monkeypatch.setattr(SGLangClient, "_attempt", losing_the_first_cancel)
+    monkeypatch.setattr(SGLangClient, "_attempt", _losing_the_first_cancel(SGLangClient._attempt))
     err, seconds, _, _ = _stopped_early(read_timeout=30.0)
     assert seconds < 15, f"the early stop took {seconds:.1f} s: a held request ran on after its cancel"
     assert err.early and "timeout" not in str(err)
+
+
+def test_a_cancelled_control_call_ends_even_when_its_first_cancel_is_lost(monkeypatch):
+    """The same race in a control call (pause, weight updates, aborts: every request `ControlPlane._request` sends):
+    a caller that gives up on it (a timeout here; an early stop or Ctrl-C in a run) must not wait out the call's own
+    30 s timeout. The server holds every POST; every control request loses its first cancel on purpose (the only
+    stand-in). Without `cancel_for_certain` around the request this took 30 s."""
+    monkeypatch.setattr(ControlPlane, "_send", _losing_the_first_cancel(ControlPlane._send))
+    with run_fault_server(mode="posts_hang") as (url, _):
+        async def go() -> float:
+            async with SGLangClient(url, control_timeout=30.0) as c:
+                start = time.monotonic()
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(c.continue_generation(), 0.5)
+                return time.monotonic() - start
+
+        seconds = asyncio.run(go())
+    assert seconds < 10, f"the cancelled control call took {seconds:.1f} s"
 
 
 def test_failures_under_the_threshold_end_the_rollout_normally():
