@@ -20,7 +20,7 @@ import re
 import socket
 import subprocess
 import sys
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -78,19 +78,16 @@ def _run(command: str, run_dir: Path, out: dict) -> None:
 
 
 def _run_all(commands: list[str], tmp_path: Path) -> dict:
-    """{command: its process}, two at a time; of commands that run the same line (`_as_run`), the first."""
+    """{command: its process}, two at a time (the next starts when one ends); of commands that run the same line
+    (`_as_run`), the first. The i-th command's run directory is `tmp_path / f"run{i}"`."""
     first: dict[str, str] = {}
     for command in commands:
         first.setdefault(_as_run(command), command)
-    commands = list(first.values())
     results: dict = {}
-    for i in range(0, len(commands), 2):
-        threads = [threading.Thread(target=_run, args=(c, tmp_path / f"run{i + j}", results))
-                   for j, c in enumerate(commands[i:i + 2])]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = [pool.submit(_run, c, tmp_path / f"run{i}", results) for i, c in enumerate(first.values())]
+    for run in runs:
+        run.result()  # a command that could not be started (or timed out) raises here
     return results
 
 
