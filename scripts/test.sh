@@ -17,6 +17,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 MCORE019_VERSION=0.19.2
 WORKERS=${PYTEST_WORKERS:-2}
+# One thread per process (torch's intra-op pool, in the pytest workers and everything they start: SGLang servers,
+# torchrun ranks): the workers keep both cores busy, and a 2-thread pool on a busy core waits at every op for its
+# other thread (bench/cpu_threads.py: a SmolLM2-sized decode loop made 98 calls/s with 1 thread and 1.6 with 2 beside
+# two busy processes; a CI run under load lost a throttled SGLang server that produced no token for 50 s).
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 bash scripts/setup_sglang.sh >/dev/null &  # beside .venv's install: pip leaves a core idle
 SETUP_SGLANG=$!
 trap 'kill "$SETUP_SGLANG" 2>/dev/null || true' EXIT  # a failed run leaves no install behind it
