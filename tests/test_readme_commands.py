@@ -71,10 +71,9 @@ def _as_run(command: str) -> str:
     return re.sub(r" --num-rollout \d+", "", command) + _engine_flags(command)
 
 
-def _run(command: str, run_dir: Path, out: dict) -> None:
+def _run(command: str, run_dir: Path) -> subprocess.CompletedProcess:
     full = f"{_as_run(command)} --num-rollout 1 --run-dir {run_dir}"
-    proc = subprocess.run(full, shell=True, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
-    out[command] = proc
+    return subprocess.run(full, shell=True, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
 
 
 def _run_all(commands: list[str], tmp_path: Path) -> dict:
@@ -83,12 +82,9 @@ def _run_all(commands: list[str], tmp_path: Path) -> dict:
     first: dict[str, str] = {}
     for command in commands:
         first.setdefault(_as_run(command), command)
-    results: dict = {}
     with ThreadPoolExecutor(max_workers=2) as pool:
-        runs = [pool.submit(_run, c, tmp_path / f"run{i}", results) for i, c in enumerate(first.values())]
-    for run in runs:
-        run.result()  # a command that could not be started (or timed out) raises here
-    return results
+        runs = {c: pool.submit(_run, c, tmp_path / f"run{i}") for i, c in enumerate(first.values())}
+    return {c: run.result() for c, run in runs.items()}  # a command that timed out raises here
 
 
 def _pretrained(command: str) -> bool:

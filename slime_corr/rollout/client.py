@@ -60,6 +60,7 @@ RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 # (aiohttp's default keeps them 15 s: ServerDisconnectedError, seen on control requests between weight syncs)
 KEEPALIVE_TIMEOUT = 4.0
 
+
 class GenerationError(Exception):
     """A /generate call that ended without a usable result; ``reason`` says why, ``attempts`` how many tries.
 

@@ -163,7 +163,8 @@ def test_engine_control_bodies_are_sglangs(api_types, tiny_ckpt):
         assert set(loads) >= {"timestamp", "version", "loads"} and set(loads["loads"][0]) == LOAD_KEYS
         assert set(_call(url, "GET", "/get_load")[2][0]) == {"dp_rank", "num_reqs", "num_waiting_reqs",
                                                              "num_tokens"}
-        put = _call(url, "PUT", "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True},
+        put = _call(url, "PUT", "/generate", {"input_ids": [1, 2],
+                                               "sampling_params": {"max_new_tokens": 2, "ignore_eos": True},
                                                "return_logprob": True})
         api_types.GenerateResponse.from_json_value(put[2])
         assert _call(url, "POST", "/pause_generation", {"mode": "in_place"})[2] == {

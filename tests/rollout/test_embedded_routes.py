@@ -260,7 +260,8 @@ def test_response_format_stream_and_batches(moe):
         events = _stream(url, {**body, "routed_experts_start_len": start})
         assert words in events[0]["error"]["message"] and events[-1] == "[DONE]"
     # a batch: each answer its own routes; SGLang's lax boolean; a list is refused
-    status, both = _post(url, {"input_ids": [PROMPTS[0], PROMPTS[2]], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True},
+    status, both = _post(url, {"input_ids": [PROMPTS[0], PROMPTS[2]],
+                               "sampling_params": {"max_new_tokens": 3, "ignore_eos": True},
                                "return_routed_experts": "yes"})
     assert status == 200
     assert [_ints(b["meta_info"]).size for b in both] == [(4 + 3 - 1) * 4, (1 + 3 - 1) * 4]
@@ -306,7 +307,8 @@ def test_aborted_running_and_waiting_requests(moe):
 
 
 def test_not_enabled_and_dense_models(moe_dirs, tiny_ckpt):
-    body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}, "return_routed_experts": True}
+    body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True},
+            "return_routed_experts": True}
     with _serve(moe_dirs["default"], dtype=torch.bfloat16, enable_return_routed_experts=False) as off:
         status, res = _post(off.url, body)
         assert status == 200 and "routed_experts" not in res["meta_info"]  # ignored, as without the server flag
