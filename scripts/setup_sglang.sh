@@ -40,11 +40,11 @@ if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$stamp_id" ];
   exit 0
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-pip_quiet "$VENV/bin/python" -m pip install -q --upgrade pip >&2 || true
+pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" --upgrade pip >&2 || true
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-  pip_quiet "$VENV/bin/python" -m pip install -q "torch==2.13.0" >&2
+  pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" "torch==2.13.0" >&2
 fi
-pip_quiet "$VENV/bin/python" -m pip install -q --no-deps "sglang==$SGLANG_VERSION" >&2
-pip_quiet "$VENV/bin/python" -m pip install -q "torch==2.13.0" "${PACKAGES[@]}" >&2
+pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" --no-deps "sglang==$SGLANG_VERSION" >&2
+pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" "torch==2.13.0" "${PACKAGES[@]}" >&2
 echo "$stamp_id" > "$STAMP"
 echo "$VENV/bin/python"

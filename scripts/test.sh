@@ -22,6 +22,9 @@ WORKERS=${PYTEST_WORKERS:-2}
 # other thread (bench/cpu_threads.py: a SmolLM2-sized decode loop made 98 calls/s with 1 thread and 1.6 with 2 beside
 # two busy processes; a CI run under load lost a throttled SGLang server that produced no token for 50 s).
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# Python keeps the bytecode of what it imports (.pyc files): the installs then skip byte-compiling every module
+# (scripts/pip_quiet.sh: NO_COMPILE), and the first process that imports a module compiles it for all the others.
+unset PYTHONDONTWRITEBYTECODE
 bash scripts/setup_sglang.sh >/dev/null &  # beside .venv's install: pip leaves a core idle
 SETUP_SGLANG=$!
 trap 'kill "$SETUP_SGLANG" 2>/dev/null || true' EXIT  # a failed run leaves no install behind it
@@ -42,7 +45,7 @@ sys.exit(m.version('megatron-core') != '$MCORE019_VERSION')" 2>/dev/null; then
     rm -rf "$OVERLAY"
     source scripts/pip_quiet.sh
     # 0.19.x declares Python >= 3.12 (its wheel runs on 3.11); its dependencies are .venv's
-    pip_quiet "$PY" -m pip install -q --target "$OVERLAY" --no-deps --ignore-requires-python \
+    pip_quiet "$PY" -m pip install -q "${NO_COMPILE[@]}" --target "$OVERLAY" --no-deps --ignore-requires-python \
       "megatron-core==$MCORE019_VERSION" triton >&2
   fi
   # the four-process layouts run on one megatron-core version: the version-dependent calls (schedules, DDP,
