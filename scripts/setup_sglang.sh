@@ -46,5 +46,12 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
 fi
 pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" --no-deps "sglang==$SGLANG_VERSION" >&2
 pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" "torch==2.13.0" "${PACKAGES[@]}" >&2
+# Installed without bytecode (NO_COMPILE, scripts/pip_quiet.sh): compile what a server's processes import, once, here
+# (with the CPU stand-ins, as slime_corr/engines/sglang_server.py starts it), instead of in each server that starts
+if [ ${#NO_COMPILE[@]} -gt 0 ]; then
+  SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=slime_corr/engines/sglang_cpu "$VENV/bin/python" -c "import sglang.launch_server
+import sglang.srt.managers.scheduler, sglang.srt.managers.detokenizer_manager, sglang.srt.model_executor.model_runner" \
+    >/dev/null 2>&1 || true
+fi
 echo "$stamp_id" > "$STAMP"
 echo "$VENV/bin/python"
