@@ -31,6 +31,16 @@ trap 'kill "$SETUP_SGLANG" 2>/dev/null || true' EXIT  # a failed run leaves no i
 PY=$(EXTRAS=dev bash scripts/setup_env.sh)
 SECOND_RUN=$([ $# -eq 0 ] || [ -n "${MCORE019:-}" ] && echo 1 || true)
 OVERLAY=.mcore019
+# megatron-core 0.19 for the second run, while SGLang still installs
+if [ -n "$SECOND_RUN" ] && ! PYTHONPATH=$OVERLAY "$PY" -c "import importlib.metadata as m, sys
+sys.exit(m.version('megatron-core') != '$MCORE019_VERSION')" 2>/dev/null; then
+  rm -rf "$OVERLAY"
+  source scripts/pip_quiet.sh
+  # 0.19.x declares Python >= 3.12 (its wheel runs on 3.11); its dependencies are .venv's
+  pip_quiet "$PY" -m pip install -q "${NO_COMPILE[@]}" --target "$OVERLAY" --no-deps --ignore-requires-python \
+    "megatron-core==$MCORE019_VERSION" triton >&2
+  PYTHONPATH=$OVERLAY "$PY" -c "import megatron.core.models.gpt" >/dev/null 2>&1 || true  # its bytecode, once
+fi
 "$PY" -m ruff check .
 # The real SGLang server for tests/real_sglang (CPU build, .venv-sglang/), installed while .venv was. If it cannot be
 # installed the run goes on and those tests say why: they skip on a developer machine and fail under CI (CI=true).
@@ -40,14 +50,6 @@ PARALLEL=()
 "$PY" -m pytest -q "${PARALLEL[@]}" --durations=15 "$@"  # and the slowest 15 modules (tests/conftest.py)
 if [ -n "$SECOND_RUN" ]; then
   echo "== tests/mcore on megatron-core $MCORE019_VERSION ($OVERLAY over .venv)"
-  if ! PYTHONPATH=$OVERLAY "$PY" -c "import importlib.metadata as m, sys
-sys.exit(m.version('megatron-core') != '$MCORE019_VERSION')" 2>/dev/null; then
-    rm -rf "$OVERLAY"
-    source scripts/pip_quiet.sh
-    # 0.19.x declares Python >= 3.12 (its wheel runs on 3.11); its dependencies are .venv's
-    pip_quiet "$PY" -m pip install -q "${NO_COMPILE[@]}" --target "$OVERLAY" --no-deps --ignore-requires-python \
-      "megatron-core==$MCORE019_VERSION" triton >&2
-  fi
   # the four-process layouts run on one megatron-core version: the version-dependent calls (schedules, DDP,
   # finalize_model_grads) are the same at two processes
   PYTHONPATH=$OVERLAY "$PY" -m pytest -q "${PARALLEL[@]}" tests/mcore \
