@@ -50,7 +50,8 @@ pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" "torch==2.13.0
 # (with the CPU stand-ins, as slime_corr/engines/sglang_server.py starts it), instead of in each server that starts
 if [ ${#NO_COMPILE[@]} -gt 0 ]; then
   SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=slime_corr/engines/sglang_cpu "$VENV/bin/python" -c "import sglang.launch_server
-import sglang.srt.managers.scheduler, sglang.srt.managers.detokenizer_manager, sglang.srt.model_executor.model_runner" \
+import sglang.srt.entrypoints.http_server, sglang.srt.managers.scheduler, sglang.srt.managers.detokenizer_manager
+import sglang.srt.model_executor.model_runner, sglang.srt.models.registry  # the registry imports every model" \
     >/dev/null 2>&1 || true
 fi
 echo "$stamp_id" > "$STAMP"
