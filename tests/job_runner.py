@@ -127,10 +127,14 @@ class MainJob:
         ends the others (SIGTERM, then SIGKILL after 30 s), as torchrun does."""
         if self.returncode is not None:
             return self.returncode
-        failed = next((p.exitcode for p in self.ranks if p.exitcode not in (None, 0)), None)
+        # one reading of the exit codes: a rank that ends between two readings was taken for a success (CI35 saw a
+        # job that printed its error and exited 1 reported as exit 0)
+        codes = [p.exitcode for p in self.ranks]
+        failed = next((code for code in codes if code not in (None, 0)), None)
         if failed is not None and len(self.ranks) > 1:
             _stop(self.ranks, _GRACE_S)
-        if all(p.exitcode is not None for p in self.ranks):
+            codes = [p.exitcode for p in self.ranks]
+        if all(code is not None for code in codes):
             for p in self.ranks:
                 p.join()
             self.returncode = failed if failed is not None else 0  # -N for a signal N, as in Popen
