@@ -371,9 +371,8 @@ def communication_checked(world: int) -> set[str]:
     each expectation it asserts (a custom weighting function, rejection, budgets) and of each loss aggregation and
     chunking: the other cases' counts are those of their class, and each of them is counted under the two-process
     layouts. Every case still trains a whole step under every layout."""
-    names = [name for name, _, _ in cases()]
     if world < 4:
-        return set(names)
+        return {name for name, _, _ in cases()}
     first: dict[tuple, str] = {}
     for name, cfg, opts in cases():
         expectation = (bool(cfg.custom_tis_function_path), cfg.rejects,
