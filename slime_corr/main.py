@@ -24,7 +24,7 @@ from slime_corr.trainer import interrupts  # the standard library only: before t
 
 if __name__ == "__main__":
     interrupts.exit_at_once("slime_corr.main")  # until main() starts anything, a Ctrl-C just exits (130)
-elif __name__ == "__mp_main__":  # a "spawn" child re-importing this module (Megatron's checkpoint writer manager):
+elif __name__ == "__mp_main__":  # a "spawn" child re-importing this module (an asynchronous Megatron save's manager):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the job's to handle; the job ends it
 
 import argparse

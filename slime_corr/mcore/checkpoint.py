@@ -12,13 +12,18 @@ Megatron's optimizer of --bf16 / --fp16: its own `sharded_state_dict`, fp32 main
 loaded only at the same world size) and one object only rank 0 has (`rank0_state`, e.g. what the rollout driver
 holds), saved from rank 0 and given back to every rank.
 
-Measured here: with megatron-core 0.16 and gloo the torch_dist strategy saves and loads on CPU; it hands the
-write results to a `multiprocessing` manager started with "spawn", so the launching script must guard its entry
-point (`if __name__ == "__main__":`) as `python -m` modules do.
+Measured here: with megatron-core 0.16 and gloo the torch_dist strategy saves and loads on CPU. Its writer hands
+the write results back through a queue that megatron-core (0.16 and 0.19) serves from a `multiprocessing` manager
+started with "spawn": a fresh interpreter that imports the launching module again, here the whole job (measured: 5
+CPU-s and 0.4 GB per rank, and the first save waits ~5 s for it). A synchronous save writes and reads them in this
+process, so `save_checkpoint` gives it a plain queue instead (`_write_results_in_process`) and no manager starts.
 """
 
 from __future__ import annotations
 
+import contextlib
+import queue
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +88,25 @@ def _sharded_state(module: torch.nn.Module, optimizer: Any, common: dict[str, An
             **ranks, "common": common}
 
 
+@contextlib.contextmanager
+def _write_results_in_process() -> Iterator[None]:
+    """The torch_dist writer's results queue as a plain `queue.Queue` for one synchronous save (module doc): its
+    writer puts the results and its finalization reads them, both in this process. The module's own queue (None
+    until an asynchronous save made one) is put back after. Without that module attribute (another megatron-core
+    release) the save makes its own queue, as before."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not hasattr(filesystem_async, "_results_queue"):
+        yield
+        return
+    kept = filesystem_async._results_queue
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = kept
+
+
 def save_checkpoint(root: str | Path, iteration: int, module: torch.nn.Module, optimizer: Any,
                     common: dict[str, Any], rank_state: Any = None, rank0_state: Any = None) -> Path:
     """Save on every rank (collective); the tracker names `iteration` once all ranks are done. `module` is the
@@ -93,7 +117,8 @@ def save_checkpoint(root: str | Path, iteration: int, module: torch.nn.Module, o
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state(module, optimizer, common, rank_state, rank0_state), str(path))
+    with _write_results_in_process():
+        dist_checkpointing.save(_sharded_state(module, optimizer, common, rank_state, rank0_state), str(path))
     dist.barrier()
     if dist.get_rank() == 0:
         tmp = Path(root) / (TRACKER_FILE + ".tmp")

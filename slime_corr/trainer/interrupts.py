@@ -8,8 +8,9 @@ calls it before it starts anything) puts `_on_signal` on both signals:
   `raise_if_interrupted()`, called at the loop's safe points, raises it again;
 - inside `deferred()` (a checkpoint write) a signal is remembered and raised when the block ends, so a checkpoint is
   never torn. A terminal's Ctrl-C reaches every process of the job, also the ones Megatron's save starts: its
-  writers (forked: killed mid-file, their parent would wait for them forever) and its results-queue manager (spawned:
-  killed while it starts, the save fails). Both start from inside the block with SIGINT blocked in the main thread's
+  writers (forked: killed mid-file, their parent would wait for them forever) and, where megatron-core starts one
+  (`save_checkpoint` gives it an in-process queue instead), its results-queue manager (spawned: killed while it
+  starts, the save fails). Both start from inside the block with SIGINT blocked in the main thread's
   signal mask, which a child inherits (also across exec): they never see it. The job's own SIGINT is taken by
   another of its threads, or by the main thread once the block ends. multiprocessing's resource tracker, started by
   the first spawn of a process, unblocks SIGINT in the thread that starts it (`ensure_running`): the block starts it

@@ -11,6 +11,7 @@ reference's micro-batch r, so the sums are the same two terms).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -353,6 +354,41 @@ def test_dist_checkpointing_round_trip_of_the_megatron_optimizer(tmp_path: Path)
     directory = tmp_path / "iter_0000002"
     directory.mkdir()  # dist_checkpointing.save writes into an existing directory
     run_in_process(_dist_checkpointing_round_trip, str(directory))
+
+
+def _save_starts_no_process(rank: int, world: int, root: str) -> None:
+    import multiprocessing
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from slime_corr.mcore.checkpoint import load_checkpoint, save_checkpoint
+    from slime_corr.mcore.model import build_tiny_gpt
+
+    init_layout(1, 1)
+    model = build_tiny_gpt(ARGS, ddp=False)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    model(input_ids=torch.tensor([[1, 2, 3]]), position_ids=torch.arange(3)[None], attention_mask=None).sum().backward()
+    optimizer.step()
+    children = set(multiprocessing.active_children())
+    save_checkpoint(root, 1, model, optimizer, {"step": 1}, rank_state="r0", rank0_state={"pending": [1]})
+    # megatron-core's own results queue was never made (this process saved nothing before), so no manager process
+    # was spawned for it (a spawned manager stays alive as a child of this process)
+    assert filesystem_async._results_queue is None
+    assert set(multiprocessing.active_children()) == children, multiprocessing.active_children()
+    resumed = build_tiny_gpt(dataclasses.replace(ARGS, seed=ARGS.seed + 1), ddp=False)  # other weights until loaded
+    resumed_optimizer = torch.optim.Adam(resumed.parameters(), lr=LR)
+    assert load_checkpoint(root, resumed, resumed_optimizer) == (1, {"step": 1}, "r0", {"pending": [1]})
+    for (name, want), got in zip(model.state_dict().items(), resumed.state_dict().values(), strict=True):
+        if isinstance(want, torch.Tensor):
+            assert torch.equal(got, want), name
+    assert resumed_optimizer.state_dict()["state"][0]["step"] == 1
+
+
+def test_a_checkpoint_save_starts_no_process_and_loads_back(tmp_path: Path):
+    """`save_checkpoint` hands megatron-core's writer an in-process results queue (mcore/checkpoint.py): the save
+    starts no manager process (a fresh interpreter that imported the whole job again), and the checkpoint loads. In a
+    process of its own: one that saved before (this module's round trip) holds megatron-core's queue already."""
+    spawn(_save_starts_no_process, 1, str(tmp_path / "ckpt"))
 
 
 # --- DP=2 ----------------------------------------------------------------------------------------------------------

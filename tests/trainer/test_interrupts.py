@@ -101,8 +101,8 @@ if __name__ == "__main__":
 
 
 def test_a_process_spawned_inside_a_deferred_block_starts_with_sigint_blocked(tmp_path):
-    """Megatron's results-queue manager is spawned inside the save; the spawn also starts multiprocessing's resource
-    tracker, which unblocks SIGINT in its caller. A fresh interpreter, so that the tracker is not running yet (CI:
+    """A process spawned inside a save (megatron-core's results-queue manager, where it starts one); the spawn also
+    starts multiprocessing's resource tracker, which unblocks SIGINT in its caller. A fresh interpreter, so that the tracker is not running yet (CI:
     a terminal's Ctrl-C reached the manager while it still imported multiprocessing: a traceback)."""
     script = tmp_path / "spawn_in_block.py"
     script.write_text(SPAWN_IN_A_DEFERRED_BLOCK)
