@@ -65,8 +65,9 @@ PACKED_LAYOUTS = {(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1,
 
 def cases() -> list[tuple[str, RolloutCorrectionConfig, dict]]:
     """(tag, config, hook options): every preset with token-mean and one seq-mean mode, plus the example
-    `--custom-tis-function-path` function; every other case runs chunked log-probs (chunk_size=5, so chunks
-    straddle rows) and logs the entropy."""
+    `--custom-tis-function-path` function; every other case runs chunked log-probs (chunk_size=13: each layout's
+    micro-batch of 16 tokens or more spans two chunks or more, and chunks straddle rows of 16, 8 or 4 tokens) and logs
+    the entropy."""
     out = []
     for i, name in enumerate(PRESETS):
         for mode in ("token-mean", SEQ_MODES[i % len(SEQ_MODES)]):
@@ -97,7 +98,7 @@ def cases() -> list[tuple[str, RolloutCorrectionConfig, dict]]:
                  ref_model=torch.nn.Module())
     # the batches hold a rollout log-prob raised by 12 (the veto's catastrophic token): above 0, an impossible
     # value the hook would stop on; --warn-invalid-inputs lets it through (counted, warned)
-    return [(tag, cfg.replace(warn_invalid_inputs=True), dict(chunk_size=5 if i % 2 else 4096,
+    return [(tag, cfg.replace(warn_invalid_inputs=True), dict(chunk_size=13 if i % 2 else 4096,
                                                               compute_entropy=i % 2 == 1,
                                                               **(terms if "+kl" in tag else {})))
             for i, (tag, cfg) in enumerate(out)]
