@@ -7,7 +7,8 @@
 - `bridge`: HF <-> Megatron `GPTModel` weights through mbridge, at any TP size; HF checkpoints written from
   exported weights (what the rollout engines load).
 
-Importing this package imports neither megatron nor transformers; the functions import them when called.
+Importing this package imports megatron-core (the bridge builds Megatron's layer spec: `slime_corr.mcore`) but not
+transformers, mbridge or gguf (the `model` extra); the functions import those when called.
 """
 
 from slime_corr.flags.model import add_model_args

@@ -28,7 +28,9 @@ TIED_ARGS = TinyMoEArgs(tie_word_embeddings=True, seed=1)
 SPEC = RoutedExpertsSpec(ARGS.num_hidden_layers, ARGS.num_experts_per_tok, ARGS.num_experts)
 PROMPTS = [[5, 17, 200, 3], [9, 9, 1], [42], list(range(30, 50))]
 LOGPROB_TOL = 1e-4  # fp32 server vs fp32 HF (SGLANG_ON_CPU.md: 1.0-1.8e-5 measured on the dense model)
-TIED_TOL = 1e-5  # issue 32: a tied model served from the trainer's checkpoint (a zero head: |Δ| ~ 1 or more)
+# issue 32: a tied model served from the trainer's checkpoint (a zero head: |Δ| ~ 1 or more). The fp32 rounding of two
+# implementations sets the floor, as above: 1e-5 failed CI38 at 1.67e-05 (tied Llama, 38 sampled tokens)
+TIED_TOL = LOGPROB_TOL
 
 
 @pytest.fixture(scope="module")
