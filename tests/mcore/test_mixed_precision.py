@@ -371,8 +371,8 @@ def _save_starts_no_process(rank: int, world: int, root: str) -> None:
     optimizer.step()
     children = set(multiprocessing.active_children())
     save_checkpoint(root, 1, model, optimizer, {"step": 1}, rank_state="r0", rank0_state={"pending": [1]})
-    # megatron-core's own results queue was never made (this process saved nothing before), so no manager process
-    # was spawned for it (a spawned manager stays alive as a child of this process)
+    # megatron-core's own results queue, whose making spawns the manager, was never made (this process saved nothing
+    # before), and the save left no process behind
     assert filesystem_async._results_queue is None
     assert set(multiprocessing.active_children()) == children, multiprocessing.active_children()
     resumed = build_tiny_gpt(dataclasses.replace(ARGS, seed=ARGS.seed + 1), ddp=False)  # other weights until loaded
@@ -381,7 +381,11 @@ def _save_starts_no_process(rank: int, world: int, root: str) -> None:
     for (name, want), got in zip(model.state_dict().items(), resumed.state_dict().values(), strict=True):
         if isinstance(want, torch.Tensor):
             assert torch.equal(got, want), name
-    assert resumed_optimizer.state_dict()["state"][0]["step"] == 1
+    got, want = resumed_optimizer.state_dict()["state"], optimizer.state_dict()["state"]
+    assert sorted(got) == sorted(want) and all(got[i]["step"] == 1 for i in got)
+    for i in want:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(got[i][key], want[i][key]), (i, key)
 
 
 def test_a_checkpoint_save_starts_no_process_and_loads_back(tmp_path: Path):
