@@ -92,7 +92,7 @@ def _sharded_state(module: torch.nn.Module, optimizer: Any, common: dict[str, An
 def _write_results_in_process() -> Iterator[None]:
     """The torch_dist writer's results queue as a plain `queue.Queue` for one synchronous save (module doc): its
     writer puts the results and its finalization reads them, both in this process. The module's own queue (None
-    until an asynchronous save made one) is put back after. Without that module attribute (another megatron-core
+    unless a save other than ours made one) is put back after. Without that module attribute (another megatron-core
     release) the save makes its own queue, as before."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
