@@ -336,9 +336,15 @@ class ControlPlane:
             if not live:
                 raise ControlError(new, {"(none)": f"no live worker (dead: {self.dead})"})
             url = live[0]
-        status, body = await self._get(url, new)
-        if status == 404:  # older servers
-            status, body = await self._get(url, old)
+        try:
+            status, body = await self._get(url, new)
+            if status == 404:  # older servers
+                status, body = await self._get(url, old)
+        except (aiohttp.ClientError, ConnectionError) as e:  # e.g. a server killed since the call before
+            raise ControlError(new, {url: f"request failed: {e!r}"}) from e
+        except TimeoutError as e:
+            raise ControlError(new, {url: f"no answer within {self.control_timeout:g} s (the client's "
+                                          "control_timeout, the trainer's --rollout-control-timeout)"}) from e
         if status != 200:
             raise ControlError(new, {url: f"HTTP {status} {body}"})
         return body

@@ -32,7 +32,7 @@ FAULTS = ["ok", "http500", "http503", "http429", "http400", "timeout", "kill_mid
 CODE = {name: i for i, name in enumerate(FAULTS)}
 MODES = ("ok", "ok_then_die", "non_json", "wrong_shape", "http500", "hang_generate", "silent",  # server-wide
          "update_not_json", "update_ignored",  # weight updates answered 200 with a page / success, never applied
-         "posts_hang")
+         "posts_hang", "gone_after_update")  # the last: killed right after it answered a weight update
 WEIGHT_CALLS = ("/update_weights_from_disk", "/init_weights_update_group", "/update_weights_from_distributed")
 
 
@@ -63,6 +63,7 @@ class FaultServer:
         self.die_after = 4  # mode "ok_then_die": /generate requests answered before the server goes away
         self.site: web.TCPSite | None = None
         self.dying = False
+        self.gone = False  # mode "gone_after_update": a weight update was answered; nothing answers any more
         self.attempts: Counter[int] = Counter()
         self.served_ok: Counter[int] = Counter()
         self.active = 0  # /generate handlers running now (see wait_idle)
@@ -91,7 +92,12 @@ class FaultServer:
     @web.middleware
     async def _silence(self, request: web.Request, handler):  # noqa: ANN001, ANN202 - aiohttp's middleware
         """Mode "silent": once a /generate came in, nothing answers any more (a stopped process); "posts_hang":
-        no POST is ever answered."""
+        no POST is ever answered; "gone_after_update": after a weight update, every connection is closed unanswered
+        (a process killed between the update and the client's check of its weight version)."""
+        if self.gone:
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response()
         if self.mode == "silent" and self.attempts:
             await asyncio.sleep(3600)
         if self.mode == "posts_hang" and request.method == "POST":  # GETs (health, info) still answer
@@ -115,6 +121,7 @@ class FaultServer:
             return web.Response(text="<html>OK</html>", content_type="text/html")
         if request.path in WEIGHT_CALLS and self.mode != "update_ignored" and body.get("weight_version"):
             self.weight_version = body["weight_version"]  # as SGLang: the version the update names
+        self.gone = self.gone or (request.path in WEIGHT_CALLS and self.mode == "gone_after_update")
         if request.path == "/get_model_info":
             return web.json_response({"model_path": "fault", "is_generation": True,
                                       "weight_version": self.weight_version})

@@ -265,6 +265,26 @@ def test_a_control_request_on_a_connection_the_server_closed_goes_out_again(faul
     # tests/real_sglang/test_cpu_stand_ins.py
 
 
+@pytest.mark.parametrize("sync", ["disk", "distributed"])
+def test_a_server_gone_right_after_a_weight_update_is_a_control_error_naming_it(tmp_path, sync):
+    """A server killed between its answer to a weight update and the client's check of its weight version
+    (/model_info): a ControlError that names it, as for the update itself, not aiohttp's connection error (a real
+    SGLang server killed mid-run hit this window in a main job, which then ended with a traceback). The fault server
+    closes every connection once it answered the update: a kill cannot be timed into that window."""
+    with run_fault_server(mode="gone_after_update") as (url, server):
+        async def go():
+            async with _client(url) as c:
+                if sync == "disk":
+                    await c.update_weights_from_disk(str(tmp_path), weight_version="step-1")
+                else:
+                    await c.update_weights_from_distributed(["w"], ["float32"], [[2]], weight_version="step-1")
+
+        with pytest.raises(ControlError, match=rf"/model_info failed on 1 of 1 worker\(s\): {url}: request failed: "
+                                               r"ServerDisconnectedError"):
+            asyncio.run(go())
+        assert server.gone and [p for p, _ in server.calls][-1].startswith("/update_weights_from_")
+
+
 def test_old_router_endpoints():
     """A router older than /workers: registration by /add_worker?url=, discovery by /list_workers."""
     with run_fault_server(old_router=True) as (url, server), run_fault_server() as (worker, _):
