@@ -279,7 +279,10 @@ def run_fault_server(timeout_sleep: float = 1.0, old_router: bool = False,
     stops it (later connections are refused)."""
     server = FaultServer(timeout_sleep, old_router, mode)
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(server.app, handle_signals=False, access_log=None, shutdown_timeout=1.0)
+    # handler_cancellation: a handler whose client hung up is cancelled (a stalled answer ends with the client's
+    # read timeout, not the stall's length), as SGLang aborts a request whose client disconnected
+    runner = web.AppRunner(server.app, handle_signals=False, access_log=None, shutdown_timeout=1.0,
+                           handler_cancellation=True)
     ready = threading.Event()
     port: list[int] = []
 
