@@ -3,7 +3,8 @@ the order modules run in.
 
 Scheduling: a module's tests stay in one worker (`--dist loadfile`: a module's servers and Megatron state), and so do
 the modules of a real-SGLang server group (`pytest_xdist_make_scheduler`, tests/real_sglang/sglang_helpers.py), so
-that the servers they share start once in the run.
+that the servers they share start once in the run. A worker beside one that runs a module that mostly waits
+(`WAITING_MODULES`) takes the next module that computes, so that no core idles while two modules wait.
 
 Order: modules marked `pytest.mark.cost(seconds)` (their rough CI time, subprocesses and servers included) run
 first, longest first, then the rest in collection order; a module's own tests keep their order. scripts/test.sh runs
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,17 +58,41 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: (-_module_cost(item), position[item.nodeid.split("::")[0]]))
 
 
+# Modules that mostly wait (on fault timeouts and stalls, on an SGLang server slowed down by `/slow_down`): run alone,
+# each keeps less than 0.9 of a core busy (CPU over wall time, /proc/stat; test_client_faults 0.2,
+# test_rollout_failures 0.3, test_sglang_partial_rollout 0.6). Two of them side by side leave a core idle: CI's
+# idle time was mostly such pairs. The scheduler runs each beside a module that computes.
+WAITING_MODULES = frozenset({
+    "test_client_faults.py", "test_rollout_failures.py", "test_router.py", "test_fault_table.py",
+    "test_sglang_partial_rollout.py", "test_sglang_endpoints.py", "test_cpu_stand_ins.py",
+    "test_sglang_moe_trainer.py"})
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 - xdist's scheduler
-    """`--dist loadfile`, but the modules of a real-SGLang server group form one scope (module doc)."""
+    """`--dist loadfile`, but the modules of a real-SGLang server group form one scope, and a worker beside one
+    that runs a module that mostly waits takes the next module that computes (module doc, WAITING_MODULES)."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    from tests.real_sglang.sglang_helpers import server_group
+    from tests.real_sglang.sglang_helpers import SERVER_GROUPS, server_group
+
+    def waits(scope: str) -> bool:
+        return any(Path(m).name in WAITING_MODULES for m in SERVER_GROUPS.get(scope, (scope,)))
 
     class ServerGroupScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return server_group(nodeid) or super()._split_scope(nodeid)
+
+        def _assign_work_unit(self, node) -> None:  # noqa: ANN001 - xdist's WorkerController
+            """The queue's next scope, unless another worker has a waiting one left: then its next computing one."""
+            beside_waiting = any(waits(scope) and not all(tests.values())
+                                 for other, work in self.assigned_work.items() if other is not node
+                                 for scope, tests in work.items())
+            computing = next((scope for scope in self.workqueue if not waits(scope)), None)
+            if beside_waiting and computing is not None:
+                self.workqueue.move_to_end(computing, last=False)
+            super()._assign_work_unit(node)
 
     return ServerGroupScheduling(config, log)
 
