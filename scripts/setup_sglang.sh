@@ -35,7 +35,21 @@ PACKAGES=(
   compressed-tensors==0.18.0 xgrammar==0.2.7 soundfile==0.13.1 accelerate safetensors
 )
 stamp_id=$(printf '%s\n' "sglang==$SGLANG_VERSION" "${PACKAGES[@]}" | sha256sum | cut -d' ' -f1)
-if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$stamp_id" ]; then
+up_to_date() { [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$stamp_id" ]; }
+if up_to_date; then
+  echo "$VENV/bin/python"
+  exit 0
+fi
+# One install at a time: this one holds $VENV/.install.lock (flock) to its end. Another (scripts/run.sh while
+# scripts/test.sh installs) waits for it, and so does a job or test that looks for the server meanwhile
+# (slime_corr/engines/sglang_server.py: wait_for_install).
+mkdir -p "$VENV"
+exec 9>"$VENV/.install.lock"
+if ! flock -n 9; then
+  echo "scripts/setup_sglang.sh: waiting for another install into $VENV to end" >&2
+  flock 9
+fi
+if up_to_date; then
   echo "$VENV/bin/python"
   exit 0
 fi

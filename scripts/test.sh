@@ -25,30 +25,41 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # Python keeps the bytecode of what it imports (.pyc files): the installs then skip byte-compiling every module
 # (scripts/pip_quiet.sh: NO_COMPILE), and the first process that imports a module compiles it for all the others.
 unset PYTHONDONTWRITEBYTECODE
-bash scripts/setup_sglang.sh >/dev/null &  # beside .venv's install: pip leaves a core idle
+# The real SGLang server for tests/real_sglang (CPU build, .venv-sglang/) installs in the background: beside .venv's
+# install (pip leaves a core idle), then beside the tests. It holds its install lock to its end, and whatever looks
+# for the server meanwhile waits for it (slime_corr/engines/sglang_server.py: wait_for_install). If it cannot be
+# installed the run goes on and those tests say why: they skip on a developer machine and fail under CI (CI=true).
+bash scripts/setup_sglang.sh >/dev/null &
 SETUP_SGLANG=$!
-trap 'kill "$SETUP_SGLANG" 2>/dev/null || true' EXIT  # a failed run leaves no install behind it
+BACKGROUND=("$SETUP_SGLANG")
+trap 'kill "${BACKGROUND[@]}" 2>/dev/null || true' EXIT  # a failed run leaves no install behind it
 PY=$(EXTRAS=dev bash scripts/setup_env.sh)
 SECOND_RUN=$([ $# -eq 0 ] || [ -n "${MCORE019:-}" ] && echo 1 || true)
 OVERLAY=.mcore019
-# megatron-core 0.19 for the second run, while SGLang still installs
+OVERLAY_INSTALL=""
+# megatron-core 0.19 for the second run, in the background too
 if [ -n "$SECOND_RUN" ] && ! PYTHONPATH=$OVERLAY "$PY" -c "import importlib.metadata as m, sys
 sys.exit(m.version('megatron-core') != '$MCORE019_VERSION')" 2>/dev/null; then
   rm -rf "$OVERLAY"
-  source scripts/pip_quiet.sh
-  # 0.19.x declares Python >= 3.12 (its wheel runs on 3.11); its dependencies are .venv's
-  pip_quiet "$PY" -m pip install -q "${NO_COMPILE[@]}" --target "$OVERLAY" --no-deps --ignore-requires-python \
-    "megatron-core==$MCORE019_VERSION" triton >&2
-  PYTHONPATH=$OVERLAY "$PY" -c "import megatron.core.models.gpt" >/dev/null 2>&1 || true  # its bytecode, once
+  (
+    source scripts/pip_quiet.sh
+    # 0.19.x declares Python >= 3.12 (its wheel runs on 3.11); its dependencies are .venv's
+    pip_quiet "$PY" -m pip install -q "${NO_COMPILE[@]}" --target "$OVERLAY" --no-deps --ignore-requires-python \
+      "megatron-core==$MCORE019_VERSION" triton >&2
+    PYTHONPATH=$OVERLAY "$PY" -c "import megatron.core.models.gpt" >/dev/null 2>&1 || true  # its bytecode, once
+  ) &
+  OVERLAY_INSTALL=$!
+  BACKGROUND+=("$OVERLAY_INSTALL")
 fi
 "$PY" -m ruff check .
-# The real SGLang server for tests/real_sglang (CPU build, .venv-sglang/), installed while .venv was. If it cannot be
-# installed the run goes on and those tests say why: they skip on a developer machine and fail under CI (CI=true).
-wait "$SETUP_SGLANG" || echo "== scripts/setup_sglang.sh failed: tests/real_sglang cannot run" >&2
 PARALLEL=()
 [ "$WORKERS" != 0 ] && PARALLEL=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder)  # longest first: tests/conftest.py
-"$PY" -m pytest -q "${PARALLEL[@]}" --durations=15 "$@"  # and the slowest 15 modules (tests/conftest.py)
+status=0
+"$PY" -m pytest -q "${PARALLEL[@]}" --durations=15 "$@" || status=$?  # and the slowest 15 modules (tests/conftest.py)
+wait "$SETUP_SGLANG" || echo "== scripts/setup_sglang.sh failed: tests/real_sglang could not run" >&2
+[ "$status" = 0 ] || exit "$status"
 if [ -n "$SECOND_RUN" ]; then
+  [ -z "$OVERLAY_INSTALL" ] || wait "$OVERLAY_INSTALL"  # its install (a failed one fails the run)
   echo "== tests/mcore on megatron-core $MCORE019_VERSION ($OVERLAY over .venv)"
   # the four-process layouts run on one megatron-core version: the version-dependent calls (schedules, DDP,
   # finalize_model_grads) are the same at two processes

@@ -7,7 +7,8 @@ whole process group (the HTTP server, scheduler and detokenizer) by its PID: SIG
 period.
 
 Which SGLang (`sglang_python`): ``--sglang-python PATH``, else this interpreter when it has sglang (a GPU
-machine's own install), else the CPU install that ``scripts/setup_sglang.sh`` makes in ``.venv-sglang/``.
+machine's own install), else the CPU install that ``scripts/setup_sglang.sh`` makes in ``.venv-sglang/`` (once an
+install in progress there has ended: `wait_for_install`).
 On CPU (``--device cpu``) the server runs with what SGLANG_ON_CPU.md measured: ``SGLANG_USE_CPU_ENGINE=1``, the
 stand-ins of ``sglang_cpu/`` first on PYTHONPATH (see its sitecustomize.py), torch-native attention, no overlap
 schedule, no server warm-up, a capped KV cache, a scheduler that sleeps while idle. Extra server flags (slime's
@@ -17,6 +18,7 @@ schedule, no server warm-up, a capped KV cache, a scheduler that sleeps while id
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -99,6 +101,35 @@ class SGLangServerConfig:
         return env
 
 
+INSTALL_LOCK = ".install.lock"  # in the environment: scripts/setup_sglang.sh holds it (flock) while it installs
+INSTALL_WAIT = 900.0  # seconds a job waits for an install in progress (a fresh one takes ~80 s on 2 cores)
+
+
+def wait_for_install(venv: Path, timeout: float = INSTALL_WAIT) -> None:
+    """Return once no ``scripts/setup_sglang.sh`` holds `venv`'s install lock: at once when none runs, else when
+    that install ends (its environment is then whole: a half-installed one imports sglang but not its
+    dependencies). Raises SGLangLaunchError after `timeout` seconds."""
+    lock = venv / INSTALL_LOCK
+    if not lock.is_file():
+        return
+    deadline, told = time.monotonic() + timeout, False
+    with open(lock) as f:
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return  # released as the file closes
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise SGLangLaunchError(
+                        f"{venv}: scripts/setup_sglang.sh has been installing SGLang there for over {timeout:.0f} s "
+                        f"(it holds {lock}): let it finish, or stop it and run it again") from None
+                if not told:
+                    print(f"slime_corr: waiting for scripts/setup_sglang.sh to finish installing SGLang into {venv}",
+                          file=sys.stderr, flush=True)
+                    told = True
+                time.sleep(0.2)
+
+
 def sglang_python(explicit: str | None = None) -> str:
     """The interpreter that runs the server (see the module doc); raises SGLangLaunchError with the fix."""
     if explicit:
@@ -110,6 +141,7 @@ def sglang_python(explicit: str | None = None) -> str:
     if importlib.util.find_spec("sglang") is not None:
         return sys.executable
     bundled = Path(__file__).resolve().parents[2] / ".venv-sglang" / "bin" / "python"
+    wait_for_install(bundled.parents[1])
     if bundled.is_file() and _has_sglang(str(bundled)):
         return str(bundled)
     raise SGLangLaunchError(f"--rollout-engine sglang: no SGLang server found ({bundled} does not exist); "

@@ -1,5 +1,6 @@
 """Fixtures for the tests against the REAL SGLang server (sglang 0.5.23 on CPU, installed by
-scripts/setup_sglang.sh into .venv-sglang/; scripts/test.sh installs it before the tests).
+scripts/setup_sglang.sh into .venv-sglang/; scripts/test.sh installs it while the first tests run, and
+`sglang_python` waits for that install to end).
 
 A tiny model's server takes ~1 GB (PSS) and ~10 CPU-s to start (docs/engines.md): servers are shared by the
 modules of the run (`shared_servers`, one per spec name) or by the tests of a module (`launch`), and stopped by their
