@@ -32,16 +32,20 @@ unset PYTHONDONTWRITEBYTECODE
 bash scripts/setup_sglang.sh >/dev/null &
 SETUP_SGLANG=$!
 BACKGROUND=("$SETUP_SGLANG")
-trap 'kill "${BACKGROUND[@]}" 2>/dev/null || true' EXIT  # a failed run leaves no install behind it
+# a failed run leaves no install nor second run behind it
+trap 'kill "${BACKGROUND[@]}" 2>/dev/null; [ -z "${SECOND:-}" ] || kill -- "-$SECOND" 2>/dev/null || true' EXIT
 PY=$(EXTRAS=dev bash scripts/setup_env.sh)
 SECOND_RUN=$([ $# -eq 0 ] || [ -n "${MCORE019:-}" ] && echo 1 || true)
 OVERLAY=.mcore019
 PARALLEL=()
 [ "$WORKERS" != 0 ] && PARALLEL=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder)  # longest first: tests/conftest.py
-# The second run (megatron-core 0.19) goes beside the first at the lowest priority (nice 19), its output kept until
-# the first has ended: it computes on the cores the first leaves idle (the first waits on servers and on fault
-# timeouts for ~100 core-seconds) and yields them at once when the first computes.
+# The second run (megatron-core 0.19) goes beside the first at the lowest priority, its output kept until the first
+# has ended: it computes on the cores the first leaves idle (the first waits on servers and on fault timeouts for
+# ~100 core-seconds) and yields them at once when the first computes. Lowest priority: nice 19 in a session of its
+# own whose autogroup is niced too (Linux shares the CPU between sessions first: a niced process in this session took
+# a third of the CPU from SGLang servers, which run in sessions of their own, while the first run waited on them).
 SECOND_LOG=$(mktemp)
+SECOND=""
 if [ -n "$SECOND_RUN" ]; then
   (
     if ! PYTHONPATH=$OVERLAY "$PY" -c "import importlib.metadata as m, sys
@@ -56,7 +60,8 @@ sys.exit(m.version('megatron-core') != '$MCORE019_VERSION')" 2>/dev/null; then
     echo "== tests/mcore on megatron-core $MCORE019_VERSION ($OVERLAY over .venv)"
     # the four-process layouts run on one megatron-core version: the version-dependent calls (schedules, DDP,
     # finalize_model_grads) are the same at two processes
-    PYTHONPATH=$OVERLAY exec nice -n 19 "$PY" -m pytest -q -p no:cacheprovider "${PARALLEL[@]}" tests/mcore \
+    PYTHONPATH=$OVERLAY exec setsid bash -c 'echo 19 2>/dev/null >/proc/self/autogroup; exec nice -n 19 "$@"' _ \
+      "$PY" -m pytest -q -p no:cacheprovider "${PARALLEL[@]}" tests/mcore \
       --ignore tests/mcore/test_mcore_parallel_world4.py \
       --deselect "tests/mcore/test_mcore_gpt.py::test_tiny_gpt_gradients_match_single_rank_under_dp_cp_tp_pp[4]"
   ) > "$SECOND_LOG" 2>&1 &
