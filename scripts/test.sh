@@ -33,7 +33,7 @@ bash scripts/setup_sglang.sh >/dev/null &
 SETUP_SGLANG=$!
 BACKGROUND=("$SETUP_SGLANG")
 # a failed run leaves no install nor second run behind it
-trap 'kill "${BACKGROUND[@]}" 2>/dev/null; [ -z "${SECOND:-}" ] || kill -- "-$SECOND" 2>/dev/null || true' EXIT
+trap 'kill "${BACKGROUND[@]}" 2>/dev/null || true; [ -z "${SECOND:-}" ] || kill -- "-$SECOND" 2>/dev/null || true' EXIT
 PY=$(EXTRAS=dev bash scripts/setup_env.sh)
 SECOND_RUN=$([ $# -eq 0 ] || [ -n "${MCORE019:-}" ] && echo 1 || true)
 OVERLAY=.mcore019
