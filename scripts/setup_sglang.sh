@@ -25,7 +25,7 @@ fi
 VENV=${VENV:-.venv-sglang}
 PY=${PYTHON:-python3}
 SGLANG_VERSION=0.5.23
-STAMP="$VENV/.slime_corr_sglang"
+STAMP="$VENV/.slime_corr_sglang"  # written last: slime_corr/engines/sglang_server.py (INSTALL_STAMP) reads it
 PACKAGES=(
   aiohttp anthropic blobfile build distro easydict einops fastapi gguf interegular IPython "llguidance>=1.7.6,<2"
   "mistral_common>=1.11.5" msgspec ninja numpy openai==2.8.0 openai-harmony==0.0.4 orjson packaging

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from slime_corr.engines.sglang_server import INSTALL_LOCK, SGLangLaunchError, wait_for_install
+from slime_corr.engines.sglang_server import INSTALL_LOCK, INSTALL_STAMP, SGLangLaunchError, wait_for_install
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,16 +29,29 @@ def _hold(venv: Path):
     return f
 
 
+def _finish(held) -> None:
+    """The install's end: its stamp written, then its lock released."""
+    (Path(held.name).parent / INSTALL_STAMP).write_text("stamp\n")
+    held.close()
+
+
 def test_a_job_waits_for_an_install_in_progress(tmp_path, capsys):
-    wait_for_install(tmp_path / "never-installed")  # no lock file: at once
+    wait_for_install(tmp_path / "never-installed")  # no lock file (none, or an install older than the lock): at once
     held = _hold(tmp_path / "venv")
-    threading.Timer(0.6, held.close).start()  # the install ends
+    threading.Timer(0.6, _finish, [held]).start()
     start = time.monotonic()
     wait_for_install(tmp_path / "venv")
     assert time.monotonic() - start >= 0.5
     assert f"waiting for scripts/setup_sglang.sh to finish installing SGLang into {tmp_path / 'venv'}" in (
         capsys.readouterr().err)
     wait_for_install(tmp_path / "venv")  # the lock file stays, unlocked: at once
+
+
+def test_an_install_that_did_not_finish_is_an_error_naming_the_environment(tmp_path):
+    _hold(tmp_path / "venv").close()  # a failed or stopped install: its lock released, no stamp
+    with pytest.raises(SGLangLaunchError, match=rf"{tmp_path / 'venv'}: its install did not finish .*no "
+                                                rf"{INSTALL_STAMP}\); install it with `bash scripts/setup_sglang.sh`"):
+        wait_for_install(tmp_path / "venv")
 
 
 def test_an_install_that_never_ends_is_an_error_naming_the_environment(tmp_path):

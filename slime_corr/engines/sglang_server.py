@@ -102,13 +102,14 @@ class SGLangServerConfig:
 
 
 INSTALL_LOCK = ".install.lock"  # in the environment: scripts/setup_sglang.sh holds it (flock) while it installs
+INSTALL_STAMP = ".slime_corr_sglang"  # ... and writes this file as it ends, once everything is installed
 INSTALL_WAIT = 900.0  # seconds a job waits for an install in progress (a fresh one takes ~80 s on 2 cores)
 
 
 def wait_for_install(venv: Path, timeout: float = INSTALL_WAIT) -> None:
     """Return once no ``scripts/setup_sglang.sh`` holds `venv`'s install lock: at once when none runs, else when
-    that install ends (its environment is then whole: a half-installed one imports sglang but not its
-    dependencies). Raises SGLangLaunchError after `timeout` seconds."""
+    that install ends (a half-installed environment imports sglang but not its dependencies). Raises
+    SGLangLaunchError after `timeout` seconds, or when the install that took the lock did not finish."""
     lock = venv / INSTALL_LOCK
     if not lock.is_file():
         return
@@ -117,7 +118,10 @@ def wait_for_install(venv: Path, timeout: float = INSTALL_WAIT) -> None:
         while True:
             try:
                 fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                return  # released as the file closes
+                if not (venv / INSTALL_STAMP).is_file():
+                    raise SGLangLaunchError(f"{venv}: its install did not finish (scripts/setup_sglang.sh failed or "
+                                            f"was stopped: no {INSTALL_STAMP}); {SETUP_HINT}.")
+                return  # the shared lock is released as the file closes
             except BlockingIOError:
                 if time.monotonic() > deadline:
                     raise SGLangLaunchError(
