@@ -57,6 +57,13 @@ def _payload(rid: str, ids: list[int], lps: list, finish: dict | None, total: in
         "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids, strict=False)]}}
 
 
+def _hang_up(request: web.Request) -> web.Response:
+    """Close the connection without an answer (the response returned is never sent)."""
+    assert request.transport is not None
+    request.transport.close()
+    return web.Response()
+
+
 class FaultServer:
     def __init__(self, timeout_sleep: float = 1.0, old_router: bool = False, mode: str | None = None) -> None:
         self.mode = mode  # None: the prompt selects the fault; else one of MODES for every request
@@ -95,9 +102,7 @@ class FaultServer:
         no POST is ever answered; "gone_after_update": after a weight update, every connection is closed unanswered
         (a process killed between the update and the client's check of its weight version)."""
         if self.gone:
-            assert request.transport is not None
-            request.transport.close()
-            return web.Response()
+            return _hang_up(request)
         if self.mode == "silent" and self.attempts:
             await asyncio.sleep(3600)
         if self.mode == "posts_hang" and request.method == "POST":  # GETs (health, info) still answer
@@ -110,9 +115,7 @@ class FaultServer:
         self._requests_on[id(request.transport)] += 1
         if request.path in self.close_reused and self._requests_on[id(request.transport)] > 1:
             self.close_reused.discard(request.path)
-            assert request.transport is not None
-            request.transport.close()
-            return web.Response()
+            return _hang_up(request)
         if request.path in self.control_status:
             return web.json_response({"error": {"message": "injected"}}, status=self.control_status[request.path])
         if request.path == "/flush_cache" and self.flush_statuses:
@@ -211,9 +214,7 @@ class FaultServer:
         if fault == "timeout":
             await asyncio.sleep(self.timeout_sleep)
         if fault == "close_before_headers":
-            assert request.transport is not None
-            request.transport.close()
-            return web.Response()
+            return _hang_up(request)
         if fault == "abort_503":  # an abort carrying a status code: a server-side failure, partial output
             p = _payload(rid, ids[:1], lps[:1], {"type": "abort", "message": "oom", "status_code": 503})
             if not stream:
@@ -236,9 +237,7 @@ class FaultServer:
             if fault == "missing_logprobs":
                 del payload["meta_info"]["output_token_logprobs"]
             if fault == "kill_mid_stream":
-                assert request.transport is not None
-                request.transport.close()
-                return web.Response()
+                return _hang_up(request)
             if fault == "ok":
                 self.served_ok[sid] += 1
             return web.Response(text=json.dumps(payload), content_type="application/json")
