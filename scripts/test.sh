@@ -1,11 +1,9 @@
 #!/usr/bin/env bash
 # Install slime_corr with its dev extra into .venv and the real SGLang server into .venv-sglang, and run ruff + the
 # test suite (benchmarks marked slow are skipped; tests/real_sglang runs against real SGLang servers) and, beside it
-# at a low priority, the Megatron tests (tests/mcore) again on megatron-core 0.19.x, whose wheel ships Megatron-LM's
-# own training loop (megatron.training): that release (and the triton its schedules import) is installed without
-# dependencies into .mcore019/ (git-ignored; seconds, once), laid over .venv's packages with PYTHONPATH, so both runs
-# share one environment but for megatron-core. Arguments go to the first pytest run and skip the second one (set
-# MCORE019=1 to run it anyway).
+# at a low priority, the Megatron tests (tests/mcore) again on megatron-core 0.19.x (scripts/test_mcore019.sh: the
+# release that ships Megatron-LM's own training loop, laid over .venv). Arguments go to the first pytest run and skip
+# the second one (set MCORE019=1 to run it anyway).
 #
 # Tests run in PYTEST_WORKERS processes (default 2; 0 = in this process), one test file per worker at a time
 # (pytest-xdist --dist loadfile: a module's shared SGLang server or Megatron state stays in one process; the
@@ -15,7 +13,6 @@
 # interpreters: on two cores the imports were most of the suite's time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-MCORE019_VERSION=0.19.2
 WORKERS=${PYTEST_WORKERS:-2}
 # One thread per process (torch's intra-op pool, in the pytest workers and everything they start: SGLang servers,
 # torchrun ranks): the workers keep both cores busy, and a 2-thread pool on a busy core waits at every op for its
@@ -36,35 +33,19 @@ BACKGROUND=("$SETUP_SGLANG")
 trap 'kill "${BACKGROUND[@]}" 2>/dev/null || true; [ -z "${SECOND:-}" ] || kill -- "-$SECOND" 2>/dev/null || true' EXIT
 PY=$(EXTRAS=dev bash scripts/setup_env.sh)
 SECOND_RUN=$([ $# -eq 0 ] || [ -n "${MCORE019:-}" ] && echo 1 || true)
-OVERLAY=.mcore019
 PARALLEL=()
 [ "$WORKERS" != 0 ] && PARALLEL=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder)  # longest first: tests/conftest.py
-# The second run (megatron-core 0.19) goes beside the first at the lowest priority, its output kept until the first
-# has ended: it computes on the cores the first leaves idle (the first waits on servers and on fault timeouts for
-# ~100 core-seconds) and yields them at once when the first computes. Lowest priority: nice 19 in a session of its
-# own whose autogroup is niced too (Linux shares the CPU between sessions first: a niced process in this session took
-# a third of the CPU from SGLang servers, which run in sessions of their own, while the first run waited on them).
+# The second run (megatron-core 0.19), its install included, goes beside the first at the lowest priority, its output
+# kept until the first has ended: it computes on the cores the first leaves idle (the first waits on servers and on
+# fault timeouts for ~100 core-seconds) and yields them at once when the first computes. Lowest priority: nice 19 in a
+# session of its own whose autogroup is niced too (Linux shares the CPU between sessions first: a niced process in
+# this session took a third of the CPU from SGLang servers, which run in sessions of their own, while the first run
+# waited on them).
 SECOND_LOG=$(mktemp)
 SECOND=""
 if [ -n "$SECOND_RUN" ]; then
-  (
-    if ! PYTHONPATH=$OVERLAY "$PY" -c "import importlib.metadata as m, sys
-sys.exit(m.version('megatron-core') != '$MCORE019_VERSION')" 2>/dev/null; then
-      rm -rf "$OVERLAY"
-      source scripts/pip_quiet.sh
-      # 0.19.x declares Python >= 3.12 (its wheel runs on 3.11); its dependencies are .venv's
-      pip_quiet "$PY" -m pip install -q "${NO_COMPILE[@]}" --target "$OVERLAY" --no-deps --ignore-requires-python \
-        "megatron-core==$MCORE019_VERSION" triton
-      PYTHONPATH=$OVERLAY "$PY" -c "import megatron.core.models.gpt" >/dev/null 2>&1 || true  # its bytecode, once
-    fi
-    echo "== tests/mcore on megatron-core $MCORE019_VERSION ($OVERLAY over .venv)"
-    # the four-process layouts run on one megatron-core version: the version-dependent calls (schedules, DDP,
-    # finalize_model_grads) are the same at two processes
-    PYTHONPATH=$OVERLAY exec setsid bash -c 'echo 19 2>/dev/null >/proc/self/autogroup; exec nice -n 19 "$@"' _ \
-      "$PY" -m pytest -q -p no:cacheprovider "${PARALLEL[@]}" tests/mcore \
-      --ignore tests/mcore/test_mcore_parallel_world4.py \
-      --deselect "tests/mcore/test_mcore_gpt.py::test_tiny_gpt_gradients_match_single_rank_under_dp_cp_tp_pp[4]"
-  ) > "$SECOND_LOG" 2>&1 &
+  PY=$PY PYTEST_WORKERS=$WORKERS setsid bash -c 'echo 19 2>/dev/null >/proc/self/autogroup; exec nice -n 19 "$@"' _ \
+    bash scripts/test_mcore019.sh > "$SECOND_LOG" 2>&1 &
   SECOND=$!
   BACKGROUND+=("$SECOND")
 fi
