@@ -10,6 +10,8 @@ from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.correction import metrics_to_host
 from slime_corr.losses import compute_policy_loss
 
+pytestmark = pytest.mark.cost(35)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
+
 
 def _batch(dtype: torch.dtype, seed: int = 0, b: int = 16, s: int = 96):
     g = torch.Generator().manual_seed(seed)

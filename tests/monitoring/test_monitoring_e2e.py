@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.cost(22)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 ROLLOUTS, STEPS_PER_ROLLOUT = 2, 2
 STEPS = ROLLOUTS * STEPS_PER_ROLLOUT

@@ -25,6 +25,8 @@ from slime_corr.monitoring.recommend import (
 from slime_corr.monitoring.report import load_run, summary_text
 from slime_corr.monitoring.report import main as report_main
 
+pytestmark = pytest.mark.cost(9)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 PRESETS = ("decoupled_seq_is_rs", "ppo_is_bypass", "decoupled_token_is", "disabled")
 SMALL = ["--num-rollout", "3", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--num-steps-per-rollout",

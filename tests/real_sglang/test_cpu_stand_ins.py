@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
+
 from slime_corr.engines.sglang_server import SGLangServerConfig
+
+pytestmark = pytest.mark.cost(16)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 
 CHECK = """
 import sgl_kernel, torch, torchvision.transforms.v2.functional

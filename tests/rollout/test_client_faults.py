@@ -20,6 +20,8 @@ from slime_corr.rollout.sample import SampleStatus
 
 from .fault_server import CODE, closed_port_url, good_output, run_fault_server
 
+pytestmark = pytest.mark.cost(13)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
+
 # fault -> what the failure reason says when it persists
 RETRYABLE = {
     "http500": "HTTP 500", "http503": "HTTP 503", "http429": "HTTP 429", "timeout": "timeout",

@@ -20,6 +20,8 @@ from slime_corr.rollout.sample import SampleStatus
 from .conftest import require_router
 from .test_router import router_json
 
+pytestmark = pytest.mark.cost(10)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
+
 PROMPTS = [[72, 101, 108, 108, 111, 32], [87, 111, 114, 108, 100]]
 
 

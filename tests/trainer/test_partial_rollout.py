@@ -28,6 +28,8 @@ from slime_corr.trainer.config import TrainerConfig
 from slime_corr.trainer.data import mask_offpolicy_tokens, mask_stale_tokens
 from tests.trainer.test_trainer_launch import compared, launch
 
+pytestmark = pytest.mark.cost(40)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
+
 THROTTLE = ("SLIME_CORR_EMBEDDED_STEP_DELAY", "0.02")
 LONG = ["--rollout-max-response-len", "32"]
 

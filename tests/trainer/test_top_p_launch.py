@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from test_trainer_launch import assert_same_metrics, launch
+
+pytestmark = pytest.mark.cost(15)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 
 FLAGS = ("--rollout-top-p", "0.9", "--num-steps-per-rollout", "1", "--global-batch-size", "32",
          "--rollout-nucleus-logprobs", "256")
