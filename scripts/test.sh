@@ -54,12 +54,6 @@ status=0
 "$PY" -m pytest -q "${PARALLEL[@]}" --durations=15 "$@" || status=$?  # and the slowest 15 modules (tests/conftest.py)
 wait "$SETUP_SGLANG" || echo "== scripts/setup_sglang.sh failed: tests/real_sglang could not run" >&2
 if [ -n "$SECOND_RUN" ]; then
-  # The first run has ended: the second no longer yields, or on a loaded machine it would crawl behind every other
-  # job (CI57, one busy process beside CI: it ended ~95 s after the first). Raising a priority needs root; without it
-  # the second run stays niced.
-  for pid in $(pgrep -s "$SECOND" 2>/dev/null || true); do
-    renice -n 0 -p "$pid" >/dev/null 2>&1 && { echo 0 >"/proc/$pid/autogroup"; } 2>/dev/null || true
-  done
   wait "$SECOND" || status=$?
   cat "$SECOND_LOG"
 fi
