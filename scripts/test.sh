@@ -44,7 +44,7 @@ PARALLEL=()
 SECOND_LOG=$(mktemp)
 SECOND=""
 if [ -n "$SECOND_RUN" ]; then
-  PY=$PY PYTEST_WORKERS=$WORKERS setsid bash -c 'echo 19 2>/dev/null >/proc/self/autogroup; exec nice -n 19 "$@"' _ \
+  PY=$PY setsid bash -c 'echo 19 2>/dev/null >/proc/self/autogroup; exec nice -n 19 "$@"' _ \
     bash scripts/test_mcore019.sh > "$SECOND_LOG" 2>&1 &
   SECOND=$!
   BACKGROUND+=("$SECOND")
