@@ -35,6 +35,7 @@ from slime_corr.loss_terms import LossTermsConfig
 from slime_corr.mcore import threads as mcore_threads
 from slime_corr.mcore.cpu_compat import apply_cpu_compat
 from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
+from slime_corr.mcore.parallel_groups import destroy_model_parallel_groups
 from slime_corr.mcore.pipeline import gather_stages
 from slime_corr.mcore.precision import build_optimizer
 from slime_corr.monitoring.config import MonitoringConfig
@@ -115,7 +116,6 @@ def run(config: RunConfig, progress: RunProgress | None = None) -> list[RolloutR
     follows how far it got."""
     from megatron.core import parallel_state as ps
 
-
     cfg = config.trainer
     created = init_distributed(cfg.distributed_timeout_minutes, cfg.device)
     ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_model_parallel_size,
@@ -127,9 +127,7 @@ def run(config: RunConfig, progress: RunProgress | None = None) -> list[RolloutR
         with contextlib.ExitStack() as stack:
             return _Job(config, stack, progress or RunProgress()).run()
     finally:
-        ps.destroy_model_parallel()
-        if created:
-            dist.destroy_process_group()
+        destroy_model_parallel_groups(world=created)  # destroyed, not only forgotten: nothing left running
 
 
 class _Job:

@@ -1,7 +1,7 @@
 """Shared pieces of the Megatron-glue tests: gloo process spawning, the test batch, layouts, references.
 
 Multi-process tests spawn ONE set of processes and loop over (TP, CP, DP) layouts inside it
-(`destroy_model_parallel()` between layouts). The processes are forked from a server that has imported the project
+(`init_layout`: the previous layout's groups destroyed, slime_corr/mcore/parallel_groups.py). The processes are forked from a server that has imported the project
 and Megatron (tests/job_runner.py), so a launch costs no imports.
 """
 
@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from slime_corr.mcore.cpu_compat import apply_cpu_compat
+from slime_corr.mcore.parallel_groups import destroy_model_parallel_groups
 from slime_corr.rollout.weight_group import free_port
 from tests.job_runner import spawn_processes
 
@@ -34,15 +36,13 @@ def _entry(rank: int, port: int, world: int, fn: Callable[..., Any], args: tuple
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        from slime_corr.mcore.cpu_compat import apply_cpu_compat
-
         apply_cpu_compat()
         fn(rank, world, *args)
     except BaseException:
         traceback.print_exc()
         raise
     finally:
-        dist.destroy_process_group()
+        destroy_model_parallel_groups(world=True)
 
 
 def spawn_on_free_port(entry: Callable[..., Any], nprocs: int, *args: Any) -> None:
@@ -71,14 +71,11 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any) -> None:
 def run_in_process(fn: Callable[..., Any], *args: Any) -> None:
     """Run `fn(0, 1, *args)` as a one-rank gloo group in THIS process (no spawn: no import cost), then leave
     torch.distributed and Megatron's parallel state as they were (uninitialized)."""
-    from megatron.core import parallel_state as ps
-
     threads = torch.get_num_threads()
     saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
     try:
         _entry(0, free_port(), 1, fn, args)
     finally:
-        ps.destroy_model_parallel()
         torch.set_num_threads(threads)
         for k, v in saved.items():
             if v is None:
@@ -88,9 +85,10 @@ def run_in_process(fn: Callable[..., Any], *args: Any) -> None:
 
 
 def init_layout(tp: int, cp: int, pp: int = 1) -> None:
+    """Megatron's parallel state for (TP, CP, PP), the previous layout's groups destroyed first."""
     from megatron.core import parallel_state as ps
 
-    ps.destroy_model_parallel()
+    destroy_model_parallel_groups()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
                                  pipeline_model_parallel_size=pp)
 

@@ -143,6 +143,7 @@ def _job_worker(rank: int, store: str, device_name: str, checkpoint: str) -> Non
     from slime_corr.mcore.cpu_compat import apply_cpu_compat
     from slime_corr.mcore.loss_hook import default_model_forward
     from slime_corr.mcore.model import TinyGPTArgs, build_tiny_gpt, single_rank_groups
+    from slime_corr.mcore.parallel_groups import destroy_model_parallel_groups
     from slime_corr.mcore.params import full_named_tensors
     from slime_corr.rollout.sample import Sample, SampleStatus
     from slime_corr.trainer.data import build_micro_batches, rollout_shards
@@ -178,8 +179,7 @@ def _job_worker(rank: int, store: str, device_name: str, checkpoint: str) -> Non
         (result,), _ = updater.train_rollout(build_micro_batches(shard, first_step=0))
         assert result.metrics["grad_norm"] > 0 and all(map(math.isfinite, result.metrics.values())), result.metrics
     finally:
-        ps.destroy_model_parallel()
-        dist.destroy_process_group()
+        destroy_model_parallel_groups(world=True)
 
 
 @pytest.mark.device

@@ -182,7 +182,6 @@ def _worker(rank: int, world: int) -> None:
                 assert err <= 1e-6, f"{tag} {name}: relative gradient error {err:.2e}"
         if pp == 1:
             _check_per_token_loss_guard(batches, f"TP={tp} CP={cp} DP={dp}")
-    ps.destroy_model_parallel()
 
 
 def _check_per_token_loss_guard(batches: list[dict], tag: str) -> None:

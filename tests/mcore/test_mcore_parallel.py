@@ -450,7 +450,6 @@ def _worker(rank: int, world: int) -> None:
                                            rtol=1e-6, atol=1e-12, msg=tag)
                 assert_metrics_close(metrics, ref_metrics, tag)
                 check_corrections(tag, hook.outputs, ref_corr, batches, dp_rank, dp, cp_rank, cp, packed)
-    ps.destroy_model_parallel()
 
 
 def check_vocab_parallel_log_probs(logits, dp_rank, dp, groups, vshard, tp) -> None:

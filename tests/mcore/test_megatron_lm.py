@@ -45,6 +45,7 @@ import torch
 from mcore_helpers import B_GLOBAL, TEMPERATURE, S, V, local_rows, spawn, step_data
 
 from slime_corr.mcore.compat import has_megatron_training
+from slime_corr.mcore.parallel_groups import destroy_model_parallel_groups
 
 pytestmark = [
     pytest.mark.skipif(not has_megatron_training(),
@@ -120,7 +121,7 @@ def _init_parallel(args, pipeline: bool = True) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    ps.destroy_model_parallel()
+    destroy_model_parallel_groups()
     ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size if pipeline else 1,
                                  context_parallel_size=args.context_parallel_size)
     torch.manual_seed(args.seed)

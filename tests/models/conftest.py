@@ -36,6 +36,7 @@ def single_rank() -> Iterator[None]:
     from megatron.core import tensor_parallel
 
     from slime_corr.mcore.cpu_compat import apply_cpu_compat
+    from slime_corr.mcore.parallel_groups import destroy_model_parallel_groups
     from slime_corr.rollout.weight_group import free_port
 
     with pytest.MonkeyPatch.context() as mp:  # later tests' subprocesses must not inherit this port
@@ -48,5 +49,4 @@ def single_rank() -> Iterator[None]:
             tensor_parallel.model_parallel_cuda_manual_seed(0)
             yield
         finally:
-            ps.destroy_model_parallel()
-            dist.destroy_process_group()
+            destroy_model_parallel_groups(world=True)

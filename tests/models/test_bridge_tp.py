@@ -16,6 +16,7 @@ import torch
 from mcore_helpers import spawn
 from models_helpers import CASES, V, make_tiny_checkpoint
 
+from slime_corr.mcore.parallel_groups import destroy_model_parallel_groups
 from slime_corr.models.tiny_moe import TinyMoEArgs, make_tiny_moe_checkpoint
 
 pytestmark = pytest.mark.cost(30)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
@@ -55,7 +56,7 @@ def _tp2_worker(rank: int, world: int, root: str) -> None:
         assert "--tensor-model-parallel-size=2" in str(e) and "num_key_value_heads=3" in str(e), e
     else:
         raise AssertionError("3 KV heads were accepted at TP=2")
-    ps.destroy_model_parallel()
+    destroy_model_parallel_groups()
     _pp2(rank, [*CASES, "moe"], root)
 
 
@@ -96,7 +97,6 @@ def _pp2(rank: int, cases: list[str], root: str) -> None:
                         (packed[0, starts[i]:starts[i] + len(r)] - ref).abs().max().item())
                 print(f"{case} PP=2 sample {i}: max |logits - hf eager| padded {gaps[0]:.2e}, packed {gaps[1]:.2e}")
                 assert max(gaps) <= 1e-5, (case, i, gaps)
-    ps.destroy_model_parallel()
 
 
 def test_tp2_conversion_matrix(tiny_dirs, tmp_path):

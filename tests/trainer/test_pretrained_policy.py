@@ -51,6 +51,7 @@ def smollm2_policy() -> Iterator[tuple[TrainerConfig, object]]:
     from megatron.core import parallel_state as ps
 
     from slime_corr.mcore.cpu_compat import apply_cpu_compat
+    from slime_corr.mcore.parallel_groups import destroy_model_parallel_groups
     from slime_corr.trainer.policy import build_policy
 
     cached_hf_checkpoint("smollm2-135m")
@@ -64,8 +65,7 @@ def smollm2_policy() -> Iterator[tuple[TrainerConfig, object]]:
             apply_cpu_compat()
             yield config, build_policy(config, with_reference=True)
         finally:
-            ps.destroy_model_parallel()
-            dist.destroy_process_group()
+            destroy_model_parallel_groups(world=True)
 
 
 @pytest.fixture(scope="module")

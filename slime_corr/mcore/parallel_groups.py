@@ -1,0 +1,71 @@
+"""Megatron's parallel state torn down with its process groups.
+
+`parallel_state.destroy_model_parallel()` forgets Megatron's groups without destroying them (only its few `*_GLOO`
+ones): torch.distributed keeps every group until the default one is destroyed, and the run's objects (DDP
+buffers, optimizers, models) hold them in reference cycles until Python's cyclic collector happens to run. A group
+that lives on is not free: on CUDA an NCCL communicator and its buffers; on CPU a gloo device whose thread wakes
+every 10 ms (gloo's tcp `Loop::run`: `epoll_wait(..., 10)`), ~1 ms of CPU per second each on a 2-core VM.
+`initialize_model_parallel` makes ~20 groups; a process that sets layouts up one after the other (a test, a
+notebook running the job twice) kept hundreds of such threads (bench/gloo_threads.py: 300 idle groups slowed two
+busy processes by about a fifth).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch.distributed as dist
+
+
+def _megatron_groups() -> list[dist.ProcessGroup]:
+    """The process groups parallel_state's globals hold (directly, or in lists, tuples and dicts), each once."""
+    from megatron.core import parallel_state as ps
+
+    groups: dict[int, dist.ProcessGroup] = {}
+
+    def visit(value: object) -> None:
+        if isinstance(value, dist.ProcessGroup):
+            groups.setdefault(id(value), value)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item)
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item)
+
+    for value in vars(ps).values():
+        visit(value)
+    return list(groups.values())
+
+
+def destroy_model_parallel_groups(world: bool = False) -> None:
+    """`parallel_state.destroy_model_parallel()`, then every group it held destroyed, with the default group too
+    when `world` (the process leaves torch.distributed), then the cycles that still referenced them collected.
+    Every rank calls it, as it called `initialize_model_parallel` (an NCCL communicator's teardown may be
+    collective). The globals `destroy_model_parallel` leaves set (0.16 and 0.19:
+    `_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP[_GLOO]`) are reset to None with the rest."""
+    from megatron.core import parallel_state as ps
+
+    groups = _megatron_groups() if dist.is_initialized() else []
+    ps.destroy_model_parallel()
+    for group in groups:
+        if group is not dist.group.WORLD and _is_live(group):
+            dist.destroy_process_group(group)
+    for name, value in list(vars(ps).items()):
+        if isinstance(value, dist.ProcessGroup):
+            setattr(ps, name, None)
+    if world and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+
+
+def _is_live(group: dist.ProcessGroup) -> bool:
+    """Whether torch.distributed still knows `group` (Megatron destroys its `*_GLOO` groups itself)."""
+    try:
+        dist.get_process_group_ranks(group)
+    except (ValueError, RuntimeError, KeyError):
+        return False
+    return True
+
+
+__all__ = ["destroy_model_parallel_groups"]
