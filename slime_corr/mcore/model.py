@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,7 +118,8 @@ def build_tiny_gpt(args: TinyGPTArgs | argparse.Namespace | None = None, *, ddp:
     return model
 
 
-_SINGLE_RANK_GROUPS: dict[Any, Any] = {}  # default process group -> this rank's collection
+# default process group -> this rank's collection; weak: an entry must not keep a destroyed world's group alive
+_SINGLE_RANK_GROUPS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def single_rank_groups() -> Any:

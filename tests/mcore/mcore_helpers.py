@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -82,6 +83,18 @@ def run_in_process(fn: Callable[..., Any], *args: Any) -> None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def gloo_threads() -> int:
+    """This process's gloo device-loop threads (`gloo_tcp_loop` in /proc/self/task, Linux): one per live gloo
+    process group, each awake every 10 ms (slime_corr/mcore/parallel_groups.py)."""
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return names.count("gloo_tcp_loop")
 
 
 def init_layout(tp: int, cp: int, pp: int = 1) -> None:

@@ -5,11 +5,10 @@ device loop, awake every 10 ms), counted in /proc/self/task."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from mcore_helpers import init_layout, run_in_process
+from mcore_helpers import gloo_threads, init_layout, run_in_process
 
 from slime_corr.mcore.model import TinyGPTArgs, build_tiny_gpt
 from slime_corr.mcore.parallel_groups import destroy_model_parallel_groups
@@ -17,25 +16,16 @@ from slime_corr.mcore.parallel_groups import destroy_model_parallel_groups
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc/self/task")
 
 
-def gloo_threads() -> int:
-    """This process's gloo device-loop threads: one per live gloo process group."""
-    names = []
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            names.append((task / "comm").read_text().strip())
-        except OSError:  # a thread that ended meanwhile
-            pass
-    return names.count("gloo_tcp_loop")
-
-
 def _layouts(rank: int, world: int, counts: list[int]) -> None:
-    """Three layouts one after the other, each with a DDP-wrapped model (whose buffers reference the groups in
-    cycles), as a test or a notebook running the job twice does."""
+    """Three layouts one after the other, as a test or a notebook running the job twice does, each with a
+    DDP-wrapped model that keeps the output of its last forward (as Megatron's MoE token dispatchers keep their
+    routing tensors): its autograd graph reaches DDP's gradient hooks, a cycle through C++ nodes."""
     counts.append(gloo_threads())  # the world's group
     for seed in range(3):
         init_layout(1, 1)
         model = build_tiny_gpt(TinyGPTArgs(vocab_size=32, seed=seed), ddp=True)
-        model(input_ids=torch.zeros(1, 4, dtype=torch.long), position_ids=torch.arange(4)[None], attention_mask=None)
+        model.module.last_output = model(input_ids=torch.zeros(1, 4, dtype=torch.long),
+                                         position_ids=torch.arange(4)[None], attention_mask=None)
         counts.append(gloo_threads())  # Megatron's ~20 groups live
         del model
     destroy_model_parallel_groups()
