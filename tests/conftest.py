@@ -18,6 +18,7 @@ servers included): where CI's time goes, and what a module's `cost` mark should 
 
 from __future__ import annotations
 
+import gc
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -43,6 +44,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "device: runs on the device of --device / $SLIME_CORR_TEST_DEVICE "
                                        "(scripts/gpu_check.sh runs them on CUDA)")
     config.addinivalue_line("markers", "cost(seconds): a module's rough CI time; the costliest modules run first")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The test modules and what they imported move to gc's permanent generation (tests/frozen_imports.py)."""
+    gc.freeze()
 
 
 def _module_cost(item: pytest.Item) -> float:

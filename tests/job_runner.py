@@ -37,12 +37,13 @@ _context: multiprocessing.context.ForkServerContext | None = None
 
 
 def fork_server() -> multiprocessing.context.ForkServerContext:
-    """The multiprocessing context whose fork server has imported `slime_corr.main` (also for gloo worlds that
-    spawn test functions: `torch.multiprocessing.start_processes(..., start_method="forkserver")`)."""
+    """The multiprocessing context whose fork server has imported `slime_corr.main` and frozen what it imported
+    (tests/frozen_imports.py); also for gloo worlds that spawn test functions
+    (`torch.multiprocessing.start_processes(..., start_method="forkserver")`)."""
     global _context
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(["slime_corr.main"])
+        _context.set_forkserver_preload(["slime_corr.main", "tests.frozen_imports"])
     return _context
 
 
