@@ -1,8 +1,8 @@
 """Shared pieces of the Megatron-glue tests: gloo process spawning, the test batch, layouts, references.
 
-Multi-process tests spawn ONE set of processes and loop over (TP, CP, DP) layouts inside it
-(`init_layout`: the previous layout's groups destroyed, slime_corr/mcore/parallel_groups.py). The processes are forked from a server that has imported the project
-and Megatron (tests/job_runner.py), so a launch costs no imports.
+Multi-process tests spawn ONE set of processes and loop over (TP, CP, DP) layouts inside it (`init_layout`, which
+destroys the previous layout's groups: slime_corr/mcore/parallel_groups.py). The processes are forked from a server
+that has imported the project and Megatron (tests/job_runner.py), so a launch costs no imports.
 """
 
 from __future__ import annotations
