@@ -47,18 +47,20 @@ def destroy_model_parallel_groups(world: bool = False) -> None:
     and its `_GLOO` twin) are reset to None with the rest."""
     from megatron.core import parallel_state as ps
 
-    groups = _megatron_groups() if dist.is_initialized() else []
-    _cut_ddp_wrappers()
-    _clear_rope_cache()
-    ps.destroy_model_parallel()
-    for group in groups:
-        if group is not dist.group.WORLD and _is_live(group):
-            dist.destroy_process_group(group)
-    for name, value in list(vars(ps).items()):
-        if isinstance(value, dist.ProcessGroup):
-            setattr(ps, name, None)
-    if world and dist.is_initialized():
-        dist.destroy_process_group()
+    try:
+        groups = _megatron_groups() if dist.is_initialized() else []
+        _cut_ddp_wrappers()
+        _clear_rope_cache()
+        ps.destroy_model_parallel()
+        for group in groups:
+            if group is not dist.group.WORLD and _is_live(group):
+                dist.destroy_process_group(group)
+        for name, value in list(vars(ps).items()):
+            if isinstance(value, dist.ProcessGroup):
+                setattr(ps, name, None)
+    finally:  # the world goes even when the rest failed: a process left in it cannot join another
+        if world and dist.is_initialized():
+            dist.destroy_process_group()
     gc.collect()
 
 
@@ -72,7 +74,7 @@ def _cut_ddp_wrappers() -> None:
     from megatron.core.distributed import DistributedDataParallel
 
     for obj in gc.get_objects():
-        if isinstance(obj, DistributedDataParallel):
+        if issubclass(type(obj), DistributedDataParallel):  # not isinstance: a dead weakref proxy raises there
             obj._modules.pop("module", None)
 
 
