@@ -8,6 +8,8 @@ that has imported the project and Megatron (tests/job_runner.py), so a launch co
 from __future__ import annotations
 
 import os
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -85,16 +87,32 @@ def run_in_process(fn: Callable[..., Any], *args: Any) -> None:
                 os.environ[k] = v
 
 
-def gloo_threads() -> int:
+_NEVER_NAMED: set[int] = set()  # threads that kept their creator's name past a wait (OpenMP's, torch's inter-op)
+
+
+def gloo_threads(timeout: float = 10.0) -> int:
     """This process's gloo device-loop threads (`gloo_tcp_loop` in /proc/self/task, Linux): one per live gloo
-    process group, each awake every 10 ms (slime_corr/mcore/parallel_groups.py)."""
-    names = []
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            names.append((task / "comm").read_text().strip())
-        except OSError:  # a thread that ended meanwhile
-            pass
-    return names.count("gloo_tcp_loop")
+    process group, each awake every 10 ms (slime_corr/mcore/parallel_groups.py). A new thread names itself when it
+    first runs, and until then carries its creator's name: under load a count missed the world's this way (CI:
+    [0, 21, 21, 21, 1]), so the count first waits, at most `timeout` s, until no thread but Python's own carries
+    the main thread's name."""
+    main = Path("/proc/self/comm").read_text().strip()
+    deadline = time.monotonic() + timeout
+    while True:
+        names = {}
+        for task in Path("/proc/self/task").iterdir():
+            try:
+                names[int(task.name)] = (task / "comm").read_text().strip()
+            except OSError:  # a thread that ended meanwhile
+                pass
+        python_threads = {thread.native_id for thread in threading.enumerate()}
+        unnamed = {tid for tid, name in names.items() if name == main} - python_threads - _NEVER_NAMED
+        if unnamed and time.monotonic() > deadline:
+            _NEVER_NAMED.update(unnamed)
+        elif unnamed:
+            time.sleep(0.01)
+            continue
+        return list(names.values()).count("gloo_tcp_loop")
 
 
 def init_layout(tp: int, cp: int, pp: int = 1) -> None:
