@@ -27,13 +27,21 @@ except NotImplementedError as e:
     assert "stand-in" in str(e)
 else:
     raise AssertionError("a stand-in op ran")
+from sglang.srt.environ import envs
 print("ok", InterpolationMode.BICUBIC)
+print(envs.SGLANG_TIMEOUT_KEEP_ALIVE.get())
 """
 
 
-def test_stand_ins_in_a_real_sglang_process(sglang_py):
+@pytest.fixture(scope="module")
+def stand_ins_check(sglang_py) -> subprocess.CompletedProcess:
+    """CHECK run once in a process of the real SGLang install (an import of SGLang costs ~9 CPU-s)."""
     env = SGLangServerConfig(model_path="unused", python=sglang_py, device="cpu").environment()
-    out = subprocess.run([sglang_py, "-c", CHECK], env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sglang_py, "-c", CHECK], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_stand_ins_in_a_real_sglang_process(stand_ins_check):
+    out = stand_ins_check
     assert out.returncode == 0 and out.stdout.startswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]
 
 
@@ -46,15 +54,14 @@ def test_without_the_stand_ins_sglang_cannot_import_its_cpu_path(sglang_py):
     assert out.returncode != 0 and "sgl_kernel" in out.stderr
 
 
-def test_the_client_drops_idle_connections_before_sglang_closes_them(sglang_py):
-    """SGLang's HTTP server (uvicorn) closes a connection idle for SGLANG_TIMEOUT_KEEP_ALIVE seconds; the client
-    must not keep one longer (a request sent on it as the server closes it is never read)."""
+def test_the_client_drops_idle_connections_before_sglang_closes_them(stand_ins_check):
+    """SGLang's HTTP server (uvicorn) closes a connection idle for SGLANG_TIMEOUT_KEEP_ALIVE seconds (its value in
+    the server's environment: CHECK's last line); the client must not keep one longer (a request sent on it as the
+    server closes it is never read)."""
     from slime_corr.rollout.client import KEEPALIVE_TIMEOUT
 
-    code = "from sglang.srt.environ import envs; print(envs.SGLANG_TIMEOUT_KEEP_ALIVE.get())"
-    out = subprocess.run([sglang_py, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert KEEPALIVE_TIMEOUT < float(out.stdout.strip().splitlines()[-1])
+    assert stand_ins_check.returncode == 0, stand_ins_check.stderr[-2000:]
+    assert KEEPALIVE_TIMEOUT < float(stand_ins_check.stdout.strip().splitlines()[-1])
 
 
 def test_a_server_launched_from_a_torchrun_rank_does_not_inherit_its_rendezvous(monkeypatch):
