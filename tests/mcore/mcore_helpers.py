@@ -107,12 +107,13 @@ def gloo_threads(timeout: float = 10.0) -> int:
                 pass
         python_threads = {thread.native_id for thread in threading.enumerate()}
         unnamed = {tid for tid, name in names.items() if name == main} - python_threads - _NEVER_NAMED
-        if unnamed and time.monotonic() > deadline:
+        if not unnamed:
+            break
+        if time.monotonic() > deadline:
             _NEVER_NAMED.update(unnamed)
-        elif unnamed:
-            time.sleep(0.01)
-            continue
-        return list(names.values()).count("gloo_tcp_loop")
+            break
+        time.sleep(0.01)
+    return list(names.values()).count("gloo_tcp_loop")
 
 
 def init_layout(tp: int, cp: int, pp: int = 1) -> None:

@@ -36,7 +36,8 @@ def _run(tiny_moe_cache: str, run_dir: Path, *flags: str) -> dict:
     start, threads = time.perf_counter(), gloo_threads()
     assert main([*RUN, "--model-cache-dir", tiny_moe_cache, "--run-dir", str(run_dir), *flags]) == 0
     # the run's Megatron groups destroyed and freed: a MoE model's graph ties them to DDP (mcore/parallel_groups.py)
-    assert gloo_threads() == threads, f"the run left {gloo_threads() - threads} gloo groups alive in this process"
+    left = gloo_threads()
+    assert left == threads, f"the run left {left - threads} gloo groups alive in this process"
     (row,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     keys = ("diag/routing_mismatch_frac", "diag/routing_mismatch_token_frac", "diag/logprob_abs_diff_routing_diff",
             "diag/logprob_abs_diff_routing_same", "rollout_corr/train_rollout_logprob_abs_diff")
