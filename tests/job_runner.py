@@ -43,7 +43,7 @@ def fork_server() -> multiprocessing.context.ForkServerContext:
     global _context
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(["slime_corr.main", "tests.frozen_imports"])
+        _context.set_forkserver_preload(["tests.frozen_imports"])  # slime_corr.main, frozen
     return _context
 
 

@@ -18,11 +18,18 @@ detokenizer it forks (below) inherit what it did. No file of sglang is edited. I
   transformers again: of a tiny model's start, 23 CPU-s and 18 s (main 8.2, scheduler 8.4, detokenizer 6.7 CPU-s),
   forked 10 CPU-s and 11 s. A fork carries only the thread that forks: the children lose ``_parent_watch``'s
   thread, which only the group's leader runs anyway.
+- below: no cyclic garbage collection while the server's main process imports sglang, torch and transformers (the
+  collections those imports set off walked their objects again and again); right before the server forks its first
+  child, one collection and what is left frozen (``gc.freeze()``), and collection is back on in both, as the
+  ``gc.freeze`` documentation advises for a fork without exec: later collections skip those objects, and do not
+  write to the pages the children share with the main process.
 """
 
+import gc
 import importlib.abc
 import importlib.machinery
 import multiprocessing
+import os
 import sys
 
 _ALLOC_MODULE = "sglang.srt.mem_cache.pool_host.common"
@@ -63,6 +70,17 @@ def _fork_instead_of_spawn(method, force=False):
 
 
 multiprocessing.set_start_method = _fork_instead_of_spawn  # before torch.multiprocessing copies the name
+
+
+def _freeze_before_first_fork():
+    if not gc.isenabled():  # the first fork: the imports are done
+        gc.collect()  # their garbage; it also sets the size the collector compares later objects with
+        gc.freeze()
+
+
+if sys.orig_argv[1:3] == ["-m", "sglang.launch_server"]:  # the server's main process, not a helper it runs
+    gc.disable()
+    os.register_at_fork(before=_freeze_before_first_fork, after_in_parent=gc.enable, after_in_child=gc.enable)
 
 
 import _parent_watch  # noqa: E402 - this folder is on PYTHONPATH: that is how this file is imported
