@@ -7,6 +7,7 @@ nor in another interpreter the server's environment starts."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,18 +15,20 @@ from pathlib import Path
 from slime_corr.engines.sglang_server import CPU_STAND_INS
 
 ROOT = Path(__file__).resolve().parents[1]
-GC_STATE = "import gc, json; print(json.dumps([gc.isenabled(), gc.get_freeze_count()]))"
+MARK = "gc-state "  # the lines the processes report on: MARK + JSON
+GC_STATE = f"import gc, json; print({MARK!r} + json.dumps([gc.isenabled(), gc.get_freeze_count()]))"
 
 
-def _python(code: str, *args: str, pythonpath: str = str(ROOT)) -> list:
-    proc = subprocess.run([sys.executable, *args] if args else [sys.executable, "-c", code], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT, env={"PYTHONPATH": pythonpath, "PATH": "/usr/bin:/bin"})
+def _python(*args: str, pythonpath: str = str(ROOT)) -> list:
+    """The MARK lines of `python ARGS` run with PYTHONPATH = `pythonpath`."""
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": pythonpath})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith(("[", "{"))]
+    return [json.loads(line[len(MARK):]) for line in proc.stdout.splitlines() if line.startswith(MARK)]
 
 
 def test_the_main_job_collects_again_after_its_imports_with_them_frozen():
-    (enabled, frozen), = _python(  # the job's code as `python -m` runs it, to its --help (after every import)
+    (enabled, frozen), = _python("-c",  # the job's code as `python -m` runs it, to its --help (after every import)
         "import runpy, sys\nsys.argv = ['slime_corr.main', '--help']\ntry:\n"
         "    runpy.run_module('slime_corr.main', run_name='__main__', alter_sys=True)\nexcept SystemExit:\n"
         f"    pass\n{GC_STATE}")
@@ -33,7 +36,7 @@ def test_the_main_job_collects_again_after_its_imports_with_them_frozen():
 
 
 def test_importing_the_main_job_as_a_library_leaves_collection_alone():
-    (enabled, frozen), = _python(f"import slime_corr.main\n{GC_STATE}")
+    (enabled, frozen), = _python("-c", f"import slime_corr.main\n{GC_STATE}")
     assert enabled and frozen == 0, (enabled, frozen)
 
 
@@ -45,11 +48,11 @@ def test_the_sglang_server_process_freezes_its_imports_before_it_forks(tmp_path)
     server.mkdir()
     (server / "__init__.py").write_text("")
     (server / "launch_server.py").write_text(
-        "import gc, json, os\n"
+        f"import gc, json, os\nMARK = {MARK!r}\n"
         "state = {'imports': [gc.isenabled(), gc.get_freeze_count()]}\n"
         "pid = os.fork()\n"
         "if pid == 0:\n"
-        "    print(json.dumps({'child': [gc.isenabled(), gc.get_freeze_count()]}), flush=True)\n"
+        "    print(MARK + json.dumps({'child': [gc.isenabled(), gc.get_freeze_count()]}), flush=True)\n"
         "    os._exit(0)\n"
         "os.waitpid(pid, 0)\n"
         "state['parent'] = [gc.isenabled(), gc.get_freeze_count()]\n"
@@ -58,12 +61,12 @@ def test_the_sglang_server_process_freezes_its_imports_before_it_forks(tmp_path)
         "    os._exit(0)\n"
         "os.waitpid(pid, 0)\n"
         "state['later'] = [gc.isenabled(), gc.get_freeze_count()]\n"
-        "print(json.dumps(state))\n")
+        "print(MARK + json.dumps(state))\n")
     paths = f"{CPU_STAND_INS}:{tmp_path}:{ROOT}"
-    child, parent = _python("", "-m", "sglang.launch_server", pythonpath=paths)
+    child, parent = _python("-m", "sglang.launch_server", pythonpath=paths)
     assert parent["imports"] == [False, 0], parent  # no collection (and nothing frozen) while it imports
     (enabled, frozen), (child_enabled, child_frozen) = parent["parent"], child["child"]
     assert enabled and child_enabled and frozen > 1000 and child_frozen > 1000, (child, parent)
     assert parent["later"] == [True, frozen], parent
-    (enabled, frozen_helper), = _python(GC_STATE, pythonpath=paths)  # another interpreter with that environment
+    (enabled, frozen_helper), = _python("-c", GC_STATE, pythonpath=paths)  # another interpreter with that environment
     assert enabled and frozen_helper == 0
