@@ -20,16 +20,14 @@ from __future__ import annotations
 import gc
 import signal
 
+from slime_corr import startup_gc  # the standard library only
 from slime_corr.mcore import import_warnings  # noqa: F401  (megatron-core's import-time warnings filtered, first)
 from slime_corr.trainer import interrupts  # the standard library only: before the slow imports
 
 if __name__ == "__main__":
     interrupts.exit_at_once("slime_corr.main")  # until main() starts anything, a Ctrl-C just exits (130)
-    # No cyclic garbage collection while the imports below run: torch's, megatron-core's and transformers' imports
-    # make ~730k objects, and the collections they set off walked them again and again. Once they are done (below):
-    # one collection (their garbage; it also sets the size the collector compares the run's objects with before it
-    # walks them all again), then what is left frozen, which later collections skip. A process forked from one that
-    # has frozen its imports already keeps its parent's state.
+    # no cyclic garbage collection while the imports below run (slime_corr/startup_gc.py), unless this process was
+    # forked from one that has frozen its imports already: it keeps its parent's state
     if not gc.get_freeze_count():
         gc.disable()
 elif __name__ == "__mp_main__":  # a "spawn" child re-importing this module (an asynchronous Megatron save's manager):
@@ -63,9 +61,7 @@ from slime_corr.trainer.loop import RunConfig, RunProgress, run
 from slime_corr.trainer.watchdog import PeerError, StuckRankError, collective_error
 
 if __name__ == "__main__" and not gc.isenabled():  # turned off above
-    gc.collect()
-    gc.freeze()
-    gc.enable()
+    startup_gc.freeze_imports()
 
 
 def build_parser() -> argparse.ArgumentParser:

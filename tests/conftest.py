@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from slime_corr.device import DEVICE_ENV as RUN_DEVICE_ENV
+from slime_corr.startup_gc import freeze_imports
 
 DEVICE_ENV = "SLIME_CORR_TEST_DEVICE"
 # The suite tests the CPU path (what CI runs): on a GPU machine too, every test and the jobs it launches compute on
@@ -45,18 +46,15 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "(scripts/gpu_check.sh runs them on CUDA)")
     config.addinivalue_line("markers", "cost(seconds): a module's rough CI time; the costliest modules run first")
     if os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses", None):  # it collects
-        # no cyclic garbage collection while the test modules import torch, Megatron and the project: the
-        # collections walked their objects again and again (a collection of the suite: 8.4 -> 6.6 CPU-s)
+        # no cyclic garbage collection while the test modules import torch, Megatron and the project
+        # (slime_corr/startup_gc.py; a collection of the suite: 8.4-10.2 -> 6.6 CPU-s)
         gc.disable()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """The test modules and what they imported move to gc's permanent generation after one collection
-    (tests/frozen_imports.py); cyclic garbage collection, off while they were imported (`pytest_configure`), is
-    back on."""
-    gc.collect()
-    gc.freeze()
-    gc.enable()
+    """The test modules and what they imported frozen (`freeze_imports`: gc's permanent generation, after one
+    collection); cyclic garbage collection, off while they were imported (`pytest_configure`), back on."""
+    freeze_imports()
 
 
 def _module_cost(item: pytest.Item) -> float:

@@ -1,5 +1,5 @@
 """The fork server's imports (tests/job_runner.py): `slime_corr.main` with no cyclic garbage collection while it is
-imported, then one collection and what is left moved to gc's permanent generation (`gc.freeze()`), as
+imported, then `slime_corr.startup_gc.freeze_imports()` (one collection, what is left frozen), as
 `python -m slime_corr.main` does in a fresh interpreter and tests/conftest.py in each test process once its modules
 are collected; the processes forked from the server keep that state.
 
@@ -11,10 +11,10 @@ the heap it shares with the server (copy-on-write).
 
 import gc
 
+from slime_corr.startup_gc import freeze_imports
+
 gc.disable()
 
 import slime_corr.main  # noqa: E402, F401 - imported with collection off (module doc)
 
-gc.collect()
-gc.freeze()
-gc.enable()
+freeze_imports()
