@@ -40,7 +40,6 @@ from typing import Any
 
 import aiohttp
 
-from slime_corr.rollout.control import ControlPlane
 from slime_corr.rollout.http import cancel_for_certain
 from slime_corr.rollout.nucleus import NucleusRequest
 from slime_corr.rollout.protocol import (
@@ -53,6 +52,7 @@ from slime_corr.rollout.protocol import (
     parse_generate_response,
 )
 from slime_corr.rollout.routing import RoutedExpertsSpec
+from slime_corr.rollout.weight_calls import WeightCalls
 
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 # Seconds an idle pooled connection is kept: below the 5 s after which SGLang's server (uvicorn,
@@ -120,7 +120,7 @@ class GenerateResult(GenerateOutput):
     errors: list[str] = field(default_factory=list)
 
 
-class SGLangClient(ControlPlane):
+class SGLangClient(WeightCalls):
     """Talks to one or more SGLang servers (or sglang-routers) with bounded concurrency per target.
 
     Use as ``async with SGLangClient(urls) as client: ...``. Request ids are fixed-width and unique

@@ -44,9 +44,9 @@ from slime_corr.mcore.nucleus import Truncation
 from slime_corr.mcore.precision import PrecisionConfig
 from slime_corr.models.hf_checkpoint import CheckpointError
 from slime_corr.models.selection import ModelSource
-from slime_corr.rollout.control import WEIGHT_LOAD_S_PER_GB
 from slime_corr.rollout.nucleus import DEFAULT_NUCLEUS_LOGPROBS
 from slime_corr.rollout.routing import RoutedExpertsSpec
+from slime_corr.rollout.weight_calls import WEIGHT_LOAD_S_PER_GB
 from slime_corr.trainer.config_checks import (  # noqa: F401  (the choices and defaults, importable from here too)
     CHAT_TEMPLATE_ALLOWANCE,
     DEFAULT_MICRO_BATCH_SIZE,

@@ -27,7 +27,6 @@ from slime_corr.engines.embedded.model import ByteTokenizer, Tokenizer
 from slime_corr.engines.launch import ROUTES_FLAG, EngineSpec, start_engines
 from slime_corr.monitoring.progress import ProgressSampleBuffer, RolloutProgress
 from slime_corr.rollout.client import SGLangClient
-from slime_corr.rollout.control import weight_call_timeout
 from slime_corr.rollout.data_iterator import CANCEL_TIMEOUT, background_event_loop, cancel_pending_tasks
 from slime_corr.rollout.rollout import (
     RolloutFailedError,
@@ -38,6 +37,7 @@ from slime_corr.rollout.rollout import (
 )
 from slime_corr.rollout.sample import Sample
 from slime_corr.rollout.sampling import mix_seed
+from slime_corr.rollout.weight_calls import weight_call_timeout
 from slime_corr.rollout.weight_sync import DistributedWeightSync, SyncReport, sync_weights_from_disk
 from slime_corr.trainer.config import TrainerConfig
 from slime_corr.trainer.data import VERSION_PREFIX, weight_version
