@@ -3,7 +3,7 @@ group, and the check that each worker then reports the expected weight version.
 
 Each call fans out like every control call (:class:`~slime_corr.rollout.control.ControlPlane`: all live workers or
 a :class:`~slime_corr.rollout.control.ControlError`), with a bound that grows with the bytes it carries
-(:func:`weight_call_timeout`). What the trainer does around them (pause, buckets, the group's life) is
+(:func:`weight_call_timeout`). What the trainer does around them (buckets, the group's life) is
 :mod:`slime_corr.rollout.weight_sync`'s.
 """
 
