@@ -21,7 +21,8 @@ import time
 
 HOLDER = """
 import sys, time, torch.distributed as dist
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
+from slime_corr.ports import init_world_of_one
+init_world_of_one("gloo")
 groups = [dist.new_group([0]) for _ in range(int(sys.argv[1]))]
 print("ready", flush=True)
 time.sleep(600)
@@ -40,10 +41,7 @@ print(time.perf_counter() - start)
 
 def busy_seconds(groups: int, iters: int, busy: int) -> float:
     """The busy processes' median wall time beside a holder of `groups` idle gloo groups."""
-    from slime_corr.device import free_port
-
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(groups), str(free_port())], stdout=subprocess.PIPE,
-                              text=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(groups)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "ready", "the holder did not start"
         time.sleep(1.0)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -42,13 +41,10 @@ def main() -> None:
     from slime_corr.mcore.routing import routed_forward
     from slime_corr.models import build_gpt_from_hf
     from slime_corr.models.tiny_moe import TinyMoEArgs, make_tiny_moe_checkpoint
+    from slime_corr.ports import init_world_of_one
     from slime_corr.rollout.routing import RoutedExpertsSpec
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    init_world_of_one("gloo")
     ps.initialize_model_parallel(1)
     apply_cpu_compat()
     tensor_parallel.model_parallel_cuda_manual_seed(0)

@@ -35,19 +35,13 @@ from slime_corr.rollout.sample import Sample  # noqa: E402
 
 
 def _init_megatron() -> None:
-    import socket
-
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
     from slime_corr.mcore.cpu_compat import apply_cpu_compat
+    from slime_corr.ports import init_world_of_one
 
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
-    s.close()
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    init_world_of_one("gloo")
     apply_cpu_compat()
     ps.initialize_model_parallel(tensor_model_parallel_size=1)
     tensor_parallel.model_parallel_cuda_manual_seed(0)

@@ -28,6 +28,7 @@ from slime_corr.config import RolloutCorrectionConfig  # noqa: E402
 from slime_corr.layout.context_parallel import zigzag_slice  # noqa: E402
 from slime_corr.mcore.context_parallel import ParallelGroups  # noqa: E402
 from slime_corr.mcore.loss_hook import RolloutCorrectionLoss  # noqa: E402
+from slime_corr.ports import agent_store_environment, host_store  # noqa: E402
 
 
 def make_batch(b: int, s: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -44,8 +45,8 @@ def make_batch(b: int, s: int, seed: int = 0) -> dict[str, torch.Tensor]:
     )
 
 
-def _count_worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _count_worker(rank: int, world: int, store_env: dict[str, str], args: argparse.Namespace, out: dict) -> None:
+    os.environ.update(store_env)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     cp_group = dist.new_group(list(range(world)))
     sent = []
@@ -79,13 +80,9 @@ def _count_worker(rank: int, world: int, port: int, args: argparse.Namespace, ou
 
 
 def bytes_report(args: argparse.Namespace) -> None:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = host_store(world_size=args.cp)  # the ranks' store, hosted here as torchrun's agent hosts it
     out = mp.Manager().dict()
-    mp.spawn(_count_worker, args=(args.cp, port, args, out), nprocs=args.cp, join=True)
+    mp.spawn(_count_worker, args=(args.cp, agent_store_environment(store), args, out), nprocs=args.cp, join=True)
     local_tokens = args.batch * args.seq // args.cp
     gather = 3 * local_tokens * 4 * (args.cp - 1)  # what each rank would receive to rebuild full tensors
     print(f"\n[bytes each rank sends per micro-batch, CP={args.cp}, B={args.batch}, S={args.seq}]")

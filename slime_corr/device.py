@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -31,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from slime_corr.errors import DeviceError
+from slime_corr.ports import init_world_of_one
 
 DEVICE_ENV = "SLIME_CORR_DEVICE"
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
@@ -149,13 +149,6 @@ def engine_device() -> str:
     return "cuda" if current().is_cuda else "cpu"
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(timeout_minutes: float | None = None, device: str | None = None) -> bool:
     """Decide this process's device (`slime_corr.device.setup(device)`: `--device`; on CUDA the GPU LOCAL_RANK),
     then join torchrun's process group with its backend (NCCL on CUDA, gloo on CPU), or make a one-process one;
@@ -164,23 +157,16 @@ def init_distributed(timeout_minutes: float | None = None, device: str | None = 
     backend = setup(device).backend
     if dist.is_initialized():
         return False
-    timeout = {} if timeout_minutes is None else {"timeout": timedelta(minutes=timeout_minutes)}
+    timeout = None if timeout_minutes is None else timedelta(minutes=timeout_minutes)
     if "RANK" in os.environ:  # torchrun's world
-        dist.init_process_group(backend, **timeout)
+        dist.init_process_group(backend, **({} if timeout is None else {"timeout": timeout}))
         return True
-    # `python -m slime_corr.main`: a world of one on a free port, named in the init method rather than in
-    # os.environ (a RANK left there would make every child process, e.g. a test's next job, think it is under
-    # torchrun); another process may take the port between the probe and the bind, so a lost race is retried
-    for attempt in (1, 2, 3):
-        try:
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                                    **timeout)
-            break
-        except dist.DistNetworkError as e:
-            if "EADDRINUSE" not in str(e) or attempt == 3:
-                raise
+    # `python -m slime_corr.main`: a world of one over an in-process store (no port to race for), named in the call
+    # rather than in os.environ (a RANK left there would make every child process, e.g. a test's next job, think
+    # it is under torchrun)
+    init_world_of_one(backend, timeout)
     return True
 
 
 __all__ = ["DEVICE_CHOICES", "DEVICE_ENV", "DeviceError", "Placement", "collective_device", "current",
-           "engine_device", "free_port", "init_distributed", "place_module", "resolve", "setup", "to_device", "use", "weight_sync_backend"]
+           "engine_device", "init_distributed", "place_module", "resolve", "setup", "to_device", "use", "weight_sync_backend"]

@@ -11,8 +11,10 @@ process of a job; the tests of the documented commands (tests/test_readme_comman
 `torchrun ...`) and of the entry point's signals run real processes.
 
 Ranks get the environment torchrun gives them (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT, TORCHELASTIC_RUN_ID; OMP_NUM_THREADS=1 unless set) and, as under torchrun, one rank's failure ends the
-others, and all ranks write to the run's one output.
+MASTER_PORT, TORCHELASTIC_RUN_ID, TORCHELASTIC_USE_AGENT_STORE; OMP_NUM_THREADS=1 unless set) and, as under torchrun,
+their store is hosted by the launcher (this process, on a port the OS picked as it bound it: no rank binds a port
+that another process could have taken meanwhile), one rank's failure ends the others, and all ranks write to the
+run's one output.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from slime_corr.rollout.weight_group import free_port
+from slime_corr.ports import agent_store_environment, host_store
 
 ROOT = Path(__file__).resolve().parents[1]
 _GRACE_S = 30.0  # torchrun's wait between SIGTERM and SIGKILL of the ranks left when one fails
@@ -104,9 +106,10 @@ class MainJob:
                  new_process_group: bool = False) -> None:
         base = dict(os.environ if env is None else env)
         world = max(nproc, 1)
-        if nproc:
+        self._store = host_store(world_size=world) if nproc else None  # torchrun's agent's: held for the job's life
+        if self._store is not None:
             base.setdefault("OMP_NUM_THREADS", "1")
-            base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
+            base.update(agent_store_environment(self._store), WORLD_SIZE=str(world),
                         LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0",
                         TORCHELASTIC_RUN_ID=f"job-runner-{os.getpid()}-{time.monotonic_ns()}")
         self.args = ["slime_corr.main", *args]
@@ -139,6 +142,7 @@ class MainJob:
             for p in self.ranks:
                 p.join()
             self.returncode = failed if failed is not None else 0  # -N for a signal N, as in Popen
+            self._store = None  # the ranks are gone: its port is released
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:

@@ -38,9 +38,10 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from slime_corr.rollout.weight_group import free_port
+from slime_corr.ports import PORT_TRIES, free_port
 
 ROUTER_MODULE = "sglang_router.launch_router"
+PORT_IN_USE = "address already in use"  # the router's words (os error 98) when a port it binds is taken
 
 
 def router_available() -> bool:
@@ -105,10 +106,10 @@ def start_router(worker_urls: Sequence[str], *, policy: str = "round_robin", sta
         raise RuntimeError("sglang-router is not installed: pip install sglang-router (or run without a router)")
     workers = [u.rstrip("/") for u in worker_urls]
     log_dir = tempfile.mkdtemp(prefix="slime_corr_router_")
-    log_path = os.path.join(log_dir, "router.log")
     handle: RouterHandle | None = None
-    for _ in range(3):  # a free port can be taken between the probe and the bind: retry with new ones
+    for attempt in range(1, PORT_TRIES + 1):  # the router binds the ports picked here: one can be taken meanwhile
         port, prom = free_port(), free_port()
+        log_path = os.path.join(log_dir, f"router-{attempt}.log")
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(router_command(workers, port, prom, policy, request_timeout_secs, extra_args),
                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -119,11 +120,14 @@ def start_router(worker_urls: Sequence[str], *, policy: str = "round_robin", sta
         if proc.poll() is None and _workers_ready(handle.url, workers):
             break
         stop_process(proc)
-        if "in use" not in handle.log_tail().lower():
+        if PORT_IN_USE not in handle.log_tail().lower():
             raise RuntimeError(f"sglang-router did not become ready with workers {workers} within "
                                f"{startup_timeout}s (exit code {proc.returncode}); log:\n{handle.log_tail()}")
-    else:
-        raise RuntimeError(f"sglang-router could not bind free ports; log:\n{handle.log_tail() if handle else ''}")
+        if attempt == PORT_TRIES:
+            raise RuntimeError(f"sglang-router could not bind its ports in {PORT_TRIES} tries (the last: {port} and "
+                               f"{prom} on 127.0.0.1, taken by another process before it bound them); its log "
+                               f"({log_path}):\n{handle.log_tail()}")
+    assert handle is not None
     try:
         yield handle
     finally:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from slime_corr.engines.group import EngineProcess, startup_wait
-from slime_corr.rollout.weight_group import free_port
+from slime_corr.ports import PORT_TRIES, free_port
 
 CPU_STAND_INS = Path(__file__).resolve().parent / "sglang_cpu"
 # --sleep-on-idle: an idle scheduler otherwise spins through its self-checks and takes a whole core (10.1 CPU-s in
@@ -43,7 +43,6 @@ SETUP_HINT = ("install it with `bash scripts/setup_sglang.sh` (CPU; into .venv-s
               "at a Python that has sglang (GPU machines: pip install 'sglang[srt]'), or use --rollout-engine "
               "embedded")
 STOP_GRACE_S = 5.0
-PORT_TRIES = 3
 # py-spy and CUDA core dumps of a crashing server (on by default in SGLang): neither exists on CPU
 CRASH_DIAGNOSTICS = ("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH")
 BIND_FAILED = "error while attempting to bind on address"  # uvicorn's words when the port is taken (errno 98)

@@ -2,7 +2,8 @@
 
 Rank 0 is the trainer, ranks ``rank_offset ..`` the engines (one per engine here: no tensor parallelism). The group
 lives beside any default ``torch.distributed`` group (the trainer's own ``torchrun`` world): it is built from its
-own TCP store on ``master_address:master_port`` (rank 0 hosts it) with the key prefixes SGLang's
+own TCP store on ``master_address:master_port`` (rank 0 hosts it: ``slime_corr.ports.host_store`` binds it on a
+port the OS picks, which the engines are then told) with the key prefixes SGLang's
 ``init_custom_process_group`` gives its group (``<group>/<group>//<device>/``), so either side can be a real
 SGLang server. Backends: ``gloo`` (CPU tensors) and ``nccl`` (CUDA tensors on the device :mod:`slime_corr.device`
 chose, when torch has NCCL); which one the trainer asks for is :func:`slime_corr.device.weight_sync_backend`'s.
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from slime_corr.device import collective_device, free_port  # noqa: F401  (free_port: importable from here too)
+from slime_corr.device import collective_device
 
 BACKENDS = ("gloo", "nccl")
 FLATTENED_BUCKET = "flattened_bucket"
@@ -44,7 +45,7 @@ class WeightUpdateGroup:
 
     def __init__(self, master_address: str, master_port: int, rank: int, world_size: int,
                  group_name: str = "weight_update_group", backend: str = "gloo",
-                 timeout: float = 600.0) -> None:
+                 timeout: float = 600.0, store: dist.TCPStore | None = None) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
         if not 0 <= rank < world_size:
@@ -53,17 +54,19 @@ class WeightUpdateGroup:
             raise ValueError("group_name: must not be empty")
         self.rank, self.world_size, self.group_name, self.backend = rank, world_size, group_name, backend
         self.device = collective_device(backend)
-        self._store: dist.Store | None = None
+        self._store: dist.Store | None = store
         self._pg = self._join(master_address, int(master_port), datetime.timedelta(seconds=timeout))
 
     def _join(self, master_address: str, master_port: int, timeout: datetime.timedelta) -> dist.ProcessGroup:
-        """The group's backend over its own TCP store (rank 0 hosts it), with SGLang's key prefixes."""
+        """The group's backend over its own TCP store (rank 0 hosts it: the `store` it was given, else one bound on
+        `master_port`), with SGLang's key prefixes."""
         nccl = getattr(dist, "ProcessGroupNCCL", None)
         if self.backend == "nccl" and (nccl is None or self.device.type != "cuda"):
             raise ValueError(f"backend 'nccl' needs CUDA and a torch built with NCCL (this process computes on "
                              f"{self.device}); use backend='gloo' on CPU")
-        self._store = dist.TCPStore(master_address, master_port, self.world_size, is_master=self.rank == 0,
-                                    timeout=timeout, wait_for_workers=True)
+        if self._store is None:
+            self._store = dist.TCPStore(master_address, master_port, self.world_size, is_master=self.rank == 0,
+                                        timeout=timeout, wait_for_workers=True)
         store = dist.PrefixStore(f"{self.device.type}/", dist.PrefixStore(
             f"{self.group_name}/", dist.PrefixStore(self.group_name, self._store)))
         if self.backend == "gloo":

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import itertools
 import os
 import time
@@ -29,13 +30,13 @@ from dataclasses import dataclass
 
 import torch
 
+from slime_corr.ports import host_store
 from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.control import ControlError, check_sync_pause_mode
 from slime_corr.rollout.weight_group import (
     FLATTENED_BUCKET,
     Bucket,
     WeightUpdateGroup,
-    free_port,
     make_buckets,
 )
 
@@ -80,10 +81,13 @@ class DistributedWeightSync:
         workers = await self.client.workers()
         if not workers:
             raise ControlError("/init_weights_update_group", {"(none)": "no live engine to sync"})
-        port, world = free_port(), 1 + len(workers)
+        world = 1 + len(workers)
+        # the trainer's store is bound before the engines are told its port (no other process can take it between)
+        store = host_store(self.master_address, world, datetime.timedelta(seconds=self.timeout))
+        port = store.port
         name = f"{self.group_name}-{os.getpid()}-{next(_groups_built)}"
         mine = asyncio.ensure_future(asyncio.to_thread(
-            WeightUpdateGroup, self.master_address, port, 0, world, name, self.backend, self.timeout))
+            WeightUpdateGroup, self.master_address, port, 0, world, name, self.backend, self.timeout, store=store))
         theirs = asyncio.ensure_future(self.client.init_weights_update_group(
             self.master_address, port, 1, world, name, self.backend, workers=workers))
         await _both(mine, theirs)  # an engine's refusal surfaces at once (our side then times out by itself)

@@ -49,6 +49,7 @@ from slime_corr.mcore.precision import (
 from slime_corr.mcore.routing import old_routes_forward, routed_forward
 from slime_corr.models import ChatTokenizer, build_gpt_from_hf, load_engine_module, write_hf_checkpoint
 from slime_corr.models.tiny_opt import opt_weights, write_opt_checkpoint
+from slime_corr.ports import init_world_of_one
 from slime_corr.trainer.config import TrainerConfig
 
 WEIGHTS_FILE = "model.pt"
@@ -137,7 +138,7 @@ def engine_gpt_from_checkpoint(checkpoint_dir: str) -> EngineGPT:
 
     apply_cpu_compat()  # Megatron on CPU (no-op where it computes on CUDA)
     if not dist.is_initialized():
-        dist.init_process_group(current().backend, store=dist.HashStore(), rank=0, world_size=1)
+        init_world_of_one(current().backend)
     if not parallel_state.model_parallel_is_initialized():  # its buffers and RNG states serve the module's layers
         parallel_state.initialize_model_parallel()
         tensor_parallel.model_parallel_cuda_manual_seed(0)  # registers the RNG states (the weights are loaded)

@@ -26,6 +26,7 @@ from slime_corr.layout.micro_batch import (
     cp_pad_multiple,
     empty_micro_batch,
 )
+from slime_corr.ports import agent_store_environment, host_store
 from slime_corr.rollout.sample import Sample
 
 
@@ -210,8 +211,8 @@ def _tp_batch(src: int) -> dict:
     return build_micro_batch([_s([1, 2 + src], [3, 4]), _s([5], [6 + src])], [1.0, -1.0 - src], packed=src == 1)
 
 
-def _bcast_worker(rank: int, world: int, port: int, q) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _bcast_worker(rank: int, world: int, store_env: dict[str, str], q) -> None:
+    os.environ.update(store_env)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         # two TP groups, {0} and {1, 2}; the source of each is its first GLOBAL rank (1 for the second group)
@@ -249,15 +250,10 @@ def _dp_materialize(rank: int) -> tuple[list[int], int]:
 
 
 def test_tp_broadcast_with_gloo():
-    import socket
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    store = host_store(world_size=3)  # the ranks' store, hosted here as torchrun's agent hosts it
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_bcast_worker, args=(r, 3, port, q)) for r in range(3)]
+    procs = [ctx.Process(target=_bcast_worker, args=(r, 3, agent_store_environment(store), q)) for r in range(3)]
     for p in procs:
         p.start()
     results, materialized = {}, {}

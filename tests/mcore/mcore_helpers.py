@@ -17,11 +17,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from slime_corr.mcore.cpu_compat import apply_cpu_compat
 from slime_corr.mcore.parallel_groups import destroy_model_parallel_groups
-from slime_corr.rollout.weight_group import free_port
+from slime_corr.ports import agent_store_environment, host_store, init_world_of_one
 from tests.job_runner import spawn_processes
 
 N_MB = 2  # micro-batches per step
@@ -31,13 +30,16 @@ V = 32  # divisible by TP
 TEMPERATURE = 0.7
 
 
-def _entry(rank: int, port: int, world: int, fn: Callable[..., Any], args: tuple, hide_gpus: bool = False) -> None:
+def _entry(rank: int, store_env: dict[str, str] | None, world: int, fn: Callable[..., Any], args: tuple,
+           hide_gpus: bool = False) -> None:
     if hide_gpus:  # before anything initializes CUDA
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if store_env is None:
+        init_world_of_one("gloo")
+    else:
+        os.environ.update(store_env)
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         apply_cpu_compat()
         fn(rank, world, *args)
@@ -48,43 +50,35 @@ def _entry(rank: int, port: int, world: int, fn: Callable[..., Any], args: tuple
         destroy_model_parallel_groups(world=True)
 
 
-def spawn_on_free_port(entry: Callable[..., Any], nprocs: int, *args: Any) -> None:
-    """`entry(rank, port, *args)` in `nprocs` spawned processes, `port` a free loopback port for their store.
-    The port is free when probed; when another process (a test worker beside this one) binds it before rank 0's
-    store does, nothing ran yet (EADDRINUSE at the store), so the launch is repeated on a new port, 3 tries."""
-    for attempt in (1, 2, 3):
-        try:
-            spawn_processes(entry, nprocs, (free_port(), *args))
-            return
-        except mp.ProcessRaisedException as e:
-            if "EADDRINUSE" not in str(e) or attempt == 3:
-                raise
+def spawn_on_hosted_store(entry: Callable[..., Any], nprocs: int, *args: Any) -> None:
+    """`entry(rank, store_env, *args)` in `nprocs` spawned processes; `store_env` the variables that join them to a
+    store this process hosts (as torchrun's agent hosts its ranks' store: `slime_corr.ports`), on a port the OS
+    picked as it bound it, so no other process can take it before the ranks connect. Raises the first failure."""
+    store = host_store(world_size=nprocs)
+    try:
+        spawn_processes(entry, nprocs, (agent_store_environment(store), *args))
+    finally:
+        del store
 
 
 def spawn(fn: Callable[..., Any], world: int, *args: Any) -> None:
-    """Run `fn(rank, world, *args)` in `world` gloo processes on a free loopback port (forked from
+    """Run `fn(rank, world, *args)` in `world` gloo processes joined by a store this process hosts (forked from
     tests/job_runner.py's server: the imports are done); raise on any failure.
 
     The processes never see a GPU (CUDA_VISIBLE_DEVICES is empty for them), so on a GPU machine these tests run
     unchanged: Megatron then allocates its DDP buffers on the CPU like the models, and gloo reduces CPU tensors.
     """
-    spawn_on_free_port(_entry, world, world, fn, args, True)
+    spawn_on_hosted_store(_entry, world, world, fn, args, True)
 
 
 def run_in_process(fn: Callable[..., Any], *args: Any) -> None:
-    """Run `fn(0, 1, *args)` as a one-rank gloo group in THIS process (no spawn: no import cost), then leave
-    torch.distributed and Megatron's parallel state as they were (uninitialized)."""
+    """Run `fn(0, 1, *args)` as a one-rank gloo group in THIS process (no spawn: no import cost; an in-process
+    store: no port), then leave torch.distributed and Megatron's parallel state as they were (uninitialized)."""
     threads = torch.get_num_threads()
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
     try:
-        _entry(0, free_port(), 1, fn, args)
+        _entry(0, None, 1, fn, args)
     finally:
         torch.set_num_threads(threads)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 _NEVER_NAMED: set[int] = set()  # threads that kept their creator's name past a wait (OpenMP's, torch's inter-op)

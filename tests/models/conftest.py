@@ -31,22 +31,18 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def single_rank() -> Iterator[None]:
     """A world of one gloo process with Megatron's parallel state (TP=1), torn down after the module."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
     from slime_corr.mcore.cpu_compat import apply_cpu_compat
     from slime_corr.mcore.parallel_groups import destroy_model_parallel_groups
-    from slime_corr.rollout.weight_group import free_port
+    from slime_corr.ports import init_world_of_one
 
-    with pytest.MonkeyPatch.context() as mp:  # later tests' subprocesses must not inherit this port
-        mp.setenv("MASTER_ADDR", "127.0.0.1")
-        mp.setenv("MASTER_PORT", str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
-        try:
-            apply_cpu_compat()
-            ps.initialize_model_parallel(tensor_model_parallel_size=1)
-            tensor_parallel.model_parallel_cuda_manual_seed(0)
-            yield
-        finally:
-            destroy_model_parallel_groups(world=True)
+    init_world_of_one("gloo")  # an in-process store: no port
+    try:
+        apply_cpu_compat()
+        ps.initialize_model_parallel(tensor_model_parallel_size=1)
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        yield
+    finally:
+        destroy_model_parallel_groups(world=True)

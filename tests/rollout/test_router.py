@@ -9,15 +9,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
 
+from slime_corr.engines import router
 from slime_corr.engines.embedded.engine import start_local_engine
 from slime_corr.engines.embedded.model import load_tiny_lm, teacher_forced_logprobs
 from slime_corr.engines.group import start_engine_group
+from slime_corr.ports import free_port
 from slime_corr.rollout.client import GenerationError, RetryPolicy, SGLangClient
 from slime_corr.rollout.control import ControlError
 from slime_corr.rollout.rollout import PausePolicy, generate_sample
@@ -66,16 +70,16 @@ def router_json(url: str, path: str):
 
 
 def test_client_finds_the_workers_behind_the_router(routed):
-    router = routed.router.url
+    router_url = routed.router.url
 
     async def go():
-        async with SGLangClient(router) as c:
-            return await c.workers(), c.is_router(router), await c.server_info(), await c.health()
+        async with SGLangClient(router_url) as c:
+            return await c.workers(), c.is_router(router_url), await c.server_info(), await c.health()
 
     workers, is_router, info, healthy = asyncio.run(go())
     assert sorted(workers) == sorted(routed.engine_urls) and is_router and healthy
     assert info["port"] in [h.engine.port for h in routed.engines]  # a worker's info, not the router's own
-    loads = router_json(router, "/get_loads")["workers"]  # the router polls each engine's load
+    loads = router_json(router_url, "/get_loads")["workers"]  # the router polls each engine's load
     assert sorted(w["worker"] for w in loads) == sorted(routed.engine_urls) and all(w["load"] >= 0 for w in loads)
 
 
@@ -215,3 +219,28 @@ def test_client_timeouts_leave_no_duplicate_work(routed):
     finished = {rid: kind for h in routed.engines for rid, kind in h.engine.stats.finished.items()
                 if rid.startswith(prefix)}
     assert max(seen) == 1 and len(finished) == 3 and set(finished.values()) == {"abort"}
+
+
+def test_a_port_taken_before_the_router_binds_it_starts_the_router_again_elsewhere(routed, monkeypatch):
+    """The router binds the ports picked for it (its HTTP port, its Prometheus port) itself, after its start: one can
+    be taken meanwhile. The fault is real: a listening socket holds the first pick, the real router fails to bind
+    it, and the launcher starts it again on new ports; when every try loses, the error names the ports."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    taken = holder.getsockname()[1]
+    try:
+        picks = iter([taken])
+        monkeypatch.setattr(router, "free_port", lambda: next(picks, None) or free_port())
+        with router.start_router(routed.engine_urls) as handle:
+            assert handle.url != f"http://127.0.0.1:{taken}" and handle.proc.poll() is None
+            assert sorted(router_json(handle.url, "/workers")["workers"][i]["url"] for i in range(2)) == \
+                sorted(routed.engine_urls)
+            first_try = Path(handle.log_path).with_name("router-1.log").read_text(errors="replace").lower()
+            assert router.PORT_IN_USE in first_try  # the real router's own words
+        monkeypatch.setattr(router, "free_port", lambda: taken)
+        with pytest.raises(RuntimeError, match=f"could not bind its ports in {router.PORT_TRIES} tries .*{taken}"):
+            with router.start_router(routed.engine_urls):
+                pass
+    finally:
+        holder.close()

@@ -7,12 +7,15 @@ to bf16, exactly as loading the same checkpoint from disk casts it).
 from __future__ import annotations
 
 import asyncio
+import errno
+import socket
 import threading
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from slime_corr import ports
 from slime_corr.engines.embedded.engine import start_local_engine
 from slime_corr.engines.embedded.model import load_tiny_lm, save_checkpoint, teacher_forced_logprobs
 from slime_corr.rollout.client import SGLangClient
@@ -21,7 +24,6 @@ from slime_corr.rollout.weight_group import (
     FLATTENED_BUCKET,
     WeightUpdateGroup,
     bucket_layout,
-    free_port,
     make_buckets,
 )
 from slime_corr.rollout.weight_sync import DistributedWeightSync
@@ -98,6 +100,41 @@ def test_engine_generates_with_the_weights_it_received(engines, trainer):
     assert res.weight_version == "gen"
 
 
+def test_the_group_port_is_bound_before_the_engines_are_told_it(engines, trainer, monkeypatch):
+    """A port picked free and bound later can be taken in between (EADDRINUSE). The trainer's store binds port 0
+    first: when the engines are told the port, another process binding it fails, and no port is picked at all."""
+    fp32, _ = engines
+    told: list[tuple[int, str]] = []
+    tell = SGLangClient.init_weights_update_group
+
+    async def init_group(self, master_address, master_port, *args, **kwargs):
+        with socket.socket() as other:  # another process trying to take the port now
+            try:
+                other.bind((master_address, master_port))
+                told.append((master_port, "free"))
+            except OSError as e:
+                told.append((master_port, errno.errorcode.get(e.errno, str(e.errno))))
+        return await tell(self, master_address, master_port, *args, **kwargs)
+
+    def no_port(*args):
+        raise AssertionError("the weight sync picked a port to bind later")
+
+    monkeypatch.setattr(SGLangClient, "init_weights_update_group", init_group)
+    monkeypatch.setattr(ports, "free_port", no_port)
+
+    async def go():
+        async with SGLangClient(fp32.url) as c:
+            sync = DistributedWeightSync(c, timeout=60)
+            try:
+                await sync.sync(trainer.state_dict().items(), "held")
+            finally:
+                sync.close()
+            return await c.weight_versions()
+
+    assert asyncio.run(go()) == {fp32.url: "held"}
+    assert len(told) == 1 and told[0][1] == "EADDRINUSE", told
+
+
 def test_a_refused_bucket_is_an_error_and_the_next_sync_works(engines, trainer, tiny_ckpt):
     """An unknown weight: both engines take part in the broadcast, refuse it, keep their weights; the caller
     gets the engines' reasons; the client is not left paused; a later sync rebuilds the group and succeeds."""
@@ -166,7 +203,7 @@ def test_engine_refusals_name_the_problem(engines):
     async def go():
         async with SGLangClient(fp32.url) as c:
             errors = []
-            for call in (lambda: c.init_weights_update_group("127.0.0.1", free_port(), 1, 2, backend="nccl"),
+            for call in (lambda: c.init_weights_update_group("127.0.0.1", ports.free_port(), 1, 2, backend="nccl"),
                          lambda: c.end_weight_update(),
                          lambda: c.update_weights_from_distributed(["w"], ["float32"], [[1]], group_name="none")):
                 with pytest.raises(ControlError) as ei:
@@ -205,7 +242,8 @@ def test_group_layout_matches_torchs_own_custom_group():
     rendezvous + ``_new_process_group_helper``): the store keys agree, the broadcast arrives."""
     from torch.distributed import distributed_c10d as c10d
 
-    port, got, errors = free_port(), {}, []
+    store, got, errors = ports.host_store(world_size=2), {}, []
+    port = store.port
 
     def sglang_side() -> None:
         try:
@@ -224,7 +262,7 @@ def test_group_layout_matches_torchs_own_custom_group():
     try:
         th = threading.Thread(target=sglang_side)
         th.start()
-        ours = WeightUpdateGroup("127.0.0.1", port, 0, 2, "g", "gloo", timeout=30)
+        ours = WeightUpdateGroup("127.0.0.1", port, 0, 2, "g", "gloo", timeout=30, store=store)
         ours.broadcast(torch.arange(4.0))
         th.join(30)
         ours.close()

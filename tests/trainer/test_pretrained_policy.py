@@ -32,7 +32,7 @@ import torch
 from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.loss_terms import LossTermsConfig
 from slime_corr.models import ModelSource, cached_hf_checkpoint
-from slime_corr.rollout.weight_group import free_port
+from slime_corr.ports import init_world_of_one
 from slime_corr.trainer.config import TrainerConfig
 from slime_corr.trainer.task import TASKS, Response
 
@@ -47,7 +47,6 @@ FLAGS = dict(rollout_batch_size=2, n_samples_per_prompt=2, num_steps_per_rollout
 @pytest.fixture(scope="module")
 def smollm2_policy() -> Iterator[tuple[TrainerConfig, object]]:
     """A world of one gloo process with Megatron's parallel state, and the SmolLM2 policy with its reference."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from slime_corr.mcore.cpu_compat import apply_cpu_compat
@@ -56,16 +55,13 @@ def smollm2_policy() -> Iterator[tuple[TrainerConfig, object]]:
 
     cached_hf_checkpoint("smollm2-135m")
     config = TrainerConfig(model_source=ModelSource(model="smollm2-135m"), **FLAGS)
-    with pytest.MonkeyPatch.context() as mp:  # later tests' subprocesses must not inherit this port
-        mp.setenv("MASTER_ADDR", "127.0.0.1")
-        mp.setenv("MASTER_PORT", str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
-        try:
-            ps.initialize_model_parallel(tensor_model_parallel_size=1)
-            apply_cpu_compat()
-            yield config, build_policy(config, with_reference=True)
-        finally:
-            destroy_model_parallel_groups(world=True)
+    init_world_of_one("gloo")  # an in-process store: no port
+    try:
+        ps.initialize_model_parallel(tensor_model_parallel_size=1)
+        apply_cpu_compat()
+        yield config, build_policy(config, with_reference=True)
+    finally:
+        destroy_model_parallel_groups(world=True)
 
 
 @pytest.fixture(scope="module")

@@ -437,14 +437,12 @@ def test_batch_defaults_are_valid_at_any_dp_size(world, tp, expected):
 _ONE_PROCESS_GROUP = """
 import os, socket, subprocess, sys
 import torch.distributed as dist
-from slime_corr import device
+from slime_corr import device, ports
 
-taken = socket.socket()
-taken.bind(("127.0.0.1", 0))
-taken.listen()
-ports = iter([taken.getsockname()[1]])  # the first probe loses the race: its port is taken before the bind
-real_free_port = device.free_port
-device.free_port = lambda: next(ports, None) or real_free_port()
+def no_port(*args):
+    raise AssertionError("a world of one picked a port")
+
+ports.free_port = no_port  # a picked port could be taken before its bind: a world of one needs none
 assert device.init_distributed(0.5) and dist.get_world_size() == 1 and dist.get_rank() == 0
 assert not device.init_distributed()  # a second call joins the existing group
 leaked = sorted(k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k in os.environ)
@@ -454,10 +452,10 @@ dist.destroy_process_group()
 """
 
 
-def test_a_one_process_group_leaves_no_torchrun_variables_for_child_processes_and_retries_a_taken_port():
+def test_a_one_process_group_leaves_no_torchrun_variables_for_child_processes_and_binds_no_port():
     """A RANK/MASTER_PORT left in os.environ made the next job a test started look like a torchrun rank bound to the
-    first job's port (EADDRINUSE). The lost port race is forced by handing init_distributed a taken port: a real race
-    between the probe and the bind cannot be produced on demand."""
+    first job's port (EADDRINUSE). A world of one binds no port (an in-process store): there is no race to lose,
+    and a port picked anyway fails the test."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     out = subprocess.run([sys.executable, "-c", _ONE_PROCESS_GROUP], capture_output=True, text=True, timeout=120,
                          env=env)

@@ -27,7 +27,7 @@ def _timed_wait(beacon, rollout: int, name: str, seen: dict) -> None:  # noqa: A
     seen["seconds"].append(time.monotonic() - start)
 
 
-def _ranks(rank: int, port: int, timeout_s: float, out: str) -> None:
+def _ranks(rank: int, store_env: dict[str, str], timeout_s: float, out: str) -> None:
     from slime_corr.trainer.watchdog import (
         ABORT_KEY,
         DriverBeacon,
@@ -35,7 +35,7 @@ def _ranks(rank: int, port: int, timeout_s: float, out: str) -> None:
         collective_error,
     )
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(store_env)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=timeout_s))
     seen: dict[str, object] = {"seconds": []}
     try:
@@ -92,10 +92,10 @@ def _ranks(rank: int, port: int, timeout_s: float, out: str) -> None:
 
 def run_watchdog_ranks(timeout_s: float) -> dict:
     """Spawn the two ranks; their findings merged (seconds: each wait's duration)."""
-    from tests.mcore.mcore_helpers import spawn_on_free_port
+    from tests.mcore.mcore_helpers import spawn_on_hosted_store
 
     with tempfile.TemporaryDirectory() as out:
-        spawn_on_free_port(_ranks, 2, timeout_s, out)
+        spawn_on_hosted_store(_ranks, 2, timeout_s, out)
         merged: dict = {"seconds": []}
         for rank in (0, 1):
             seen = json.loads(Path(out, f"rank{rank}.json").read_text())
