@@ -136,6 +136,14 @@ def load_verl(version: str = VERL_VERSION, cache: Path = CACHE) -> types.SimpleN
     )
 
 
+def load_verl_module(name: str, version: str = VERL_VERSION, cache: Path = CACHE) -> types.ModuleType:
+    """One of verl's real modules (e.g. "verl.utils.torch_functional"), loaded as `load_verl` loads its own."""
+    root = fetch_verl(version, cache)
+    for stub_name, module in _stub_modules(root).items():
+        sys.modules.setdefault(stub_name, module)
+    return importlib.import_module(name)
+
+
 class _ActorConfig(dict):
     """The fields of verl's ActorConfig its policy losses read."""
 

@@ -41,6 +41,7 @@ LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
 RSMetric = Literal["ratio", "k2", "k3", "binary_kl"]
 RSAgg = Literal["token", "mean", "sum", "max"]
 RatioLevel = Literal["token", "sequence"]
+LogProbsBackend = Literal["torch", "triton"]  # --logprobs-backend (slime_corr.mcore.logprobs)
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,11 @@ class RolloutCorrectionConfig(RolloutCorrectionChecks):
                                                "a CUDA graph and replay it (one launch instead of ~200; pad "
                                                "micro-batches to a few lengths). Calls with DP/CP groups or packed "
                                                "rows run eager.")
+    logprobs_backend: LogProbsBackend = flag("torch", help="Log-probs and entropy from the logits: torch (token "
+                                             "chunks, every device) or triton (one fused kernel over vocabulary "
+                                             "tiles; CUDA, opt-in until scripts/gpu_check.sh has passed it on a GPU; "
+                                             "a kernel that cannot compile or launch falls back to torch with one "
+                                             "warning).")
     warn_invalid_inputs: bool = flag(False, help="Impossible input values (loss mask outside {0,1} or NaN, log-prob > "
                                      "0 or NaN, advantage NaN/inf in the mask) warn and are counted "
                                      "(mis_invalid_mask_count, mis_positive_logprob_count, mis_nan_logprob_count, "
@@ -345,7 +351,7 @@ _FLOAT_FIELDS = ("tis_lower_bound", "tis_upper_bound", "tis_clip", "tis_clip_low
 FIELD_KINDS: dict[str, str] = {  # the type of each field ("?": None allowed)
     **{f.name: "bool" for f in fields(RolloutCorrectionConfig) if isinstance(f.default, bool)},
     **{name: "str" for name in ("tis_mode", "tis_level", "rs_level", "loss_type", "loss_agg_mode", "rs_metric",
-                                "policy_ratio_level")},
+                                "policy_ratio_level", "logprobs_backend")},
     **{name: "str?" for name in ("rollout_correction_preset", "custom_config_path", "custom_tis_function_path",
                                  "rs_agg")},
     **{name: "float?" for name in _FLOAT_FIELDS},

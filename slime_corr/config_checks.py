@@ -23,6 +23,7 @@ LOSS_AGG_MODES: tuple[str, ...] = (
 RS_METRICS: tuple[str, ...] = ("ratio", "k2", "k3", "binary_kl")
 RS_AGGS: tuple[str, ...] = ("token", "mean", "sum", "max")
 POLICY_RATIO_LEVELS: tuple[str, ...] = ("token", "sequence")
+LOGPROBS_BACKENDS: tuple[str, ...] = ("torch", "triton")
 DEFAULT_TIS_UPPER_BOUND = 2.0
 
 
@@ -50,6 +51,7 @@ class RolloutCorrectionChecks:
         check_choice("loss_agg_mode", LOSS_AGG_MODES)
         check_choice("rs_metric", RS_METRICS)
         check_choice("policy_ratio_level", POLICY_RATIO_LEVELS)
+        check_choice("logprobs_backend", LOGPROBS_BACKENDS)
         if self.rs_agg is not None:
             check_choice("rs_agg", RS_AGGS)
 

@@ -132,7 +132,8 @@ class RolloutCorrectionLoss(StepPrepass, PolicyLogProbs):
     `truncation`: the rollout's top-p / top-k; when active every policy log-prob is taken under the truncated,
     renormalized distribution and the rollout log-probs are renormalized to the trainer's nucleus
     (`slime_corr.mcore.nucleus`; the report gains its `mismatch_nucleus_*` pairs).
-    `chunk_size`: tokens per log-prob chunk (bounds the fp32 [chunk, V/TP] temporaries).
+    `chunk_size`: tokens per log-prob chunk (bounds the fp32 [chunk, V/TP] temporaries; None: sized to the device,
+    `slime_corr.mcore.logprobs.CHUNK_BYTES`).
     `compute_entropy`: also log the token-mean entropy of π_θ (on when `loss_terms` has an entropy bonus).
     `seq_length_for_norm`: the constant L of `seq-mean-token-sum-norm` (the run's maximum response length);
     required with packed micro-batches, else a padded micro-batch's full length S·CP.
@@ -154,7 +155,7 @@ class RolloutCorrectionLoss(StepPrepass, PolicyLogProbs):
         *,
         temperature: float = 1.0,
         truncation: Truncation | None = None,
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        chunk_size: int | None = DEFAULT_CHUNK_SIZE,
         groups: ParallelGroups | None = None,
         model_forward: ModelForward = default_model_forward,
         compute_entropy: bool = False,

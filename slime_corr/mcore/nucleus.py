@@ -38,8 +38,8 @@ import torch
 from torch import Tensor
 
 from slime_corr.layout.micro_batch import NUCLEUS_KNOWN_KEY, NUCLEUS_MASS_KEY
-from slime_corr.mcore.logprobs import DEFAULT_CHUNK_SIZE, ProcessGroup, vocab_parallel_log_probs
-from slime_corr.mcore.truncated_logprobs import truncated_log_probs
+from slime_corr.mcore.logprobs import DEFAULT_CHUNK_SIZE, LogProbsBackend, ProcessGroup
+from slime_corr.mcore.truncated_logprobs import truncated_token_log_softmax
 
 # batch keys: the engine's values, kept when the truncation replaces `rollout_log_probs` / `loss_mask`
 UNTRUNCATED_ROLLOUT = "rollout_log_probs_untruncated"
@@ -90,23 +90,19 @@ class NucleusLogProbs(NamedTuple):
 
 
 def nucleus_log_probs(logits: Tensor, labels: Tensor, truncation: Truncation, *, tp_group: ProcessGroup = None,
-                      temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                      with_entropy: bool = False) -> NucleusLogProbs:
-    """`truncated_log_probs` plus log M = lse_N − lse_V = lp(y) − lp_trunc(y) for y in the nucleus (one more
-    vocab-parallel log-prob pass, without gradient unless the entropy is asked for)."""
-    lp_trunc, inside = truncated_log_probs(logits, labels, top_k=truncation.top_k, top_p=truncation.top_p,
-                                           tp_group=tp_group, temperature=temperature, chunk_size=chunk_size)
-    entropy = None
-    if with_entropy:
-        lp_full, entropy = vocab_parallel_log_probs(logits, labels, tp_group=tp_group, temperature=temperature,
-                                                    chunk_size=chunk_size, with_entropy=True)
-    else:
-        with torch.no_grad():
-            lp_full = vocab_parallel_log_probs(logits.detach(), labels, tp_group=tp_group, temperature=temperature,
-                                               chunk_size=chunk_size)
-    zero = torch.zeros((), dtype=lp_trunc.dtype, device=lp_trunc.device)
-    log_mass = torch.where(inside, lp_full.detach().to(lp_trunc.dtype) - lp_trunc.detach(), zero).clamp_max(0.0)
-    return NucleusLogProbs(lp_trunc, log_mass, inside, entropy)
+                      temperature: float = 1.0, chunk_size: int | None = DEFAULT_CHUNK_SIZE, with_entropy: bool = False,
+                      entropy_grad: bool = True, backend: LogProbsBackend = "torch") -> NucleusLogProbs:
+    """lp_trunc, log M = lse_N − lse_V, in_nucleus and the untruncated entropy in one pass of the trainer's
+    log-prob function (`truncated_logprobs.truncated_token_log_softmax`; the entropy differentiable with
+    `entropy_grad`)."""
+    out = truncated_token_log_softmax(logits, labels, top_k=truncation.top_k, top_p=truncation.top_p,
+                                      tp_group=tp_group, temperature=temperature, chunk_size=chunk_size,
+                                      with_entropy=with_entropy, entropy_grad=entropy_grad, backend=backend)
+    if out.in_kept is None:  # an inactive truncation: everything is kept
+        return NucleusLogProbs(out.log_probs, torch.zeros_like(out.log_probs),
+                               torch.ones_like(labels, dtype=torch.bool), out.entropy)
+    assert out.log_mass is not None
+    return NucleusLogProbs(out.log_probs, out.log_mass, out.in_kept, out.entropy)
 
 
 def engine_path(batch: dict[str, Tensor]) -> Tensor | None:

@@ -16,7 +16,7 @@ active truncation the policy's own pass also renormalizes the rollout log-probs 
 error (`_pop_prox_error`, called by `reduce_step_metrics`).
 
 `PolicyLogProbs` is a mixin of `RolloutCorrectionLoss`: it reads the hook's `groups`, `model_forward`, `truncation`,
-`temperature`, `chunk_size`, `compute_entropy` and `ref_model`.
+`temperature`, `chunk_size`, `compute_entropy`, `loss_terms`, `config` (its `logprobs_backend`) and `ref_model`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ class PolicyLogProbs:
                   ) -> tuple[Tensor, Tensor | None]:
         """(log π(labels), entropy or None) from vocab-parallel logits, with the rollout temperature (and under
         the truncation when active: −inf outside the nucleus; the entropy stays the untruncated one's).
-        `with_entropy` defaults to `compute_entropy`."""
+        `with_entropy` defaults to `compute_entropy`; the entropy is differentiable only when the loss has an
+        entropy term (`loss_terms.uses_entropy`): a logged-only entropy keeps nothing for backward."""
         entropy = self.compute_entropy if with_entropy is None else with_entropy
         if self.truncation.active:
             nucleus = self._nucleus(logits, labels, entropy)
@@ -53,6 +54,8 @@ class PolicyLogProbs:
             temperature=self.temperature,
             chunk_size=self.chunk_size,
             with_entropy=entropy,
+            entropy_grad=self.loss_terms.uses_entropy,
+            backend=self.config.logprobs_backend,
         )
         if entropy:
             return out  # type: ignore[return-value]
@@ -60,7 +63,8 @@ class PolicyLogProbs:
 
     def _nucleus(self, logits: Tensor, labels: Tensor, with_entropy: bool) -> NucleusLogProbs:
         return nucleus_log_probs(logits, labels, self.truncation, tp_group=self.groups.tp,
-                                 temperature=self.temperature, chunk_size=self.chunk_size, with_entropy=with_entropy)
+                                 temperature=self.temperature, chunk_size=self.chunk_size, with_entropy=with_entropy,
+                                 entropy_grad=self.loss_terms.uses_entropy, backend=self.config.logprobs_backend)
 
     def compute_old_log_probs(self, model: torch.nn.Module, micro_batches: Sequence[dict[str, Tensor]]) -> list[Tensor]:
         """Decoupled mode: log π_old for every micro-batch by a forward-only pass (no grad), stored in place

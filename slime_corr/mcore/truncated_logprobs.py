@@ -13,9 +13,11 @@ with ties kept together (the sets differ from a sort-based cut only at exact tie
 τ_k and τ_p are found exactly by binary search on the float32 bit patterns of z (order-preserving integer keys):
 each rank sorts its keys once, then 32 steps each, a `searchsorted` per row and one small SUM all_reduce over the
 tensor-parallel group per step ([chunk] counts or masses, in float64), so every TP rank gets the same thresholds
-without gathering the vocabulary. The log-softmax over N then reuses `logprobs._chunk_stats` (one MAX and one SUM
-all_reduce), chunked and recomputed in backward by the same `logprobs.map_chunks` as `vocab_parallel_log_probs`;
-gradients flow to the logits of N only (the sets are piecewise constant).
+without gathering the vocabulary. The thresholds become one float per token, the smallest kept z (`nucleus_floor`:
+N = {v : z_v ≥ floor}), and the log-softmax over N is `logprobs.token_log_softmax`'s, the one function of every
+log-prob of the trainer: in the same pass the full distribution's entropy and log M, chunked, backward recomputing
+the softmax chunk by chunk from the floor it kept; gradients flow to the logits of N only (the sets are piecewise
+constant).
 
 `in_nucleus` says whether the sampled token lies in the trainer's N. Tokens the engine sampled outside it have
 lp_trunc = −inf: the caller decides (drop them from the loss mask, or let the correction core reject their
@@ -25,11 +27,21 @@ Cost: one sort of each [chunk, V/TP] key block, then 32 (or 64 with both) cheap 
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from slime_corr.mcore.logprobs import DEFAULT_CHUNK_SIZE, ProcessGroup, _chunk_stats, _tp_size, map_chunks
+from slime_corr.mcore.logprobs import (
+    DEFAULT_CHUNK_SIZE,
+    LogProbsBackend,
+    LogSoftmaxSpec,
+    ProcessGroup,
+    TokenLogProbs,
+    token_log_softmax,
+    tp_size,
+)
 
 _KEY_LOW, _KEY_HIGH = -(2**31), 2**31 - 1
 
@@ -42,7 +54,7 @@ def float_keys(z: Tensor) -> Tensor:
 
 
 def _sum(x: Tensor, group: ProcessGroup) -> Tensor:
-    if _tp_size(group) > 1:
+    if tp_size(group) > 1:
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
     return x
 
@@ -60,15 +72,24 @@ def _search(pred, rows: int, device: torch.device) -> Tensor:
     return hi
 
 
-def nucleus_keep(z: Tensor, top_k: int, top_p: float, vocab: int, group: ProcessGroup) -> Tensor:
-    """Bool [N, V_local]: the local logits in SGLang's top-k then top-p set of each row of `z` [N, V_local]
-    (temperature applied, detached). `vocab` is the global vocabulary size. Each rank sorts its keys once; every
-    search step is then a `searchsorted` per row and one SUM of [N] counts or masses over the TP group."""
-    keys = float_keys(z)
+def floats_of_keys(keys: Tensor) -> Tensor:
+    """The float32 values whose `float_keys` are `keys` (the inverse; −inf below the key of −inf)."""
+    bits = torch.where(keys >= 0, keys, (-keys) | 0x80000000)
+    values = (((bits + 2**31) % 2**32) - 2**31).to(torch.int32).view(torch.float32)
+    return torch.where(keys < float_keys(torch.tensor(-torch.inf)), -torch.inf, values)
+
+
+def nucleus_floor(z: Tensor, top_k: int, top_p: float, vocab: int, group: ProcessGroup) -> Tensor:
+    """Float32 [N]: the smallest z of SGLang's top-k then top-p set of each row of `z` [N, V_local] (temperature
+    applied), −inf without a truncation: the set is {v : float32(z_v) ≥ floor}. `vocab` is the global vocabulary
+    size. Each rank sorts its keys once; every search step is then a `searchsorted` per row and one SUM of [N]
+    counts or masses over the TP group."""
+    z = z.detach()
     rows, width = z.shape
     use_k, use_p = 0 < top_k < vocab, top_p < 1.0
     if not (use_k or use_p):
-        return torch.ones_like(z, dtype=torch.bool)
+        return torch.full((rows,), -torch.inf, device=z.device)
+    keys = float_keys(z)
     sorted_keys, order = keys.sort(-1)  # ascending: #{keys > t} = width - searchsorted(t, right)
 
     def first_above(t: Tensor) -> Tensor:
@@ -78,32 +99,41 @@ def nucleus_keep(z: Tensor, top_k: int, top_p: float, vocab: int, group: Process
     if use_k:  # τ_k: the smallest t with #{z > t} < k (the k-th largest key)
         t_k = _search(lambda t: _sum((width - first_above(t)).squeeze(-1).to(torch.float64), group) < top_k, rows,
                       z.device)
-    if use_p:
-        zmax = z.amax(-1)
-        if _tp_size(group) > 1:
-            dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)
-        mass = (z - zmax[:, None]).to(torch.float64).exp().gather(-1, order)
-        above = torch.cat([mass.flip(-1).cumsum(-1).flip(-1), mass.new_zeros(rows, 1)], -1)  # above[j] = Σ_{i≥j}
+    if not use_p:
+        return floats_of_keys(t_k)
+    zmax = z.amax(-1)
+    if tp_size(group) > 1:
+        dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)
+    mass = (z - zmax[:, None]).to(torch.float64).exp().gather(-1, order)
+    above = torch.cat([mass.flip(-1).cumsum(-1).flip(-1), mass.new_zeros(rows, 1)], -1)  # above[j] = Σ_{i≥j}
 
-        def mass_above(t: Tensor) -> Tensor:  # Σ e^z over keys > t, within K (keys ≥ t_k)
-            return above.gather(-1, first_above(torch.maximum(t, t_k - 1))).squeeze(-1)
+    def mass_above(t: Tensor) -> Tensor:  # Σ e^z over keys > t, within K (keys ≥ t_k)
+        return above.gather(-1, first_above(torch.maximum(t, t_k - 1))).squeeze(-1)
 
-        budget = _sum(above[:, 0].clone(), group) * top_p  # top_p of the full mass (SGLang's joint filter)
-        t_p = _search(lambda t: _sum(mass_above(t), group) <= budget, rows, z.device)
-        return keys >= torch.maximum(t_p, t_k)[:, None]  # K ∩ P
-    return keys >= t_k[:, None]
+    budget = _sum(above[:, 0].clone(), group) * top_p  # top_p of the full mass (SGLang's joint filter)
+    t_p = _search(lambda t: _sum(mass_above(t), group) <= budget, rows, z.device)
+    return floats_of_keys(torch.maximum(t_p, t_k))  # K ∩ P
 
 
-def _truncated_chunk(logits: Tensor, labels: Tensor, vocab_start: int, group: ProcessGroup, temperature: float,
-                     top_k: int, top_p: float, vocab: int) -> Tensor:
-    """[N, V_local] logits, [N] labels -> [N, 2]: (lp_trunc, 1.0 if the label is in the nucleus else 0.0)."""
-    z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-    if temperature != 1.0:
-        z = z / temperature
-    keep = nucleus_keep(z.detach(), top_k, top_p, vocab, group)
-    masked = torch.where(keep, z, torch.full((), -torch.inf, dtype=z.dtype, device=z.device))
-    lp = _chunk_stats(masked, labels, vocab_start, group, 1.0, False)[:, 0]
-    return torch.stack([lp, lp.detach().isfinite().to(lp.dtype)], -1)
+def nucleus_keep(z: Tensor, top_k: int, top_p: float, vocab: int, group: ProcessGroup) -> Tensor:
+    """Bool [N, V_local]: the local logits in SGLang's top-k then top-p set of each row of `z` [N, V_local]."""
+    return z.to(torch.float32) >= nucleus_floor(z, top_k, top_p, vocab, group)[:, None]
+
+
+def truncated_token_log_softmax(logits: Tensor, labels: Tensor, *, top_k: int = 0, top_p: float = 1.0,
+                                tp_group: ProcessGroup = None, temperature: float = 1.0,
+                                chunk_size: int | None = DEFAULT_CHUNK_SIZE, with_entropy: bool = False,
+                                entropy_grad: bool = False, backend: LogProbsBackend = "torch") -> TokenLogProbs:
+    """`token_log_softmax` over SGLang's top-k / top-p kept set: lp_trunc (−inf outside it), the full entropy
+    when asked, log M and in_kept (None for both when `top_k` ≤ 0 and `top_p` = 1: no truncation)."""
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p={top_p} must be in (0, 1] (1.0: no nucleus truncation)")
+    vocab = logits.size(-1) * tp_size(tp_group)
+    truncated = 0 < top_k < vocab or top_p < 1.0
+    floor = partial(nucleus_floor, top_k=int(top_k), top_p=float(top_p), vocab=vocab, group=tp_group)
+    spec = LogSoftmaxSpec(tp_group, temperature, chunk_size, with_entropy, with_entropy and entropy_grad,
+                          floor if truncated else None, backend)
+    return token_log_softmax(logits, labels, spec)
 
 
 def truncated_log_probs(
@@ -114,20 +144,16 @@ def truncated_log_probs(
     top_p: float = 1.0,
     tp_group: ProcessGroup = None,
     temperature: float = 1.0,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
 ) -> tuple[Tensor, Tensor]:
     """(log π_trunc(label), in_nucleus) per position from `logits` [..., V/TP] split over `tp_group` (Megatron's
     layout; `labels` hold global ids). `top_k` ≤ 0 and `top_p` = 1 switch the truncation off (SGLang's defaults
     are top_k = -1, top_p = 1.0). Both results are shaped like `labels` and identical on every TP rank; the
     log-prob is differentiable wrt `logits` and −inf where `in_nucleus` is False."""
-    if temperature <= 0:
-        raise ValueError(f"temperature={temperature} must be > 0")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p={top_p} must be in (0, 1] (1.0: no nucleus truncation)")
-    vocab = logits.size(-1) * _tp_size(tp_group)
-    stats = map_chunks(_truncated_chunk, logits, labels, tp_group, temperature, int(top_k), float(top_p), vocab,
-                       chunk_size=chunk_size, width=2)
-    return stats[:, 0].reshape(labels.shape), stats[:, 1].detach().reshape(labels.shape) > 0
+    out = truncated_token_log_softmax(logits, labels, top_k=top_k, top_p=top_p, tp_group=tp_group,
+                                      temperature=temperature, chunk_size=chunk_size)
+    inside = torch.ones_like(labels, dtype=torch.bool) if out.in_kept is None else out.in_kept
+    return out.log_probs, inside
 
 
 def nucleus_disagreement(in_nucleus: Tensor, loss_mask: Tensor) -> Tensor:
@@ -137,4 +163,5 @@ def nucleus_disagreement(in_nucleus: Tensor, loss_mask: Tensor) -> Tensor:
     return (m & ~in_nucleus).sum().to(torch.float64) / n.clamp_min(1)
 
 
-__all__ = ["float_keys", "nucleus_disagreement", "nucleus_keep", "truncated_log_probs"]
+__all__ = ["float_keys", "floats_of_keys", "nucleus_disagreement", "nucleus_floor", "nucleus_keep",
+           "truncated_log_probs", "truncated_token_log_softmax"]
