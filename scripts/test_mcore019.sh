@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The Megatron tests (tests/mcore) on megatron-core 0.19.x, whose wheel ships Megatron-LM's own training loop
+# The Megatron tests (tests/mcore) and the Triton kernels' (tests/kernels) on megatron-core 0.19.x, whose wheel ships Megatron-LM's own training loop
 # (megatron.training): that release (and the triton its schedules import) is installed without dependencies into
 # .mcore019/ (git-ignored; seconds, once) and laid over .venv's packages with PYTHONPATH, so both runs share one
 # environment but for megatron-core. PY=/path/to/python: that interpreter's packages instead of .venv's (which
@@ -26,6 +26,8 @@ PARALLEL=()
 [ "$WORKERS" != 0 ] && PARALLEL=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder)
 # the four-process layouts run on one megatron-core version: the version-dependent calls (schedules, DDP,
 # finalize_model_grads) are the same at two processes
-PYTHONPATH=$OVERLAY exec "$PY" -m pytest -q -p no:cacheprovider "${PARALLEL[@]}" tests/mcore \
+# tests/kernels: the Triton kernels under Triton's interpreter, which needs the triton this overlay brings (.venv has
+# none: megatron-core 0.16 would take it up)
+PYTHONPATH=$OVERLAY exec "$PY" -m pytest -q -p no:cacheprovider "${PARALLEL[@]}" tests/mcore tests/kernels \
   --ignore tests/mcore/test_mcore_parallel_world4.py \
   --deselect "tests/mcore/test_mcore_gpt.py::test_tiny_gpt_gradients_match_single_rank_under_dp_cp_tp_pp[4]" "$@"

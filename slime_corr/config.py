@@ -18,13 +18,16 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from slime_corr.config_checks import (  # noqa: F401  (the choices: public here too)
+    CLIP_COV_DEFAULTS,
     DEFAULT_TIS_UPPER_BOUND,
+    KL_COV_DEFAULTS,
     LEVELS,
     LOSS_AGG_MODES,
     LOSS_TYPES,
     POLICY_RATIO_LEVELS,
     RS_AGGS,
     RS_METRICS,
+    SAPO_TAUS,
     TIS_MODES,
     RolloutCorrectionChecks,
     flag_of,
@@ -36,12 +39,12 @@ from slime_corr.presets import PRESETS
 
 Level = Literal["token", "sequence", "geometric"]
 TISMode = Literal["truncate", "clip", "mask"]
-LossType = Literal["ppo", "reinforce"]
+LossType = Literal["ppo", "reinforce", "cispo", "sapo", "geo_mean", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 RSMetric = Literal["ratio", "k2", "k3", "binary_kl"]
 RSAgg = Literal["token", "mean", "sum", "max"]
 RatioLevel = Literal["token", "sequence"]
-LogProbsBackend = Literal["torch", "triton"]  # --logprobs-backend (slime_corr.mcore.logprobs)
+KernelBackend = Literal["torch", "triton"]  # --logprobs-backend, --rollout-correction-backend (kernel_fallback.py)
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,34 @@ class RolloutCorrectionConfig(RolloutCorrectionChecks):
     opsm_delta: float = flag(1e-4, help="OPSM's bound on a sequence's mean lp_old - lp, in nats (slime's default "
                              "1e-4).")
 
+    # --- the peers' losses and masks (slime_corr/policy_losses.py, slime_corr/mismatch_masks.py) and the gate ---
+    tau_pos: float | None = flag(None, help="SAPO's gate temperature where A > 0 (verl's tau_pos; default 1.0); with "
+                                 "--policy-loss-type sapo.")
+    tau_neg: float | None = flag(None, help="SAPO's gate temperature where A <= 0 (verl's tau_neg; default 1.05); with "
+                                 "--policy-loss-type sapo.")
+    clip_cov_ratio: float | None = flag(None, help="Clip-Cov: the fraction of the micro-batch's tokens whose gradient "
+                                        "is cut (verl's clip_cov_ratio; default 0.0002).")
+    clip_cov_lb: float | None = flag(None, help="Clip-Cov: the lower bound of the covariance of the tokens it may cut "
+                                     "(verl's clip_cov_lb; default 1.0).")
+    clip_cov_ub: float | None = flag(None, help="Clip-Cov: the upper bound of the covariance of the tokens it may cut "
+                                     "(verl's clip_cov_ub; default 5.0).")
+    kl_cov_ratio: float | None = flag(None, help="KL-Cov: the fraction of the micro-batch's tokens, those of the "
+                                      "largest covariance, that get the |lp - lp_old| penalty (verl's kl_cov_ratio; "
+                                      "default 0.0002).")
+    ppo_kl_coef: float | None = flag(None, help="KL-Cov: the coefficient of its |lp - lp_old| penalty (verl's "
+                                     "ppo_kl_coef; default 0.1).")
+    m2_threshold: float | None = flag(None, help="M2PO's mask (AReaL's actor.m2_threshold): per micro-batch, the "
+                                      "tokens of the largest (lp_train - lp_rollout)^2 leave the loss until the mean "
+                                      "of the rest is below this.")
+    seq_logprob_error_threshold: float | None = flag(None, help="NeMo-RL's sequence mask (grpo.seq_logprob_error_"
+                                                     "threshold): a sequence whose mean exp(|lp_train - lp_rollout|) "
+                                                     "is above this (>= 1, e.g. 2.0) leaves the loss.")
+    max_train_rollout_logprob_abs_diff: float | None = flag(None, help="Mismatch gate for CI: stop the run with an "
+                                                            "error naming the step when a step's "
+                                                            "train_rollout_logprob_abs_diff is above this (nats).")
+    max_mismatch_k3_kl: float | None = flag(None, help="Mismatch gate for CI: stop the run with an error naming the "
+                                            "step when a step's mismatch_k3_kl is above this.")
+
     # --- where settings and custom code come from ---
     rollout_correction_preset: str | None = flag(None, choices=list(PRESETS), help="Start from a named preset: "
                                                  + ", ".join(PRESETS) + ".")
@@ -128,7 +159,12 @@ class RolloutCorrectionConfig(RolloutCorrectionChecks):
                                                "a CUDA graph and replay it (one launch instead of ~200; pad "
                                                "micro-batches to a few lengths). Calls with DP/CP groups or packed "
                                                "rows run eager.")
-    logprobs_backend: LogProbsBackend = flag("torch", help="Log-probs and entropy from the logits: torch (token "
+    rollout_correction_backend: KernelBackend = flag("torch", help="The correction's token pass (log-ratio, the "
+                                                     "mismatch terms and their per-sequence sums): torch, or triton "
+                                                     "(one kernel per call; CUDA, padded rows; opt-in until "
+                                                     "scripts/gpu_check.sh has passed it on a GPU; a kernel that cannot "
+                                                     "compile or launch falls back to torch with one warning).")
+    logprobs_backend: KernelBackend = flag("torch", help="Log-probs and entropy from the logits: torch (token "
                                              "chunks, every device) or triton (one fused kernel over vocabulary "
                                              "tiles; CUDA, opt-in until scripts/gpu_check.sh has passed it on a GPU; "
                                              "a kernel that cannot compile or launch falls back to torch with one "
@@ -200,7 +236,39 @@ class RolloutCorrectionConfig(RolloutCorrectionChecks):
 
     @property
     def computes_metrics(self) -> bool:
-        return self.get_mismatch_metrics or self.use_rollout_correction
+        return self.get_mismatch_metrics or self.use_rollout_correction or bool(self.mismatch_gates)
+
+    @property
+    def mismatch_gates(self) -> dict[str, float]:
+        """The mismatch gate's bounds by metric name (`--max-train-rollout-logprob-abs-diff`,
+        `--max-mismatch-k3-kl`); empty when no gate is set. A gate turns the mismatch metrics on."""
+        gates = {"train_rollout_logprob_abs_diff": self.max_train_rollout_logprob_abs_diff,
+                 "mismatch_k3_kl": self.max_mismatch_k3_kl}
+        return {name: bound for name, bound in gates.items() if bound is not None}
+
+    @property
+    def sapo_taus(self) -> tuple[float, float]:
+        """SAPO's (tau_pos, tau_neg), verl's defaults where not given."""
+        pos, neg = SAPO_TAUS
+        return (self.tau_pos if self.tau_pos is not None else pos, self.tau_neg if self.tau_neg is not None else neg)
+
+    @property
+    def clip_cov_settings(self) -> tuple[float, float, float]:
+        """Clip-Cov's (ratio, lower bound, upper bound), verl's defaults where not given."""
+        given = (self.clip_cov_ratio, self.clip_cov_lb, self.clip_cov_ub)
+        return tuple(v if v is not None else d for v, d in zip(given, CLIP_COV_DEFAULTS, strict=True))
+
+    @property
+    def kl_cov_settings(self) -> tuple[float, float]:
+        """KL-Cov's (ratio, penalty coefficient), verl's defaults where not given."""
+        given = (self.kl_cov_ratio, self.ppo_kl_coef)
+        return tuple(v if v is not None else d for v, d in zip(given, KL_COV_DEFAULTS, strict=True))
+
+    @property
+    def uses_mismatch_masks(self) -> bool:
+        """Whether a peer's mask (`--m2-threshold`, `--seq-logprob-error-threshold`) may take tokens out of the
+        loss after the correction (its denominators are then recounted)."""
+        return self.m2_threshold is not None or self.seq_logprob_error_threshold is not None
 
     # ------------------------------------------------------------------ validation
     def _check_types(self) -> None:
@@ -347,11 +415,13 @@ def _check_keys(values: Mapping[str, Any], source: str) -> None:
 
 _FLOAT_FIELDS = ("tis_lower_bound", "tis_upper_bound", "tis_clip", "tis_clip_low", "rs_lower_bound", "rs_upper_bound",
                  "rs_veto_threshold", "eps_clip_high", "eps_clip_c", "rs_divergence_bound", "rs_divergence_budget",
-                 "tis_ess_target")
+                 "tis_ess_target", "tau_pos", "tau_neg", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio",
+                 "ppo_kl_coef", "m2_threshold", "seq_logprob_error_threshold", "max_train_rollout_logprob_abs_diff",
+                 "max_mismatch_k3_kl")
 FIELD_KINDS: dict[str, str] = {  # the type of each field ("?": None allowed)
     **{f.name: "bool" for f in fields(RolloutCorrectionConfig) if isinstance(f.default, bool)},
     **{name: "str" for name in ("tis_mode", "tis_level", "rs_level", "loss_type", "loss_agg_mode", "rs_metric",
-                                "policy_ratio_level", "logprobs_backend")},
+                                "policy_ratio_level", "logprobs_backend", "rollout_correction_backend")},
     **{name: "str?" for name in ("rollout_correction_preset", "custom_config_path", "custom_tis_function_path",
                                  "rs_agg")},
     **{name: "float?" for name in _FLOAT_FIELDS},

@@ -13,7 +13,12 @@ from slime_corr.presets import PRESETS
 
 LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
 TIS_MODES: tuple[str, ...] = ("truncate", "clip", "mask")
-LOSS_TYPES: tuple[str, ...] = ("ppo", "reinforce")
+LOSS_TYPES: tuple[str, ...] = ("ppo", "reinforce", "cispo", "sapo", "geo_mean", "dppo_tv", "dppo_kl", "clip_cov",
+                               "kl_cov")
+SAPO_TAUS = (1.0, 1.05)  # verl's (and AReaL's) default tau_pos, tau_neg
+CLIP_COV_DEFAULTS = (0.0002, 1.0, 5.0)  # verl's clip_cov_ratio, clip_cov_lb, clip_cov_ub
+KL_COV_DEFAULTS = (0.0002, 0.1)  # verl's kl_cov_ratio, ppo_kl_coef (its ActorConfig's defaults)
+DUAL_CLIP_LOSSES = ("ppo", "dppo_tv", "dppo_kl")  # the losses --eps-clip-c applies to (DPPO: its truncation)
 LOSS_AGG_MODES: tuple[str, ...] = (
     "token-mean",
     "seq-mean-token-sum",
@@ -23,7 +28,7 @@ LOSS_AGG_MODES: tuple[str, ...] = (
 RS_METRICS: tuple[str, ...] = ("ratio", "k2", "k3", "binary_kl")
 RS_AGGS: tuple[str, ...] = ("token", "mean", "sum", "max")
 POLICY_RATIO_LEVELS: tuple[str, ...] = ("token", "sequence")
-LOGPROBS_BACKENDS: tuple[str, ...] = ("torch", "triton")
+KERNEL_BACKENDS: tuple[str, ...] = ("torch", "triton")
 DEFAULT_TIS_UPPER_BOUND = 2.0
 
 
@@ -51,7 +56,8 @@ class RolloutCorrectionChecks:
         check_choice("loss_agg_mode", LOSS_AGG_MODES)
         check_choice("rs_metric", RS_METRICS)
         check_choice("policy_ratio_level", POLICY_RATIO_LEVELS)
-        check_choice("logprobs_backend", LOGPROBS_BACKENDS)
+        check_choice("logprobs_backend", KERNEL_BACKENDS)
+        check_choice("rollout_correction_backend", KERNEL_BACKENDS)
         if self.rs_agg is not None:
             check_choice("rs_agg", RS_AGGS)
 
@@ -94,6 +100,7 @@ class RolloutCorrectionChecks:
         if not self.use_rs and (self.rs_upper_bound is not None or self.rs_lower_bound is not None):
             fail("--rs-upper-bound/--rs-lower-bound are set but --use-rs is not; add --use-rs or drop them.")
         self._validate_budgets(fail)
+        self._validate_peer_losses(fail)
         if self.rs_upper_bound is not None:
             if self.rejects_divergence and self.rs_upper_bound < 1.0 and self.rs_lower_bound is None:
                 fail(f"--rs-upper-bound {self.rs_upper_bound} is the ratio filter's (--use-rs) bound, below 1; "
@@ -126,11 +133,11 @@ class RolloutCorrectionChecks:
                 "--policy-loss-type reinforce is pure policy gradient on rollout data and needs --use-rollout-logprobs "
                 "(bypass mode); for a recomputed pi_old use --policy-loss-type ppo."
             )
-        if self.loss_type == "ppo" and self.use_rollout_logprobs and self.use_tis:
+        if self.loss_type != "reinforce" and self.use_rollout_logprobs and self.use_tis:
             fail(
-                "--use-tis with --use-rollout-logprobs and --policy-loss-type ppo corrects twice: the PPO ratio is "
-                "already pi_theta/pi_rollout. Drop --use-tis (keep --use-rs if wanted), or use "
-                "--policy-loss-type reinforce for pg_is."
+                f"--use-tis with --use-rollout-logprobs and --policy-loss-type {self.loss_type} corrects twice: the "
+                f"{'PPO' if self.loss_type == 'ppo' else self.loss_type} ratio is already pi_theta/pi_rollout. Drop "
+                "--use-tis (keep --use-rs if wanted), or use --policy-loss-type reinforce for pg_is."
             )
 
         if not (math.isfinite(self.eps_clip) and 0.0 < self.eps_clip < 1.0):
@@ -142,8 +149,9 @@ class RolloutCorrectionChecks:
         if not (math.isfinite(self.opsm_delta) and self.opsm_delta >= 0):
             fail(f"--opsm-delta={self.opsm_delta} must be a finite number >= 0 (nats: a sequence's mean "
                  "lp_old - lp above it is masked where its advantage is negative).")
-        if self.loss_type == "reinforce" and self.eps_clip_c is not None:
-            fail("--eps-clip-c (dual clip) applies to the PPO loss only; drop it with --policy-loss-type reinforce.")
+        if self.loss_type not in DUAL_CLIP_LOSSES and self.eps_clip_c is not None:
+            fail(f"--eps-clip-c (dual clip) applies to the PPO loss only (and is DPPO's truncation of its ratio); drop "
+                 f"it with --policy-loss-type {self.loss_type}.")
         if self.policy_ratio_level == "sequence" and self.loss_type != "ppo":
             fail("--policy-ratio-level sequence (GSPO) is a PPO ratio; it needs --policy-loss-type ppo (REINFORCE has "
                  "no ratio).")
@@ -153,6 +161,38 @@ class RolloutCorrectionChecks:
                 f"--rollout-correction-preset {self.rollout_correction_preset!r} is unknown; choose one of "
                 f"{', '.join(PRESETS)}."
             )
+
+    def _validate_peer_losses(self, fail: Callable[[str], None]) -> None:
+        """The peers' losses' settings (SAPO, Clip-Cov, KL-Cov), their masks (--m2-threshold,
+        --seq-logprob-error-threshold) and the mismatch gate: each a finite number in its range, and a loss's
+        settings only with that loss."""
+        _given_without(self, ("tau_pos", "tau_neg"), "sapo", fail)
+        _given_without(self, ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"), "clip_cov", fail)
+        _given_without(self, ("kl_cov_ratio", "ppo_kl_coef"), "kl_cov", fail)
+        positive = ("tau_pos", "tau_neg", "m2_threshold", "max_train_rollout_logprob_abs_diff", "max_mismatch_k3_kl")
+        for name in positive:
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                fail(f"{flag_of(name)}={value} must be a finite number > 0.")
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and 0.0 < value <= 1.0):
+                fail(f"{flag_of(name)}={value} must be in (0, 1]: a fraction of the micro-batch's tokens.")
+        for name in ("clip_cov_lb", "clip_cov_ub", "ppo_kl_coef"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                fail(f"{flag_of(name)}={value} must be a finite number.")
+        if self.ppo_kl_coef is not None and self.ppo_kl_coef < 0:
+            fail(f"--ppo-kl-coef={self.ppo_kl_coef} must be >= 0 (a penalty on |lp - lp_old|).")
+        if self.loss_type == "clip_cov":
+            _, lower, upper = self.clip_cov_settings
+            if not lower < upper:
+                fail(f"--clip-cov-lb {lower} must be below --clip-cov-ub {upper}: the covariances between them are "
+                     "the candidates for a cut.")
+        threshold = self.seq_logprob_error_threshold
+        if threshold is not None and not (math.isfinite(threshold) and threshold >= 1.0):
+            fail(f"--seq-logprob-error-threshold={threshold} must be a finite number >= 1: it bounds a sequence's "
+                 "mean exp(|lp_train - lp_rollout|), which is 1 without mismatch (NeMo-RL's recipes use 2.0).")
 
     def _validate_budgets(self, fail: Callable[[str], None]) -> None:
         """The divergence filter (--rs-metric, --rs-agg, --rs-divergence-bound/-budget) and --tis-ess-target."""
@@ -187,6 +227,15 @@ class RolloutCorrectionChecks:
                      "no --tis-upper-bound/--tis-clip.")
             if self.custom_tis_function_path:
                 fail("--tis-ess-target bounds the built-in weights; a --custom-tis-function-path makes its own.")
+
+
+def _given_without(config: object, names: tuple[str, ...], loss_type: str, fail: Callable[[str], None]) -> None:
+    """Refuse the settings of `loss_type` (`names`) given with another --policy-loss-type."""
+    given = [n for n in names if getattr(config, n) is not None]
+    if given and getattr(config, "loss_type") != loss_type:
+        fail(f"{', '.join(flag_of(n) for n in given)} set but --policy-loss-type is {getattr(config, 'loss_type')}; "
+             f"{'it is' if len(given) == 1 else 'they are'} --policy-loss-type {loss_type}'s: add that or drop "
+             f"{'it' if len(given) == 1 else 'them'}.")
 
 
 def _check_bounds(fail: Callable[[str], None], prefix: str, lower: float | None, upper: float | None,

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from slime_corr.config import RolloutCorrectionConfig
+from slime_corr.config import KernelBackend, RolloutCorrectionConfig
 from slime_corr.correction import budget as BG
 from slime_corr.correction import cuda_graphs
 from slime_corr.correction import divergence as D
@@ -214,10 +214,11 @@ class TokenSums(NamedTuple):
 
 
 def token_sums(log_probs: Tensor, rollout_log_probs: Tensor, valid: Tensor, dtype: torch.dtype,
-               veto_log: float | None, rs_bounds: tuple[float, float] | None, seg: Segments) -> TokenSums:
+               veto_log: float | None, rs_bounds: tuple[float, float] | None, seg: Segments,
+               backend: KernelBackend = "torch") -> TokenSums:
     """lr, the token metrics' sums and the per-sequence local sums: `M.LOCAL` (valid tokens, Σlr, Σlp_train,
     non-finite tokens), then the veto count (lr < log C) and the token-RS kept count if asked."""
-    tok = M.token_pass(log_probs.detach().to(dtype), rollout_log_probs.detach().to(dtype), valid, seg)
+    tok = M.token_pass(log_probs.detach().to(dtype), rollout_log_probs.detach().to(dtype), valid, seg, backend)
     columns = [tok.seq]
     if veto_log is not None:  # lr < log C, as -lr > -log C (lr is 0 outside the mask and log C < 0)
         columns.append(count_greater_(tok.lr.neg(), -veto_log, seg)[:, None])
@@ -237,7 +238,7 @@ def log_ratio_stage(log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Ten
     valid = valid_float(loss_mask, dtype)  # float 0/1; in good sequences also the mask of finite tokens
     value_counts = input_value_counts(log_probs, rollout_log_probs, loss_mask, valid)
     tok = maybe_compiled(token_sums, config)(log_probs, rollout_log_probs, valid, dtype, plan.veto_log_threshold,
-                                             plan.token_rs_bounds, layout.segments)
+                                             plan.token_rs_bounds, layout.segments, config.rollout_correction_backend)
     local = tok.local_sums
     first_divergence = local.shape[-1]  # the divergence filter's columns follow
     div = None

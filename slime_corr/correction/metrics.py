@@ -54,11 +54,12 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from slime_corr.config import RolloutCorrectionConfig
+from slime_corr.config import KernelBackend, RolloutCorrectionConfig
 from slime_corr.correction import quantiles as Q
 from slime_corr.correction.checks import check_host_metrics
 from slime_corr.correction.reductions import count_greater_, device_constant, row_products
 from slime_corr.correction.weights import LOG_RATIO_CLAMP
+from slime_corr.kernel_fallback import KernelFallback
 from slime_corr.layout.segments import Segments
 
 PPL_EXP_CLAMP = 80.0
@@ -135,9 +136,14 @@ def _raw_to_sums(device: torch.device) -> Tensor:
     return torch.tensor(m, dtype=torch.float64, device=device)
 
 
-def token_pass(lp_train: Tensor, lp_rollout: Tensor, valid: Tensor, segments: Segments | None = None) -> TokenPass:
+TRITON = KernelFallback("--rollout-correction-backend triton")  # the token-pass kernel's state in this process
+
+
+def token_pass(lp_train: Tensor, lp_rollout: Tensor, valid: Tensor, segments: Segments | None = None,
+               backend: KernelBackend = "torch") -> TokenPass:
     """lr, the per-sequence sums the core needs and the token mismatch terms, for a float 0/1 `valid` mask;
-    sequences are the rows, or the `segments` of a packed row.
+    sequences are the rows, or the `segments` of a packed row. `backend` "triton": the same pass as one kernel
+    (`token_pass_triton`) for padded float32 rows outside torch.compile; elsewhere, or once it failed, eager.
 
     Terms (x = clamp(lr, ±20), p = exp(min(lp, 20)), 0 outside the mask): k3 = expm1(x) - x; chi2 = e(e + 2) with
     e = k3 + x (= exp(2x) - 1, no cancellation for small x); |lr|; d = |p_train - p_rollout|, d²; p, p², p_t·p_r.
@@ -146,6 +152,12 @@ def token_pass(lp_train: Tensor, lp_rollout: Tensor, valid: Tensor, segments: Se
     than the arithmetic, on an accelerator every op is a launch. Packed or compiled: every term written out
     (`_token_pass_terms`).
     """
+    if backend == "triton" and TRITON.usable and (segments is None or not segments.packed) \
+            and valid.dtype == torch.float32 and not torch.compiler.is_compiling():
+        try:
+            return _token_pass_kernel(lp_train, lp_rollout, valid)
+        except Exception as error:  # noqa: BLE001 - compile or launch failures of any kind: the eager pass
+            TRITON.failed(error)
     big = torch.finfo(lp_train.dtype).max
     lr = torch.sub(lp_train, lp_rollout).nan_to_num_(big, big, -big).mul_(valid)
     seg = segments or Segments.rows(*valid.shape)
@@ -172,6 +184,16 @@ def token_pass(lp_train: Tensor, lp_rollout: Tensor, valid: Tensor, segments: Se
     rows = raw.to(torch.float64) @ device_constant("raw_to_sums", raw.device, _raw_to_sums)
     seq = torch.stack([valid.sum(-1), s_lr, s_lpt, n_bad], dim=-1)
     return TokenPass(lr, seq, rows, d_max)
+
+
+def _token_pass_kernel(lp_train: Tensor, lp_rollout: Tensor, valid: Tensor) -> TokenPass:
+    """`token_pass` by the Triton kernel: one launch for lr and every per-sequence sum."""
+    from slime_corr.correction import token_pass_triton  # lazily: triton is optional
+
+    lr, sums = token_pass_triton.token_pass_sums(lp_train, lp_rollout, valid, log_ratio_clamp=LOG_RATIO_CLAMP,
+                                                 log_prob_clamp=LOG_PROB_CLAMP, max_abs_log_ratio=MAX_ABS_LOG_RATIO)
+    local = len(LOCAL)
+    return TokenPass(lr, sums[:, :local], sums[:, local:local + len(TOKEN_SUMS)].to(torch.float64), sums[:, -1])
 
 
 def _token_pass_terms(lp_train: Tensor, lp_rollout: Tensor, valid: Tensor, lr: Tensor, seg: Segments) -> TokenPass:

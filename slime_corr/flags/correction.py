@@ -38,7 +38,8 @@ IS_AND_REJECTION = ("use_tis", "tis_mode", "tis_level", "tis_lower_bound", "tis_
 BUDGETS_AND_MODE = ("rs_divergence_budget", "tis_ess_target", "use_rollout_logprobs", "use_rollout_correction",
                     "get_mismatch_metrics")
 LOSS_AND_RUN = ("eps_clip", "eps_clip_high", "eps_clip_c", "loss_agg_mode", "policy_ratio_level", "use_opsm",
-                "opsm_delta", "rollout_correction_compile", "rollout_correction_cuda_graph", "logprobs_backend",
+                "opsm_delta", "rollout_correction_compile", "rollout_correction_cuda_graph",
+                "rollout_correction_backend", "logprobs_backend",
                 "warn_invalid_inputs",
                 "rollout_correction_preset", "custom_config_path", "custom_tis_function_path")
 FIELDS = (*IS_AND_REJECTION, *BUDGETS_AND_MODE, "loss_type", *LOSS_AND_RUN)  # every field that is a flag

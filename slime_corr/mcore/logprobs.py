@@ -27,7 +27,6 @@ with a non-zero coefficient); a metric-only entropy saves nothing for backward. 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, get_args
@@ -36,7 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from slime_corr.config import LogProbsBackend
+from slime_corr.config import KernelBackend
+from slime_corr.kernel_fallback import KernelFallback
 
 ProcessGroup = dist.ProcessGroup | None
 DEFAULT_CHUNK_SIZE: int | None = None  # tokens per chunk; None: as many as fill CHUNK_BYTES of the device
@@ -44,7 +44,7 @@ DEFAULT_CHUNK_SIZE: int | None = None  # tokens per chunk; None: as many as fill
 # were faster: bench/logprobs.py), on a GPU enough that each op of a chunk fills the device and a call launches few
 CHUNK_BYTES = {"cpu": 4 * 2**20, "cuda": 256 * 2**20}
 KeptFloor = Callable[[Tensor], Tensor]  # z [n, V_local] (temperature applied) -> [n] floor: N = {v : z_v >= floor}
-BACKENDS: tuple[LogProbsBackend, ...] = get_args(LogProbsBackend)
+BACKENDS: tuple[KernelBackend, ...] = get_args(KernelBackend)
 
 
 def tp_size(group: ProcessGroup) -> int:
@@ -69,7 +69,7 @@ class LogSoftmaxSpec:
     with_entropy: bool = False
     entropy_grad: bool = False  # the entropy is differentiable (in the loss); else a detached metric
     kept_floor: KeptFloor | None = None  # the kept set N per token (top-k / top-p); None: the full vocabulary
-    backend: LogProbsBackend = "torch"
+    backend: KernelBackend = "torch"
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
@@ -230,7 +230,7 @@ def _grad_torch(logits: Tensor, labels: Tensor, spec: LogSoftmaxSpec, saved: _St
 
 
 # ---------------------------------------------------------------------------------------------- the Triton path
-_triton_failure: list[str] = []  # why the kernel could not run in this process (warned once, then torch)
+TRITON = KernelFallback("--logprobs-backend triton")  # the kernel's state in this process (warned once, then torch)
 
 
 def _forward_triton(logits: Tensor, labels: Tensor, spec: LogSoftmaxSpec) -> _Statistics:
@@ -274,14 +274,7 @@ def _grad_triton(logits: Tensor, labels: Tensor, spec: LogSoftmaxSpec, saved: _S
 
 
 def _use_triton(spec: LogSoftmaxSpec, logits: Tensor) -> bool:
-    return spec.backend == "triton" and not _triton_failure and logits.dtype != torch.float64
-
-
-def _triton_failed(error: BaseException) -> None:
-    """The kernel failed to compile or launch: one warning for the process, then the torch path."""
-    _triton_failure.append(f"{type(error).__name__}: {error}")
-    warnings.warn(f"--logprobs-backend triton: the kernel could not run ({_triton_failure[0][:300]}); this process "
-                  "computes log-probs with the torch path from now on", RuntimeWarning, stacklevel=3)
+    return spec.backend == "triton" and TRITON.usable and logits.dtype != torch.float64
 
 
 # ---------------------------------------------------------------------------------------------- the function
@@ -296,7 +289,7 @@ class _TokenLogSoftmax(torch.autograd.Function):
             try:
                 saved = _forward_triton(logits, labels, spec)
             except Exception as error:  # noqa: BLE001 - compile or launch failures of any kind: the torch path
-                _triton_failed(error)
+                TRITON.failed(error)
         if saved is None:
             saved = _forward_torch(logits, labels, spec)
         ctx.spec = spec
@@ -326,7 +319,7 @@ class _TokenLogSoftmax(torch.autograd.Function):
             try:
                 return _grad_triton(logits, labels, spec, saved, grad_lp, lp_coef, grad_entropy), None, None
             except Exception as error:  # noqa: BLE001 - as in forward
-                _triton_failed(error)
+                TRITON.failed(error)
         return _grad_torch(logits, labels, spec, saved, grad_lp, lp_coef, grad_entropy), None, None
 
 
@@ -349,7 +342,7 @@ def vocab_parallel_log_probs(
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     with_entropy: bool = False,
     entropy_grad: bool = True,
-    backend: LogProbsBackend = "torch",
+    backend: KernelBackend = "torch",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """log π(label) (and entropy) per position from `logits` [..., V/TP] split over `tp_group`.
 
@@ -365,5 +358,5 @@ def vocab_parallel_log_probs(
     return out.log_probs
 
 
-__all__ = ["BACKENDS", "DEFAULT_CHUNK_SIZE", "LogProbsBackend", "LogSoftmaxSpec", "TokenLogProbs", "token_log_softmax", "tp_size",
-           "vocab_parallel_log_probs", "vocab_start"]
+__all__ = ["BACKENDS", "DEFAULT_CHUNK_SIZE", "TRITON", "LogSoftmaxSpec", "TokenLogProbs", "token_log_softmax",
+           "tp_size", "vocab_parallel_log_probs", "vocab_start"]

@@ -37,8 +37,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from slime_corr.config import KernelBackend
 from slime_corr.layout.micro_batch import NUCLEUS_KNOWN_KEY, NUCLEUS_MASS_KEY
-from slime_corr.mcore.logprobs import DEFAULT_CHUNK_SIZE, LogProbsBackend, ProcessGroup
+from slime_corr.mcore.logprobs import DEFAULT_CHUNK_SIZE, ProcessGroup
 from slime_corr.mcore.truncated_logprobs import truncated_token_log_softmax
 
 # batch keys: the engine's values, kept when the truncation replaces `rollout_log_probs` / `loss_mask`
@@ -91,7 +92,7 @@ class NucleusLogProbs(NamedTuple):
 
 def nucleus_log_probs(logits: Tensor, labels: Tensor, truncation: Truncation, *, tp_group: ProcessGroup = None,
                       temperature: float = 1.0, chunk_size: int | None = DEFAULT_CHUNK_SIZE, with_entropy: bool = False,
-                      entropy_grad: bool = True, backend: LogProbsBackend = "torch") -> NucleusLogProbs:
+                      entropy_grad: bool = True, backend: KernelBackend = "torch") -> NucleusLogProbs:
     """lp_trunc, log M = lse_N − lse_V, in_nucleus and the untruncated entropy in one pass of the trainer's
     log-prob function (`truncated_logprobs.truncated_token_log_softmax`; the entropy differentiable with
     `entropy_grad`)."""

@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from slime_corr.config import KernelBackend
 from slime_corr.mcore.logprobs import (
     DEFAULT_CHUNK_SIZE,
-    LogProbsBackend,
     LogSoftmaxSpec,
     ProcessGroup,
     TokenLogProbs,
@@ -123,7 +123,7 @@ def nucleus_keep(z: Tensor, top_k: int, top_p: float, vocab: int, group: Process
 def truncated_token_log_softmax(logits: Tensor, labels: Tensor, *, top_k: int = 0, top_p: float = 1.0,
                                 tp_group: ProcessGroup = None, temperature: float = 1.0,
                                 chunk_size: int | None = DEFAULT_CHUNK_SIZE, with_entropy: bool = False,
-                                entropy_grad: bool = False, backend: LogProbsBackend = "torch") -> TokenLogProbs:
+                                entropy_grad: bool = False, backend: KernelBackend = "torch") -> TokenLogProbs:
     """`token_log_softmax` over SGLang's top-k / top-p kept set: lp_trunc (−inf outside it), the full entropy
     when asked, log M and in_kept (None for both when `top_k` ≤ 0 and `top_p` = 1: no truncation)."""
     if not 0.0 < top_p <= 1.0:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from slime_corr.kernel_fallback import KernelFallback
 from slime_corr.mcore import logprobs
 from slime_corr.mcore.logprobs import LogSoftmaxSpec, token_log_softmax, vocab_parallel_log_probs
 
@@ -148,7 +149,7 @@ def test_no_tensor_of_t_by_v_in_fp32_only_chunks(entropy):
 def test_a_triton_backend_that_cannot_run_falls_back_to_torch_with_one_warning(monkeypatch):
     """Here the kernel cannot run: without triton, or with triton and CPU tensors (no interpreter). Either way the
     run goes on: the same values and gradient as the torch path, one warning for the process."""
-    monkeypatch.setattr(logprobs, "_triton_failure", [])
+    monkeypatch.setattr(logprobs, "TRITON", KernelFallback("--logprobs-backend triton"))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     logits, labels = _logits((4, 6), torch.float32)
     results = []
@@ -160,7 +161,7 @@ def test_a_triton_backend_that_cannot_run_falls_back_to_torch_with_one_warning(m
             (lp.sum() + h.sum()).backward()
             results.append((lp, h, x.grad))
     fallbacks = [w for w in seen if "--logprobs-backend triton" in str(w.message)]
-    assert len(fallbacks) == 1 and "torch path" in str(fallbacks[0].message)
+    assert len(fallbacks) == 1 and "torch path" in str(fallbacks[0].message) and not logprobs.TRITON.usable
     for got in results[:2]:
         for a, b in zip(got, results[2], strict=True):
             assert torch.equal(a, b)

@@ -1,7 +1,8 @@
-"""The Triton kernel of the log-prob function (`slime_corr.mcore.logprobs_triton`) under Triton's interpreter, on CPU
-tensors, against the torch path: run by tests/mcore/test_logprobs_triton.py as
+"""The project's Triton kernels under Triton's interpreter, on CPU tensors, against their torch paths: the log-prob
+function's (`slime_corr.mcore.logprobs_triton`) and the correction's token pass (`slime_corr.correction.
+token_pass_triton`). Run by tests/kernels/test_triton_interpreted.py as
 
-    TRITON_INTERPRET=1 python -m tests.mcore.triton_interpreted OUT.json
+    TRITON_INTERPRET=1 python -m tests.kernels.triton_interpreted OUT.json
 
 (the interpreter is chosen when the kernels are defined, so it needs a process of its own). Each case writes
 "ok" or what differed into OUT.json; TP=2 runs two gloo processes over a file store, each with half the vocabulary.
@@ -20,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from slime_corr.config import RolloutCorrectionConfig
+from slime_corr.correction import compute_rollout_correction, metrics
 from slime_corr.mcore import logprobs
 from slime_corr.mcore.truncated_logprobs import truncated_token_log_softmax
 
@@ -51,8 +54,8 @@ def _run(fn: Callable, logits: torch.Tensor, labels: torch.Tensor, entropy: str,
 def _compare(name: str, dtype: str, torch_out, triton_out) -> str:
     (a, grad_a), (b, grad_b) = torch_out, triton_out
     problems = []
-    if logprobs._triton_failure:  # noqa: SLF001 - the kernel must have run, not the fallback
-        return f"{name}: the kernel did not run: {logprobs._triton_failure[0]}"  # noqa: SLF001
+    if not logprobs.TRITON.usable:  # the kernel must have run, not the fallback
+        return f"{name}: the kernel did not run: {logprobs.TRITON.failure}"
     for field in ("log_probs", "entropy", "log_mass"):
         x, y = getattr(a, field), getattr(b, field)
         if (x is None) != (y is None):
@@ -109,7 +112,7 @@ def _tp_rank(rank: int, store: str, out: str) -> None:
             result = logprobs.token_log_softmax(x, labels, spec)
             (result.log_probs.sum() + 0.5 * result.entropy.sum()).backward()
             found[backend] = (result.log_probs, result.entropy, x.grad)
-        torch.save({"found": found, "failure": list(logprobs._triton_failure)}, f"{out}.{rank}")  # noqa: SLF001
+        torch.save({"found": found, "failure": logprobs.TRITON.failure}, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
@@ -136,11 +139,79 @@ def tp_case() -> dict[str, str]:
     return {"tp2": "ok" if not problems else "tp2: " + "; ".join(problems)}
 
 
+def _token_pass_inputs(rows: int, seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """lp_rollout, lp_train = it + a small mismatch (large ones on row 0), uneven lengths (one empty row), and
+    NaN / ±inf log-probs inside and outside the mask."""
+    g = torch.Generator().manual_seed(seed)
+    lp_rollout = -torch.rand(rows, seq_len, generator=g) * 3
+    lp_train = lp_rollout + 0.01 * torch.randn(rows, seq_len, generator=g)
+    large = torch.tensor([0.5, -0.7, 2.0, -3.0, 0.2, 0.3, 25.0, -30.0, 1e-4, -1e-5])[:seq_len]
+    if rows:
+        lp_train[0, :len(large)] += large
+    lengths = torch.randint(1, seq_len + 1, (rows,), generator=g)
+    valid = (torch.arange(seq_len)[None] < lengths[:, None]).float()
+    for row, column, value in ((2, None, None), (1, 0, "nan"), (3, -1, "-inf"), (4, 0, "inf")):
+        if row < rows and column is None:
+            valid[row] = 0.0  # an empty sequence
+        elif row < rows:  # inside the mask, or outside it where the row is shorter
+            (lp_rollout if value == "-inf" else lp_train)[row, column] = float(value)
+    return lp_train, lp_rollout, valid
+
+
+def token_pass_cases() -> dict[str, str]:
+    """The correction's token pass: the kernel's lr, per-sequence sums and max d against the eager pass, and its
+    k3 and chi2 sums against a float64 reference (a series for small lr: no cancellation)."""
+    results = {}
+    for rows, seq_len in ((6, 150), (1, 1), (0, 8), (5, 64)):
+        name = f"token_pass-{rows}x{seq_len}"
+        lp_train, lp_rollout, valid = _token_pass_inputs(rows, seq_len, seed=rows + seq_len)
+        eager = metrics.token_pass(lp_train, lp_rollout, valid)
+        fused = metrics.token_pass(lp_train, lp_rollout, valid, backend="triton")
+        problems = [] if metrics.TRITON.usable else [f"the kernel did not run: {metrics.TRITON.failure}"]
+        for field, a, b in zip(eager._fields, eager, fused, strict=True):
+            if a.shape != b.shape or a.dtype != b.dtype:
+                problems.append(f"{field}: {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}")
+            elif not torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-6, equal_nan=True):
+                problems.append(f"{field} differs by {(a.double() - b.double()).abs().nan_to_num(0).max().item():.3g}")
+        good = rows and valid[5 if rows > 5 else 0].sum() > 0
+        if good and not problems:  # a finite row: k3 and chi2 sums against float64
+            r = 5 if rows > 5 else 0
+            x = ((lp_train[r].double() - lp_rollout[r].double()) * valid[r].double()).clamp(-20, 20)
+            want = torch.stack([(torch.expm1(x) - x).sum(), (torch.expm1(2 * x)).sum()])
+            got = fused.rows[r, 1:3]
+            if not torch.allclose(got, want, rtol=1e-5, atol=1e-9):
+                problems.append(f"k3/chi2 sums {got.tolist()} vs float64 {want.tolist()}")
+        results[name] = "ok" if not problems else f"{name}: " + "; ".join(problems)
+    results["correction-decoupled_seq_is_rs"] = _whole_correction()
+    return results
+
+
+def _whole_correction() -> str:
+    """`compute_rollout_correction` with --rollout-correction-backend triton: the metrics, weights and masks of
+    the torch backend's call."""
+    lp_train, lp_rollout, valid = _token_pass_inputs(6, 40, seed=9)
+    config = RolloutCorrectionConfig.preset("decoupled_seq_is_rs")
+    eager = compute_rollout_correction(lp_train, lp_rollout, valid, config)
+    fused = compute_rollout_correction(lp_train, lp_rollout, valid, config.replace(rollout_correction_backend="triton"))
+    problems = [] if metrics.TRITON.usable else [f"the kernel did not run: {metrics.TRITON.failure}"]
+    if eager.metrics.keys() != fused.metrics.keys():
+        problems.append(f"metric keys differ: {sorted(eager.metrics.keys() ^ fused.metrics.keys())}")
+    for key in eager.metrics.keys() & fused.metrics.keys():
+        if not torch.allclose(eager.metrics[key].double(), fused.metrics[key].double(), rtol=1e-5, atol=1e-7,
+                              equal_nan=True):
+            problems.append(f"{key}: {eager.metrics[key].item()} vs {fused.metrics[key].item()}")
+    for field in ("weights", "loss_mask", "denominator_mask"):
+        a, b = getattr(eager, field), getattr(fused, field)
+        if not torch.allclose(a, b, rtol=1e-5, atol=1e-7, equal_nan=True):
+            problems.append(f"{field} differs")
+    return "ok" if not problems else "correction: " + "; ".join(problems)
+
+
 def main(out_path: str) -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run under TRITON_INTERPRET=1 (the kernels run on CPU tensors only in the interpreter)")
     results: dict[str, str] = {}
-    for cases in (single_process_cases, tp_case):
+    for cases in (single_process_cases, tp_case, token_pass_cases):
         try:
             results.update(cases())
         except Exception:  # noqa: BLE001 - reported per group of cases
