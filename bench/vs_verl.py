@@ -392,6 +392,8 @@ def main() -> None:
     p.add_argument("--rows", default=",".join(ROW_KEYS), help="comma list of " + ", ".join(ROW_KEYS))
     p.add_argument("--sizes", default=",".join(f"{b}x{s}" for b, s in SIZES))
     p.add_argument("--compile", action="store_true", help="also time --rollout-correction-compile (torch.compile)")
+    p.add_argument("--fused", action="store_true", help="also time --rollout-correction-backend triton (the token pass "
+                   "as one Triton kernel; on a CPU without triton it falls back to the eager pass)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="also time --rollout-correction-cuda-graph (the correction replayed from a CUDA graph)")
     p.add_argument("--revision", metavar="REV", help="also time this checkout's slime_corr at git revision REV "
@@ -419,6 +421,8 @@ def main() -> None:
     head = "| config | size | ours ms | verl ms | verl/ours | peak ours MiB | peak verl MiB | ops ours | ops verl |"
     if args.compile:
         head += " compiled ms | verl/compiled |"
+    if args.fused:
+        head += " fused ms | verl/fused | ops fused |"
     if args.cuda_graph:
         head += " graphed ms | verl/graphed |"
     if revision is not None:
@@ -431,6 +435,7 @@ def main() -> None:
     for row in selected:
         compiled_cfg = row.config.replace(rollout_correction_compile=True) if args.compile else None
         graph_cfg = row.config.replace(rollout_correction_cuda_graph=True) if args.cuda_graph else None
+        fused_cfg = row.config.replace(rollout_correction_backend="triton") if args.fused else None
         for b, s in sizes:
             x = make_inputs(b, s)
             problems = compare(row, run_ours(row, x), run_verl(verl, row, x))
@@ -439,6 +444,9 @@ def main() -> None:
                                                               run_verl(verl, row, x), exact=False)]
             if graph_cfg is not None:
                 problems += [f"graphed {p}" for p in compare(row, run_ours(row, x, graph_cfg), run_verl(verl, row, x))]
+            if fused_cfg is not None:
+                problems += [f"fused {p}" for p in compare(row, run_ours(row, x, fused_cfg), run_verl(verl, row, x),
+                                                           exact=False)]
             if revision is not None:
                 revision_cfg = revision.config_class.from_dict(row.config.to_dict())
                 problems += [f"{args.revision} differs: {p}" for p in bit_differences(
@@ -453,6 +461,8 @@ def main() -> None:
                 fns["compiled"] = partial(run_ours, row, x, compiled_cfg)
             if graph_cfg is not None:
                 fns["graphed"] = partial(run_ours, row, x, graph_cfg)
+            if fused_cfg is not None:
+                fns["fused"] = partial(run_ours, row, x, fused_cfg)
             if revision is not None:
                 fns["revision"] = partial(run_ours, row, x, revision_cfg, revision)
             unsynced = fns
@@ -460,12 +470,14 @@ def main() -> None:
                 fns = {name: partial(_synced, fn) for name, fn in fns.items()}
             t = interleaved(fns, args.repeats, time.perf_counter if args.clock == "wall" else time.thread_time)
             mem = {name: peak_bytes(fn) / 2**20 for name, fn in fns.items()}
-            ops = {name: count_ops(fns[name]).total for name in ("ours", "verl", "revision") if name in fns}
+            ops = {name: count_ops(fns[name]).total for name in ("ours", "verl", "fused", "revision") if name in fns}
             line = (f"| {row.name} | {b}x{s} | {t['ours'] * 1e3:.2f} | {t['verl'] * 1e3:.2f} | "
                     f"{t['verl'] / t['ours']:.2f}x | {mem['ours']:.1f} | {mem['verl']:.1f} | {ops['ours']} | "
                     f"{ops['verl']} |")
             if compiled_cfg is not None:
                 line += f" {t['compiled'] * 1e3:.2f} | {t['verl'] / t['compiled']:.2f}x |"
+            if fused_cfg is not None:
+                line += f" {t['fused'] * 1e3:.2f} | {t['verl'] / t['fused']:.2f}x | {ops['fused']} |"
             if graph_cfg is not None:
                 line += f" {t['graphed'] * 1e3:.2f} | {t['verl'] / t['graphed']:.2f}x |"
             if revision is not None:

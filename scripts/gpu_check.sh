@@ -26,7 +26,10 @@
 #   main      `python -m slime_corr.main --rollout-engine embedded --num-rollout 2 --device cuda`
 #   sglang    the same with `--rollout-engine sglang`, and `pytest -m sglang` (SKIP when PY cannot import sglang)
 #   megatron  Megatron-LM's own train_step with the loss hook (tests/mcore/test_megatron_lm.py)
-#   bench     bench/vs_verl.py --device cuda, eager (SKIP without verl's wheel: it is not fetched)
+#   kernels   the Triton kernels compiled on the GPU against their torch paths (tests/kernels/triton_interpreted.py
+#             --device cuda: log-probs + entropy, the kept set, TP=2, the correction's token pass), then
+#             bench/logprobs.py --device cuda (ours, ours-triton, Megatron-Core + verl, verl, Liger where installed)
+#   bench     bench/vs_verl.py --device cuda, eager and --fused (SKIP without verl's wheel: it is not fetched)
 #   compiled  the same with --compile (--rollout-correction-compile beside eager and verl)
 #   e2e       bench/e2e.py (the SGLang engine when importable, else the embedded one) on the GPU
 # Without a GPU (torch.cuda.is_available() False) every GPU step is a SKIP naming that; --cpu runs the CPU parts.
@@ -37,7 +40,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-STEPS="env,wheels,device,meta,failing,main,sglang,megatron,bench,compiled,e2e"
+STEPS="env,wheels,device,meta,failing,main,sglang,megatron,kernels,bench,compiled,e2e"
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 die() { echo "gpu_check.sh: $*" >&2; exit 2; }
@@ -273,6 +276,30 @@ if wants megatron; then
   fi
 fi
 
+# ---------------------------------------------------------------------------------------------- Triton kernels
+# kernels_on_gpu: every case of the interpreter's tests, compiled on CUDA tensors; FAIL unless each says "ok"
+kernels_on_gpu() {
+  local out="$WORK/kernels.json"
+  mkdir -p "$WORK"
+  "$PY" -m tests.kernels.triton_interpreted "$out" --device "$DEVICE" || return 1
+  "$PY" -c "import json, sys
+results = json.load(open(sys.argv[1]))
+bad = {k: v for k, v in results.items() if v != 'ok'}
+print(len(results) - len(bad), 'cases ok;', len(bad), 'not:', json.dumps(bad, indent=1))
+sys.exit(1 if bad else 0)" "$out"
+}
+if wants kernels; then
+  if [ "$MODE" = cpu ]; then
+    skip "kernels" "CPU mode: the kernels run under Triton's interpreter in scripts/test_mcore019.sh (tests/kernels)"
+  elif gpu_step "kernels" && needs "kernels" triton; then
+    run "kernels: Triton kernels compiled on $DEVICE against the torch paths" kernels_on_gpu
+    variants=ours,ours-triton,megatron,verl
+    { [ "$DRY" = 1 ] || py_has liger_kernel; } && variants+=,liger
+    run "kernels: bench/logprobs.py on $DEVICE" "$PY" bench/logprobs.py --device "$DEVICE" --variants "$variants" \
+      --repeats 3 --iters 5
+  fi
+fi
+
 # ---------------------------------------------------------------------------------------------- benches
 VERL_VERSION=$(sed -n 's/^VERL_VERSION = "\(.*\)"$/\1/p' bench/vs_verl.py)
 VERL_CACHE=bench/.cache/verl
@@ -297,7 +324,8 @@ for step in bench compiled; do
     [ "$step" = compiled ] && skip "compiled" "CPU mode (torch.compile takes minutes on a CPU: run it by hand)"
   elif gpu_step "$step"; then
     if [ "$step" = bench ]; then
-      run "bench: vs_verl.py on cuda, eager" "$PY" bench/vs_verl.py --device cuda --threads 1 "${bench_extra[@]}"
+      run "bench: vs_verl.py on cuda, eager and --fused" "$PY" bench/vs_verl.py --device cuda --fused --threads 1 \
+        "${bench_extra[@]}"
     else
       # shellcheck disable=SC2206
       compile_extra=(${GPU_CHECK_COMPILE_ARGS:-})

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.cost(30)  # CI seconds, roughly: the costliest modules 
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-GPU_STEPS = ("device", "failing", "main", "sglang", "megatron", "e2e")
+GPU_STEPS = ("device", "failing", "main", "sglang", "megatron", "kernels", "e2e")
 
 
 def _run(*args: str, tmp_path: Path, env: dict[str, str] | None = None, timeout: int = 300
@@ -43,7 +43,9 @@ def test_dry_run_plans_every_step_with_the_given_python_and_no_download(tmp_path
                    "test_token_budget_packed_step_equals_the_padded_step",
                    "slime_corr.main --num-rollout 2 --device cuda --rollout-engine embedded",
                    "--rollout-engine sglang", "-m sglang tests/real_sglang", "tests/mcore/test_megatron_lm.py",
-                   "vs_verl.py --device cuda --threads 1", "vs_verl.py --device cuda --compile", "bench/e2e.py",
+                   "vs_verl.py --device cuda --fused --threads 1", "vs_verl.py --device cuda --compile", "bench/e2e.py",
+                   "kernels: Triton kernels compiled on cuda against the torch paths: kernels_on_gpu",
+                   "bench/logprobs.py --device cuda --variants ours,ours-triton,megatron,verl,liger",
                    f"python: {sys.executable}", "## Summary", "dry run: nothing was run"):
         assert needle in report, needle
     assert "-m venv" not in report and "pip install" not in report and "torch==" not in report

@@ -4,7 +4,9 @@ token_pass_triton`). Run by tests/kernels/test_triton_interpreted.py as
 
     TRITON_INTERPRET=1 python -m tests.kernels.triton_interpreted OUT.json
 
-(the interpreter is chosen when the kernels are defined, so it needs a process of its own). Each case writes
+(the interpreter is chosen when the kernels are defined, so it needs a process of its own). On a GPU,
+`python -m tests.kernels.triton_interpreted OUT.json --device cuda` runs the same cases compiled, on CUDA tensors
+(scripts/gpu_check.sh, step kernels). Each case writes
 "ok" or what differed into OUT.json; TP=2 runs two gloo processes over a file store, each with half the vocabulary.
 """
 
@@ -26,6 +28,7 @@ from slime_corr.correction import compute_rollout_correction, metrics
 from slime_corr.mcore import logprobs
 from slime_corr.mcore.truncated_logprobs import truncated_token_log_softmax
 
+DEVICE = torch.device("cpu")  # --device cuda on a GPU
 V = 600  # not a multiple of the interpreted tile (256): the last tile is partial
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ULP = {"fp32": 2e-6, "bf16": 2 ** -7, "fp16": 2 ** -10}
@@ -35,7 +38,7 @@ def _inputs(tokens: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tenso
     g = torch.Generator().manual_seed(seed)
     scale = torch.linspace(0.2, 8.0, max(tokens, 1), dtype=torch.float64)[:tokens, None]
     logits = (torch.randn(tokens, V, generator=g, dtype=torch.float64) * scale).to(dtype)
-    return logits, torch.randint(0, V, (tokens,), generator=g)
+    return logits.to(DEVICE), torch.randint(0, V, (tokens,), generator=g).to(DEVICE)
 
 
 def _run(fn: Callable, logits: torch.Tensor, labels: torch.Tensor, entropy: str, backend: str):
@@ -43,9 +46,10 @@ def _run(fn: Callable, logits: torch.Tensor, labels: torch.Tensor, entropy: str,
     x = logits.clone().requires_grad_()
     out = fn(x, labels, backend)
     g = torch.Generator().manual_seed(1)
-    loss = (torch.randn(labels.shape, generator=g) * torch.where(out.log_probs.isfinite(), out.log_probs, 0.0)).sum()
+    weights = torch.randn(2, *labels.shape, generator=g).to(DEVICE)
+    loss = (weights[0] * torch.where(out.log_probs.isfinite(), out.log_probs, 0.0)).sum()
     if entropy == "loss":
-        loss = loss + (torch.randn(labels.shape, generator=g) * out.entropy).sum()
+        loss = loss + (weights[1] * out.entropy).sum()
     if x.numel():
         loss.backward()
     return out, x.grad if x.grad is not None else torch.zeros_like(x)
@@ -100,7 +104,9 @@ def single_process_cases() -> dict[str, str]:
     return results
 
 
-def _tp_rank(rank: int, store: str, out: str) -> None:
+def _tp_rank(rank: int, store: str, out: str, device: str) -> None:
+    global DEVICE
+    DEVICE = torch.device(device)  # a spawned process starts from this module's default
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
         logits, labels = _inputs(11, torch.bfloat16, seed=3)
@@ -111,7 +117,7 @@ def _tp_rank(rank: int, store: str, out: str) -> None:
             spec = logprobs.LogSoftmaxSpec(dist.group.WORLD, 0.7, 4, True, True, backend=backend)
             result = logprobs.token_log_softmax(x, labels, spec)
             (result.log_probs.sum() + 0.5 * result.entropy.sum()).backward()
-            found[backend] = (result.log_probs, result.entropy, x.grad)
+            found[backend] = (result.log_probs.cpu(), result.entropy.cpu(), x.grad.cpu())
         torch.save({"found": found, "failure": logprobs.TRITON.failure}, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -121,7 +127,7 @@ def tp_case() -> dict[str, str]:
     """TP=2: the kernel's results are the same on both ranks (bitwise), equal the torch path's within rounding,
     and the two gradient shards are the torch path's."""
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_tp_rank, args=(os.path.join(tmp, "store"), os.path.join(tmp, "out")), nprocs=2,
+        mp.start_processes(_tp_rank, args=(os.path.join(tmp, "store"), os.path.join(tmp, "out"), str(DEVICE)), nprocs=2,
                            join=True, start_method="spawn")
         ranks = [torch.load(os.path.join(tmp, f"out.{r}")) for r in range(2)]
     problems = [f"rank {r}: the kernel did not run: {ranks[r]['failure']}" for r in range(2) if ranks[r]["failure"]]
@@ -150,6 +156,7 @@ def _token_pass_inputs(rows: int, seq_len: int, seed: int) -> tuple[torch.Tensor
         lp_train[0, :len(large)] += large
     lengths = torch.randint(1, seq_len + 1, (rows,), generator=g)
     valid = (torch.arange(seq_len)[None] < lengths[:, None]).float()
+    lp_train, lp_rollout, valid = lp_train.to(DEVICE), lp_rollout.to(DEVICE), valid.to(DEVICE)
     for row, column, value in ((2, None, None), (1, 0, "nan"), (3, -1, "-inf"), (4, 0, "inf")):
         if row < rows and column is None:
             valid[row] = 0.0  # an empty sequence
@@ -207,8 +214,10 @@ def _whole_correction() -> str:
     return "ok" if not problems else "correction: " + "; ".join(problems)
 
 
-def main(out_path: str) -> None:
-    if os.environ.get("TRITON_INTERPRET") != "1":
+def main(out_path: str, device: str = "cpu") -> None:
+    global DEVICE
+    DEVICE = torch.device(device)
+    if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run under TRITON_INTERPRET=1 (the kernels run on CPU tensors only in the interpreter)")
     results: dict[str, str] = {}
     for cases in (single_process_cases, tp_case, token_pass_cases):
@@ -221,4 +230,4 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], *(sys.argv[3:4] if sys.argv[2:3] == ["--device"] else ()))
