@@ -28,3 +28,24 @@ pip_quiet() {
 # write .pyc files (PYTHONDONTWRITEBYTECODE), every process would compile its imports again: there pip compiles them.
 NO_COMPILE=()
 [ -n "${PYTHONDONTWRITEBYTECODE:-}" ] || NO_COMPILE=(--no-compile)
+
+# install_step LABEL WHAT CMD...: one install step, said on stderr (no install is silent for more than ~30 s): "LABEL:
+# WHAT ..." as it starts, "LABEL: WHAT: still installing (N s)" every 30 s (INSTALL_TICK_S) while it runs, "LABEL:
+# WHAT done in N s (M s since LABEL started)" at its end; the exit status is CMD's.
+INSTALL_START=$SECONDS
+install_step() {
+  local label=$1 what=$2 start=$SECONDS status=0 ticker
+  shift 2
+  echo "$label: $what ..." >&2
+  # the ticker ends with its sleep (a sleep left running would hold the caller's pipes open, e.g. PY=$(...))
+  ( trap 'kill "$nap" 2>/dev/null; exit 0' TERM
+    while :; do sleep "${INSTALL_TICK_S:-30}" & nap=$!; wait "$nap"; echo "$label: $what: still installing ($((SECONDS - start)) s)" >&2
+    done ) >/dev/null &
+  ticker=$!
+  "$@" || status=$?
+  kill "$ticker" 2>/dev/null || true
+  wait "$ticker" 2>/dev/null || true
+  [ "$status" -ne 0 ] || echo "$label: $what done in $((SECONDS - start)) s ($((SECONDS - INSTALL_START)) s since" \
+    "$label started)" >&2
+  return "$status"
+}

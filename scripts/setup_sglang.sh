@@ -53,13 +53,18 @@ if up_to_date; then
   echo "$VENV/bin/python"
   exit 0
 fi
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" --upgrade pip >&2 || true
+LABEL="scripts/setup_sglang.sh ($VENV, the real SGLang server for CPU)"
+[ -x "$VENV/bin/python" ] || install_step "$LABEL" "a new virtual environment" "$PY" -m venv "$VENV"
+install_step "$LABEL" "pip's newest release (~2 MB)" \
+  pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" --upgrade pip >&2 || true
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-  pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" "torch==2.13.0" >&2
+  install_step "$LABEL" "torch 2.13.0 (its CPU wheel: ~190 MB, ~750 MB installed)" \
+    pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" "torch==2.13.0" >&2
 fi
-pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" --no-deps "sglang==$SGLANG_VERSION" >&2
-pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" "torch==2.13.0" "${PACKAGES[@]}" >&2
+install_step "$LABEL" "sglang $SGLANG_VERSION (~220 MB installed)" \
+  pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" --no-deps "sglang==$SGLANG_VERSION" >&2
+install_step "$LABEL" "the server's dependencies (transformers, triton, xgrammar, ...: ~1.8 GB installed)" \
+  pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" "torch==2.13.0" "${PACKAGES[@]}" >&2
 # Installed without bytecode (NO_COMPILE, scripts/pip_quiet.sh): compile what a server's processes import, once, here
 # (with the CPU stand-ins, as slime_corr/engines/sglang_server.py starts it), instead of in each server that starts
 if [ ${#NO_COMPILE[@]} -gt 0 ]; then

@@ -16,4 +16,9 @@ class DeviceError(ValueError):
     """A device that cannot be used here (CUDA asked for without a GPU, a LOCAL_RANK without its GPU)."""
 
 
-__all__ = ["ConfigError", "DeviceError"]
+class DiskWriteError(OSError):
+    """A file of the run could not be written (a full disk above all): the message names the device, the file and
+    what was done about what was half-written (`slime_corr.disk.write_failure`)."""
+
+
+__all__ = ["ConfigError", "DeviceError", "DiskWriteError"]

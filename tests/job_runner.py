@@ -174,6 +174,14 @@ def _stop(ranks: list, grace: float) -> None:
             p.join()
 
 
+def job_env() -> dict[str, str]:
+    """This process's environment for a main job of one process: no GPU, one thread, no torchrun variables."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        env.pop(key, None)
+    return env
+
+
 def run_main_job(args: Sequence[str], *, nproc: int = 0, cwd: str | Path = ROOT, env: Mapping[str, str] | None = None,
                  timeout: float = 600.0, output_dir: str | Path) -> subprocess.CompletedProcess:
     """`python -m slime_corr.main *args` (nproc 0), or its `nproc` ranks, to its end; its output in `output_dir`

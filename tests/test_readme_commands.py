@@ -40,7 +40,7 @@ def doc_pages() -> list[Path]:
 def readme_commands() -> list[str]:
     """The main-job command lines of README.md and the docs pages: lines of ```bash blocks (continuations joined,
     comments dropped) and inline `code` spans outside tables (a table row says what a script such as gpu_check.sh
-    runs, not a command to type); placeholders (`...`, /path/to) left out."""
+    runs, not a command to type); placeholders (`...`, /path/to, a `$VARIABLE` an operator sets per node) left out."""
     lines: list[str] = []
     for page in doc_pages():
         text = page.read_text()
@@ -48,7 +48,8 @@ def readme_commands() -> list[str]:
             lines += [re.sub(r"\s+#.*$", "", line).strip() for line in block.replace("\\\n", " ").splitlines()]
         prose = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("|"))
         lines += re.findall(r"`([^`\n]+)`", prose)
-    commands = [re.sub(r"\s+", " ", c) for c in lines if JOB.match(c) and "..." not in c and "/path/to" not in c]
+    commands = [re.sub(r"\s+", " ", c) for c in lines if JOB.match(c) and "..." not in c and "/path/to" not in c
+                and not re.search(r"\$[A-Z_]+", c)]
     return list(dict.fromkeys(commands))
 
 

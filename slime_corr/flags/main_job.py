@@ -15,7 +15,9 @@ MAIN_JOB_DEFAULTS = {"vocab_size": 256}  # byte-level tokens, as the embedded en
 
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     """The main job's parser; `description` heads its --help."""
+    # a short usage line: a parse error prints it above its one-line message (the full list is --help's)
     parser = argparse.ArgumentParser(prog="slime_corr.main", description=description, allow_abbrev=False,
+                                     usage="python -m slime_corr.main [FLAGS]  (every flag: --help, docs/flags.md)",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--self-check", action="store_true", help="Parse flags, build the config, print it, exit.")
     add_trainer_args(parser)

@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
+from slime_corr.disk import FULL, out_of_space, write_failure, write_text
 from slime_corr.mcore.precision import is_megatron_optimizer
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -114,18 +117,32 @@ def save_checkpoint(root: str | Path, iteration: int, module: torch.nn.Module, o
     from megatron.core import dist_checkpointing
 
     path = iteration_dir(root, iteration)
-    if dist.get_rank() == 0:
-        path.mkdir(parents=True, exist_ok=True)
+    try:
+        if dist.get_rank() == 0:
+            path.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        with _write_results_in_process():
+            dist_checkpointing.save(_sharded_state(module, optimizer, common, rank_state, rank0_state), str(path))
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - a full disk surfaces from the writer in many forms
+        raise _save_failure(root, path, e) from None
     dist.barrier()
-    with _write_results_in_process():
-        dist_checkpointing.save(_sharded_state(module, optimizer, common, rank_state, rank0_state), str(path))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        tmp = Path(root) / (TRACKER_FILE + ".tmp")
-        tmp.write_text(f"{iteration}\n")
-        tmp.replace(Path(root) / TRACKER_FILE)
+    if dist.get_rank() == 0:  # the tracker names the iteration only once every rank saved it
+        write_text(Path(root) / TRACKER_FILE, f"{iteration}\n")
     dist.barrier()
     return path
+
+
+def _save_failure(root: str | Path, path: Path, error: BaseException) -> OSError | CheckpointError:
+    """The half-written `path` removed (the tracker still names the last complete one) and one named error: a full
+    disk (DiskWriteError), else CheckpointError with the writer's own error."""
+    shutil.rmtree(path, ignore_errors=True)
+    latest = latest_iteration(root) if (Path(root) / TRACKER_FILE).is_file() else None
+    last = f"the last complete checkpoint is {iteration_dir(root, latest).name} (--load {root} resumes from it)" \
+        if latest is not None else "no complete checkpoint was saved yet"
+    done = f"the half-written {path.name} was removed; {last}"
+    if isinstance(error, OSError) and error.errno in FULL or out_of_space(path):
+        return write_failure(path, error, done)
+    return CheckpointError(f"--save {root}: saving {path.name} failed ({type(error).__name__}: {error}); {done}.")
 
 
 def load_checkpoint(root: str | Path, module: torch.nn.Module, optimizer: Any,
@@ -150,7 +167,6 @@ def load_checkpoint(root: str | Path, module: torch.nn.Module, optimizer: Any,
         _init_optimizer_state(optimizer)
     template = _sharded_state(module, optimizer, {}, None, None, loading=True)
     template.pop("common")
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
     try:
         loaded = dist_checkpointing.load(template, str(path))

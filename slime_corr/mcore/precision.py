@@ -208,6 +208,7 @@ class StepOutcome:
     applied: bool  # False: a gradient was inf/nan (fp16 overflow), the update was skipped
     grad_norm: float  # global L2 norm of the unscaled gradients before clipping; nan when skipped
     loss_scale: float  # the loss scale of the next step (1.0 without a scaler)
+    scaled: bool = False  # the optimizer has a loss scaler (fp16): only then can a step be skipped
 
 
 def step_optimizer(optimizer: Any) -> StepOutcome:
@@ -215,8 +216,10 @@ def step_optimizer(optimizer: Any) -> StepOutcome:
     `params.optimizer_step` contract: the norm before clipping), after `zero_grad_buffer()` + `zero_grad()` and
     the forward/backward. Returns whether it was applied, the norm, and the next loss scale."""
     applied, norm, _ = optimizer.step()
+    scaled = any(getattr(chained, "grad_scaler", None) is not None
+                 for chained in getattr(optimizer, "chained_optimizers", [optimizer]))
     return StepOutcome(applied=bool(applied), grad_norm=math.nan if norm is None else float(norm),
-                       loss_scale=float(optimizer.get_loss_scale()))
+                       loss_scale=float(optimizer.get_loss_scale()), scaled=scaled)
 
 
 def main_params(optimizer: Any) -> dict[int, torch.Tensor]:

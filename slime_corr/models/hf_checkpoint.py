@@ -19,9 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from slime_corr.extras import install_hint
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3_moe")
 MOE_MODEL_TYPES = ("qwen3_moe",)
-MODEL_EXTRA_HINT = "pip install 'slime_corr[model]'"
+MODEL_EXTRA_HINT = install_hint("model")
 
 
 class CheckpointError(ValueError):

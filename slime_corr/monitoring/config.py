@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from slime_corr.errors import ConfigError
+from slime_corr.extras import install_hint
 from slime_corr.flags.fields import flag
 from slime_corr.integrations.slime.names import METRIC_NAMINGS
 
@@ -81,10 +82,10 @@ class MonitoringConfig:
                               f"{self.rollout_progress!r}.")
         if self.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
             raise ConfigError(f"--tensorboard-dir {self.tensorboard_dir} needs the tensorboard package: "
-                              "pip install 'slime_corr[tensorboard]', or drop --tensorboard-dir.")
+                              f"{install_hint('tensorboard')}, or drop --tensorboard-dir.")
         if self.wandb_project and self.wandb_mode != "disabled" and importlib.util.find_spec("wandb") is None:
             raise ConfigError(f"--wandb-project {self.wandb_project} needs the wandb package: "
-                              "pip install 'slime_corr[wandb]', or drop --wandb-project.")
+                              f"{install_hint('wandb')}, or drop --wandb-project.")
         if self.rollout_progress == "bar" and importlib.util.find_spec("tqdm") is None:
             raise ConfigError("--rollout-progress bar needs tqdm: pip install tqdm, or use --rollout-progress auto.")
 

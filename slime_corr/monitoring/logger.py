@@ -27,6 +27,7 @@ from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
+from slime_corr.disk import append_line, write_text
 from slime_corr.integrations.slime.names import slime_named
 from slime_corr.monitoring.config import MonitoringConfig
 from slime_corr.monitoring.keys import CONSOLE_KEYS
@@ -89,28 +90,35 @@ def console_line(step: int, metrics: Mapping[str, float]) -> str:
 
 
 class JsonlSink:
+    """RUN_DIR/metrics.jsonl (one line per step) and top_mismatch.jsonl: each record written whole or not at all
+    (`slime_corr.disk.append_line`: a full disk is one DiskWriteError, never a partial last line)."""
+
     def __init__(self, run_dir: Path, append: bool = False) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
-        path = run_dir / METRICS_FILE
-        if not append and path.is_file() and path.stat().st_size:
-            raise FileExistsError(f"{path} already holds another run's metrics: pass a new --run-dir (a run never "
-                                  "appends to another's; a resumed run with --load continues its own).")
-        self.metrics = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self.path = run_dir / METRICS_FILE
+        if not append and self.path.is_file() and self.path.stat().st_size:
+            raise FileExistsError(f"{self.path} already holds another run's metrics: pass a new --run-dir (a run "
+                                  "never appends to another's; a resumed run with --load continues its own).")
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self.samples_path = run_dir / SAMPLES_FILE
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         record = {"step": step, "time": time.time()}
         record.update({k: v if math.isfinite(v) else None for k, v in metrics.items()})
-        self.metrics.write(json.dumps(record) + "\n")
-        self.metrics.flush()
+        append_line(self.fd, self.path, json.dumps(record) + "\n")
 
     def write_samples(self, step: int, records: Sequence[Mapping[str, Any]]) -> None:
-        with open(self.samples_path, "a", encoding="utf-8") as f:
+        fd = os.open(self.samples_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
             for r in records:
-                f.write(json.dumps({"step": step, **r}) + "\n")
+                append_line(fd, self.samples_path, json.dumps({"step": step, **r}) + "\n")
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
-        self.metrics.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class TensorBoardSink:
@@ -202,7 +210,7 @@ class MetricsLogger:
             if console:
                 self.sinks.append(ConsoleSink(config.log_interval, stream, console_hidden))
             self.sinks.append(JsonlSink(self.run_dir, append))
-            (self.run_dir / CONFIG_FILE).write_text(json.dumps(jsonable(hparams), indent=1) + "\n")
+            write_text(self.run_dir / CONFIG_FILE, json.dumps(jsonable(hparams), indent=1) + "\n")
             if config.tensorboard_dir:
                 self.sinks.append(TensorBoardSink(config.tensorboard_dir, config.tensorboard_log_interval,
                                                   config.tensorboard_queue_size, hparams))

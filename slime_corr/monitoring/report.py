@@ -19,8 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slime_corr.disk import write_failure, write_text
+from slime_corr.errors import DiskWriteError
+from slime_corr.extras import install_hint
 from slime_corr.monitoring.keys import CORRECTION, ROLLOUT
 from slime_corr.monitoring.logger import CONFIG_FILE, METRICS_FILE, SAMPLES_FILE
+from slime_corr.monitoring.loss_scale import summary_of_records as skipped_steps_summary
 from slime_corr.monitoring.recommend import (
     METRIC,
     Recommendation,
@@ -122,6 +126,8 @@ def summary_text(run: Run, rec: Recommendation | None, error: str | None = None)
              + (f", preset {preset}" if preset else "") + ")"]
     if run.skipped_lines:
         lines.append(f"note: {run.skipped_lines} unreadable line(s) in {METRICS_FILE} were skipped")
+    if skipped := skipped_steps_summary(run.records):
+        lines.append(f"warning: {skipped}")
     if rec is None:
         lines.append(f"no recommendation: {error}")
         return "\n".join(lines) + "\n"
@@ -220,14 +226,17 @@ def report_run(run: Run, out_dir: Path, thresholds: Thresholds) -> tuple[list[Pa
     """Write the PNGs and summary.txt of one run into `out_dir`; returns (written files, summary text)."""
     from slime_corr.monitoring import plots  # lazily: matplotlib is the optional `plot` extra
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     try:
         rec, error = recommend(run.records, thresholds, run.config), None
     except ValueError as e:
         rec, error = None, str(e)
-    written = plots.plot_run(run, out_dir, thresholds)
     text = summary_text(run, rec, error)
-    (out_dir / "summary.txt").write_text(text, encoding="utf-8")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        written = plots.plot_run(run, out_dir, thresholds)
+    except OSError as e:  # a full disk: one named error (a half-written PNG is the plot library's to leave)
+        raise write_failure(getattr(e, "filename", None) or out_dir, e) from None
+    write_text(out_dir / "summary.txt", text)
     return [*written, out_dir / "summary.txt"], text
 
 
@@ -266,13 +275,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        parser.error("the report's plots need matplotlib: pip install 'slime_corr[plot]'.")
+        parser.error(f"the report's plots need matplotlib: {install_hint('plot')}.")
     out = Path(args.out) if args.out else None
     names = [run.name for run in runs]
     labels = [name if names.count(name) == 1 else f"{i}-{name}" for i, name in enumerate(names)]  # a/run, b/run
     for run, sub in zip(runs, labels, strict=True):
         target = (out / sub if len(runs) > 1 else out) if out else run.path / "report"
-        written, text = report_run(run, target, thresholds)
+        try:
+            written, text = report_run(run, target, thresholds)
+        except DiskWriteError as e:
+            print(f"slime-corr report: error: {e}", file=sys.stderr)
+            return 1
         print(text, end="")
         print(f"wrote {len(written)} files to {target}\n")
     if len(runs) > 1:

@@ -151,11 +151,14 @@ class Updater:
         return results, times
 
     def _step(self) -> dict[str, float]:
-        """The optimizer step: `grad_norm` (before clipping); under --bf16 / --fp16 also `loss_scale` (the scale
-        after the step, Megatron-LM's "loss scale") and `skipped_steps` (1 when an fp16 overflow skipped it)."""
+        """The optimizer step: `grad_norm` (before clipping); under --fp16 (a loss scaler) also `loss_scale` (the
+        scale after the step, Megatron-LM's "loss scale") and `skipped_steps` (1 when an overflow skipped it): a bf16
+        run has neither (no scaler: it never skips)."""
         if not is_megatron_optimizer(self.optimizer):
             return {"grad_norm": optimizer_step(self.model, self.optimizer, self.clip_grad)}
         outcome = step_optimizer(self.optimizer)
+        if not outcome.scaled:
+            return {"grad_norm": outcome.grad_norm}
         return {"grad_norm": outcome.grad_norm, "loss_scale": outcome.loss_scale,
                 "skipped_steps": float(not outcome.applied)}
 

@@ -34,3 +34,17 @@ def test_a_top_p_run_logs_the_nucleus_metrics_and_tp2_logs_the_same(tmp_path):
         assert record["train/pg_nonfinite_token_count"] == 0  # one step per rollout: π_θ = π_old at its forward
     tp2 = launch(tmp_path / "top_p_tp2", *FLAGS, "--tensor-model-parallel-size", "2", nproc=2)
     assert_same_metrics(tp2["steps"], run["steps"], "top_p tp2")
+
+
+def test_a_metric_without_tokens_to_measure_is_absent_not_nan(tmp_path):
+    """Without the engine's own nucleus (`--rollout-nucleus-logprobs 0`) no token takes the engine path: the mass
+    metrics measured there are undefined, so they are absent from metrics.jsonl and the step line (docs/metrics.md),
+    never NaN; the metrics measured on every token are there."""
+    run = launch(tmp_path / "top_p", "--rollout-top-p", "0.9", "--num-steps-per-rollout", "1", "--global-batch-size",
+                 "32", "--rollout-nucleus-logprobs", "0")
+    for record in run["steps"].values():
+        assert "rollout_corr/mismatch_nucleus_mass_abs_log_ratio" not in record
+        assert "rollout_corr/mismatch_nucleus_mass_log_ratio" not in record
+        assert record["rollout_corr/mismatch_nucleus_engine_share"] == 0
+        assert all(v is not None for v in record.values()), record  # None is how a NaN is written
+    assert "nan" not in run["out"], run["out"]

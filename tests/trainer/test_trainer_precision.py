@@ -14,6 +14,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,7 +90,8 @@ def test_bf16_trains_16_bit_weights_with_fp32_main_weights(bf16_run):
     assert "slime_corr.main: note:" not in bf16_run["out"]  # a matched pair
     for s in steps.values():
         assert all(math.isfinite(v) for k, v in s.items() if isinstance(v, float)), s
-        assert s["train/loss_scale"] == 1.0 and s["train/skipped_steps"] == 0  # bf16: no loss scaling
+        assert "train/loss_scale" not in s and "train/skipped_steps" not in s  # bf16: no loss scaler, no skips
+    assert "loss_scale=" not in bf16_run["out"] and "skipped=" not in bf16_run["out"]
     assert steps[2]["train/ppo_kl"] != 0  # the weights moved
     dtypes = saved_dtypes(bf16_run["dir"] / "ckpt" / "iter_0000004")
     weight = "decoder.layers.mlp.linear_fc1.weight"  # the layers stacked
@@ -122,6 +126,24 @@ def test_fp16_scales_the_loss_and_logs_the_scale(fp16_run):
         assert s["train/skipped_steps"] == 0
     # no overflow at 1024: the scale doubles after every 3 good steps (Megatron's DynamicGradScaler)
     assert [steps[k]["train/loss_scale"] for k in (1, 2, 3, 4)] == [1024.0, 1024.0, 2048.0, 2048.0]
+
+
+def test_an_fp16_run_whose_scaler_skips_every_step_says_so(tmp_path):
+    """Megatron's default initial loss scale (2^32) overflows fp16 for the first ~20 steps: a 4-step run trains
+    nothing. Each step line says trained=0 skipped=1, the first skipped step a notice, the end of the run and the
+    report a warning with the fix (--initial-loss-scale)."""
+    run = launch(tmp_path / "run", "--fp16")
+    steps, out = run["steps"], run["out"]
+    assert [steps[k]["train/skipped_steps"] for k in (1, 2, 3, 4)] == [1.0] * 4
+    assert all(steps[k]["rollout/trained_samples"] == 0 for k in (1, 2, 3, 4))
+    assert len(re.findall(r"step \d+: trained=0 .*skipped=1", out)) == 4, out
+    assert out.count("slime_corr.main: note: step 1: the fp16 loss scaler skipped this step") == 1
+    assert "slime_corr.main: warning: the fp16 loss scaler skipped every one of the run's 4 optimizer steps" in out
+    assert "--initial-loss-scale 65536" in out
+    report = subprocess.run([sys.executable, "-m", "slime_corr.cli", "report", str(tmp_path / "run")],
+                            capture_output=True, text=True, timeout=120)
+    assert "warning: the fp16 loss scaler skipped every one of the run's 4 optimizer steps" in report.stdout, \
+        report.stdout + report.stderr
 
 
 UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}  # 8 and 11 significant bits
@@ -181,5 +203,6 @@ def test_16_bit_parallel_layouts_log_what_one_process_logs(layout, bf16_run, fp1
         g, w = compared(run["steps"][step]), compared(want["steps"][step])
         assert set(g) == set(w), f"{layout} step {step}: keys differ {set(g) ^ set(w)}"
         assert all(math.isfinite(v) for k, v in g.items() if k.startswith("train/") and isinstance(v, float)), g
-    for key in ("train/loss_scale", "train/skipped_steps"):  # fp16: the same scaler history, no overflow
-        assert [run["steps"][s][key] for s in (1, 2, 3, 4)] == [want["steps"][s][key] for s in (1, 2, 3, 4)], key
+    for key in ("train/loss_scale", "train/skipped_steps"):  # fp16: the same scaler history, no overflow; bf16: none
+        got, expected = ([steps[s].get(key) for s in (1, 2, 3, 4)] for steps in (run["steps"], want["steps"]))
+        assert got == expected and (precision == "fp16") == (None not in got), (key, got, expected)

@@ -31,6 +31,7 @@ from slime_corr.trainer.data import (
     token_lags,
     version_step,
 )
+from tests.job_runner import job_env, run_main_job
 
 
 def _closed_port() -> int:
@@ -107,15 +108,25 @@ def test_each_bad_run_flag_is_refused_at_parse_time_naming_it(argv, message, cap
     with pytest.raises(SystemExit) as e:
         main([*argv, "--self-check"])
     assert e.value.code == 2
-    assert message in capsys.readouterr().err
+    lines = capsys.readouterr().err.strip().splitlines()  # the short usage line and the message, not the whole help
+    assert len(lines) == 2 and lines[0].startswith("usage: python -m slime_corr.main [FLAGS]"), lines
+    assert message in lines[1]
 
 
-def test_an_unreachable_sglang_url_is_refused_at_start_up(capsys):
+def test_an_unreachable_sglang_url_is_refused_at_start_up(capsys, tmp_path):
+    """Refused with a hint, and the hint followed: the same command without --sglang-url and with the engine it
+    names runs (the real SGLang server, the default, is followed in tests/real_sglang)."""
     url = f"http://127.0.0.1:{_closed_port()}"
+    command = ["--rollout-engine", "embedded", "--num-rollout", "1", "--rollout-batch-size", "2",
+               "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--rollout-progress", "none"]
     with pytest.raises(SystemExit) as e:
-        main(["--sglang-url", url, "--self-check"])
+        main(["--sglang-url", url, *command])
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"--sglang-url {url} is not reachable" in err and "refused" in err.lower()
+    assert "drop --sglang-url: the job then starts its own engines" in err and "--rollout-engine embedded" in err
+    followed = run_main_job([*command, "--run-dir", str(tmp_path / "run")], env=job_env(), timeout=300,
+                            output_dir=tmp_path)
+    assert followed.returncode == 0 and "step 1:" in followed.stdout, followed.stderr[-2000:]
     with pytest.raises(SystemExit):
         main(["--sglang-url", "localhost:30000", "--self-check"])
     assert "not an http(s) URL" in capsys.readouterr().err
@@ -461,3 +472,30 @@ def test_a_one_process_group_leaves_no_torchrun_variables_for_child_processes_an
                          env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "leaked [] child_sees_rank False" in out.stdout, out.stdout
+
+
+def test_a_long_rollout_says_what_it_waits_for(monkeypatch):
+    """No silence over ~30 s: a rollout that is not back says, every WAIT_NOTICE_S, which engines it waits for, how
+    long so far and what bounds the wait; the samples come back as they are, and a rollout's own TimeoutError is
+    the rollout's, not taken for the wait's."""
+    from concurrent.futures import Future
+    from threading import Timer
+    from types import SimpleNamespace
+
+    from slime_corr.trainer import driver as driver_module
+
+    monkeypatch.setattr(driver_module, "WAIT_NOTICE_S", 0.2)
+    driver = driver_module.RolloutDriver.__new__(driver_module.RolloutDriver)
+    driver.client = SimpleNamespace(urls=["http://127.0.0.1:1234"])
+    driver.config = TrainerConfig(rollout_request_timeout=45.0)
+    future: Future = Future()
+    Timer(0.7, future.set_result, (["sample"],)).start()
+    lines: list[str] = []
+    assert driver.wait(future, 3, lines.append) == ["sample"]
+    assert 2 <= len(lines) <= 4, lines
+    assert lines[0].startswith("slime_corr.main: waiting for rollout 3 from http://127.0.0.1:1234: ")
+    assert "after 45 s without a byte, --rollout-request-timeout" in lines[0]
+    failed: Future = Future()
+    failed.set_exception(TimeoutError("the rollout's own"))
+    with pytest.raises(TimeoutError, match="the rollout's own"):
+        driver.wait(failed, 4, lines.append)
