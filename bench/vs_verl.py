@@ -119,7 +119,7 @@ def _stub_modules(root: Path) -> dict[str, types.ModuleType]:
     stubs["verl.workers.config.actor"] = _module("verl.workers.config.actor", PolicyLossConfig=_Placeholder)
     third_party = {"tensordict": "TensorDict", "transformers": "PreTrainedTokenizer", "omegaconf": "DictConfig"}
     for name, attr in third_party.items():
-        if importlib.util.find_spec(name) is None:
+        if name not in sys.modules and importlib.util.find_spec(name) is None:  # (a stub of an earlier load: kept)
             stubs[name] = _module(name, **{attr: _Placeholder})
     return stubs
 

@@ -162,13 +162,22 @@ class RolloutCorrectionChecks:
                 f"{', '.join(PRESETS)}."
             )
 
+    def _settings_of(self, loss_type: str, names: tuple[str, ...], fail: Callable[[str], None]) -> None:
+        """Refuse the settings `names` of `loss_type` given with another --policy-loss-type."""
+        given = [n for n in names if getattr(self, n) is not None]
+        if given and self.loss_type != loss_type:
+            one = len(given) == 1
+            fail(f"{', '.join(flag_of(n) for n in given)} set but --policy-loss-type is {self.loss_type}; "
+                 f"{'it is' if one else 'they are'} --policy-loss-type {loss_type}'s: add that or drop "
+                 f"{'it' if one else 'them'}.")
+
     def _validate_peer_losses(self, fail: Callable[[str], None]) -> None:
         """The peers' losses' settings (SAPO, Clip-Cov, KL-Cov), their masks (--m2-threshold,
         --seq-logprob-error-threshold) and the mismatch gate: each a finite number in its range, and a loss's
         settings only with that loss."""
-        _given_without(self, ("tau_pos", "tau_neg"), "sapo", fail)
-        _given_without(self, ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"), "clip_cov", fail)
-        _given_without(self, ("kl_cov_ratio", "ppo_kl_coef"), "kl_cov", fail)
+        self._settings_of("sapo", ("tau_pos", "tau_neg"), fail)
+        self._settings_of("clip_cov", ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"), fail)
+        self._settings_of("kl_cov", ("kl_cov_ratio", "ppo_kl_coef"), fail)
         positive = ("tau_pos", "tau_neg", "m2_threshold", "max_train_rollout_logprob_abs_diff", "max_mismatch_k3_kl")
         for name in positive:
             value = getattr(self, name)
@@ -227,15 +236,6 @@ class RolloutCorrectionChecks:
                      "no --tis-upper-bound/--tis-clip.")
             if self.custom_tis_function_path:
                 fail("--tis-ess-target bounds the built-in weights; a --custom-tis-function-path makes its own.")
-
-
-def _given_without(config: object, names: tuple[str, ...], loss_type: str, fail: Callable[[str], None]) -> None:
-    """Refuse the settings of `loss_type` (`names`) given with another --policy-loss-type."""
-    given = [n for n in names if getattr(config, n) is not None]
-    if given and getattr(config, "loss_type") != loss_type:
-        fail(f"{', '.join(flag_of(n) for n in given)} set but --policy-loss-type is {getattr(config, 'loss_type')}; "
-             f"{'it is' if len(given) == 1 else 'they are'} --policy-loss-type {loss_type}'s: add that or drop "
-             f"{'it' if len(given) == 1 else 'them'}.")
 
 
 def _check_bounds(fail: Callable[[str], None], prefix: str, lower: float | None, upper: float | None,

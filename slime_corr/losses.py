@@ -8,6 +8,9 @@ Per-token losses (registered in `slime_corr.registry.LOSS_FUNCTIONS`, signature 
   s_i = exp(clamp(Σ_t m·(lp - lp_old) / Σ_t m, ±20)) over the whole sequence: the value is s_i at every token, the
   gradient dr_t/dlp_t = s_i (GSPO's sequence gradient under seq-mean-token-mean aggregation).
 - "reinforce": l = -A·lp·w (pg_is) or -A·lp (pg_rs / no IS).
+- the peers' losses ("cispo", "sapo", "geo_mean", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov"): slime_corr.policy_losses.
+Masks after the correction: `--m2-threshold` (M2PO) and `--seq-logprob-error-threshold` (NeMo-RL) take tokens out
+of the loss's numerator and denominators (recounted then: one more SUM), slime_corr.mismatch_masks; OPSM after them.
 The two built-in losses are autograd Functions whose forward also computes dl/dlp in closed form, so the backward is
 one multiply (on CPU, autograd's bool masks for clamp/minimum/where cost more than the loss itself).
 
@@ -23,13 +26,13 @@ its sequence.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from functools import cached_property
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+import slime_corr.policy_losses  # noqa: F401  (registers the peers' losses: cispo, sapo, geo_mean, dppo_*, *_cov)
 from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.correction import CorrectionResult, compute_rollout_correction
 from slime_corr.correction.budget import StepBounds
@@ -47,41 +50,11 @@ from slime_corr.correction.reductions import (
     valid_float,
 )
 from slime_corr.layout.segments import Segments
+from slime_corr.loss_inputs import LOG_RATIO_CLAMP, LossInputs
 from slime_corr.loss_terms import LossTermsConfig
+from slime_corr.mismatch_masks import m2po_masked, seq_logprob_error_masked
 from slime_corr.opsm import opsm_masked
 from slime_corr.registry import LOSS_FUNCTIONS, Registry
-
-LOG_RATIO_CLAMP = 20.0
-
-
-@dataclass
-class LossInputs:
-    """Inputs of a per-token loss function; [B, S], finite and 0 outside `token_mask` (float 0/1, the tokens that
-    count: in the loss mask and with finite lp, lp_old and A).
-
-    `log_probs` carries the gradient (made on first use from `raw_log_probs`, the caller's tensor, which may hold
-    NaN outside the mask); `weights` (detached) is None when no IS weight applies; `loss_mask` is `token_mask` as
-    bool. A function may add 0-dim local metrics to `metrics`.
-    """
-
-    raw_log_probs: Tensor
-    old_log_probs: Tensor
-    rollout_log_probs: Tensor | None
-    advantages: Tensor
-    token_mask: Tensor
-    weights: Tensor | None
-    count: Tensor | None = None  # Σ token_mask (local)
-    metrics: dict[str, Tensor] = field(default_factory=dict)
-    segments: Segments | None = None  # the sequences of the tokens (None: one per row)
-    cp_group: ProcessGroup = None  # for whole-sequence sums (the GSPO ratio)
-
-    @cached_property
-    def log_probs(self) -> Tensor:
-        return torch.nan_to_num(self.raw_log_probs, 0.0, 0.0, 0.0) * self.token_mask
-
-    @cached_property
-    def loss_mask(self) -> Tensor:
-        return self.token_mask > 0
 
 
 def _detached_log_probs(inputs: LossInputs) -> Tensor:
@@ -273,6 +246,7 @@ def compute_policy_loss(
     ref_log_probs: Tensor | None = None,
     entropy: Tensor | None = None,
     step_bounds: StepBounds | None = None,
+    kl_log_probs: Tensor | None = None,
 ) -> PolicyLossOutput:
     """The policy loss of one micro-batch ([B, S] local slices, one sequence per row; or one packed row [1, T]
     whose sequences `segments` gives, `Segments.packed_row`) under `config`.
@@ -292,6 +266,8 @@ def compute_policy_loss(
     that finalize a step's merged statistics once; the loss metrics stay.
     `loss_terms` with `ref_log_probs` / `entropy` (shaped like `log_probs`): the KL and entropy terms
     (`loss_term_tokens`), added per token before the aggregation; `pg_loss` is then the whole loss.
+    `kl_log_probs`: the policy's log-probs the KL term compares with `ref_log_probs`, when they are not
+    `log_probs` (the engine's kept sets replayed: `log_probs` under them, the KL over the full distribution).
     """
     check_policy_loss_inputs(log_probs, old_log_probs, rollout_log_probs, advantages, loss_mask, config,
                              seq_length_for_norm, batch_norm_mean, loss_fn, cp_group, dp_group, correction, segments)
@@ -307,13 +283,16 @@ def compute_policy_loss(
             step_bounds=step_bounds,
         )
     masks = loss_masks(loss_mask, correction, config, log_probs.dtype)
+    masks, mismatch_counts = mismatch_mask_stage(rollout_log_probs, anchored, masks, config, seg, cp_group)
     masks, opsm_count = opsm_stage(log_probs, anchored, masks, config, seg, cp_group)
     inputs = loss_inputs(log_probs, rollout_log_probs, anchored, masks, config, seg, cp_group)
-    masked = token_losses(inputs, config, loss_fn, loss_terms, ref_log_probs, entropy)
+    masked = token_losses(inputs, config, loss_fn, loss_terms, ref_log_probs, entropy, kl_log_probs)
     norm_length = seq_length_for_norm or log_probs.shape[-1] * group_size(cp_group)
-    aggregated = aggregate_loss(masked, masks.denominator_mask, correction, config, seg, cp_group, dp_group,
+    counted = None if config.uses_mismatch_masks else correction  # the masks changed the correction's denominators
+    aggregated = aggregate_loss(masked, masks.denominator_mask, counted, config, seg, cp_group, dp_group,
                                 norm_length, log_probs.dtype)
     metrics = loss_metrics(aggregated.loss, inputs, masks, correction, anchored.advantages)
+    metrics.update(mismatch_counts)
     if opsm_count is not None:
         metrics[OPSM_COUNT] = opsm_count
     return PolicyLossOutput(loss=aggregated.loss, loss_sum=aggregated.loss_sum, denominator=aggregated.denominator,
@@ -345,6 +324,34 @@ def loss_masks(loss_mask: Tensor, correction: CorrectionResult | None, config: R
 
 
 OPSM_COUNT = "pg_opsm_masked_token_count"  # tokens OPSM took out of the loss (of those the correction kept)
+M2PO_COUNT = "pg_m2po_masked_token_count"  # tokens --m2-threshold took out of the loss (local)
+SEQ_ERROR_COUNT = "pg_seq_logprob_error_masked_token_count"  # tokens --seq-logprob-error-threshold took out (local)
+
+
+def mismatch_mask_stage(rollout_log_probs: Tensor | None, anchored: AnchoredInputs, masks: LossMasks,
+                        config: RolloutCorrectionConfig, seg: Segments, cp_group: ProcessGroup
+                        ) -> tuple[LossMasks, dict[str, Tensor]]:
+    """`--seq-logprob-error-threshold` (NeMo-RL, on the loss mask's sequences) then `--m2-threshold` (M2PO, on the
+    tokens still in the loss): the token and denominator masks less the tokens they take out, and how many each
+    took of those still in the loss (`slime_corr.mismatch_masks`); unchanged and {} when neither is on."""
+    if not config.uses_mismatch_masks:
+        return masks, {}
+    if rollout_log_probs is None:
+        raise ValueError("--m2-threshold / --seq-logprob-error-threshold compare lp_train with lp_rollout: pass "
+                         "rollout_log_probs to compute_policy_loss.")
+    train, kept = anchored.train_log_probs, masks.token_mask > 0
+    off = torch.zeros_like(kept)
+    counts: dict[str, Tensor] = {}
+    if config.seq_logprob_error_threshold is not None:
+        off = seq_logprob_error_masked(train, rollout_log_probs, masks.valid, config.seq_logprob_error_threshold, seg,
+                                       cp_group)
+        counts[SEQ_ERROR_COUNT] = (off & kept).sum().to(torch.float64)
+    if config.m2_threshold is not None:
+        m2_off = m2po_masked(train, rollout_log_probs, kept & ~off, config.m2_threshold, cp_group)
+        counts[M2PO_COUNT] = m2_off.sum().to(torch.float64)
+        off = off | m2_off
+    return masks._replace(token_mask=torch.where(off, 0, masks.token_mask),
+                          denominator_mask=torch.where(off, 0, masks.denominator_mask)), counts
 
 
 def opsm_stage(log_probs: Tensor, anchored: AnchoredInputs, masks: LossMasks, config: RolloutCorrectionConfig,
@@ -373,7 +380,7 @@ def loss_inputs(log_probs: Tensor, rollout_log_probs: Tensor | None, anchored: A
 
 def token_losses(inputs: LossInputs, config: RolloutCorrectionConfig, loss_fn: str | Callable | None,
                  loss_terms: LossTermsConfig | None, ref_log_probs: Tensor | None,
-                 entropy: Tensor | None) -> Tensor:
+                 entropy: Tensor | None, kl_log_probs: Tensor | None = None) -> Tensor:
     """l·m per token: the per-token loss (`loss_fn`, default `config.loss_type`), 0 outside the token mask, plus
     the KL and entropy terms (`loss_term_tokens`)."""
     fn = loss_fn if callable(loss_fn) else LOSS_FUNCTIONS.get(loss_fn or config.loss_type, flag="--policy-loss-type")
@@ -383,7 +390,7 @@ def token_losses(inputs: LossInputs, config: RolloutCorrectionConfig, loss_fn: s
         lp = inputs.raw_log_probs
         masked = torch.where(inputs.loss_mask, token_loss, torch.zeros((), dtype=lp.dtype, device=lp.device))
     if loss_terms is not None and loss_terms.active:
-        masked = masked + loss_term_tokens(inputs, loss_terms, ref_log_probs, entropy)
+        masked = masked + loss_term_tokens(inputs, loss_terms, ref_log_probs, entropy, kl_log_probs)
     return masked
 
 
@@ -475,8 +482,9 @@ def unbiased_kl(inputs: LossInputs, log_ratio: Tensor, kl_type: str) -> Tensor:
 
 
 def loss_term_tokens(inputs: LossInputs, terms: LossTermsConfig, ref_log_probs: Tensor | None,
-                     entropy: Tensor | None) -> Tensor:
-    """Per-token KL and entropy terms: kl_loss_coef · KL(lp, lp_ref) − entropy_coef · H, 0 outside the token mask.
+                     entropy: Tensor | None, kl_log_probs: Tensor | None = None) -> Tensor:
+    """Per-token KL and entropy terms: kl_loss_coef · KL(lp, lp_ref) − entropy_coef · H, 0 outside the token mask;
+    lp is `kl_log_probs` when given (the full distribution's, while the policy term takes the kept set's).
 
     Adds the token mean `kl_loss` (over the mask) to `inputs.metrics` (the entropy is reported by the caller, which
     computed it). A non-finite reference log-prob or entropy contributes 0 (the token's policy term is unaffected).
@@ -489,7 +497,8 @@ def loss_term_tokens(inputs: LossInputs, terms: LossTermsConfig, ref_log_probs: 
             raise ValueError("--use-kl-loss / --kl-loss-coef need ref_log_probs (the reference policy's log-probs)")
         ref = ref_log_probs.detach().to(mask.dtype)
         ok = torch.isfinite(ref) & (mask > 0)
-        log_ratio = torch.where(ok, inputs.log_probs - torch.where(ok, ref, 0.0), 0.0)
+        policy = inputs.log_probs if kl_log_probs is None else kl_log_probs.to(mask.dtype)
+        log_ratio = torch.where(ok, policy - torch.where(ok, ref, 0.0), 0.0)
         kl = torch.where(ok, unbiased_kl(inputs, log_ratio, terms.kl_loss_type) if terms.use_unbiased_kl else
                          KL_ESTIMATORS.get(terms.kl_loss_type, flag="--kl-loss-type")(log_ratio), 0.0)
         inputs.metrics["kl_loss"] = kl.detach().sum() / n

@@ -42,7 +42,10 @@ LOSS_AND_RUN = ("eps_clip", "eps_clip_high", "eps_clip_c", "loss_agg_mode", "pol
                 "rollout_correction_backend", "logprobs_backend",
                 "warn_invalid_inputs",
                 "rollout_correction_preset", "custom_config_path", "custom_tis_function_path")
-FIELDS = (*IS_AND_REJECTION, *BUDGETS_AND_MODE, "loss_type", *LOSS_AND_RUN)  # every field that is a flag
+PEER_LOSSES_AND_GATE = ("tau_pos", "tau_neg", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio",
+                        "ppo_kl_coef", "m2_threshold", "seq_logprob_error_threshold",
+                        "max_train_rollout_logprob_abs_diff", "max_mismatch_k3_kl")
+FIELDS = (*IS_AND_REJECTION, *BUDGETS_AND_MODE, "loss_type", *LOSS_AND_RUN, *PEER_LOSSES_AND_GATE)  # every flag field
 # A host's --custom-tis-function-path has the host's signature (slime's: `slime_corr.integrations.slime`), not a
 # slime_corr weighting function's: it does not configure `config_from_args`.
 _HOST_SIGNATURE_FIELDS = frozenset({"custom_tis_function_path"})
@@ -71,6 +74,7 @@ def add_rollout_correction_args(parser: argparse.ArgumentParser) -> argparse.Arg
                      default=RolloutCorrectionConfig.loss_type, help="Deprecated spelling of --policy-loss-type.",
                      choices=LOSS_TYPES)
     add_flags(g, RolloutCorrectionConfig, LOSS_AND_RUN, add)
+    add_flags(g, RolloutCorrectionConfig, PEER_LOSSES_AND_GATE, add)
     return parser
 
 

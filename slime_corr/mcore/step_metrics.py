@@ -31,7 +31,7 @@ from slime_corr.correction import correction_metrics, merge_stats
 from slime_corr.correction.rejection_outcomes import rejection_outcome_pairs
 from slime_corr.correction.reporting import metric_pairs, ratio_pair
 from slime_corr.layout.segments import Segments
-from slime_corr.losses import OPSM_COUNT
+from slime_corr.losses import M2PO_COUNT, OPSM_COUNT, SEQ_ERROR_COUNT
 from slime_corr.mcore.context_parallel import ParallelGroups, all_reduce_dp_cp
 
 NONFINITE_COUNT = "pg_nonfinite_token_count"
@@ -39,7 +39,9 @@ NONFINITE_FRACTION = "pg_nonfinite_token_fraction"
 ADVANTAGE_COUNT = "pg_nonfinite_advantage_count"  # `compute_policy_loss`'s; an error on the host (check_host_metrics)
 # counts reported as [count, tokens] pairs (Megatron logs the fraction), read back as the count over DP×CP
 COUNT_FRACTIONS = {NONFINITE_COUNT: NONFINITE_FRACTION, ADVANTAGE_COUNT: "pg_nonfinite_advantage_fraction",
-                   OPSM_COUNT: "pg_opsm_masked_token_fraction"}  # OPSM: of the valid tokens
+                   OPSM_COUNT: "pg_opsm_masked_token_fraction",  # OPSM: of the valid tokens
+                   M2PO_COUNT: "pg_m2po_masked_token_fraction",
+                   SEQ_ERROR_COUNT: "pg_seq_logprob_error_masked_token_fraction"}
 
 
 def _rank(group: dist.ProcessGroup | None) -> int:

@@ -19,7 +19,9 @@ PREFIXES = (CORRECTION, TRAIN, ROLLOUT, PERF, DIAG)
 # Keys of `RolloutCorrectionLoss.reduce_step_metrics` that belong to the loss, not to the correction.
 TRAIN_KEYS = frozenset({"loss", "pg_loss", "loss_denominator", "pg_clipfrac", "ppo_kl", "entropy",
                         "pg_nonfinite_token_count", "pg_nonfinite_advantage_count", "pg_opsm_masked_token_count",
-                        "pg_opsm_masked_token_fraction", "kl_loss", "grad_norm", "loss_scale", "skipped_steps",
+                        "pg_opsm_masked_token_fraction", "pg_m2po_masked_token_count", "pg_m2po_masked_token_fraction",
+                        "pg_seq_logprob_error_masked_token_count", "pg_seq_logprob_error_masked_token_fraction",
+                        "kl_loss", "grad_norm", "loss_scale", "skipped_steps",
                         "baseline_rejected_samples", "prox_logp_abs_error_mean", "prox_logp_abs_error_max"})
 
 # Keys of the loss's report that are MoE routing diagnostics (`slime_corr.correction.routing`): -> `diag/`.
