@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from slime_corr.addresses import pin_gloo_interface
 from slime_corr.errors import DeviceError
 from slime_corr.ports import init_world_of_one
 
@@ -152,13 +153,15 @@ def engine_device() -> str:
 def init_distributed(timeout_minutes: float | None = None, device: str | None = None) -> bool:
     """Decide this process's device (`slime_corr.device.setup(device)`: `--device`; on CUDA the GPU LOCAL_RANK),
     then join torchrun's process group with its backend (NCCL on CUDA, gloo on CPU), or make a one-process one;
-    True when this call created it. Every collective then fails after `timeout_minutes`
-    (`--distributed-timeout-minutes`) instead of the backend's default."""
+    True when this call created it. Across nodes gloo binds the interface that routes to MASTER_ADDR
+    (`slime_corr.addresses.pin_gloo_interface`; GLOO_SOCKET_IFNAME, when set, decides). Every collective then fails
+    after `timeout_minutes` (`--distributed-timeout-minutes`) instead of the backend's default."""
     backend = setup(device).backend
     if dist.is_initialized():
         return False
     timeout = None if timeout_minutes is None else timedelta(minutes=timeout_minutes)
     if "RANK" in os.environ:  # torchrun's world
+        pin_gloo_interface()  # across nodes, gloo (gloo's groups on a GPU too) binds the interface toward MASTER_ADDR
         dist.init_process_group(backend, **({} if timeout is None else {"timeout": timeout}))
         return True
     # `python -m slime_corr.main`: a world of one over an in-process store (no port to race for), named in the call

@@ -1,8 +1,9 @@
 """The real SGLang server as a rollout engine: launched, health-checked, logged and stopped by the trainer.
 
-`launch_sglang_server` starts ``python -m sglang.launch_server`` on 127.0.0.1 at a free port, with its output in a
-log file, waits (bounded) until ``/health`` answers 200 and one warm-up ``/generate`` has run (the first request
-of a server pays its lazy initialisation: 8-25 s on CPU), and on exit, whatever the exit path, stops the server's
+`launch_sglang_server` starts ``python -m sglang.launch_server`` on 127.0.0.1 (the config's `host`: an address of
+this host that its clients reach) at a free port, with its output in a log file, waits (bounded) until ``/health``
+answers 200 and one warm-up ``/generate`` has run (the first request of a server pays its lazy initialisation: 8-25 s
+on CPU), and on exit, whatever the exit path, stops the server's
 whole process group (the HTTP server, scheduler and detokenizer) by its PID: SIGTERM, then SIGKILL after a grace
 period.
 
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from slime_corr.engines.group import EngineProcess, startup_wait
-from slime_corr.ports import PORT_TRIES, free_port
+from slime_corr.ports import LOOPBACK, PORT_TRIES, free_port
 
 CPU_STAND_INS = Path(__file__).resolve().parent / "sglang_cpu"
 # --sleep-on-idle: an idle scheduler otherwise spins through its self-checks and takes a whole core (10.1 CPU-s in
@@ -70,9 +71,13 @@ class SGLangServerConfig:
     extra_args: tuple[str, ...] = ()
     log_dir: Path = field(default_factory=lambda: Path("."))
     startup_timeout: float = 600.0
+    host: str = LOOPBACK  # the address it listens on (SGLang's --host)
+
+    def url(self, port: int) -> str:
+        return f"http://{self.host}:{port}"
 
     def command(self, port: int) -> list[str]:
-        cmd = [self.python, "-m", "sglang.launch_server", "--model-path", self.model_path, "--host", "127.0.0.1",
+        cmd = [self.python, "-m", "sglang.launch_server", "--model-path", self.model_path, "--host", self.host,
                "--port", str(port), "--dtype", self.dtype, "--device", self.device,
                "--weight-version", self.weight_version]
         if self.skip_tokenizer_init:
@@ -167,9 +172,9 @@ def launch_sglang_server(config: SGLangServerConfig, *, name: str = "sglang") ->
     meanwhile (uvicorn's "address already in use"), the server is stopped and started again on another port."""
     config.log_dir.mkdir(parents=True, exist_ok=True)
     for attempt in range(1, PORT_TRIES + 1):
-        port = free_port()
+        port = free_port(config.host)
         log_path = config.log_dir / f"{name}-{port}.log"
-        url = f"http://127.0.0.1:{port}"
+        url = config.url(port)
         with open(log_path, "wb") as log:
             log.write(("$ " + " ".join(config.command(port)) + "\n").encode())
             log.flush()

@@ -7,6 +7,9 @@ port the OS picks, which the engines are then told) with the key prefixes SGLang
 ``init_custom_process_group`` gives its group (``<group>/<group>//<device>/``), so either side can be a real
 SGLang server. Backends: ``gloo`` (CPU tensors) and ``nccl`` (CUDA tensors on the device :mod:`slime_corr.device`
 chose, when torch has NCCL); which one the trainer asks for is :func:`slime_corr.device.weight_sync_backend`'s.
+A gloo member's connections bind its address toward the group (`gloo_address`): rank 0 the master address (the one
+the others were told), another rank its address on the interface that routes to the master, not the address its
+host name resolves to (which gloo would take, often loopback).
 
 Tensors travel one bucket at a time, either one broadcast per tensor or, with ``load_format="flattened_bucket"``
 (SGLang's name), the bucket's bytes concatenated into one uint8 tensor: one collective per bucket.
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from slime_corr.addresses import route_source
 from slime_corr.device import collective_device
 
 BACKENDS = ("gloo", "nccl")
@@ -65,12 +69,23 @@ class WeightUpdateGroup:
             raise ValueError(f"backend 'nccl' needs CUDA and a torch built with NCCL (this process computes on "
                              f"{self.device}); use backend='gloo' on CPU")
         if self._store is None:
-            self._store = dist.TCPStore(master_address, master_port, self.world_size, is_master=self.rank == 0,
-                                        timeout=timeout, wait_for_workers=True)
+            try:
+                self._store = dist.TCPStore(master_address, master_port, self.world_size, is_master=self.rank == 0,
+                                            timeout=timeout, wait_for_workers=True)
+            except (RuntimeError, OSError) as e:  # a refusal or a timeout: name the address and who could not reach it
+                raise RuntimeError(f"the weight-update group's store at {master_address}:{master_port} could not be "
+                                   f"reached from {route_source(master_address) or 'this host'} (rank {self.rank}): "
+                                   f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from e
         store = dist.PrefixStore(f"{self.device.type}/", dist.PrefixStore(
             f"{self.group_name}/", dist.PrefixStore(self.group_name, self._store)))
         if self.backend == "gloo":
-            return dist.ProcessGroupGloo(store, self.rank, self.world_size, timeout)
+            address = gloo_address(master_address, self.rank)
+            if address is None:  # no route found: gloo's own choice
+                return dist.ProcessGroupGloo(store, self.rank, self.world_size, timeout)
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+            return dist.ProcessGroupGloo(store, self.rank, self.world_size, opts)
         assert nccl is not None
         opts = nccl.Options()
         opts._timeout = timeout
@@ -116,6 +131,12 @@ class WeightUpdateGroup:
             except (RuntimeError, AttributeError):  # older torch, or a backend without shutdown
                 pass
         self._store = None
+
+
+def gloo_address(master_address: str, rank: int) -> str | None:
+    """The address a gloo member of the group binds its connections to: rank 0 `master_address`, another rank its
+    own address on the interface that routes to it (None when there is no route: gloo then picks)."""
+    return master_address if rank == 0 else route_source(master_address)
 
 
 def bucket_layout(dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]) -> list[tuple[int, int]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from slime_corr.addresses import is_this_host, url_host
 from slime_corr.errors import ConfigError
 from slime_corr.layout.micro_batch import packed_length
 from slime_corr.mcore.checkpoint import TRACKER_FILE, iteration_dir, latest_iteration
@@ -62,6 +63,14 @@ def check_writable_dir(flag: str, path: str | os.PathLike[str]) -> None:
                           "write to.") from None
 
 
+def _on_another_host(url: str) -> bool:
+    """`url`'s host resolves to another machine than this one (False when it does not resolve: the start-up's
+    health check names that)."""
+    try:
+        return is_this_host(url_host(url)) is False
+    except ValueError:
+        return False
+
 
 class TrainerConfigChecks:
     """`TrainerConfig`'s checks of the engines, the model, PP and packing, MoE routes, staleness and `--load` (a
@@ -84,6 +93,23 @@ class TrainerConfigChecks:
         if launched and self.engine_dtype not in SGLANG_DTYPES:
             raise ConfigError(f"--engine-dtype {self.engine_dtype}: the SGLang server serves "
                               f"{' or '.join(SGLANG_DTYPES)}; use --rollout-engine embedded for {self.engine_dtype}.")
+        self._check_addresses()
+
+    def _check_addresses(self) -> None:
+        """What the engines are told must be theirs to reach: the weight sync's master address, and the folder of
+        a disk sync to engines on another host (docs/scaling.md)."""
+        address = self.update_weight_master_address
+        if address is not None and (not address.strip() or self.rollout_weight_sync != "distributed"):
+            what = "is empty" if not address.strip() else "is only used by --rollout-weight-sync distributed"
+            raise ConfigError(f"--update-weight-master-address {address!r} {what}: give the trainer's address that "
+                              "the engines reach with --rollout-weight-sync distributed, or drop the flag.")
+        from_disk = self.rollout_weight_sync == "disk" or self.rollout_engine == "embedded"  # the first push, too
+        elsewhere = [url for url in self.sglang_url if _on_another_host(url)]
+        if from_disk and elsewhere and not self.work_dir:
+            raise ConfigError(f"--sglang-url {elsewhere[0]} is on another host, and the engines load the trainer's "
+                              "weights from disk there (--rollout-weight-sync disk, or the embedded engine's first "
+                              "push): set --work-dir to a folder on storage both hosts see at the same path (a shared "
+                              "file system), or use --rollout-weight-sync distributed.")
 
     def _check_precision(self) -> None:
         """--bf16 / --fp16 (checked on their own by `PrecisionConfig`) against --params-dtype."""

@@ -14,6 +14,8 @@ rank stuck elsewhere ends the job in as many minutes; `collective_error` words g
 from __future__ import annotations
 
 import os
+import re
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +23,8 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch.distributed as dist
+
+from slime_corr.addresses import route_source
 
 BEAT_SECONDS = 1.0  # how often the driver beats
 POLL_SECONDS = 0.2  # how often a waiting rank looks at the store
@@ -62,8 +66,13 @@ class DriverBeacon:
         where: list[object] = [host, store.port if store is not None else 0]
         dist.broadcast_object_list(where, src=0)
         if store is None:
-            store = dist.TCPStore(str(where[0]), int(where[1]), dist.get_world_size(), is_master=False,  # type: ignore[call-overload]
-                                  timeout=timedelta(seconds=max(timeout, 1.0)))
+            try:
+                store = dist.TCPStore(str(where[0]), int(where[1]), dist.get_world_size(), is_master=False,  # type: ignore[call-overload]
+                                      timeout=timedelta(seconds=max(timeout, 1.0)))
+            except (RuntimeError, OSError) as e:  # name the address and the host that could not reach it
+                raise PeerError(f"the driver's liveness store at {where[0]}:{where[1]} (MASTER_ADDR) could not be "
+                                f"reached from {route_source(str(where[0])) or socket.gethostname()}: "
+                                f"{(str(e).strip().splitlines() or [type(e).__name__])[0]}") from None
         self.store = store
         if is_driver:
             self._thread = threading.Thread(target=self._beat, name="slime_corr-driver-beat", daemon=True)
@@ -150,6 +159,12 @@ def collective_error(error: BaseException, timeout_minutes: float) -> str | None
     """A one-line explanation of a collective that failed because a peer timed out or went away (gloo's
     messages), or None for any other error."""
     text = str(error)
+    peer = re.search(r"remote=\[([^\]]+)\]:(\d+)", text)
+    if "connectFullMesh" in text and peer:  # gloo could not connect to the address another rank handed it
+        return (f"gloo on {socket.gethostname()} could not connect to another rank at {peer.group(1)}:{peer.group(2)}, "
+                "the address that rank's gloo took (its host name's address, unless GLOO_SOCKET_IFNAME names an "
+                "interface; 127.0.0.1 is each host's own): set GLOO_SOCKET_IFNAME on every node to the interface of "
+                "the network the nodes share (docs/scaling.md).")
     if "Timed out" in text or "timed out" in text or "Timeout" in text:
         return (f"a collective with the other ranks timed out after --distributed-timeout-minutes {timeout_minutes:g}: "
                 f"a rank is stopped, frozen or much slower ({text.strip().splitlines()[0][:200]}). Its log, or "

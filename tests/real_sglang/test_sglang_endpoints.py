@@ -84,7 +84,7 @@ def test_a_port_taken_before_the_bind_starts_the_server_again_elsewhere(shared_s
     holder.listen()  # held, not served: a request to it waits, as to a busy process's port
     taken = holder.getsockname()[1]
     ports = iter([taken])
-    monkeypatch.setattr(sglang_server, "free_port", lambda: next(ports, None) or free_port())
+    monkeypatch.setattr(sglang_server, "free_port", lambda host="127.0.0.1": next(ports, None) or free_port(host))
     try:
         started = shared_servers(*_specs(tiny_opt))
     finally:

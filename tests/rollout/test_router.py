@@ -231,14 +231,14 @@ def test_a_port_taken_before_the_router_binds_it_starts_the_router_again_elsewhe
     taken = holder.getsockname()[1]
     try:
         picks = iter([taken])
-        monkeypatch.setattr(router, "free_port", lambda: next(picks, None) or free_port())
+        monkeypatch.setattr(router, "free_port", lambda host="127.0.0.1": next(picks, None) or free_port(host))
         with router.start_router(routed.engine_urls) as handle:
             assert handle.url != f"http://127.0.0.1:{taken}" and handle.proc.poll() is None
             assert sorted(router_json(handle.url, "/workers")["workers"][i]["url"] for i in range(2)) == \
                 sorted(routed.engine_urls)
             first_try = Path(handle.log_path).with_name("router-1.log").read_text(errors="replace").lower()
             assert router.PORT_IN_USE in first_try  # the real router's own words
-        monkeypatch.setattr(router, "free_port", lambda: taken)
+        monkeypatch.setattr(router, "free_port", lambda host="127.0.0.1": taken)
         with pytest.raises(RuntimeError, match=f"could not bind its ports in {router.PORT_TRIES} tries .*{taken}"):
             with router.start_router(routed.engine_urls):
                 pass
