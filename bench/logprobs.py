@@ -6,7 +6,7 @@ Variants (each measured in a fresh process of its own, interleaved over repeats;
 - `verl`: verl 0.9.1's `logprobs_from_logits` + `entropy_from_logits` (its FSDP actor's path; the wheel is fetched
   as bench/vs_verl.py fetches it);
 - `megatron`: Megatron-Core's `vocab_parallel_cross_entropy` + verl 0.9.1's `vocab_parallel_entropy`, called as
-  verl's Megatron engine calls them (`logits.clone()` for the entropy, which works in place);
+  verl's Megatron engine calls them (the cross entropy, which works in place on fp32 logits, on `logits.clone()`);
 - `liger`: Liger-Kernel's fused linear-free cross entropy + entropy (`--device cuda`, where installed).
 
 Entropy "metric": the entropy is computed without gradient (logged only); "loss": it is in the loss with a
@@ -95,14 +95,14 @@ def _variant(name: str, entropy: str, chunk: int):
         parallel_state.initialize_model_parallel(1)
         megatron_verl = load_verl_module("verl.utils.megatron.tensor_parallel")
 
-        def megatron(logits, labels):  # verl's Megatron engine: entropy on a clone (it works in place)
-            entropy_logits = logits.clone()
+        def megatron(logits, labels):  # as verl's Megatron engine: the cross entropy (in place) on a clone
+            clone = logits.clone()
             if with_grad:
-                h = megatron_verl.vocab_parallel_entropy(entropy_logits)
+                h = megatron_verl.vocab_parallel_entropy(logits)
             else:
                 with torch.no_grad():
-                    h = megatron_verl.vocab_parallel_entropy(entropy_logits)
-            return -vocab_parallel_cross_entropy(logits, labels), h
+                    h = megatron_verl.vocab_parallel_entropy(logits)
+            return -vocab_parallel_cross_entropy(clone, labels), h
         return megatron
     if name == "liger":  # its cross entropy writes the gradient into its input in forward: the entropy takes a clone
         from liger_kernel.transformers.functional import liger_cross_entropy

@@ -43,7 +43,7 @@ from pathlib import Path
 
 from slime_corr.correction.checks import CustomFunctionError, InputValueError
 from slime_corr.engines.sglang_server import SGLangLaunchError, server_args
-from slime_corr.errors import ConfigError
+from slime_corr.errors import ConfigError, DiskWriteError
 from slime_corr.flags import main_job
 from slime_corr.flags.checks import check_run
 from slime_corr.flags.correction import parse_rollout_correction_config
@@ -52,12 +52,14 @@ from slime_corr.loss_terms import LossTermsConfig
 from slime_corr.mcore.checkpoint import CheckpointError
 from slime_corr.monitoring.config import MonitoringConfig
 from slime_corr.monitoring.logger import METRICS_FILE
+from slime_corr.monitoring.run_lock import RunDirLock
 from slime_corr.rollout.client import probe_health
 from slime_corr.rollout.control import ControlError
 from slime_corr.rollout.rollout import RolloutFailedError
 from slime_corr.trainer.agreement import EngineAgreementError, precision_notice
 from slime_corr.trainer.config import TrainerConfig
 from slime_corr.trainer.loop import RunConfig, RunProgress, run
+from slime_corr.trainer.mismatch_gate import MismatchGateError
 from slime_corr.trainer.watchdog import PeerError, StuckRankError, collective_error
 
 if __name__ == "__main__" and not gc.isenabled():  # turned off above
@@ -84,7 +86,7 @@ def parse_run_config(argv: Sequence[str] | None = None, *, check_urls: bool = Tr
         check_run(args, trainer, correction, monitoring)
     except ConfigError as e:
         parser.error(str(e))
-    if check_urls:
+    if check_urls and int(os.environ.get("RANK", "0")) == 0:  # the driver alone talks to the engines
         _check_sglang_urls(parser, trainer.sglang_url)
     return RunConfig(trainer=trainer, correction=correction, loss_terms=loss_terms, monitoring=monitoring,
                      hparams=vars(args))
@@ -105,8 +107,9 @@ def _check_sglang_urls(parser: argparse.ArgumentParser, urls: Sequence[str]) -> 
     for url in urls:
         reason = probe_health(url)
         if reason is not None:
-            parser.error(f"--sglang-url {url} is not reachable: {reason}. Start the SGLang server (or router) "
-                         "first, or drop --sglang-url to run the embedded engine.")
+            parser.error(f"--sglang-url {url} is not reachable: {reason}. Start that SGLang server (or router) "
+                         "first, or drop --sglang-url: the job then starts its own engines (real SGLang servers, "
+                         "--rollout-engine sglang, the default; or this package's, --rollout-engine embedded).")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -124,14 +127,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     progress = RunProgress()
     interrupts.install()  # Ctrl-C, and torchrun's SIGTERM to its workers: one KeyboardInterrupt, never mid-save
+    lock = None
     try:
+        if rank == 0:  # the run directory's one writer holds it for the job's life (monitoring/run_lock.py)
+            flag = "--run-dir" if run_config.hparams.get("run_dir") else "--work-dir" \
+                if run_config.hparams.get("work_dir") else "the run directory"
+            lock = RunDirLock.acquire(run_config.monitoring.run_dir, flag)
+            if lock.notice:
+                print(f"slime_corr.main: note: {lock.notice}", flush=True)
         run(run_config, progress)
     except KeyboardInterrupt:
         if rank == 0:
             print(_interrupted_line(run_config, progress), file=sys.stderr, flush=True)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun SIGKILLs ranks still alive 30 s after its SIGINT:
             sys.stdout.flush()  # `run` closed everything; the interpreter's teardown of a loaded machine could not
-            os._exit(130)  # be counted on to fit
+            if lock is not None:  # be counted on to fit
+                lock.release()
+            os._exit(130)
         return 130
     except CustomFunctionError as e:  # the user's function: one line, its own traceback on request
         show = e.__cause__ is not None and run_config.hparams.get("custom_function_traceback")
@@ -146,7 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"slime_corr.main: error{_on_rank(rank)}: {e}", file=sys.stderr, flush=True)
         return 1
     except (ConfigError, CheckpointError, ControlError, TimeoutError, RolloutFailedError, StuckRankError,
-            FileExistsError, InputValueError, SGLangLaunchError, EngineAgreementError) as e:  # a clear message, not a traceback
+            FileExistsError, InputValueError, SGLangLaunchError, EngineAgreementError, DiskWriteError,
+            MismatchGateError) as e:  # a clear message, not a traceback
         print(f"slime_corr.main: error{_on_rank(rank)}: {e}", file=sys.stderr, flush=True)
         return 1
     except RuntimeError as e:
@@ -155,6 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"slime_corr.main: error{_on_rank(rank)}: {line}", file=sys.stderr, flush=True)
         return 1
+    finally:
+        if lock is not None:
+            lock.release()
     return 0
 
 

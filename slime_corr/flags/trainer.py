@@ -25,14 +25,14 @@ PRECISION = ("bf16", "fp16", "loss_scale", "initial_loss_scale", "min_loss_scale
              "hysteresis")  # PrecisionConfig's fields
 ROLLOUT = ("rollout_batch_size", "n_samples_per_prompt", "num_steps_per_rollout", "num_rollout",
            "rollout_max_response_len", "rollout_temperature", "rollout_top_p", "rollout_top_k",
-           "rollout_nucleus_logprobs", "async_rollout", "max_staleness", "staleness_policy", "partial_rollout",
+           "rollout_nucleus_logprobs", "rollout_return_sampling_mask", "async_rollout", "max_staleness", "staleness_policy", "partial_rollout",
            "mask_offpolicy_in_partial_rollout", "max_token_staleness", "grpo_std_normalization")
 PROX_LOGP = ("prox_logp_method", "prox_logp_error_interval")
 FAILURES = ("max_failed_sample_fraction", "rollout_request_timeout")
 AGREEMENT_AND_HEALTH = ("engine_agreement_check", "rollout_control_timeout", "rollout_health_check_interval",
                         "rollout_health_check_timeout")
 ENGINES = ("rollout_engine", "sglang_python", "rollout_num_engines", "rollout_router", "rollout_weight_sync",
-           "update_weight_buffer_size", "engine_dtype", "work_dir")
+           "update_weight_buffer_size", "update_weight_master_address", "engine_dtype", "work_dir")
 MOE = ("use_rollout_routing_replay", "use_routing_replay", "log_routing_mismatch")
 FIELDS = (*PARALLELISM, *OPTIMIZATION, *ROLLOUT, *PROX_LOGP, *FAILURES, *AGREEMENT_AND_HEALTH, *ENGINES, *MOE)
 KNOWN_SGLANG_FLAGS = ("--sglang-url", "--sglang-python")

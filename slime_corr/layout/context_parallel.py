@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from slime_corr.layout.kept_sets import KEPT_COUNTS_KEY, KEPT_IDS_KEY, take_kept_sets
 from slime_corr.layout.micro_batch import TOKEN_KEYS, packed_starts
 from slime_corr.layout.segments import Segments
 
@@ -88,13 +89,24 @@ def is_packed(batch: dict[str, Any]) -> bool:
 def slice_micro_batch_for_cp(batch: dict[str, torch.Tensor], cp_rank: int, cp_size: int,
                              keys: Sequence[str] = TOKEN_KEYS) -> dict[str, torch.Tensor]:
     """This CP rank's part of every `keys` entry ([B, S]; others are passed through): the zig-zag slice of a
-    padded batch, the THD partition of a packed one (`cu_seqlens*` stay whole: they describe the full row)."""
+    padded batch, the THD partition of a packed one (`cu_seqlens*` stay whole: they describe the full row). The
+    kept sets' ids (`layout.kept_sets`) follow the positions the slice keeps."""
     if cp_size == 1:
         return dict(batch)
     if "cu_seqlens" in batch:
         index = thd_partition_index(packed_starts(batch), cp_rank, cp_size)
-        return {k: v.index_select(1, index.to(v.device)) if k in keys else v for k, v in batch.items()}
-    return {k: zigzag_slice(v, cp_rank, cp_size, dim=1) if k in keys else v for k, v in batch.items()}
+
+        def cut(v: Tensor) -> Tensor:
+            return v.index_select(1, index.to(v.device))
+    else:
+        def cut(v: Tensor) -> Tensor:
+            return zigzag_slice(v, cp_rank, cp_size, dim=1)
+    out = {k: cut(v) if k in keys else v for k, v in batch.items()}
+    if KEPT_IDS_KEY in batch and KEPT_COUNTS_KEY in keys:  # the ids of the kept positions, in their new order
+        counts = batch[KEPT_COUNTS_KEY]
+        positions = cut(torch.arange(counts.numel(), device=counts.device).reshape(counts.shape))
+        out.update(take_kept_sets(batch, positions.reshape(-1)))
+    return out
 
 
 def seq_length_for_norm(local_seq_len: int, cp_size: int) -> int:

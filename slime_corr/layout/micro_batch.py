@@ -23,6 +23,12 @@ Samples that carry the engine's nucleus log-mass (``Sample.rollout_nucleus_log_m
     rollout_nucleus_log_mass   [B, S] float32  the engine's log M_μ of labels[t] where known; 0 elsewhere
     rollout_nucleus_known      [B, S] bool     True where that mass is known (a trained token whose nucleus fit)
 
+Samples that carry the engine's kept sets (``Sample.rollout_top_p_token_ids`` / ``_offsets``, SGLang's sampling
+mask: ``--rollout-return-sampling-mask``) add the ragged key pair of `slime_corr.layout.kept_sets`: per position
+``rollout_kept_token_counts`` [B, S] int32 (in ``TOKEN_KEYS``) and the ids ``rollout_kept_token_ids`` [K] int32 in
+the positions' row-major order (with the engine's log-probs of them, ``rollout_kept_token_log_probs`` [K], when
+asked); a CP slice keeps the ids of its positions.
+
 ``routed_experts`` is not in ``TOKEN_KEYS``: CP emulated on CPU runs whole sequences; slice it with
 ``keys=(*TOKEN_KEYS, ROUTE_KEY)`` where the model sees only its CP slice.
 
@@ -44,13 +50,14 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from slime_corr.layout.kept_sets import KEPT_COUNTS_KEY, sample_count_row, sample_counts, sample_entries
 from slime_corr.rollout.sample import Sample, SampleStatus
 
 BATCH_KEYS = ("tokens", "position_ids", "labels", "loss_mask", "rollout_log_probs", "advantages")
 NUCLEUS_MASS_KEY, NUCLEUS_KNOWN_KEY = "rollout_nucleus_log_mass", "rollout_nucleus_known"
 # optional per-token entries, laid out (and CP-sliced) like the others: the weight lag of each trained token, the
-# engine's nucleus log-mass
-TOKEN_KEYS = (*BATCH_KEYS, "weight_lag", NUCLEUS_MASS_KEY, NUCLEUS_KNOWN_KEY)
+# engine's nucleus log-mass, the size of each token's kept set (its ids follow: `kept_sets.take_kept_sets`)
+TOKEN_KEYS = (*BATCH_KEYS, "weight_lag", NUCLEUS_MASS_KEY, NUCLEUS_KNOWN_KEY, KEPT_COUNTS_KEY)
 ROUTE_KEY = "routed_experts"
 # Samples the loss trains on: a finished response (stop or length). ABORTED (KEEP policy) and FAILED are not.
 TRAINABLE = (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
@@ -62,9 +69,11 @@ def _round_up(n: int, m: int) -> int:
 
 
 def _sample_rows(s: Sample, adv: float | Sequence[float], pad_token_id: int,
-                 weight_lag: Sequence[int] | None = None, nucleus: bool = False) -> dict[str, torch.Tensor]:
+                 weight_lag: Sequence[int] | None = None, nucleus: bool = False,
+                 kept: bool = False) -> dict[str, torch.Tensor]:
     """One sample's 1-D rows (length prompt + response), already shifted to Megatron's alignment; `nucleus`: with
-    the engine's nucleus log-mass rows (unknown everywhere for a sample without it)."""
+    the engine's nucleus log-mass rows (unknown everywhere for a sample without it); `kept`: with the sizes of its
+    kept sets (0 everywhere for a sample without them)."""
     p, r = len(s.prompt_tokens), s.response_length
     n = p + r
     tokens = torch.tensor(s.prompt_tokens + s.response_tokens, dtype=torch.long)
@@ -97,6 +106,8 @@ def _sample_rows(s: Sample, adv: float | Sequence[float], pad_token_id: int,
             known[p - 1 : n - 1] = ~engine.isnan() & (mask[p - 1 : n - 1] > 0)
             mass[p - 1 : n - 1] = torch.where(known[p - 1 : n - 1], engine, 0.0)
         rows[NUCLEUS_MASS_KEY], rows[NUCLEUS_KNOWN_KEY] = mass, known
+    if kept:
+        rows[KEPT_COUNTS_KEY] = sample_count_row(s, n)
     if weight_lag is not None:
         if len(weight_lag) != r:
             raise ValueError(f"weight_lag: {len(weight_lag)} values for {r} response tokens of sample {s.index}")
@@ -129,6 +140,7 @@ def build_micro_batch(
     pad_token_id: int = 0,
     packed: bool = False,
     weight_lag: Sequence[Sequence[int]] | None = None,
+    kept_sets: bool | None = None,
 ) -> dict[str, torch.Tensor]:
     """Build one micro-batch dict (see the module docstring) from ``samples``.
 
@@ -137,7 +149,9 @@ def build_micro_batch(
     size for context parallelism, ``cp_pad_multiple``).
     ``weight_lag``: per sample, the weight lag of each response token (trainer version − the version that
     sampled it); adds ``weight_lag`` [B, S] int64 in the labels' alignment (0 elsewhere). A sample with
-    ``rollout_nucleus_log_mass`` adds the engine's nucleus keys (module doc).
+    ``rollout_nucleus_log_mass`` adds the engine's nucleus keys (module doc). ``kept_sets``: add the kept-set key
+    pair (module doc; None: when a sample carries kept sets); every response token a trainable sample trains on
+    must then have its kept set.
     """
     if not samples:
         raise ValueError("samples: empty micro-batch")
@@ -148,14 +162,19 @@ def build_micro_batch(
     if len(lags) != len(samples):
         raise ValueError(f"weight_lag: {len(lags)} entries for {len(samples)} samples")
     nucleus = any(s.rollout_nucleus_log_mass is not None for s in samples)
-    rows = [_sample_rows(s, a, pad_token_id, lag, nucleus) for s, a, lag in zip(samples, advs, lags, strict=True)]
+    kept = any(s.rollout_top_p_token_ids is not None for s in samples) if kept_sets is None else kept_sets
+    if kept:
+        _check_trained_kept_sets(samples)
+    rows = [_sample_rows(s, a, pad_token_id, lag, nucleus, kept)
+            for s, a, lag in zip(samples, advs, lags, strict=True)]
     with_routes = [ROUTE_KEY in r for r in rows]
     if any(with_routes) and not all(with_routes):
         raise ValueError(f"routed_experts: samples {[s.index for s, w in zip(samples, with_routes, strict=True) if not w]} "
                          "carry no routes while others do (ask every request for them, or none)")
     keys = [k for k in (*TOKEN_KEYS, ROUTE_KEY) if k in rows[0]]
+    entries = sample_entries(samples) if kept else {}
     if packed:
-        return _pack_rows(rows, keys, pad_to_multiple, pad_token_id)
+        return {**_pack_rows(rows, keys, pad_to_multiple, pad_token_id), **entries}
     s_len = _round_up(max(len(r["tokens"]) for r in rows), pad_to_multiple)
     out = {}
     for k in keys:
@@ -164,7 +183,23 @@ def build_micro_batch(
             t[i, : len(r[k])] = r[k]
         out[k] = t
     out["position_ids"] = torch.arange(s_len).expand(len(rows), s_len).clone()
-    return out
+    return {**out, **entries}
+
+
+def _check_trained_kept_sets(samples: Sequence[Sample]) -> None:
+    """In a micro-batch with kept sets, every response token a trainable sample trains on has one (its log-prob is
+    taken over it); raises ValueError naming the sample and the token."""
+    for s in samples:
+        if s.status not in TRAINABLE or not s.response_length:
+            continue
+        counts = sample_counts(s)
+        trained = torch.tensor(s.loss_mask or [], dtype=torch.bool)
+        missing = trained if counts is None else trained & (counts == 0)
+        if bool(missing.any()):
+            raise ValueError(f"rollout_top_p_token_offsets: sample {s.index}'s response token "
+                             f"{int(missing.nonzero()[0, 0])} is trained but has no kept set, in a micro-batch that "
+                             "replays the engine's kept sets: ask every request for them "
+                             "(--rollout-return-sampling-mask), or take the token out of the loss mask")
 
 
 def _pack_rows(rows: list[dict[str, torch.Tensor]], keys: Sequence[str], multiple: int,
@@ -209,11 +244,13 @@ def padding_sample(pad_token_id: int = 0) -> Sample:
     return Sample(prompt_tokens=[pad_token_id], group_id=-1, index=-1)
 
 
-def empty_micro_batch(cp_size: int = 1, pad_token_id: int = 0, packed: bool = True) -> dict[str, torch.Tensor]:
+def empty_micro_batch(cp_size: int = 1, pad_token_id: int = 0, packed: bool = True,
+                      kept_sets: bool = False) -> dict[str, torch.Tensor]:
     """A micro-batch with nothing to train (`padding_sample`, loss mask 0): it keeps every rank at the same
-    number of micro-batches (see `BufferMicroBatchIterator`). Not yet CP-sliced."""
+    number of micro-batches (see `BufferMicroBatchIterator`); `kept_sets`: with the (empty) kept-set keys, as the
+    others of its step. Not yet CP-sliced."""
     return build_micro_batch([padding_sample(pad_token_id)], pad_to_multiple=cp_pad_multiple(cp_size),
-                             pad_token_id=pad_token_id, packed=packed)
+                             pad_token_id=pad_token_id, packed=packed, kept_sets=kept_sets or None)
 
 
 def mask_not_trained(batch: dict[str, torch.Tensor], samples: Sequence[Sample]) -> dict[str, torch.Tensor]:

@@ -109,22 +109,23 @@ class _Statistics(NamedTuple):
     floor: Tensor | None
 
 
-def _compute_dtype(logits: Tensor) -> torch.dtype:
+def compute_dtype(logits: Tensor) -> torch.dtype:
+    """The dtype every log-prob is computed in: fp32 for bf16 / fp16 / fp32 logits, fp64 for fp64."""
     return torch.float32 if logits.dtype in (torch.float16, torch.bfloat16) else logits.dtype
 
 
-def _scaled(chunk: Tensor, temperature: float, out: Tensor | None = None) -> Tensor:
+def scaled_logits(chunk: Tensor, temperature: float, out: Tensor | None = None) -> Tensor:
     """`chunk` in fp32 (fp64 for fp64) divided by T — divided, as SGLang does (logits.div_(T)) — into `out` (a
     workspace reused chunk after chunk: a fresh [chunk, V] buffer per chunk costs the kernel's zeroing of its pages,
     on a CPU more than the arithmetic) or a fresh tensor."""
-    z = chunk.to(_compute_dtype(chunk), copy=True) if out is None else out[: chunk.size(0)].copy_(chunk)
+    z = chunk.to(compute_dtype(chunk), copy=True) if out is None else out[: chunk.size(0)].copy_(chunk)
     return z.div_(temperature) if temperature != 1.0 else z
 
 
 def _workspace(logits: Tensor, spec: LogSoftmaxSpec, count: int) -> list[Tensor]:
     """`count` fp32 (fp64 for fp64) [min(chunk, T), V_local] buffers, reused by every chunk of one call."""
     rows = max(min(spec.rows(logits), logits.size(0)), 1)
-    return [logits.new_empty(rows, logits.size(-1), dtype=_compute_dtype(logits)) for _ in range(count)]
+    return [logits.new_empty(rows, logits.size(-1), dtype=compute_dtype(logits)) for _ in range(count)]
 
 
 def _dropped(z: Tensor, floor: Tensor) -> Tensor:
@@ -133,10 +134,10 @@ def _dropped(z: Tensor, floor: Tensor) -> Tensor:
 
 
 def _label_columns(labels: Tensor, start: int, width: int) -> tuple[Tensor, Tensor]:
-    """(rows whose label lies in this shard, their local column)."""
+    """(each label's column in this rank's shard, clamped into it, [n, 1]; whether it lies in the shard, [n]): gathers
+    and scatters at fixed shapes, no host sync (a `nonzero` would wait for the device)."""
     local = labels - start
-    rows = ((local >= 0) & (local < width)).nonzero().squeeze(-1)
-    return rows, local[rows]
+    return local.clamp(0, max(width - 1, 0))[:, None], (local >= 0) & (local < width)
 
 
 # ---------------------------------------------------------------------------------------------- the torch path
@@ -144,7 +145,7 @@ def _forward_torch(logits: Tensor, labels: Tensor, spec: LogSoftmaxSpec) -> _Sta
     """Token chunks: per chunk z, then e^(z − max) (two fp32 [chunk, V] buffers), one MAX and one SUM all-reduce."""
     group, width = spec.tp_group, logits.size(-1)
     start, tp = vocab_start(logits, group), tp_size(group)
-    n, dtype = labels.numel(), _compute_dtype(logits)
+    n, dtype = labels.numel(), compute_dtype(logits)
     log_probs = logits.new_empty(n, dtype=dtype)
     lse_full = logits.new_empty(n, dtype=dtype)
     lse_kept = lse_full if spec.kept_floor is None else logits.new_empty(n, dtype=dtype)
@@ -154,7 +155,7 @@ def _forward_torch(logits: Tensor, labels: Tensor, spec: LogSoftmaxSpec) -> _Sta
     chunk = spec.rows(logits)
     for a in range(0, n, chunk):
         b = min(a + chunk, n)
-        z = _scaled(logits[a:b], spec.temperature, z_buffer)
+        z = scaled_logits(logits[a:b], spec.temperature, z_buffer)
         drop = None
         if floor is not None:
             assert spec.kept_floor is not None
@@ -164,16 +165,14 @@ def _forward_torch(logits: Tensor, labels: Tensor, spec: LogSoftmaxSpec) -> _Sta
         if tp > 1:
             dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)
         z.sub_(zmax[:, None])
-        rows, cols = _label_columns(labels[a:b], start, width)
-        target = z.new_zeros(b - a)
-        target[rows] = z[rows, cols]
+        cols, inside = _label_columns(labels[a:b], start, width)
+        target = torch.where(inside, z.gather(-1, cols)[:, 0], 0.0)
         exp = torch.exp(z, out=exp_buffer[: b - a])
         columns = [exp.sum(-1), target]
         if entropy is not None:  # Σ e·(z − max), in z's buffer (z is not needed after it)
             columns.append(z.mul_(exp).sum(-1))
         if drop is not None:
-            label_dropped = z.new_zeros(b - a)
-            label_dropped[rows] = drop[rows, cols].to(z.dtype)
+            label_dropped = (drop.gather(-1, cols)[:, 0] & inside).to(z.dtype)
             columns += [exp.masked_fill_(drop, 0.0).sum(-1), label_dropped]
         stats = torch.stack(columns, -1)
         if tp > 1:
@@ -205,7 +204,7 @@ def _grad_torch(logits: Tensor, labels: Tensor, spec: LogSoftmaxSpec, saved: _St
     chunk = spec.rows(logits)
     for a in range(0, n, chunk):
         b = min(a + chunk, n)
-        z = _scaled(logits[a:b], spec.temperature, buffers[0])  # bitwise the forward's z
+        z = scaled_logits(logits[a:b], spec.temperature, buffers[0])  # bitwise the forward's z
         drop = None if floor is None else _dropped(z, floor[a:b])
         if entropy_coef is None:  # lp_coef · p (on N), in place
             z.sub_(lse_full[a:b, None]).exp_().mul_(lp_coef[a:b, None])
@@ -220,11 +219,10 @@ def _grad_torch(logits: Tensor, labels: Tensor, spec: LogSoftmaxSpec, saved: _St
             if drop is not None:
                 p.masked_fill_(drop, 0.0)
             z.add_(p)
-        rows, cols = _label_columns(labels[a:b], start, width)
+        cols, inside = _label_columns(labels[a:b], start, width)
         if drop is not None:  # a label outside N has lp = −inf: no one-hot term
-            kept = ~drop[rows, cols]
-            rows, cols = rows[kept], cols[kept]
-        z[rows, cols] += grad_lp[a:b][rows]
+            inside = inside & ~drop.gather(-1, cols)[:, 0]
+        z.scatter_add_(-1, cols, torch.where(inside, grad_lp[a:b], 0.0)[:, None])
         grad_logits[a:b].copy_(z)
     return grad_logits
 
@@ -242,17 +240,15 @@ def _forward_triton(logits: Tensor, labels: Tensor, spec: LogSoftmaxSpec) -> _St
     floor = None
     if spec.kept_floor is not None:
         chunk = spec.rows(logits)
-        floor = torch.cat([spec.kept_floor(_scaled(logits[a:a + chunk], spec.temperature))
+        floor = torch.cat([spec.kept_floor(scaled_logits(logits[a:a + chunk], spec.temperature))
                            for a in range(0, labels.numel(), chunk)]) if labels.numel() else \
             logits.new_empty(0, dtype=torch.float32)
     stats = logprobs_triton.row_stats(logits, floor, spec.temperature)
-    rows, cols = _label_columns(labels, start, width)
-    target = torch.zeros(labels.numel(), dtype=torch.float32, device=logits.device)
-    target[rows] = _scaled(logits[rows, cols], spec.temperature).float()
+    cols, inside = _label_columns(labels, start, width)
+    target = torch.where(inside, scaled_logits(logits.gather(-1, cols)[:, 0], spec.temperature).float(), 0.0)
     label_dropped = None
     if floor is not None:
-        label_dropped = torch.zeros_like(target)
-        label_dropped[rows] = (target[rows] < floor[rows]).float()
+        label_dropped = (inside & (target < floor)).float()
     lse_full, lse_kept, entropy, label_z, dropped = logprobs_triton.combine(stats, target, label_dropped, group, tp)
     if floor is None:
         lse_kept = lse_full
@@ -358,5 +354,5 @@ def vocab_parallel_log_probs(
     return out.log_probs
 
 
-__all__ = ["BACKENDS", "DEFAULT_CHUNK_SIZE", "TRITON", "LogSoftmaxSpec", "TokenLogProbs", "token_log_softmax",
-           "tp_size", "vocab_parallel_log_probs", "vocab_start"]
+__all__ = ["BACKENDS", "DEFAULT_CHUNK_SIZE", "TRITON", "LogSoftmaxSpec", "TokenLogProbs", "compute_dtype", "scaled_logits",
+           "token_log_softmax", "tp_size", "vocab_parallel_log_probs", "vocab_start"]

@@ -82,6 +82,7 @@ from slime_corr.correction import metrics_to_host
 from slime_corr.correction.diagnostics import DiagnosticsResult, MismatchDiagnostics, response_positions
 from slime_corr.correction.proximal import check_prox_logp_method
 from slime_corr.layout.context_parallel import is_packed, seq_length_for_norm
+from slime_corr.layout.kept_sets import check_trained_tokens_have_kept_sets, has_kept_sets
 from slime_corr.loss_terms import LossTermsConfig
 from slime_corr.losses import compute_policy_loss
 from slime_corr.mcore.compat import get_forward_backward_func, megatron_lm_args
@@ -91,8 +92,10 @@ from slime_corr.mcore.nucleus import (
     RENORMALIZED_KEYS,
     UNTRUNCATED_ROLLOUT,
     Truncation,
+    kept_set_report,
     nucleus_report,
     renormalize_batch,
+    store_replay_metrics,
 )
 from slime_corr.mcore.per_token_loss import check_model_config, check_per_token_loss, guard_loss
 from slime_corr.mcore.pipeline import MicroBatches, run_schedule
@@ -131,7 +134,10 @@ class RolloutCorrectionLoss(StepPrepass, PolicyLogProbs):
     `temperature`: the rollout sampling temperature (log π = log_softmax(logits / T), as SGLang reports).
     `truncation`: the rollout's top-p / top-k; when active every policy log-prob is taken under the truncated,
     renormalized distribution and the rollout log-probs are renormalized to the trainer's nucleus
-    (`slime_corr.mcore.nucleus`; the report gains its `mismatch_nucleus_*` pairs).
+    (`slime_corr.mcore.nucleus`; the report gains its `mismatch_nucleus_*` pairs). A micro-batch that carries the
+    engine's kept sets (`slime_corr.layout.kept_sets`) is replayed whatever `truncation` says: the policy term's
+    log-probs over those sets, the KL and entropy terms over the full distribution (`nucleus.replayed_log_probs`;
+    the report gains the `mismatch_kept_*` pairs too).
     `chunk_size`: tokens per log-prob chunk (bounds the fp32 [chunk, V/TP] temporaries; None: sized to the device,
     `slime_corr.mcore.logprobs.CHUNK_BYTES`).
     `compute_entropy`: also log the token-mean entropy of π_θ (on when `loss_terms` has an entropy bonus).
@@ -262,8 +268,19 @@ class RolloutCorrectionLoss(StepPrepass, PolicyLogProbs):
             check_per_token_loss(getattr(args, "calculate_per_token_loss", None), "Megatron-LM's arguments")
         cfg = self.config
         groups = self.groups
-        nucleus = None
-        if self.truncation.active:
+        nucleus = kl_log_probs = None
+        replay = has_kept_sets(batch)
+        if replay:  # the engine's kept sets: the policy term over them, the KL / entropy over the full distribution
+            check_trained_tokens_have_kept_sets(batch)
+            replayed = self._replayed(logits, batch, self.compute_entropy, full_grad=self.needs_ref_log_probs,
+                                      trainer_nucleus=not self.needs_old_log_probs)
+            nucleus = replayed.nucleus
+            log_probs, entropy = nucleus.log_probs, nucleus.entropy
+            kl_log_probs = replayed.full_log_probs if self.needs_ref_log_probs else None
+            if not self.needs_old_log_probs:  # bypass: renormalized with the policy being trained
+                renormalize_batch(batch, nucleus)
+                store_replay_metrics(batch, replayed)
+        elif self.truncation.active:
             nucleus = self._nucleus(logits, batch["labels"], self.compute_entropy)
             log_probs, entropy = nucleus.log_probs, nucleus.entropy
             if not self.needs_old_log_probs:  # bypass: renormalized to the nucleus of the policy being trained
@@ -310,6 +327,7 @@ class RolloutCorrectionLoss(StepPrepass, PolicyLogProbs):
             loss_terms=self.loss_terms,
             ref_log_probs=ref,
             entropy=entropy,
+            kl_log_probs=kl_log_probs,
         )
         if self.keep_outputs:
             self.outputs.append(out)
@@ -327,6 +345,8 @@ class RolloutCorrectionLoss(StepPrepass, PolicyLogProbs):
         report = build_report(out, cfg, groups, loss_mask, entropy, batch, segments)
         if nucleus is not None:
             report.update(nucleus_report(batch, old if old is not None else log_probs))
+        if replay:
+            report.update(kept_set_report(batch, self.truncation.active))
         report.update(routing_report(batch, log_probs, groups))  # MoE: trainer vs engine routes ({} otherwise)
         return guard_loss(out.loss_sum), count, report
 
@@ -371,10 +391,17 @@ class RolloutCorrectionLoss(StepPrepass, PolicyLogProbs):
     def reduce_step_metrics(self, losses_reduced: Sequence[dict[str, Tensor]]) -> dict[str, float]:
         """Step metrics from the schedule's per-micro-batch reports (and the step's correction statistics), on the
         host, in one transfer: the reports reduced as Megatron-LM's `train_step` does (ONE all-reduce over DP×CP),
-        `loss` (= `pg_loss`), `loss_denominator`, `pg_nonfinite_token_count`, and `pop_step_metrics()`."""
+        `loss` (= `pg_loss`), `loss_denominator`, `pg_nonfinite_token_count`, and `pop_step_metrics()`. A ratio
+        whose denominator is 0 over the whole step (no token it is measured on, e.g. no token on the nucleus's
+        engine path) is undefined: absent, not NaN."""
         if not losses_reduced:
             return {}
         totals = reduce_reports(losses_reduced, self.groups)
+        ratios = [k for k, v in totals.items() if v.numel() == 2 and k != "pg_loss"]
+        undefined = set()
+        if ratios:  # one small transfer: which denominators are 0
+            zero = torch.stack([totals[k][1] for k in ratios]).eq(0).tolist()
+            undefined = {k for k, z in zip(ratios, zero, strict=True) if z}
         out = {k: v[0] / v[1] if v.numel() == 2 else v for k, v in totals.items()}
         out["loss"] = out["pg_loss"]
         out["loss_denominator"] = totals["pg_loss"][1].round()  # counts are integers; 0 was clamped to 1e-30
@@ -384,7 +411,7 @@ class RolloutCorrectionLoss(StepPrepass, PolicyLogProbs):
             if fraction in totals:
                 out[count] = totals[fraction][0]
         self.pop_diagnostics()
-        return metrics_to_host(out, self.config)
+        return {k: v for k, v in metrics_to_host(out, self.config).items() if k not in undefined}
 
     def train_step(
         self,

@@ -27,6 +27,19 @@ have left in the weight (`mismatch_nucleus_mass_log_ratio`, and its absolute val
 Tokens the engine sampled outside the trainer's nucleus (lp_trunc = −inf) leave the loss mask (per token, counted:
 `mismatch_nucleus_disagreement`); tokens that leave the nucleus during the update (π_θ) are dropped by the loss's
 non-finite guard (`pg_nonfinite_token_count`). Nothing non-finite stays in a batch.
+
+Replay of the engine's kept sets (`--rollout-return-sampling-mask`: the micro-batch carries them,
+`slime_corr.layout.kept_sets`). The trainer's nucleus is then not used for the log-probs: every policy log-prob of the
+policy term (lp_old, lp and so the IS ratio's numerator, the PPO ratio and the policy gradient) is taken over the
+engine's own kept set, log π_trunc(y) = z_y − log Σ_{v ∈ N_μ} e^{z_v} (`kept_set.kept_token_log_softmax`), and the
+engine's mass is known at every token (from its support log-probs), so the IS ratio is exactly
+π_old,trunc(y) / μ_trunc(y). The KL term and the entropy keep the FULL distribution (`replayed_log_probs` returns
+its log-probs beside; the reference's are full), as a bonus or a penalty on the policy the engine truncates. The
+log M this pass reports is the trainer's mass of the engine's kept set, M_π_old(N_μ). Metrics
+(`kept_set_report`): `mismatch_kept_trainer_log_mass` (token mean of log M_π_old(N_μ)),
+`mismatch_kept_outside_trainer_nucleus` (share of valid tokens the engine sampled outside the trainer's own
+top-k / top-p set, when the hook knows the truncation), `mismatch_kept_abs_log_prob_diff` (mean over the kept ids of
+valid tokens of |log π_trunc,train(v) − log μ_trunc(v)|, from the engine's support log-probs).
 """
 
 from __future__ import annotations
@@ -35,12 +48,21 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from slime_corr.config import KernelBackend
+from slime_corr.layout.kept_sets import KEPT_COUNTS_KEY, KEPT_IDS_KEY, KEPT_LOG_PROBS_KEY
 from slime_corr.layout.micro_batch import NUCLEUS_KNOWN_KEY, NUCLEUS_MASS_KEY
-from slime_corr.mcore.logprobs import DEFAULT_CHUNK_SIZE, ProcessGroup
-from slime_corr.mcore.truncated_logprobs import truncated_token_log_softmax
+from slime_corr.mcore.kept_set import kept_token_log_softmax
+from slime_corr.mcore.logprobs import (
+    DEFAULT_CHUNK_SIZE,
+    LogSoftmaxSpec,
+    ProcessGroup,
+    token_log_softmax,
+    tp_size,
+)
+from slime_corr.mcore.truncated_logprobs import label_in_nucleus, truncated_token_log_softmax
 
 # batch keys: the engine's values, kept when the truncation replaces `rollout_log_probs` / `loss_mask`
 UNTRUNCATED_ROLLOUT = "rollout_log_probs_untruncated"
@@ -51,6 +73,13 @@ NUCLEUS_KEYS = ("mismatch_nucleus_disagreement", "mismatch_nucleus_log_mass", "m
                 "mismatch_nucleus_uncorrected_ratio_mean", "mismatch_nucleus_engine_share",
                 "mismatch_nucleus_mass_log_ratio", "mismatch_nucleus_mass_abs_log_ratio")
 _LOG_RATIO_CLAMP = 20.0
+# batch keys of the replay's metrics, set by the pass that renormalizes the batch: per position the sum of
+# |log π_trunc,train(v) − log μ_trunc(v)| over its kept ids and how many were compared, and whether the sampled token
+# lies outside the trainer's own nucleus
+KEPT_ABS_DIFF_SUM, KEPT_COMPARED, KEPT_OUTSIDE_NUCLEUS = ("kept_abs_log_prob_diff_sum", "kept_compared_ids",
+                                                          "kept_outside_trainer_nucleus")
+KEPT_REPORT_KEYS = ("mismatch_kept_trainer_log_mass", "mismatch_kept_outside_trainer_nucleus",
+                    "mismatch_kept_abs_log_prob_diff")
 
 
 @dataclass(frozen=True)
@@ -104,6 +133,96 @@ def nucleus_log_probs(logits: Tensor, labels: Tensor, truncation: Truncation, *,
                                torch.ones_like(labels, dtype=torch.bool), out.entropy)
     assert out.log_mass is not None
     return NucleusLogProbs(out.log_probs, out.log_mass, out.in_kept, out.entropy)
+
+
+class ReplayedLogProbs(NamedTuple):
+    """A replay pass (module doc): `nucleus` (lp over the kept sets, log M_π(N_μ), in_nucleus all True, the full
+    entropy), `full_log_probs` (the full distribution's, for the KL term; differentiable when asked), and per
+    position this replay's metric parts (detached): Σ |Δ log π_trunc| over the kept ids, their count, and whether the
+    sampled token is outside the trainer's own nucleus (None without a truncation)."""
+
+    nucleus: NucleusLogProbs
+    full_log_probs: Tensor
+    abs_diff_sum: Tensor
+    compared: Tensor
+    outside_nucleus: Tensor | None
+
+
+def replayed_log_probs(logits: Tensor, batch: dict[str, Tensor], *, truncation: Truncation | None = None,
+                       tp_group: ProcessGroup = None, temperature: float = 1.0,
+                       chunk_size: int | None = DEFAULT_CHUNK_SIZE, with_entropy: bool = False,
+                       entropy_grad: bool = True, full_grad: bool = False,
+                       backend: KernelBackend = "torch") -> ReplayedLogProbs:
+    """The log-probs of a micro-batch that carries the engine's kept sets (module doc): over each token's kept set
+    where it has one (`kept_set.kept_token_log_softmax`: gradient into the kept logits only), the full distribution's
+    elsewhere (tokens the loss does not train); one pass of `logprobs.token_log_softmax` gives the full log-probs
+    (differentiable with `full_grad`: a KL term), the entropy and log M_π(N_μ) = lp_full − lp_trunc. With
+    `truncation`, also whether each sampled token is in the trainer's own nucleus (a metric: one more pass, no sort:
+    `truncated_logprobs.label_in_nucleus`)."""
+    labels = batch["labels"]
+    spec = LogSoftmaxSpec(tp_group, temperature, chunk_size, with_entropy, with_entropy and entropy_grad,
+                          backend=backend)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and (full_grad or spec.entropy_grad)):
+        full = token_log_softmax(logits, labels, spec)
+    kept = kept_token_log_softmax(logits, labels, batch[KEPT_COUNTS_KEY], batch[KEPT_IDS_KEY], tp_group=tp_group,
+                                  temperature=temperature)
+    has = kept.has_kept_set
+    full_lp = full.log_probs.detach()
+    log_probs = torch.where(has, kept.log_probs, full_lp)
+    log_mass = torch.where(has, (full_lp - kept.log_probs.detach()).clamp_max(0.0), 0.0)
+    nucleus = NucleusLogProbs(log_probs, log_mass, torch.ones_like(has), full.entropy)
+    # the metric parts: |Δ| per kept id of this TP rank's shard, summed per position, then over TP
+    n = labels.numel()
+    sums = torch.zeros(2, n, dtype=torch.float64, device=labels.device)
+    engine = batch.get(KEPT_LOG_PROBS_KEY)
+    if engine is not None and engine.numel():
+        counts = batch[KEPT_COUNTS_KEY].reshape(-1).long()
+        rows = torch.repeat_interleave(torch.arange(n, device=counts.device), counts, output_size=engine.numel())
+        theirs = engine.to(torch.float64)
+        known = kept.kept_on_rank & ~theirs.isnan()
+        diff = torch.where(known, kept.kept_log_probs.to(torch.float64) - theirs, 0.0).abs()
+        sums[0].index_add_(0, rows, diff)
+        sums[1].index_add_(0, rows, known.to(torch.float64))
+    if engine is not None and tp_size(tp_group) > 1:
+        dist.all_reduce(sums, group=tp_group)
+    outside = None
+    if truncation is not None and truncation.active:
+        outside = has & ~label_in_nucleus(logits.detach(), labels, top_k=truncation.top_k, top_p=truncation.top_p,
+                                          tp_group=tp_group, temperature=temperature, chunk_size=chunk_size)
+    return ReplayedLogProbs(nucleus, full.log_probs, sums[0].reshape(labels.shape), sums[1].reshape(labels.shape),
+                            outside)
+
+
+def store_replay_metrics(batch: dict[str, Tensor], replayed: ReplayedLogProbs) -> None:
+    """Keep a replay pass's metric parts in `batch` for `kept_set_report` (the pass that renormalizes it)."""
+    batch[KEPT_ABS_DIFF_SUM], batch[KEPT_COMPARED] = replayed.abs_diff_sum, replayed.compared
+    if replayed.outside_nucleus is not None:
+        batch[KEPT_OUTSIDE_NUCLEUS] = replayed.outside_nucleus
+
+
+def kept_set_report(batch: dict[str, Tensor], with_trainer_nucleus: bool) -> dict[str, Tensor]:
+    """Megatron report pairs [numerator, denominator] (float64, local) of a renormalized micro-batch with kept sets
+    (module doc), over its valid tokens (the loss mask before the truncation); `with_trainer_nucleus`: the hook knows
+    the truncation (the share outside the trainer's nucleus is reported)."""
+    valid = batch[UNTRUNCATED_MASK] > 0
+    has = valid & (batch[KEPT_COUNTS_KEY] > 0)
+
+    def pair(num: Tensor, den: Tensor) -> Tensor:
+        return torch.stack([num.to(torch.float64), den.to(torch.float64)])
+
+    zero = torch.zeros((), dtype=torch.float64, device=valid.device)
+    trainer_mass = batch[TRAINER_LOG_MASS].to(torch.float64)
+    diff, compared = batch.get(KEPT_ABS_DIFF_SUM), batch.get(KEPT_COMPARED)
+    out = {
+        "mismatch_kept_trainer_log_mass": pair(torch.where(has, trainer_mass, 0.0).sum(), has.sum()),
+        "mismatch_kept_abs_log_prob_diff": pair(zero, zero) if diff is None else pair(
+            torch.where(has, diff.to(torch.float64), 0.0).sum(), torch.where(has, compared.to(torch.float64), 0.0).sum()),
+    }
+    if with_trainer_nucleus:
+        outside = batch.get(KEPT_OUTSIDE_NUCLEUS)
+        out["mismatch_kept_outside_trainer_nucleus"] = pair(
+            zero if outside is None else (valid & outside).sum(), valid.sum())
+    return out
 
 
 def engine_path(batch: dict[str, Tensor]) -> Tensor | None:
@@ -173,5 +292,6 @@ def nucleus_report(batch: dict[str, Tensor], lp_train: Tensor) -> dict[str, Tens
     }
 
 
-__all__ = ["NUCLEUS_KEYS", "RENORMALIZED_KEYS", "TRAINER_LOG_MASS", "UNTRUNCATED_MASK", "UNTRUNCATED_ROLLOUT",
-           "NucleusLogProbs", "Truncation", "engine_path", "nucleus_log_probs", "nucleus_report", "renormalize_batch"]
+__all__ = ["KEPT_REPORT_KEYS", "NUCLEUS_KEYS", "RENORMALIZED_KEYS", "TRAINER_LOG_MASS", "UNTRUNCATED_MASK",
+           "UNTRUNCATED_ROLLOUT", "NucleusLogProbs", "ReplayedLogProbs", "Truncation", "engine_path", "kept_set_report",
+           "nucleus_log_probs", "nucleus_report", "renormalize_batch", "replayed_log_probs", "store_replay_metrics"]

@@ -9,7 +9,9 @@ stored as `batch["old_log_probs"]`); a KL term's reference log-probs (`batch["re
 kind of pass with `ref_model`; `prepare_rollout` runs both. Under PP the passes run through Megatron's pipelined
 schedule (`slime_corr.mcore.pipeline.forward_only`) and the log-probs are stored on the last stage only. Under an
 active truncation the policy's own pass also renormalizes the rollout log-probs to its nucleus
-(`nucleus.renormalize_batch`).
+(`nucleus.renormalize_batch`). A micro-batch that carries the engine's kept sets (`layout.kept_sets`) is replayed
+instead (`nucleus.replayed_log_probs`): the policy term's log-probs over those sets, whatever the truncation, and
+the reference's log-probs (KL term) over the full distribution.
 
 `--prox-logp-method loglinear` replaces the pass by AReaL's log-linear interpolation (`_loglinear_old`, called by
 `loss_func`); a rollout with `measure_prox_error` set recomputes lp_old too and the step logs the approximation's
@@ -29,8 +31,16 @@ from torch import Tensor
 
 from slime_corr.correction.proximal import loglinear_prox_log_probs, prox_error_sums
 from slime_corr.correction.reductions import active_groups
+from slime_corr.layout.kept_sets import has_kept_sets
 from slime_corr.mcore.logprobs import vocab_parallel_log_probs
-from slime_corr.mcore.nucleus import NucleusLogProbs, nucleus_log_probs, renormalize_batch
+from slime_corr.mcore.nucleus import (
+    NucleusLogProbs,
+    ReplayedLogProbs,
+    nucleus_log_probs,
+    renormalize_batch,
+    replayed_log_probs,
+    store_replay_metrics,
+)
 from slime_corr.mcore.pipeline import forward_only
 
 
@@ -66,6 +76,17 @@ class PolicyLogProbs:
                                  temperature=self.temperature, chunk_size=self.chunk_size, with_entropy=with_entropy,
                                  entropy_grad=self.loss_terms.uses_entropy, backend=self.config.logprobs_backend)
 
+    def _replayed(self, logits: Tensor, batch: dict[str, Tensor], with_entropy: bool, full_grad: bool = False,
+                  trainer_nucleus: bool = True) -> ReplayedLogProbs:
+        """`nucleus.replayed_log_probs` of a micro-batch with kept sets, with the hook's settings (`full_grad`: the
+        full distribution's log-probs differentiable, for a KL term; `trainer_nucleus`: the metric of the sampled
+        tokens outside the trainer's own nucleus, one more pass, in the pass that renormalizes the batch)."""
+        return replayed_log_probs(logits, batch, truncation=self.truncation if trainer_nucleus else None,
+                                  tp_group=self.groups.tp,
+                                  temperature=self.temperature, chunk_size=self.chunk_size, with_entropy=with_entropy,
+                                  entropy_grad=self.loss_terms.uses_entropy, full_grad=full_grad,
+                                  backend=self.config.logprobs_backend)
+
     def compute_old_log_probs(self, model: torch.nn.Module, micro_batches: Sequence[dict[str, Tensor]]) -> list[Tensor]:
         """Decoupled mode: log π_old for every micro-batch by a forward-only pass (no grad), stored in place
         as `batch["old_log_probs"]` (local slice, fp32) and returned. Under PP on the last stage only (the loss's
@@ -97,7 +118,34 @@ class PolicyLogProbs:
         (`pipeline.forward_only`: one micro-batch at a time without PP, Megatron's pipelined schedule with it; [] off
         the last stage). Under an active truncation the log-probs are truncated; `renormalize` (the policy's own
         pass) also puts each micro-batch under this nucleus (`nucleus.renormalize_batch`) and returns finite
-        log-probs."""
+        log-probs. Micro-batches with kept sets are replayed (module doc): the policy's pass over them (and their
+        metric parts kept in the batch), the reference's (`renormalize` False) over the full distribution."""
+        replayed = [has_kept_sets(b) for b in micro_batches]
+        if any(replayed):
+            if not all(replayed):
+                raise ValueError("rollout_kept_token_counts / rollout_kept_token_ids: some micro-batches of the "
+                                 "rollout carry the engine's kept sets and others do not: every micro-batch must "
+                                 "(build_micro_batch(..., kept_sets=True) gives an empty one the keys too)")
+            if not renormalize:
+                return forward_only(model, micro_batches, self.model_forward,
+                                    lambda b, logits: self._replayed(logits, b, False, trainer_nucleus=False
+                                                                     ).full_log_probs, self.groups)
+
+            def replay(b: dict[str, Tensor], logits: Tensor) -> Tensor:
+                r = self._replayed(logits, b, False)
+                n = r.nucleus
+                outside = n.in_nucleus if r.outside_nucleus is None else r.outside_nucleus
+                return torch.stack([n.log_probs, n.log_mass, r.abs_diff_sum.to(n.log_probs.dtype),
+                                    r.compared.to(n.log_probs.dtype), outside.to(n.log_probs.dtype)], -1)
+
+            outputs = forward_only(model, micro_batches, self.model_forward, replay, self.groups)
+            lps = []
+            for b, o in zip(micro_batches if outputs else [], outputs, strict=True):  # ([] off the last PP stage)
+                nucleus = NucleusLogProbs(o[..., 0], o[..., 1], torch.ones_like(o[..., 0], dtype=torch.bool), None)
+                outside = o[..., 4] > 0 if self.truncation.active else None
+                store_replay_metrics(b, ReplayedLogProbs(nucleus, o[..., 0], o[..., 2], o[..., 3], outside))
+                lps.append(renormalize_batch(b, nucleus))
+            return lps
         if not self.truncation.active:
             return forward_only(model, micro_batches, self.model_forward,
                                 lambda b, logits: self.log_probs(logits, b["labels"], with_entropy=False)[0],

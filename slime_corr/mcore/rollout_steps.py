@@ -22,6 +22,12 @@ pass would be a pipelined schedule inside the running one, so there a step that 
   step's micro-batches), and the previous step's correction metrics are finalized (`hook.last_step_metrics`).
 Megatron's own `RerunDataIterator` wrapping passes the micro-batches through unchanged. The micro-batches are moved
 to this process's device (`slime_corr.device.to_device`, in place) when their rollout starts.
+
+The engine's kept sets (top-p / top-k replay) may come in slime's batch keys, `rollout_top_p_token_ids` and
+`rollout_top_p_token_offsets` (one entry per sample: its whole response; with slime's `total_lengths` and
+`response_lengths`, and optionally `rollout_top_p_log_probs`): when a rollout starts they become the micro-batch's
+kept-set key pair (`slime_corr.layout.kept_sets.from_slime_samples`), so the hook replays them. That needs whole
+rows: under context parallelism convert before slicing (refused otherwise, with the fix).
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from typing import Any
 from torch import Tensor
 
 from slime_corr.device import to_device
+from slime_corr.layout.kept_sets import SLIME_IDS_KEY, SLIME_OFFSETS_KEY, from_slime_samples
+from slime_corr.mcore.context_parallel import ParallelGroups
 
 STEP_KEY = "_slime_corr_rollout_step"
 
@@ -104,6 +112,13 @@ class RolloutStepIterator:
         if not micro_batches or len(micro_batches) % n:
             raise ValueError(f"rollout {self.rollouts_started}: {len(micro_batches)} micro-batches is not a "
                              f"positive multiple of the {n} micro-batches of an optimizer step.")
+        if any(SLIME_IDS_KEY in b or SLIME_OFFSETS_KEY in b for b in micro_batches):
+            if ParallelGroups.current().cp_size > 1:
+                raise ValueError(f"rollout {self.rollouts_started}: slime's {SLIME_IDS_KEY} / {SLIME_OFFSETS_KEY} "
+                                 "describe whole responses, but under context parallelism the micro-batches are CP "
+                                 "slices: convert each whole micro-batch with slime_corr.layout.kept_sets."
+                                 "from_slime_samples, then slice it (slice_micro_batch_for_cp keeps the kept sets).")
+            micro_batches = [from_slime_samples(b) for b in micro_batches]
         for batch in micro_batches:  # once, before any pass reads them: on this process's device (`slime_corr.device`)
             to_device(batch)
         rollout = Rollout(micro_batches)

@@ -23,6 +23,8 @@ constant).
 lp_trunc = −inf: the caller decides (drop them from the loss mask, or let the correction core reject their
 sequence, which it does for any non-finite log-prob). `nucleus_disagreement` is their share of the valid tokens.
 Cost: one sort of each [chunk, V/TP] key block, then 32 (or 64 with both) cheap search steps, each a collective.
+Whether a GIVEN token is in N needs no threshold (`label_in_nucleus`, the replay's metric): y ∈ N iff
+#{u : z_u > z_y} < k and Σ_{u : z_u > z_y} e^{z_u} ≤ top_p · Σ_u e^{z_u}, one pass with no sort.
 """
 
 from __future__ import annotations
@@ -39,8 +41,10 @@ from slime_corr.mcore.logprobs import (
     LogSoftmaxSpec,
     ProcessGroup,
     TokenLogProbs,
+    scaled_logits,
     token_log_softmax,
     tp_size,
+    vocab_start,
 )
 
 _KEY_LOW, _KEY_HIGH = -(2**31), 2**31 - 1
@@ -156,6 +160,45 @@ def truncated_log_probs(
     return out.log_probs, inside
 
 
+@torch.no_grad()
+def label_in_nucleus(logits: Tensor, labels: Tensor, *, top_k: int = 0, top_p: float = 1.0,
+                     tp_group: ProcessGroup = None, temperature: float = 1.0,
+                     chunk_size: int | None = DEFAULT_CHUNK_SIZE) -> Tensor:
+    """Bool, shaped like `labels`: whether each label lies in SGLang's top-k / top-p set of its row of `logits`
+    [..., V/TP] (the set `nucleus_floor` gives, ties kept together), by the module doc's rule with no sort: per
+    chunk one MAX all-reduce (the max z and the label's z) and one SUM all-reduce (how many z are above the label's,
+    their mass, the total mass, in float64) over the TP group. All True without a truncation."""
+    width = logits.size(-1)
+    vocab = width * tp_size(tp_group)
+    use_k, use_p = 0 < top_k < vocab, top_p < 1.0
+    flat, ys = logits.reshape(-1, width), labels.reshape(-1).long()
+    inside = torch.ones(ys.numel(), dtype=torch.bool, device=logits.device)
+    if not (use_k or use_p) or not ys.numel():
+        return inside.reshape(labels.shape)
+    start, tp = vocab_start(logits, tp_group), tp_size(tp_group)
+    chunk = LogSoftmaxSpec(chunk_size=chunk_size).rows(flat)
+    for a in range(0, ys.numel(), chunk):
+        z = scaled_logits(flat[a:a + chunk], temperature).to(torch.float32)  # compared in float32, as the floor
+        local = ys[a:a + chunk] - start
+        mine = (local >= 0) & (local < width)
+        label_z = torch.where(mine, z.gather(-1, local.clamp(0, width - 1)[:, None])[:, 0], -torch.inf)
+        top = torch.stack([z.amax(-1), label_z], -1)
+        if tp > 1:
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=tp_group)
+        above = z > top[:, 1:]
+        mass = (z.to(torch.float64) - top[:, :1].to(torch.float64)).exp()
+        sums = torch.stack([above.sum(-1).to(torch.float64), torch.where(above, mass, 0.0).sum(-1), mass.sum(-1)], -1)
+        if tp > 1:
+            dist.all_reduce(sums, group=tp_group)
+        kept = torch.ones_like(mine)
+        if use_k:
+            kept &= sums[:, 0] < top_k
+        if use_p:
+            kept &= sums[:, 1] <= top_p * sums[:, 2]
+        inside[a:a + chunk] = kept
+    return inside.reshape(labels.shape)
+
+
 def nucleus_disagreement(in_nucleus: Tensor, loss_mask: Tensor) -> Tensor:
     """The share of valid sampled tokens outside the trainer's nucleus: Σ m·[not in N] / Σ m (0 without tokens)."""
     m = (loss_mask > 0) if loss_mask.dtype != torch.bool else loss_mask
@@ -163,5 +206,5 @@ def nucleus_disagreement(in_nucleus: Tensor, loss_mask: Tensor) -> Tensor:
     return (m & ~in_nucleus).sum().to(torch.float64) / n.clamp_min(1)
 
 
-__all__ = ["float_keys", "floats_of_keys", "nucleus_disagreement", "nucleus_floor", "nucleus_keep",
+__all__ = ["float_keys", "floats_of_keys", "label_in_nucleus", "nucleus_disagreement", "nucleus_floor", "nucleus_keep",
            "truncated_log_probs", "truncated_token_log_softmax"]

@@ -243,13 +243,18 @@ class SGLangClient(WeightCalls):
         return_logprob: bool = True,
         routed_experts: RoutedExpertsSpec | None = None,
         nucleus: NucleusRequest | None = None,
+        sampling_mask: bool = False,
     ) -> GenerateResult:
         """Generate one sample from token ids; retries safe faults; raises :class:`GenerationError`.
         ``routed_experts``: ask for the MoE routes and check them against this shape (``result.routed_experts``).
-        ``nucleus``: ask for the engine's top-N log-probs and read its nucleus (``result.nucleus_log_mass``)."""
+        ``nucleus``: ask for the engine's top-N log-probs and read its nucleus (``result.nucleus_log_mass``).
+        ``sampling_mask``: ask for every token's kept set and its support log-probs (``result.kept_ids``,
+        ``kept_log_probs``; ``nucleus_log_mass`` from them); the sampling params need a finite top_k
+        (`protocol.sampling_mask_params`)."""
         routes = routed_experts is not None
         top_n = nucleus.num if nucleus is not None else 0
-        build_generate_request(input_ids, sampling_params, "check", stream, return_logprob, routes, top_n)  # fail fast
+        build_generate_request(input_ids, sampling_params, "check", stream, return_logprob, routes, top_n,  # fail fast
+                               sampling_mask)
         await self.discover()  # once: which targets are routers (their failures are probed worker by worker)
         errors: list[str] = []
         server: str | None = None
@@ -257,7 +262,8 @@ class SGLangClient(WeightCalls):
         for attempt in range(1, self.retry.max_attempts + 1):
             server = self._pick_server(avoid=server)
             rid = self.new_rid()
-            body = build_generate_request(input_ids, sampling_params, rid, stream, return_logprob, routes, top_n)
+            body = build_generate_request(input_ids, sampling_params, rid, stream, return_logprob, routes, top_n,
+                                          sampling_mask)
             self._load[server] += 1  # counted while queued on the semaphore too, so new work goes elsewhere
             try:
                 async with self._sems[server]:
@@ -265,7 +271,7 @@ class SGLangClient(WeightCalls):
                     self._inflight[rid] = server
                     try:
                         out = await cancel_for_certain(
-                            self._attempt(server, body, stream, return_logprob, routed_experts, nucleus))
+                            self._attempt(server, body, stream, return_logprob, routed_experts, nucleus, sampling_mask))
                     finally:
                         self._inflight.pop(rid, None)
                 return GenerateResult(**vars(out), server=server, attempts=attempt, errors=errors)
@@ -288,8 +294,8 @@ class SGLangClient(WeightCalls):
                               kind=last.kind if last is not None else "")
 
     async def _attempt(self, server: str, body: dict[str, Any], stream: bool, want_lp: bool,
-                       routes: RoutedExpertsSpec | None = None, nucleus: NucleusRequest | None = None
-                       ) -> GenerateOutput:
+                       routes: RoutedExpertsSpec | None = None, nucleus: NucleusRequest | None = None,
+                       sampling_mask: bool = False) -> GenerateOutput:
         """One HTTP attempt, with every failure mapped to a GenerationError(retryable=...)."""
         session = self._get_session()
         try:
@@ -301,13 +307,13 @@ class SGLangClient(WeightCalls):
                     raise GenerationError(f"HTTP {resp.status}: {text}", resp.status in RETRYABLE_STATUS,
                                           target_down=resp.status >= 500 and self.is_router(server))
                 if stream:
-                    out = await self._read_stream(resp, want_lp, routes, nucleus)
+                    out = await self._read_stream(resp, want_lp, routes, nucleus, sampling_mask)
                 else:
                     try:
                         obj = json.loads(await resp.read())
                     except (json.JSONDecodeError, UnicodeDecodeError) as e:
                         raise ResponseError(f"response: malformed JSON ({e})") from e
-                    out = parse_generate_response(obj, want_lp, routes, nucleus)
+                    out = parse_generate_response(obj, want_lp, routes, nucleus, sampling_mask)
         except GenerationError:
             raise
         except NonFiniteLogProbError as e:  # another engine may serve it (retried elsewhere when there is one)
@@ -330,9 +336,9 @@ class SGLangClient(WeightCalls):
         return out
 
     async def _read_stream(self, resp: aiohttp.ClientResponse, want_lp: bool,
-                           routes: RoutedExpertsSpec | None = None, nucleus: NucleusRequest | None = None
-                           ) -> GenerateOutput:
-        acc = StreamAccumulator(want_lp, routes, nucleus)
+                           routes: RoutedExpertsSpec | None = None, nucleus: NucleusRequest | None = None,
+                           sampling_mask: bool = False) -> GenerateOutput:
+        acc = StreamAccumulator(want_lp, routes, nucleus, sampling_mask)
         buf = b""
         async for chunk in resp.content.iter_any():
             buf += chunk

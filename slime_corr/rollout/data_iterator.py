@@ -93,7 +93,9 @@ class BufferMicroBatchIterator:
     the whole step. A sample that did not finish (FAILED, or ABORTED under the KEEP policy) stays in its
     micro-batch with loss mask, rollout log-probs and advantages zeroed, so every rank runs the same micro-batches
     and no sample is lost silently: it is listed in `skipped`. `samples` holds every sample taken, in order, and
-    `batch_sizes` the number of samples of each micro-batch given out (0 for an empty one).
+    `batch_sizes` the number of samples of each micro-batch given out (0 for an empty one). `kept_sets`: the
+    samples carry the engine's kept sets (the rollout asked for the sampling mask): every micro-batch carries the
+    key pair (`slime_corr.layout.kept_sets`), an empty one too.
     """
 
     def __init__(
@@ -111,6 +113,7 @@ class BufferMicroBatchIterator:
         packed: bool = False,
         max_tokens_per_micro_batch: int | None = None,
         timeout: float | None = None,
+        kept_sets: bool = False,
     ) -> None:
         if max_tokens_per_micro_batch is not None and max_tokens_per_micro_batch <= 0:
             raise ValueError(f"max_tokens_per_micro_batch={max_tokens_per_micro_batch} (--max-tokens-per-gpu) must "
@@ -128,6 +131,7 @@ class BufferMicroBatchIterator:
         self.buffer, self.loop = buffer, loop
         self.num_samples, self.micro_batch_size, self.group_size = num_samples, micro_batch_size, group_size
         self.advantage_fn = advantage_fn
+        self.kept_sets = kept_sets
         self.cp_rank, self.cp_size = cp_rank, cp_size
         self.pad_token_id, self.timeout = pad_token_id, timeout
         self.max_tokens = max_tokens_per_micro_batch
@@ -160,8 +164,8 @@ class BufferMicroBatchIterator:
         samples = self._take_token_budget() if self.max_tokens is not None else self._take()
         self.batch_sizes.append(len(samples))
         if not samples:  # the step's samples are all in earlier micro-batches: keep every rank's count
-            return slice_micro_batch_for_cp(empty_micro_batch(self.cp_size, self.pad_token_id), self.cp_rank,
-                                            self.cp_size)
+            return slice_micro_batch_for_cp(empty_micro_batch(self.cp_size, self.pad_token_id,
+                                                              kept_sets=self.kept_sets), self.cp_rank, self.cp_size)
         return self._build(samples)
 
     def materialize(self, dp_group: dist.ProcessGroup | None = None) -> list[dict[str, torch.Tensor]]:
@@ -208,7 +212,7 @@ class BufferMicroBatchIterator:
         adv_of = dict(zip(map(id, trained), self.advantage_fn(trained), strict=True)) if trained else {}
         batch = build_micro_batch(
             samples, [adv_of.get(id(s), 0.0) for s in samples], pad_token_id=self.pad_token_id, packed=self.packed,
-            pad_to_multiple=cp_pad_multiple(self.cp_size),
+            pad_to_multiple=cp_pad_multiple(self.cp_size), kept_sets=self.kept_sets or None,
         )
         return slice_micro_batch_for_cp(mask_not_trained(batch, samples), self.cp_rank, self.cp_size)
 

@@ -12,6 +12,16 @@ sorted descending, distinct ids, the sampled token's log-prob equal to its ``out
 the engine's nucleus log-mass per token (`rollout.nucleus`; NaN where its boundary lies beyond the N). A
 sampled token outside the engine's own kept set is a protocol error: the server did not sample under the top_p /
 top_k it was sent (or reports other log-probs than it samples from).
+
+With ``return_sampling_mask`` (SGLang 0.5.23's request field; `build_generate_request`), the server returns the kept
+set of every output token, ``meta_info.output_token_sampling_mask`` (its ids), and with ``sampling_logprobs_mode:
+"support"`` ``meta_info.output_token_sampling_logprobs`` (each kept id's log-prob under the renormalized
+distribution), cumulative or incremental in a stream like the other per-token lists. Checked (`kept_sets`): one
+non-empty set of distinct non-negative ids per output token, one finite log-prob ≤ 0 per id summing to mass 1, and
+the sampled token in its set with a renormalized log-prob no smaller than its ``output_token_logprobs`` one (M ≤ 1);
+a refusal names the field. The engine's mass log M_μ = lp − lp_trunc then follows exactly at every token. SGLang
+0.5.23 serves the mask only with a finite top_k ≤ its ``--sampling-mask-max-tokens`` (4096): `sampling_mask_params`
+sends that cap as top_k where top-k is off.
 """
 
 from __future__ import annotations
@@ -34,6 +44,8 @@ SAMPLING_KEYS = frozenset(
     "custom_params beam_width watermark choice".split()
 )
 FINISH_TYPES = ("stop", "length", "abort")
+SAMPLING_MASK_MAX_TOKENS = 4096  # SGLang 0.5.23's --sampling-mask-max-tokens default: the largest top_k with a mask
+_MASK, _MASK_LOGPROBS = "meta_info.output_token_sampling_mask", "meta_info.output_token_sampling_logprobs"
 
 
 class ResponseError(ValueError):
@@ -48,10 +60,13 @@ def build_generate_request(
     return_logprob: bool = True,
     return_routed_experts: bool = False,
     top_logprobs_num: int = 0,
+    return_sampling_mask: bool = False,
 ) -> dict[str, Any]:
     """The JSON body of one /generate request (one sample: token ids in, ``n`` must stay 1).
     ``return_routed_experts``: ask for the MoE routes (the server needs ``--enable-return-routed-experts``).
-    ``top_logprobs_num``: also the N largest log-probs at every output position (0: not asked)."""
+    ``top_logprobs_num``: also the N largest log-probs at every output position (0: not asked).
+    ``return_sampling_mask``: also every output token's kept set and its support log-probs (module doc; needs a
+    finite ``top_k`` in the sampling params: `sampling_mask_params`)."""
     params = dict(sampling_params or {})
     unknown = sorted(set(params) - SAMPLING_KEYS)
     if unknown:
@@ -69,6 +84,13 @@ def build_generate_request(
     }
     if return_routed_experts:
         body["return_routed_experts"] = True
+    if return_sampling_mask:
+        top_k = params.get("top_k")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= SAMPLING_MASK_MAX_TOKENS:
+            raise ValueError(f"sampling_params.top_k {top_k!r}: SGLang returns a sampling mask only with a finite "
+                             f"top_k in [1, {SAMPLING_MASK_MAX_TOKENS}] (sampling_mask_params sets one)")
+        body["return_sampling_mask"] = True
+        body["sampling_logprobs_mode"] = "support"
     if top_logprobs_num:
         if not return_logprob or isinstance(top_logprobs_num, bool) or int(top_logprobs_num) < 1:
             raise ValueError(f"top_logprobs_num {top_logprobs_num!r}: a count >= 1, with return_logprob")
@@ -95,6 +117,10 @@ class GenerateOutput:
     top_log_probs: list[list[float]] = field(default_factory=list)
     top_ids: list[list[int]] = field(default_factory=list)
     nucleus_log_mass: list[float] | None = None
+    # with return_sampling_mask: each output token's kept ids and the engine's log-prob of each under its
+    # renormalized distribution (SGLang's support log-probs); `nucleus_log_mass` then follows from them exactly
+    kept_ids: list[list[int]] | None = None
+    kept_log_probs: list[list[float]] | None = None
 
     @property
     def finish_type(self) -> str | None:
@@ -181,6 +207,72 @@ def _top_entries(meta: dict[str, Any], n_ids: int, num: int, start: int = 0
     return values, ids
 
 
+def sampling_mask_params(sampling_params: dict[str, Any], cap: int = SAMPLING_MASK_MAX_TOKENS) -> dict[str, Any]:
+    """`sampling_params` for a request with ``return_sampling_mask``: top_k = `cap` where top-k is off (SGLang
+    0.5.23 refuses the mask otherwise; a top_k at or above the vocabulary truncates nothing) or above `cap`."""
+    top_k = sampling_params.get("top_k")
+    if top_k is None or int(top_k) <= 0 or int(top_k) > cap:
+        return {**sampling_params, "top_k": cap}
+    return dict(sampling_params)
+
+
+def _kept_entries(meta: dict[str, Any], n_ids: int, start: int = 0) -> tuple[list[list[int]], list[list[float]]]:
+    """(kept ids, support log-probs) of output tokens ``start:`` from ``meta`` (a stream event's, or a whole
+    response's), type-checked; the sets' contents are checked once for the whole output (`kept_set_log_mass`)."""
+    ids, values = meta.get("output_token_sampling_mask"), meta.get("output_token_sampling_logprobs")
+    if not isinstance(ids, list) or not isinstance(values, list):
+        missing = _MASK if not isinstance(ids, list) else _MASK_LOGPROBS
+        raise ResponseError(f"{missing}: missing (was return_sampling_mask / sampling_logprobs_mode \"support\" "
+                            "honoured? SGLang >= 0.5.23 serves them)")
+    for name, rows in ((_MASK, ids), (_MASK_LOGPROBS, values)):
+        if len(rows) != n_ids:
+            raise ResponseError(f"{name}: {len(rows)} entries for {n_ids} output tokens")
+    out_ids, out_values = [], []
+    for i in range(start, n_ids):
+        row, lps = ids[i], values[i]
+        if not (isinstance(row, list) and _INT_TYPES.issuperset(map(type, row))):
+            raise ResponseError(f"{_MASK}[{i}]: expected a list of token ids, got {str(row)[:60]}")
+        if not (isinstance(lps, list) and _NUMBER_TYPES.issuperset(map(type, lps))):
+            raise ResponseError(f"{_MASK_LOGPROBS}[{i}]: expected a list of log-probs, got {str(lps)[:60]}")
+        if len(lps) != len(row):
+            raise ResponseError(f"{_MASK_LOGPROBS}[{i}]: {len(lps)} log-probs for the {len(row)} kept ids of "
+                                f"{_MASK}[{i}] (was sampling_logprobs_mode \"support\" honoured?)")
+        out_ids.append(row)
+        out_values.append(lps)
+    return out_ids, out_values
+
+
+def kept_set_log_mass(out: GenerateOutput) -> list[float]:
+    """log M_μ = lp − lp_trunc of every output token of `out` from its kept sets (module doc), after checking them;
+    raises ResponseError naming the field and the token."""
+    assert out.kept_ids is not None and out.kept_log_probs is not None
+    mass = []
+    for i, (tok, ids, lps) in enumerate(zip(out.output_ids, out.kept_ids, out.kept_log_probs, strict=True)):
+        if not ids:
+            raise ResponseError(f"{_MASK}[{i}]: an empty kept set (the engine sampled token {tok} from it)")
+        if min(ids) < 0 or len(set(ids)) != len(ids):
+            raise ResponseError(f"{_MASK}[{i}]: kept ids must be distinct and >= 0")
+        if tok not in ids:
+            raise ResponseError(f"{_MASK}[{i}]: the sampled token {tok} is not in its kept set of {len(ids)} ids: the "
+                                "server did not sample from the set it reports")
+        if not all(math.isfinite(v) and v <= 1e-4 for v in lps):
+            raise ResponseError(f"{_MASK_LOGPROBS}[{i}]: a log-prob is not a finite number <= 0")
+        total = math.fsum(math.exp(v) for v in lps)
+        if abs(total - 1.0) > 1e-3:
+            raise ResponseError(f"{_MASK_LOGPROBS}[{i}]: the kept set's probabilities sum to {total:.6g}, not 1: "
+                                "these are not log-probs renormalized over it (sampling_logprobs_mode \"support\")")
+        trunc = lps[ids.index(tok)]
+        if not out.log_probs:  # (return_logprob off: the mass is unknown)
+            mass.append(math.nan)
+            continue
+        lp = out.log_probs[i]
+        if trunc < lp - 1e-4 * (1 + abs(lp)):
+            raise ResponseError(f"{_MASK_LOGPROBS}[{i}]: the sampled token's renormalized log-prob {trunc:.6g} is "
+                                f"below its output_token_logprobs one {lp:.6g} (a kept set's mass exceeds 1)")
+        mass.append(min(lp - trunc, 0.0))
+    return mass
+
+
 def _first(bad: torch.Tensor) -> int:
     return int(bad.nonzero()[0, 0])
 
@@ -251,10 +343,19 @@ def _routes(meta: dict[str, Any], completion_tokens: int, spec: RoutedExpertsSpe
         raise ResponseError(str(e)) from e
 
 
+def _read_kept_sets(out: GenerateOutput, meta: dict[str, Any]) -> None:
+    """`out`'s kept sets from a whole response's `meta` (an abort with no token may come without them)."""
+    if not out.output_ids and out.finish_type == "abort" and "output_token_sampling_mask" not in meta:
+        out.kept_ids, out.kept_log_probs = [], []
+    else:
+        out.kept_ids, out.kept_log_probs = _kept_entries(meta, len(out.output_ids))
+    out.nucleus_log_mass = kept_set_log_mass(out)
+
+
 def parse_generate_response(obj: Any, want_logprobs: bool = True, routed_experts: RoutedExpertsSpec | None = None,
-                            nucleus: NucleusRequest | None = None) -> GenerateOutput:
+                            nucleus: NucleusRequest | None = None, sampling_mask: bool = False) -> GenerateOutput:
     """Validate a non-streaming /generate response body (one sample); with `routed_experts`, decode its routes;
-    with `nucleus`, read the engine's nucleus from its top-N log-probs."""
+    with `nucleus`, read the engine's nucleus from its top-N log-probs; with `sampling_mask`, its kept sets."""
     ids, lps, meta = _parse_chunk(obj, want_logprobs)
     if meta["completion_tokens"] != len(ids):
         raise ResponseError(f"meta_info.completion_tokens {meta['completion_tokens']} != {len(ids)} output ids")
@@ -266,6 +367,8 @@ def parse_generate_response(obj: Any, want_logprobs: bool = True, routed_experts
     if nucleus is not None:
         out.top_log_probs, out.top_ids = _top_entries(meta, len(ids), nucleus.num)
         out.nucleus_log_mass = nucleus_log_mass(out, nucleus)
+    if sampling_mask:
+        _read_kept_sets(out, meta)
     return out
 
 
@@ -277,11 +380,12 @@ class StreamAccumulator:
     """
 
     def __init__(self, want_logprobs: bool = True, routed_experts: RoutedExpertsSpec | None = None,
-                 nucleus: NucleusRequest | None = None) -> None:
+                 nucleus: NucleusRequest | None = None, sampling_mask: bool = False) -> None:
         self.want_logprobs = want_logprobs
         self.routed_experts = routed_experts  # routes come with the finishing event
         self.nucleus = nucleus  # top-N log-probs come with every event (a cumulative one's new entries are read)
-        self.out = GenerateOutput()
+        self.sampling_mask = sampling_mask  # so do the kept sets
+        self.out = GenerateOutput(kept_ids=[] if sampling_mask else None, kept_log_probs=[] if sampling_mask else None)
         self.mode: str | None = None  # "cumulative" | "incremental" once told apart
         self.events = 0
         self.done = False
@@ -343,6 +447,11 @@ class StreamAccumulator:
             values, ids = _top_entries(meta, n, self.nucleus.num, start)
             self.out.top_log_probs.extend(values)
             self.out.top_ids.extend(ids)
+        if self.sampling_mask and (n > start or "output_token_sampling_mask" in meta):
+            kept, values = _kept_entries(meta, n, start)
+            assert self.out.kept_ids is not None and self.out.kept_log_probs is not None
+            self.out.kept_ids.extend(kept)
+            self.out.kept_log_probs.extend(values)
 
     def result(self) -> GenerateOutput:
         """The finished output (with the engine's nucleus log-mass when asked); raises if the stream did not end
@@ -353,6 +462,8 @@ class StreamAccumulator:
             raise ResponseError("stream: ended without [DONE]")
         if self.nucleus is not None:
             self.out.nucleus_log_mass = nucleus_log_mass(self.out, self.nucleus)
+        if self.sampling_mask:
+            self.out.nucleus_log_mass = kept_set_log_mass(self.out)
         return self.out
 
 

@@ -6,7 +6,8 @@ which is what SGLang returns for ``/pause_generation mode=abort`` and ``/abort_r
 * ``RESUME`` (default): keep the partial tokens and their log-probs, re-send ``prompt + partial`` as the new
   prompt with the remaining ``max_new_tokens``; the request waits on the server until generation continues.
   Tokens and log-probs are concatenated; ``Sample.weight_versions`` records the weight version of each segment
-  (segments before a weight update were sampled by the old policy - the correction layer sees it).
+  (segments before a weight update were sampled by the old policy - the correction layer sees it), and so do
+  the kept sets of a sampling mask (each segment's tokens keep theirs).
 * ``RESAMPLE``: drop the partial output and generate the whole response again (all tokens from one version).
 * ``KEEP``: end the sample as ``ABORTED`` with its partial output (not trained by default).
 
@@ -30,6 +31,7 @@ import torch
 from slime_corr.rollout.buffer import SampleBuffer
 from slime_corr.rollout.client import GenerationError, SGLangClient
 from slime_corr.rollout.nucleus import nucleus_request
+from slime_corr.rollout.protocol import sampling_mask_params
 from slime_corr.rollout.routing import RoutedExpertsSpec
 from slime_corr.rollout.sample import Sample, SampleStatus, SampleValidationError
 from slime_corr.rollout.sampling import mix_seed
@@ -54,15 +56,20 @@ async def generate_sample(
     stop: asyncio.Event | None = None,
     routed_experts: RoutedExpertsSpec | None = None,
     nucleus_logprobs: int = 0,
+    sampling_mask: bool = False,
 ) -> Sample:
     """Fill ``sample``'s response by generation; returns it with a final status (never raises on faults).
     ``routed_experts``: ask for the MoE routes of this shape; they land in ``sample.routed_experts``.
     ``nucleus_logprobs``: under ``sampling_params``' top_p / top_k, ask for the engine's top-N log-probs (N = top_k,
     or this cap: `nucleus.nucleus_request`) and keep its nucleus log-mass in
-    ``sample.rollout_nucleus_log_mass``; 0: not asked."""
+    ``sample.rollout_nucleus_log_mass``; 0: not asked.
+    ``sampling_mask``: under top_p / top_k, ask for every token's kept set (SGLang's ``return_sampling_mask``, with
+    top_k set to `protocol.SAMPLING_MASK_MAX_TOKENS` where top-k is off) and keep it in the sample's
+    ``rollout_top_p_token_ids`` / ``_offsets`` / ``rollout_top_p_log_probs``, the engine's exact mass in
+    ``rollout_nucleus_log_mass`` (the top-N log-probs are then not asked for)."""
     try:
         return await _generate_sample(client, sample, sampling_params, stream, PausePolicy(pause_policy),
-                                      max_resumes, stop, routed_experts, nucleus_logprobs)
+                                      max_resumes, stop, routed_experts, nucleus_logprobs, sampling_mask)
     except SampleValidationError as e:  # a response the sample rejects (defence in depth: protocol checks first)
         sample.status, sample.failure_reason = SampleStatus.FAILED, f"invalid response: {e}"
         return sample
@@ -71,12 +78,17 @@ async def generate_sample(
 async def _generate_sample(
     client: SGLangClient, sample: Sample, sampling_params: dict[str, Any], stream: bool, policy: PausePolicy,
     max_resumes: int, stop: asyncio.Event | None, routes: RoutedExpertsSpec | None = None, nucleus_logprobs: int = 0,
+    sampling_mask: bool = False,
 ) -> Sample:
     max_new = int(sampling_params.get("max_new_tokens", 128))
-    nucleus = nucleus_request(sampling_params, nucleus_logprobs)
+    masked = sampling_mask and nucleus_request(sampling_params, 1) is not None  # truncated: the kept sets replace N
+    nucleus = None if masked else nucleus_request(sampling_params, nucleus_logprobs)
     asked: dict[str, Any] = {"routed_experts": routes} if routes is not None else {}
     if nucleus is not None:
         asked["nucleus"] = nucleus
+    if masked:
+        asked["sampling_mask"] = True
+        sampling_params = sampling_mask_params(sampling_params)
     aborts = 0
     while True:
         params = dict(sampling_params, max_new_tokens=max_new - sample.response_length)
@@ -89,7 +101,7 @@ async def _generate_sample(
             return sample
         sample.attempts += res.attempts
         segment = dict(spans=res.weight_versions, routed_experts=res.routed_experts,
-                       nucleus_log_mass=res.nucleus_log_mass)
+                       nucleus_log_mass=res.nucleus_log_mass, kept_ids=res.kept_ids, kept_log_probs=res.kept_log_probs)
         if res.finish_type != "abort":
             sample.append_segment(res.output_ids, res.log_probs, res.weight_version, **segment)
             sample.status = SampleStatus.COMPLETED if res.finish_type == "stop" else SampleStatus.TRUNCATED
@@ -108,6 +120,7 @@ async def _generate_sample(
         else:  # RESAMPLE: start over
             sample.response_tokens, sample.loss_mask, sample.weight_versions = [], [], []
             sample.routed_experts = sample.rollout_nucleus_log_mass = None
+            sample.rollout_top_p_token_ids = sample.rollout_top_p_token_offsets = sample.rollout_top_p_log_probs = None
             sample.rollout_log_probs = torch.zeros(0, dtype=torch.float32)
 
 
@@ -127,6 +140,7 @@ async def generate_group_samples(
     max_failed_fraction: float | None = None,
     routed_experts: RoutedExpertsSpec | None = None,
     nucleus_logprobs: int = 0,
+    sampling_mask: bool = False,
 ) -> list[Sample]:
     """Generate ``n_samples_per_prompt`` samples per prompt concurrently (one request per sample).
 
@@ -137,7 +151,7 @@ async def generate_group_samples(
     rollout samples the same tokens every time (an engine that honours the seed, as SGLang and the embedded engine
     do, draws per (seed, position) whatever the batching; a resumed request continues the same draws).
     ``routed_experts``: ask every request for the engine's MoE routes, ``nucleus_logprobs``: for the engine's
-    top-N log-probs (see `generate_sample`).
+    top-N log-probs, ``sampling_mask``: for its kept sets (see `generate_sample`).
     ``max_failed_fraction``: raise :class:`RolloutFailedError` (cancelling the requests still running) as soon as
     more than this share of the rollout's samples failed.
     """
@@ -176,7 +190,8 @@ async def generate_group_samples(
 
     async def one_sample(s: Sample) -> Sample:
         await generate_sample(client, s, params_of(s.index), stream=stream, pause_policy=pause_policy, stop=stop,
-                              routed_experts=routed_experts, nucleus_logprobs=nucleus_logprobs)
+                              routed_experts=routed_experts, nucleus_logprobs=nucleus_logprobs,
+                              sampling_mask=sampling_mask)
         count_failures([s])
         return s
 

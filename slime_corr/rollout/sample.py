@@ -40,6 +40,11 @@ class Sample:
     ``rollout_nucleus_log_mass`` (top-p / top-k with the engine's top-N log-probs asked for): the engine's nucleus
     log-mass log M_μ of each response token (float32, ≤ 0), NaN where it is unknown (its nucleus did not fit in the
     top-N, or a segment without it); None when never asked for.
+    The engine's kept sets (top-p / top-k with ``--rollout-return-sampling-mask``: SGLang's sampling mask), ragged
+    under slime's names: ``rollout_top_p_token_ids`` [K] int32 and ``rollout_top_p_token_offsets`` [R + 1] int32,
+    response token i's kept ids being ``ids[offsets[i]:offsets[i + 1]]`` (an empty set for a token without one,
+    e.g. a tool's), and ``rollout_top_p_log_probs`` [K] float32, the engine's log-prob of each kept id under its
+    renormalized distribution (SGLang's support log-probs; NaN where unknown); None when never asked for.
     """
 
     prompt_tokens: list[int]
@@ -57,6 +62,9 @@ class Sample:
     metadata: dict = field(default_factory=dict)
     routed_experts: torch.Tensor | None = None
     rollout_nucleus_log_mass: torch.Tensor | None = None
+    rollout_top_p_token_ids: torch.Tensor | None = None
+    rollout_top_p_token_offsets: torch.Tensor | None = None
+    rollout_top_p_log_probs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.rollout_log_probs, torch.Tensor):
@@ -115,8 +123,49 @@ class Sample:
             known = mass[~mass.isnan()]
             if bool(known.isinf().any()) or bool((known > 1e-4).any()):
                 raise SampleValidationError("rollout_nucleus_log_mass: values must be NaN (unknown) or finite <= 0")
+        self._validate_kept_sets()
         if self.status == SampleStatus.FAILED and not self.failure_reason:
             raise SampleValidationError("failure_reason: required when status is failed")
+
+    def _validate_kept_sets(self) -> None:
+        """The ragged kept sets (class doc): int32 ids >= 0 and offsets of response_length + 1 non-decreasing
+        entries from 0 to len(ids); log-probs (when given) float32, one per id, NaN or <= 0; every response token
+        with a kept set among its ids, once."""
+        ids, offsets, log_probs = (self.rollout_top_p_token_ids, self.rollout_top_p_token_offsets,
+                                   self.rollout_top_p_log_probs)
+        if ids is None and offsets is None and log_probs is None:
+            return
+        if ids is None or offsets is None:
+            raise SampleValidationError("rollout_top_p_token_ids / rollout_top_p_token_offsets: give both or neither")
+        n = self.response_length
+        for name, t in (("rollout_top_p_token_ids", ids), ("rollout_top_p_token_offsets", offsets)):
+            if t.dtype != torch.int32 or t.dim() != 1:
+                raise SampleValidationError(f"{name}: expected a 1-D int32 tensor, got {t.dtype} {tuple(t.shape)}")
+        if offsets.numel() != n + 1:
+            raise SampleValidationError(f"rollout_top_p_token_offsets: {offsets.numel()} offsets for {n} response "
+                                        "tokens (expected response_length + 1)")
+        if int(offsets[0]) != 0 or int(offsets[-1]) != ids.numel() or bool((offsets.diff() < 0).any()):
+            raise SampleValidationError(f"rollout_top_p_token_offsets: must rise from 0 to len(ids) = {ids.numel()}, "
+                                        f"got {offsets[:3].tolist()}...{offsets[-1:].tolist()}")
+        if ids.numel() and int(ids.min()) < 0:
+            raise SampleValidationError("rollout_top_p_token_ids: ids must be >= 0")
+        if log_probs is not None:
+            if log_probs.dtype != torch.float32 or log_probs.shape != ids.shape:
+                raise SampleValidationError(f"rollout_top_p_log_probs: expected float32 [{ids.numel()}] (one per kept "
+                                            f"id), got {log_probs.dtype} {tuple(log_probs.shape)}")
+            known = log_probs[~log_probs.isnan()]
+            if bool(known.isinf().any()) or bool((known > 1e-4).any()):
+                raise SampleValidationError("rollout_top_p_log_probs: values must be NaN (unknown) or finite <= 0")
+        counts = offsets.diff().long()
+        if ids.numel():
+            token = torch.repeat_interleave(torch.arange(n), counts)
+            sampled = torch.tensor(self.response_tokens, dtype=torch.long)[token]
+            hits = torch.zeros(n, dtype=torch.long).index_add_(0, token, (ids.long() == sampled).long())
+            bad = (counts > 0) & (hits != 1)
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0, 0])
+                raise SampleValidationError(f"rollout_top_p_token_ids: response token {i} ({self.response_tokens[i]}) "
+                                            f"is not exactly once in its kept set of {int(counts[i])} ids")
 
     def append_segment(
         self,
@@ -127,6 +176,8 @@ class Sample:
         spans: list[tuple[str, int, int]] | None = None,
         routed_experts: torch.Tensor | None = None,
         nucleus_log_mass: list[float] | None = None,
+        kept_ids: list[list[int]] | None = None,
+        kept_log_probs: list[list[float]] | None = None,
     ) -> None:
         """Append generated (``trained``) or tool/environment tokens (loss mask 0) and re-validate.
 
@@ -135,6 +186,9 @@ class Sample:
         ``routed_experts``: the response's routes over its whole request (``routing.extend_routes``).
         ``nucleus_log_mass``: the engine's nucleus log-mass of each token (NaN: unknown); a segment without it
         extends ``rollout_nucleus_log_mass`` with NaN once a segment had it (and the other way round).
+        ``kept_ids`` / ``kept_log_probs``: each token's kept set and the engine's log-probs of it (SGLang's sampling
+        mask); a segment without them adds empty sets once a segment had them (and the other way round), NaN
+        log-probs where a segment had ids but none.
         """
         start = len(self.response_tokens)
         if spans and tokens:
@@ -154,6 +208,8 @@ class Sample:
             added = torch.full((len(tokens),), torch.nan) if nucleus_log_mass is None else torch.tensor(
                 nucleus_log_mass, dtype=torch.float32).reshape(-1)
             self.rollout_nucleus_log_mass = torch.cat([before, added])
+        if kept_ids is not None or self.rollout_top_p_token_offsets is not None:
+            self._append_kept_sets(start, len(tokens), kept_ids, kept_log_probs)
         if routed_experts is not None:
             self.routed_experts = extend_routes(self.routed_experts, routed_experts)
         if tokens and weight_version is not None:
@@ -161,3 +217,28 @@ class Sample:
                 self.weight_versions.append((weight_version, start, start + len(tokens)))
             self.weight_version = weight_version
         self.validate()
+
+    def _append_kept_sets(self, start: int, added: int, kept_ids: list[list[int]] | None,
+                          kept_log_probs: list[list[float]] | None) -> None:
+        """Extend the ragged kept sets by `added` tokens (empty sets without `kept_ids`); the sample had `start`."""
+        if kept_ids is not None and len(kept_ids) != added:
+            raise SampleValidationError(f"rollout_top_p_token_ids: {len(kept_ids)} kept sets for {added} tokens")
+        ids = self.rollout_top_p_token_ids
+        ids = torch.zeros(0, dtype=torch.int32) if ids is None else ids
+        offsets = self.rollout_top_p_token_offsets
+        offsets = torch.zeros(start + 1, dtype=torch.int32) if offsets is None else offsets
+        sets = kept_ids if kept_ids is not None else [[] for _ in range(added)]
+        new_ids = torch.tensor([i for one in sets for i in one], dtype=torch.int32)
+        sizes = torch.tensor([len(one) for one in sets], dtype=torch.int64)
+        self.rollout_top_p_token_offsets = torch.cat([offsets, (offsets[-1] + sizes.cumsum(0)).to(torch.int32)])
+        self.rollout_top_p_token_ids = torch.cat([ids, new_ids])
+        if kept_log_probs is not None or self.rollout_top_p_log_probs is not None:
+            before = self.rollout_top_p_log_probs
+            before = torch.full((ids.numel(),), torch.nan) if before is None else before
+            if kept_log_probs is None:
+                values = torch.full((new_ids.numel(),), torch.nan)
+            else:
+                if [len(x) for x in kept_log_probs] != sizes.tolist():
+                    raise SampleValidationError("rollout_top_p_log_probs: not one log-prob per kept id")
+                values = torch.tensor([v for one in kept_log_probs for v in one], dtype=torch.float32)
+            self.rollout_top_p_log_probs = torch.cat([before, values.to(torch.float32)])

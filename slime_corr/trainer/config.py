@@ -45,6 +45,7 @@ from slime_corr.mcore.precision import PrecisionConfig
 from slime_corr.models.hf_checkpoint import CheckpointError
 from slime_corr.models.selection import ModelSource
 from slime_corr.rollout.nucleus import DEFAULT_NUCLEUS_LOGPROBS
+from slime_corr.rollout.protocol import sampling_mask_params
 from slime_corr.rollout.routing import RoutedExpertsSpec
 from slime_corr.rollout.weight_calls import WEIGHT_LOAD_S_PER_GB
 from slime_corr.trainer.config_checks import (  # noqa: F401  (the choices and defaults, importable from here too)
@@ -119,6 +120,14 @@ class TrainerConfig(TrainerConfigChecks):
                                          "where its boundary lies within them (exact IS ratio π_old_trunc / "
                                          "μ_trunc), by the trainer's elsewhere (counted: "
                                          "rollout_corr/mismatch_nucleus_engine_share). 0: the trainer's mass always.")
+    rollout_return_sampling_mask: bool = flag(False, help="Under --rollout-top-p / --rollout-top-k: ask the engines "
+                                              "for the kept set of every sampled token (SGLang's "
+                                              "return_sampling_mask, with its support log-probs; top-k off is sent "
+                                              "as top_k 4096, the most SGLang 0.5.23 returns) and replay it in the "
+                                              "trainer: lp_old, lp and the policy gradient over the engine's own "
+                                              "kept set, the IS ratio exactly π_old_trunc / μ_trunc; the KL and "
+                                              "entropy terms over the full distribution. Replaces "
+                                              "--rollout-nucleus-logprobs. No effect without truncation.")
     async_rollout: bool = flag(False, help="Generate rollout k+1 while rollout k trains (one rollout off-policy, as "
                                "slime's train_async.py); the weights reach the engines between rollouts.")
     max_staleness: int | None = flag(None, help="With --async-rollout: the most optimizer steps between the weights "
@@ -163,6 +172,11 @@ class TrainerConfig(TrainerConfigChecks):
                                     "checkpoint on disk, or a broadcast over a process group (NCCL from a GPU to "
                                     "--sglang-url engines, gloo otherwise).")
     update_weight_buffer_size: int = flag(512 * 1024**2, help="Bytes per bucket of the distributed weight sync.")
+    update_weight_master_address: str | None = flag(None, metavar="ADDRESS", help="The trainer's address that the "
+                                                    "engines join the distributed weight sync's group at (SGLang's "
+                                                    "master_address); an address of rank 0's host that they reach. "
+                                                    "Default: its address on the interface that routes to the "
+                                                    "engines, else MASTER_ADDR (docs/scaling.md).")
     engine_dtype: str = flag("bfloat16", choices=ENGINE_DTYPES, help="Dtype the engines serve in (SGLang's --dtype; "
                              "bfloat16 gives a real mismatch with the fp32 trainer, float32 about 1e-5).")
     # failures and bounded waits
@@ -211,7 +225,9 @@ class TrainerConfig(TrainerConfigChecks):
     load: str | None = flag(None, help="Resume from this checkpoint directory (model, optimizer, step, RNG, rollout "
                             "position).")
     ckpt_step: int | None = flag(None, help="Load this iteration of --load (default: latest).")
-    work_dir: str | None = flag(None, help="Where the engines' weight files go (default: a temporary folder).")
+    work_dir: str | None = flag(None, help="Where the engines' weight files go (default: a temporary folder); for "
+                                "engines on other hosts loading them from disk, a folder on storage they see at the "
+                                "same path.")
     # the model: the tiny GPT of `model`, or a pretrained one (`--model` / `--hf-checkpoint`)
     model: TinyGPTArgs = field(default_factory=lambda: TinyGPTArgs(vocab_size=256))
     model_source: ModelSource = field(default_factory=ModelSource)
@@ -300,8 +316,19 @@ class TrainerConfig(TrainerConfigChecks):
 
     @property
     def truncation(self) -> Truncation:
-        """The rollout's top-p / top-k (sent to the engines, honoured by the trainer's log-probs)."""
-        return Truncation(top_p=self.rollout_top_p, top_k=self.rollout_top_k)
+        """The rollout's top-p / top-k (sent to the engines, honoured by the trainer's log-probs). With
+        --rollout-return-sampling-mask and top-k off, the top_k the engines are sent for the mask
+        (`rollout.protocol.sampling_mask_params`)."""
+        truncation = Truncation(top_p=self.rollout_top_p, top_k=self.rollout_top_k)
+        if self.rollout_return_sampling_mask and truncation.active:
+            return Truncation(**sampling_mask_params(truncation.sampling_params()))
+        return truncation
+
+    @property
+    def replays_kept_sets(self) -> bool:
+        """The rollout asks for the engine's kept sets and the trainer replays them (--rollout-return-sampling-mask
+        under top-p / top-k)."""
+        return self.rollout_return_sampling_mask and self.truncation.active
 
     @property
     def sequence_parallel_size(self) -> int:
@@ -364,7 +391,7 @@ class TrainerConfig(TrainerConfigChecks):
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             fail(f"--rollout-nucleus-logprobs {n} must be an integer >= 0 (0: the trainer's nucleus mass only).")
         try:  # top-p / top-k: the one owner of their checks is the truncation the hook takes
-            object.__setattr__(self, "rollout_top_k", self.truncation.top_k)
+            object.__setattr__(self, "rollout_top_k", Truncation(self.rollout_top_p, self.rollout_top_k).top_k)
         except ValueError as e:
             fail(str(e))
         if not (math.isfinite(self.lr) and self.lr > 0):

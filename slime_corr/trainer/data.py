@@ -170,12 +170,13 @@ def _with_routes(samples: list[Sample], routes: RoutedExpertsSpec | None) -> lis
 
 def build_micro_batches(shard: RankShard, first_step: int, *, cp_rank: int = 0, cp_size: int = 1,
                         pad_token_id: int = 0, packed: bool = False, routes: RoutedExpertsSpec | None = None,
-                        sp_size: int = 1) -> list[list[dict[str, torch.Tensor]]]:
+                        sp_size: int = 1, kept_sets: bool = False) -> list[list[dict[str, torch.Tensor]]]:
     """This rank's micro-batches of the rollout, per optimizer step (`first_step` = the optimizer step the rollout's
     first update makes; the weight lag of step k is measured against `first_step + k`); `packed`: THD rows.
     `routes`: the MoE shape of the engine's routes (`Sample.routed_experts`), when they were asked for: every
     micro-batch then carries them, whole under CP (emulated CP runs whole sequences). `sp_size`: the TP size
-    under sequence parallelism (rows padded to a multiple of it)."""
+    under sequence parallelism (rows padded to a multiple of it). `kept_sets`: every micro-batch carries the engine's
+    kept sets (`layout.kept_sets`; --rollout-return-sampling-mask), an empty one too."""
     steps = []
     for k, micro_batches in enumerate(shard.steps):
         out = []
@@ -184,7 +185,8 @@ def build_micro_batches(shard: RankShard, first_step: int, *, cp_rank: int = 0, 
             samples = _with_routes([t.sample for t in part], routes)
             batch = build_micro_batch(samples, [t.advantage for t in part],
                                       pad_to_multiple=cp_pad_multiple(cp_size, sp_size), pad_token_id=pad_token_id,
-                                      packed=packed, weight_lag=[token_lags(s, first_step + k) for s in samples])
+                                      packed=packed, weight_lag=[token_lags(s, first_step + k) for s in samples],
+                                      kept_sets=kept_sets or None)
             mask_not_trained(batch, samples)
             batch["rewards"] = torch.tensor([float(s.reward or 0.0) for s in samples], dtype=torch.float64)
             batch["group_ids"] = torch.tensor([s.group_id for s in samples])

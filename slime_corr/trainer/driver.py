@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -42,6 +43,8 @@ from slime_corr.rollout.weight_sync import DistributedWeightSync, SyncReport, sy
 from slime_corr.trainer.config import TrainerConfig
 from slime_corr.trainer.data import VERSION_PREFIX, weight_version
 from slime_corr.trainer.task import TASKS, Response, encode_prompt
+
+WAIT_NOTICE_S = 30.0  # a rollout that takes longer says so this often (no silence over ~30 s)
 
 
 class RolloutDriver:
@@ -107,6 +110,7 @@ class RolloutDriver:
         if cfg.rollout_weight_sync == "distributed":  # engines this job starts share its device
             self.syncer = DistributedWeightSync(
                 self.client, bucket_bytes=cfg.update_weight_buffer_size,
+                master_address=cfg.update_weight_master_address,
                 backend=weight_sync_backend(engines_share_device=not cfg.sglang_url),
                 timeout=weight_call_timeout(cfg.rollout_control_timeout, cfg.update_weight_buffer_size))
             self._stack.callback(self._leave_weight_group)
@@ -184,7 +188,7 @@ class RolloutDriver:
                 client, [encode_prompt(self.tokenizer, prompts[g]) for g in prompt_groups], n, params,
                 stream=True, reward_fn=reward, buffer=buffer, group_id_offset=group_offset, sampling_seed=seed,
                 max_failed_fraction=cfg.max_failed_sample_fraction, routed_experts=routes,
-                nucleus_logprobs=cfg.rollout_nucleus_logprobs)
+                nucleus_logprobs=cfg.rollout_nucleus_logprobs, sampling_mask=cfg.replays_kept_sets)
 
         async def generate() -> list[Sample]:
             if self._lock is None:
@@ -207,6 +211,22 @@ class RolloutDriver:
                     progress.close()
 
         return asyncio.run_coroutine_threadsafe(generate(), self.loop)  # type: ignore[return-value]
+
+    def wait(self, future: Future[list[Sample]], rollout: int, say: Callable[[str], None]) -> list[Sample]:
+        """The samples of `future` (rollout `rollout`), with a line to `say` every WAIT_NOTICE_S seconds it takes:
+        which engines, how long so far, what bounds it."""
+        assert self.client is not None
+        start = time.monotonic()
+        while True:
+            try:
+                return future.result(timeout=WAIT_NOTICE_S)
+            except TimeoutError:
+                if future.done():  # the rollout's own TimeoutError, not the wait's
+                    raise
+            cfg = self.config
+            say(f"slime_corr.main: waiting for rollout {rollout} from {', '.join(self.client.urls)}: "
+                f"{time.monotonic() - start:.0f} s so far (a /generate attempt ends after "
+                f"{cfg.rollout_request_timeout:g} s without a byte, --rollout-request-timeout; 4 attempts per sample)")
 
     def report(self, rollout: int, samples: list[Sample]) -> RolloutReport:
         """What rollout `rollout` went through: sample statuses, retries, failovers, dead engines (the client's

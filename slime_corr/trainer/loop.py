@@ -41,6 +41,7 @@ from slime_corr.mcore.precision import build_optimizer
 from slime_corr.monitoring.config import MonitoringConfig
 from slime_corr.monitoring.keys import loss_step_metrics
 from slime_corr.monitoring.logger import MetricsLogger
+from slime_corr.monitoring.loss_scale import SKIPPED_KEY, SkippedSteps
 from slime_corr.monitoring.rollout_stats import rollout_metrics, step_sample_counts
 from slime_corr.monitoring.step_diagnostics import diagnostic_metrics, top_mismatch_records
 from slime_corr.rollout.sample import Sample, SampleStatus
@@ -59,6 +60,7 @@ from slime_corr.trainer.data import (
     staleness,
 )
 from slime_corr.trainer.driver import RolloutDriver
+from slime_corr.trainer.mismatch_gate import check_mismatch_gate
 from slime_corr.trainer.policy import build_policy
 from slime_corr.trainer.update import Updater
 from slime_corr.trainer.watchdog import ABORT_KEY, DriverBeacon
@@ -144,6 +146,7 @@ class _Job:
         stack.callback(self.beacon.close)
         self._checkpoint_carry = 0.0  # a save's seconds, logged with the next rollout's steps
         self._agreement_checked = False  # the start-up agreement check (trainer.agreement) is done
+        self.skipped_steps = SkippedSteps()  # the fp16 loss scaler's (monitoring/loss_scale.py)
         dp_ranks: list[int | None] = [None] * dist.get_world_size()
         dist.all_gather_object(dp_ranks, ps.get_data_parallel_rank())
         self.dp_rank_of = [int(r) for r in dp_ranks]  # type: ignore[arg-type]
@@ -244,7 +247,7 @@ class _Job:
                 # the engines may change weights once they are done (partial rollouts: at once, mid-request;
                 # a checkpoint still takes them whole)
                 waited = time.perf_counter()
-                state.pending.extend(f.result() for f in ahead)
+                state.pending.extend(self.driver.wait(f, rollout + 1 + i, self.say) for i, f in enumerate(ahead))
                 ahead.clear()
                 record.rollout_wait += time.perf_counter() - waited
             if cfg.async_rollout and (not cfg.partial_rollout or self._saves_after(rollout)) and \
@@ -260,6 +263,8 @@ class _Job:
                 self._driver_done(f"synced/{rollout}", f"sending the weights of rollout {rollout} to the engines")
                 self._checkpoint_carry = self._save()
             records.append(record)
+        if summary := self.skipped_steps.summary():
+            self.say(f"slime_corr.main: warning: {summary}")
         return records
 
     def _saves_after(self, rollout: int) -> bool:
@@ -278,9 +283,9 @@ class _Job:
         if state.pending:
             samples = state.pending.pop(0)
         elif ahead:  # partial rollouts: still in flight across the last sync
-            samples = ahead.pop(0).result()
+            samples = self.driver.wait(ahead.pop(0), rollout, self.say)
         else:
-            samples = self.driver.submit(rollout).result()
+            samples = self.driver.wait(self.driver.submit(rollout), rollout, self.say)
         if cfg.async_rollout:
             for later in range(rollout + len(state.pending) + len(ahead) + 1, rollout + cfg.rollouts_ahead + 1):
                 if later < cfg.num_rollout or cfg.save:
@@ -364,7 +369,7 @@ class _Job:
         micro_batches = build_micro_batches(shard, first_step, cp_rank=ps.get_context_parallel_rank(),
                                             cp_size=cfg.context_parallel_size, pad_token_id=self.policy.pad_token_id,
                                             packed=cfg.use_dynamic_batch_size, routes=self.routes,
-                                            sp_size=cfg.sequence_parallel_size)
+                                            sp_size=cfg.sequence_parallel_size, kept_sets=cfg.replays_kept_sets)
         record.data = time.perf_counter() - start
         interval = cfg.prox_logp_error_interval
         self.hook.measure_prox_error = bool(interval) and self.state.rollout % interval == 0
@@ -439,6 +444,10 @@ class _Job:
                        "perf/micro_batches": float(record.micro_batches[k]),
                        "perf/empty_micro_batches": float(record.empty_micro_batches[k]),
                        **(diagnostic_metrics(result.diagnostics) if loss_part else {})}
+            if metrics.get(SKIPPED_KEY, 0.0) >= 1:  # the loss scaler dropped this step's update: nothing trained
+                metrics["rollout/trained_samples"] = 0.0
+            if notice := self.skipped_steps.observe(step, metrics):
+                self.say(f"slime_corr.main: note: {notice}")
             self.logger.log(step, metrics)
             # the start-up agreement check (trainer.agreement), on the first trained step whose every token (partial
             # rollouts too) came from the weights now trained: the same weights on both sides
@@ -447,6 +456,8 @@ class _Job:
                 self._agreement_checked = True
                 if cfg.engine_agreement_check:
                     check_agreement(metrics, cfg.engine_dtype, cfg.trainer_dtype, step)
+            if loss_part:  # the mismatch gate (--max-train-rollout-logprob-abs-diff, --max-mismatch-k3-kl)
+                check_mismatch_gate(metrics, self.config.correction.mismatch_gates, step)
             if loss_part and result.diagnostics.top:
                 self.logger.log_samples(step, top_mismatch_records(result.diagnostics, samples,
                                                                    self.policy.tokenizer.decode))

@@ -62,7 +62,7 @@ def megatron_logprobs(version_dir: str, sequences: list[tuple[list[int], list[in
 # modules one after the other (tests/conftest.py's scheduling), the group's servers start once for them and stop
 # after its last module.
 SERVER_GROUPS = {
-    "sglang-fp32": ("test_sglang_endpoints.py", "test_sglang_nucleus.py"),
+    "sglang-fp32": ("test_sglang_endpoints.py", "test_sglang_nucleus.py", "test_sglang_kept_sets.py"),
     "sglang-bf16": ("test_sglang_trainer.py", "test_sglang_partial_rollout.py"),
 }
 

@@ -12,7 +12,9 @@ computed in a forward of its own and draws its tokens by (seed, position) (:mod:
 not depend on what it was batched with or when it ran. Log-probs follow SGLang: ``log_softmax(logits / T)`` of
 the sampled token, not renormalised after top-p/top-k/min-p filtering; ``T == 0`` is greedy with the raw
 ``log_softmax(logits)``; ``top_logprobs_num`` returns the largest of the same log-probs
-(``meta_info.output_top_logprobs``). The matched stop token / EOS stays in ``output_ids`` and the log-probs; only
+(``meta_info.output_top_logprobs``); ``return_sampling_mask`` returns each token's kept set and its log-probs
+renormalized over it (``meta_info.output_token_sampling_mask`` / ``_logprobs``, SGLang 0.5.23's fields and rules:
+:mod:`.requests`). The matched stop token / EOS stays in ``output_ids`` and the log-probs; only
 ``text`` is trimmed. Requests arriving during a pause (or while memory is released) wait until generation continues.
 A Mixture-of-Experts model returns ``meta_info.routed_experts`` as SGLang 0.5.23 does (:mod:`.routes`).
 """
@@ -53,7 +55,9 @@ from slime_corr.engines.embedded.sampling import position_generator, sample_toke
 from slime_corr.threads import inference_thread
 
 # one request's step: (token, its log-prob, the MoE routes computed first, the top log-probs (values, ids) asked for)
-StepResult = tuple[int, float, torch.Tensor | None, tuple[list[float], list[int]] | None]
+# (token, log-prob, MoE routes, top log-probs, (kept ids, their support log-probs)), the last three when asked
+StepResult = tuple[int, float, torch.Tensor | None, tuple[list[float], list[int]] | None,
+                   tuple[list[int], list[float]] | None]
 
 
 class LocalEngine:
@@ -165,7 +169,7 @@ class LocalEngine:
                                          "err_type": "InternalServerError"})
                     continue
             version = self.weight_version
-            for req, (tok, lp, routes, top) in zip(batch, results, strict=True):
+            for req, (tok, lp, routes, top, support) in zip(batch, results, strict=True):
                 if req.finish is not None:  # aborted while the step ran: the token is discarded
                     continue
                 if routes is not None:
@@ -174,6 +178,8 @@ class LocalEngine:
                 req.logprobs.append(lp)
                 if top is not None:
                     req.top_logprobs.append(top)
+                if support is not None:
+                    req.add_support(tok, *support)
                 req.versions.append(version)
                 self._check_finish(req, tok)
                 req.changed.set()
@@ -188,8 +194,9 @@ class LocalEngine:
     def _step_forwards(self, batch: list[EngineRequest]) -> list[StepResult]:
         """One token for each request: unseeded ones share a padded forward, seeded ones get one each. With the
         token and its log-prob, the MoE routes of the rows this forward computed first for a request that asked
-        for them (the whole sequence at its first step, then its last token), else None, and the top log-probs
-        (values, ids) of a request that asked for them, else None."""
+        for them (the whole sequence at its first step, then its last token), else None, the top log-probs
+        (values, ids) of a request that asked for them, else None, and its kept set with the support log-probs
+        (`return_sampling_mask`), else None."""
         rows: dict[int, torch.Tensor] = {}
         new_routes: dict[int, torch.Tensor] = {}
         shared = [i for i, r in enumerate(batch) if not r.seeded]
@@ -212,9 +219,11 @@ class LocalEngine:
             for t, bias in (req.params.get("logit_bias") or {}).items():
                 row[int(t)] += float(bias)
             position = len(req.prompt) + len(req.output_ids)
-            tok, logp = sample_token(row, req.params, position_generator(req.seed, position))
+            tok, logp, kept_ids, kept_log_probs = sample_token(row, req.params, position_generator(req.seed, position),
+                                                               with_support=req.return_sampling_mask)
             top = top_log_probs(logp, req.top_logprobs_num) if req.top_logprobs_num else None
-            out.append((tok, float(logp[tok]), new_routes.get(i), top))
+            support = (kept_ids, kept_log_probs) if req.return_sampling_mask else None
+            out.append((tok, float(logp[tok]), new_routes.get(i), top, support))
         return out
 
     def _forward(self, seqs: list[list[int]], with_routes: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -364,8 +373,9 @@ def start_local_engine(
     served_model_name: str = "slime-corr-tiny",
     group_timeout: float = 600.0,
     enable_return_routed_experts: bool = False,
+    host: str = "127.0.0.1",
 ) -> Iterator[LocalEngineHandle]:
-    """Serve a local engine on 127.0.0.1 (a free port) in a background thread; stops it on exit.
+    """Serve a local engine on `host` (default 127.0.0.1; a free port) in a background thread; stops it on exit.
 
     ``checkpoint_dir`` None creates a fresh tiny checkpoint (seed ``seed``) in a temporary directory.
     ``model`` overrides the default :class:`TorchEngineModel` (e.g. a Megatron or Hugging Face model adapter),
@@ -394,9 +404,9 @@ def start_local_engine(
 
     async def _start() -> None:
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+        site = web.TCPSite(runner, host, 0)
         await site.start()
-        engine.port = runner.addresses[0][1]
+        engine.host, engine.port = host, runner.addresses[0][1]
 
     def _run() -> None:
         asyncio.set_event_loop(loop)
@@ -417,7 +427,7 @@ def start_local_engine(
     if error:
         raise error[0]
     try:
-        yield LocalEngineHandle(f"http://127.0.0.1:{engine.port}", engine, checkpoint_dir or "")
+        yield LocalEngineHandle(f"http://{host}:{engine.port}", engine, checkpoint_dir or "")
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=30)
@@ -428,7 +438,7 @@ def start_local_engine(
 def main(argv: list[str] | None = None) -> None:
     """``python -m slime_corr.engines.embedded.engine [--checkpoint DIR] [--fp32]``: serve until interrupted.
 
-    Prints ``READY <url>`` on stdout once listening on 127.0.0.1.
+    Prints ``READY <url>`` on stdout once listening on 127.0.0.1 (or `--host`).
     """
     import argparse
 
@@ -440,6 +450,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
     ap.add_argument("--step-delay", type=float, default=0.0, help="seconds slept after each decode step")
     ap.add_argument("--weight-version", default="default")
+    ap.add_argument("--host", default="127.0.0.1", help="the address it listens on (one its clients reach)")
     ap.add_argument("--group-timeout", type=float, default=600.0,
                     help="seconds a weight-update group waits for its peers")
     ap.add_argument("--enable-return-routed-experts", dest="routes", action="store_true",
@@ -450,7 +461,8 @@ def main(argv: list[str] | None = None) -> None:
     with start_local_engine(args.checkpoint, dtype=torch.float32 if args.fp32 else torch.bfloat16,
                             incremental_streaming_output=args.incremental_streaming_output, seed=args.seed,
                             step_delay=args.step_delay, weight_version=args.weight_version,
-                            group_timeout=args.group_timeout, enable_return_routed_experts=args.routes) as h:
+                            group_timeout=args.group_timeout, enable_return_routed_experts=args.routes,
+                            host=args.host) as h:
         print(f"READY {h.url}", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             threading.Event().wait()

@@ -18,7 +18,7 @@ from aiohttp import web
 from slime_corr.engines.embedded.model import EngineModel, Tokenizer
 from slime_corr.engines.embedded.routes import check_start_len
 from slime_corr.engines.embedded.sampling import request_seed
-from slime_corr.rollout.protocol import SAMPLING_KEYS
+from slime_corr.rollout.protocol import SAMPLING_KEYS, SAMPLING_MASK_MAX_TOKENS
 from slime_corr.rollout.routing import encode_routed_experts
 
 # Accepted by the schema but not implemented by this engine: a request using them gets a 400, never a silent no-op.
@@ -78,6 +78,12 @@ class EngineRequest:
     # `top_logprobs_num` (with return_logprob): per output token the largest log-probs and their ids
     top_logprobs_num: int = 0
     top_logprobs: list[tuple[list[float], list[int]]] = field(default_factory=list)
+    # `return_sampling_mask`: per output token its kept set (ids, largest first) and, with `sampling_logprobs_mode`
+    # "support", each kept id's log-prob renormalized over the set ("selected": the sampled token's only)
+    return_sampling_mask: bool = False
+    support_logprobs: bool = False
+    kept_ids: list[list[int]] = field(default_factory=list)
+    kept_log_probs: list[list[float]] = field(default_factory=list)
 
     def finish_with(self, reason: dict[str, Any]) -> None:
         if self.finish is None:
@@ -98,6 +104,11 @@ class EngineRequest:
             return None
         end = len(self.prompt) + len(self.output_ids) - 1
         return encode_routed_experts(torch.cat(self.route_chunks)[self.routes_start : end])
+
+    def add_support(self, token: int, ids: list[int], log_probs: list[float]) -> None:
+        """The kept set of the token just sampled, as SGLang returns it for this request's logprobs mode."""
+        self.kept_ids.append(ids)
+        self.kept_log_probs.append(log_probs if self.support_logprobs else [log_probs[ids.index(token)]])
 
     def text(self, tokenizer: Tokenizer, ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=bool(self.params.get("skip_special_tokens", True)))
@@ -168,6 +179,12 @@ def parse_generate(body: Any, model: EngineModel, tokenizer: Tokenizer, active: 
     if len(tops) != n:
         raise BadRequest("top_logprobs_num list length must match the number of prompts")
     want_routes = _lax_bool(body.get("return_routed_experts", False), "return_routed_experts")
+    want_mask = _lax_bool(body.get("return_sampling_mask", False) or False, "return_sampling_mask")
+    mode = body.get("sampling_logprobs_mode")
+    if mode not in (None, "selected", "support"):
+        raise BadRequest("sampling_logprobs_mode: Input should be 'selected' or 'support'")
+    if mode is not None and not want_mask:
+        raise BadRequest("sampling_logprobs_mode can only be set when return_sampling_mask=true.")
     start_len = body.get("routed_experts_start_len", 0)
     if not isinstance(start_len, int):
         raise BadRequest("routed_experts_start_len: Input should be a valid integer")
@@ -182,12 +199,26 @@ def parse_generate(body: Any, model: EngineModel, tokenizer: Tokenizer, active: 
         req = EngineRequest(rid, list(prompt), dict(params), bool(rlp), bool(body.get("return_text_in_logprobs")),
                             request_seed(params), params.get("sampling_seed") is not None,
                             return_routes=want_routes and routes_enabled, routes_start=int(start_len),
-                            top_logprobs_num=num if rlp else 0)
+                            top_logprobs_num=num if rlp else 0, return_sampling_mask=want_mask,
+                            support_logprobs=mode == "support")
         error = check_start_len(int(start_len), len(prompt)) if want_routes else None
+        error = error or (sampling_mask_error(params) if want_mask else None)
         if error is not None:
             req.finish = {"type": "abort", "message": error, "status_code": 400, "err_type": "BadRequestError"}
         reqs.append(req)
     return reqs, is_batch, stream
+
+
+def sampling_mask_error(params: dict[str, Any]) -> str | None:
+    """SGLang 0.5.23's refusal of a sampling mask (its message), or None: the mask needs top_k = 1 (greedy sampling
+    counts as top_k 1) or a finite 1 < top_k <= --sampling-mask-max-tokens (4096)."""
+    greedy = float(params.get("temperature", 1.0)) < 1e-6
+    top_k = 1 if greedy else int(params.get("top_k") or -1)
+    top_k = 1 << 30 if top_k <= 0 else top_k  # SGLang's "off"
+    if top_k == 1 or 1 < top_k <= SAMPLING_MASK_MAX_TOKENS:
+        return None
+    return (f"return_sampling_mask requires top_k=1 for greedy sampling or finite 1 < top_k <= "
+            f"{SAMPLING_MASK_MAX_TOKENS}; got top_k={top_k}. Lower top_k or increase --sampling-mask-max-tokens.")
 
 
 def _top_logprobs_num(value: Any, vocab_size: int) -> int:
@@ -260,6 +291,10 @@ def response_payload(req: EngineRequest, tokenizer: Tokenizer, weight_version: s
                 [[v, t, req.text(tokenizer, [t]) if req.text_in_logprobs else None] for v, t in zip(*top, strict=True)]
                 for top in req.top_logprobs[start:]
             ]
+    if req.return_sampling_mask:  # cumulative, or from `start` in a delta stream, like the log-probs
+        meta["output_token_sampling_mask"] = req.kept_ids[start:]
+        meta["output_token_sampling_logprobs"] = req.kept_log_probs[start:]
+        meta["output_token_sampling_mask_length"] = len(req.kept_ids)
     spans: list[dict[str, Any]] = []
     for i, v in enumerate(req.versions):
         if spans and spans[-1]["version"] == v:

@@ -9,7 +9,7 @@ seeded request gives the same tokens whatever it was batched with, whenever it r
 from __future__ import annotations
 
 import secrets
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -42,13 +42,25 @@ def engine_log_probs(logits: torch.Tensor, params: dict[str, Any]) -> torch.Tens
     return torch.log_softmax(logits / float(params.get("temperature", 1.0)), dim=-1)
 
 
-def sample_token(logits: torch.Tensor, params: dict[str, Any], generator: torch.Generator | None
-                 ) -> tuple[int, torch.Tensor]:
-    """Sample one token from float32 ``logits`` [V] with SGLang's semantics; returns (token, `engine_log_probs`),
-    the log-probs NOT renormalised after top-p / top-k / min-p filtering; ``T == 0`` is greedy."""
+class SampledToken(NamedTuple):
+    """One draw: the token, `engine_log_probs` [V], and with `with_support` the kept set the token was drawn from
+    (SGLang's sampling mask: ids largest first) and each kept id's log-prob under the renormalized distribution
+    (SGLang's support log-probs, float32 log(w / Σ w)); None otherwise."""
+
+    token: int
+    log_probs: torch.Tensor
+    kept_ids: list[int] | None = None
+    kept_log_probs: list[float] | None = None
+
+
+def sample_token(logits: torch.Tensor, params: dict[str, Any], generator: torch.Generator | None,
+                 with_support: bool = False) -> SampledToken:
+    """Sample one token from float32 ``logits`` [V] with SGLang's semantics (`SampledToken`), the log-probs NOT
+    renormalised after top-p / top-k / min-p filtering; ``T == 0`` is greedy (its kept set: the token, log-prob 0)."""
     logp = engine_log_probs(logits, params)
     if is_greedy(params):
-        return int(torch.argmax(logits)), logp
+        token = int(torch.argmax(logits))
+        return SampledToken(token, logp, [token], [0.0]) if with_support else SampledToken(token, logp)
     # SGLang's filter, on the probabilities sorted once: top-p on the cumulative sum of the FULL distribution,
     # top-k by rank, min-p relative to the largest probability; then sample among what is left.
     sorted_p, order = torch.sort(logp.exp(), descending=True)
@@ -62,7 +74,12 @@ def sample_token(logits: torch.Tensor, params: dict[str, Any], generator: torch.
     min_p = float(params.get("min_p", 0.0))
     if min_p > 0.0:
         keep &= sorted_p >= sorted_p[0] * min_p
-    return int(order[torch.multinomial(torch.where(keep, sorted_p, 0.0), 1, generator=generator)]), logp
+    weights = torch.where(keep, sorted_p, 0.0)
+    token = int(order[torch.multinomial(weights, 1, generator=generator)])
+    if not with_support:
+        return SampledToken(token, logp)
+    kept = weights[keep]
+    return SampledToken(token, logp, order[keep].tolist(), torch.log(kept / kept.sum()).tolist())
 
 
 def sample_next_token(
@@ -73,7 +90,7 @@ def sample_next_token(
     log-prob = ``log_softmax(logits / T)[token]``, NOT renormalised after top-p / top-k / min-p filtering;
     ``T == 0`` is greedy with the log-prob of the raw logits.
     """
-    tok, logp = sample_token(logits, params, generator)
+    tok, logp, _, _ = sample_token(logits, params, generator)
     return tok, float(logp[tok])
 
 

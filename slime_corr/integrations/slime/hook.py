@@ -16,6 +16,13 @@ and DP: batch normalization over the micro-batch of every DP rank), then
     metrics ← slime_corr's metrics (and slime's names of them), each a batch value on every token.
 
 Process groups come from Megatron's `parallel_state` (or `cp_group=` / `dp_group=` keywords).
+
+Top-p / top-k replay: slime trains over the engine's kept sets (its `rollout_top_p_token_ids` /
+`rollout_top_p_token_offsets`) itself, so `train_log_probs` are already log π_trunc. Given those keys (one entry
+per sample, the whole response; offsets of response_length + 1, slime's meaning), the hook checks them against
+`response_lengths` (a refusal names the key) and adds the kept-set metrics `kept_set_size_mean` and
+`kept_set_singleton_share` over the trained tokens of the batch (all DP ranks). slime_corr's own trainer replays
+the sets itself: `slime_corr.layout.kept_sets`.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from slime_corr.errors import ConfigError
 from slime_corr.integrations.slime.config import MIS_KEYS, config_from_slime_args, effective_kind
 from slime_corr.integrations.slime.layout import gather_whole, local_part, local_response_ranges
 from slime_corr.integrations.slime.names import METRIC_NAMINGS, MIS_NAMES
+from slime_corr.layout.kept_sets import SLIME_IDS_KEY, SLIME_OFFSETS_KEY
 
 logger = logging.getLogger(__name__)
 SLIME_OWN_KEYS = frozenset({"train_rollout_logprob_abs_diff"})
@@ -100,6 +108,33 @@ def _check_local(train_log_probs: Sequence[Tensor], rollout_log_probs: Sequence[
                              f"(total_length {total_lengths[i]}, response_length {response_lengths[i]}).")
 
 
+def _kept_set_metrics(ids: Sequence[Any] | None, offsets: Sequence[Any] | None, loss_masks: Sequence[Tensor],
+                      response_lengths: Sequence[int], dp_group: dist.ProcessGroup | None,
+                      device: torch.device) -> dict[str, Tensor]:
+    """slime's kept sets (module doc) checked, and the mean size and singleton share of the trained tokens' sets
+    over the batch of every DP rank (one all-reduce); {} without them."""
+    if ids is None and offsets is None:
+        return {}
+    if ids is None or offsets is None or len(ids) != len(response_lengths) or len(offsets) != len(response_lengths):
+        raise ValueError(f"slime hook: {SLIME_IDS_KEY} and {SLIME_OFFSETS_KEY} come together, one entry per sample "
+                         f"({len(response_lengths)} samples)")
+    sums = torch.zeros(3, dtype=torch.float64)
+    for i, (k, o, m, n) in enumerate(zip(ids, offsets, loss_masks, response_lengths, strict=True)):
+        o = torch.as_tensor(o).long().reshape(-1)
+        count = torch.as_tensor(k).numel()
+        if o.numel() != n + 1 or int(o[0]) != 0 or int(o[-1]) != count or bool((o.diff() < 0).any()):
+            raise ValueError(f"slime hook: {SLIME_OFFSETS_KEY}[{i}] has {o.numel()} offsets (from {int(o[0])} to "
+                             f"{int(o[-1])}) for a response of {n} tokens with {count} kept ids: expected "
+                             "response_length + 1 non-decreasing offsets from 0 to len(ids)")
+        sizes = o.diff()[m.detach().cpu().reshape(-1) > 0].to(torch.float64)
+        sums += torch.stack([sizes.sum(), (sizes == 1).sum().to(torch.float64), torch.tensor(sizes.numel() * 1.0)])
+    sums = sums.to(device)
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(sums, group=dp_group)
+    tokens = sums[2].clamp_min(1.0)
+    return {"kept_set_size_mean": sums[0] / tokens, "kept_set_singleton_share": sums[1] / tokens}
+
+
 def _per_token(metrics: dict[str, Tensor], n: int, dtype: torch.dtype) -> dict[str, Tensor]:
     return {k: v.detach().to(dtype).expand(n) for k, v in metrics.items()}
 
@@ -107,7 +142,8 @@ def _per_token(metrics: dict[str, Tensor], n: int, dtype: torch.dtype) -> dict[s
 def _apply(kind: str, args: Any, *, pg_loss: Tensor, train_log_probs: Sequence[Tensor],
            rollout_log_probs: Sequence[Tensor], loss_masks: Sequence[Tensor], total_lengths: Sequence[int],
            response_lengths: Sequence[int], cp_group: dist.ProcessGroup | None = None,
-           dp_group: dist.ProcessGroup | None = None) -> tuple[Tensor, list[Tensor], dict[str, Tensor]]:
+           dp_group: dist.ProcessGroup | None = None, kept_ids: Sequence[Any] | None = None,
+           kept_offsets: Sequence[Any] | None = None) -> tuple[Tensor, list[Tensor], dict[str, Tensor]]:
     config, naming, kind = hook_config(args, kind)
     if cp_group is None and dp_group is None:
         cp_group, dp_group = parallel_groups()
@@ -139,7 +175,8 @@ def _apply(kind: str, args: Any, *, pg_loss: Tensor, train_log_probs: Sequence[T
         modified = [w.to(m.dtype) for w, m in zip(whole, loss_masks, strict=True)]
 
     dtype = torch.promote_types(pg_loss.dtype, torch.float32)
-    metrics: dict[str, Tensor] = {}
+    metrics: dict[str, Tensor] = _per_token(_kept_set_metrics(kept_ids, kept_offsets, loss_masks, response_lengths,
+                                                              dp_group, device), n_tok, dtype)
     if naming != "slime":  # not the keys slime's policy_loss_function logs itself
         metrics.update(_per_token({k: v for k, v in result.metrics.items() if k not in SLIME_OWN_KEYS}, n_tok,
                                   dtype))
@@ -165,7 +202,8 @@ def compute_mis_weights_with_cp(args: Any, *, pg_loss: Tensor, train_log_probs: 
     return _apply("mis", args, pg_loss=pg_loss, train_log_probs=train_log_probs,
                   rollout_log_probs=rollout_log_probs, loss_masks=loss_masks, total_lengths=total_lengths,
                   response_lengths=response_lengths, cp_group=kwargs.get("cp_group"),
-                  dp_group=kwargs.get("dp_group"))
+                  dp_group=kwargs.get("dp_group"), kept_ids=kwargs.get(SLIME_IDS_KEY),
+                  kept_offsets=kwargs.get(SLIME_OFFSETS_KEY))
 
 
 def vanilla_tis_function(args: Any, *, pg_loss: Tensor, train_log_probs: list[Tensor],
@@ -175,7 +213,8 @@ def vanilla_tis_function(args: Any, *, pg_loss: Tensor, train_log_probs: list[Te
     return _apply("vanilla", args, pg_loss=pg_loss, train_log_probs=train_log_probs,
                   rollout_log_probs=rollout_log_probs, loss_masks=loss_masks, total_lengths=total_lengths,
                   response_lengths=response_lengths, cp_group=kwargs.get("cp_group"),
-                  dp_group=kwargs.get("dp_group"))
+                  dp_group=kwargs.get("dp_group"), kept_ids=kwargs.get(SLIME_IDS_KEY),
+                  kept_offsets=kwargs.get(SLIME_OFFSETS_KEY))
 
 
 def icepop_function(args: Any, *, pg_loss: Tensor, train_log_probs: list[Tensor],
@@ -185,7 +224,8 @@ def icepop_function(args: Any, *, pg_loss: Tensor, train_log_probs: list[Tensor]
     return _apply("icepop", args, pg_loss=pg_loss, train_log_probs=train_log_probs,
                   rollout_log_probs=rollout_log_probs, loss_masks=loss_masks, total_lengths=total_lengths,
                   response_lengths=response_lengths, cp_group=kwargs.get("cp_group"),
-                  dp_group=kwargs.get("dp_group"))
+                  dp_group=kwargs.get("dp_group"), kept_ids=kwargs.get(SLIME_IDS_KEY),
+                  kept_offsets=kwargs.get(SLIME_OFFSETS_KEY))
 
 
 tis_function = compute_mis_weights_with_cp
