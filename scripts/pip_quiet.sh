@@ -31,7 +31,7 @@ NO_COMPILE=()
 
 # install_step LABEL WHAT CMD...: one install step, said on stderr (no install is silent for more than ~30 s): "LABEL:
 # WHAT ..." as it starts, "LABEL: WHAT: still installing (N s)" every 30 s (INSTALL_TICK_S) while it runs, "LABEL:
-# WHAT done in N s (M s since LABEL started)" at its end; the exit status is CMD's.
+# WHAT: done in N s (M s so far)" at its end; the exit status is CMD's.
 INSTALL_START=$SECONDS
 install_step() {
   local label=$1 what=$2 start=$SECONDS status=0 ticker
@@ -45,7 +45,6 @@ install_step() {
   "$@" || status=$?
   kill "$ticker" 2>/dev/null || true
   wait "$ticker" 2>/dev/null || true
-  [ "$status" -ne 0 ] || echo "$label: $what done in $((SECONDS - start)) s ($((SECONDS - INSTALL_START)) s since" \
-    "$label started)" >&2
+  [ "$status" -ne 0 ] || echo "$label: $what: done in $((SECONDS - start)) s ($((SECONDS - INSTALL_START)) s so far)" >&2
   return "$status"
 }

@@ -26,7 +26,7 @@ sys.exit(not all(u.find_spec(m) for m in ('slime_corr', 'torch', 'megatron.core'
     exit 0
   fi
 fi
-LABEL="scripts/setup_env.sh ($VENV)"
+LABEL="setup $VENV"
 if [ ! -x "$VENV/bin/python" ]; then
   install_step "$LABEL" "a new virtual environment" "$PY" -m venv "$VENV"
 fi

@@ -53,7 +53,7 @@ if up_to_date; then
   echo "$VENV/bin/python"
   exit 0
 fi
-LABEL="scripts/setup_sglang.sh ($VENV, the real SGLang server for CPU)"
+LABEL="setup $VENV (the SGLang server)"
 [ -x "$VENV/bin/python" ] || install_step "$LABEL" "a new virtual environment" "$PY" -m venv "$VENV"
 install_step "$LABEL" "pip's newest release (~2 MB)" \
   pip_quiet "$VENV/bin/python" -m pip install -q "${NO_COMPILE[@]}" --upgrade pip >&2 || true

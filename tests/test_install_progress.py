@@ -25,5 +25,5 @@ install_step "setup" "a failing step" false || echo "status $?"
     lines = proc.stderr.splitlines()
     assert lines[0] == "setup: a slow step (~1 MB) ..."
     assert sum(line.startswith("setup: a slow step (~1 MB): still installing (") for line in lines) >= 2, lines
-    assert any(line.startswith("setup: a slow step (~1 MB) done in ") for line in lines), lines
-    assert "setup: a failing step ..." in lines and not any("a failing step done" in line for line in lines)
+    assert any(line.startswith("setup: a slow step (~1 MB): done in ") for line in lines), lines
+    assert "setup: a failing step ..." in lines and not any("a failing step: done" in line for line in lines)
