@@ -21,7 +21,7 @@ install_step "setup" "a failing step" false || echo "status $?"
     proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
                           env={"PATH": "/usr/bin:/bin", "INSTALL_TICK_S": "1"})
     elapsed = time.monotonic() - start
-    assert proc.stdout == "status 1\n" and elapsed < 8, (proc.stdout, elapsed)
+    assert proc.stdout == "status 1\n" and elapsed < 30, (proc.stdout, elapsed)  # a ticker left behind: 60 s
     lines = proc.stderr.splitlines()
     assert lines[0] == "setup: a slow step (~1 MB) ..."
     assert sum(line.startswith("setup: a slow step (~1 MB): still installing (") for line in lines) >= 2, lines

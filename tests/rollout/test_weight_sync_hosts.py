@@ -43,7 +43,8 @@ pytestmark = pytest.mark.cost(30)  # CI seconds, roughly: the costliest modules 
 
 PROMPT = [72, 101, 108, 108, 111, 32]
 ENGINE_START_S = 120.0
-GROUP_TIMEOUT_S = 8  # the engine's bound on joining a group: a join it cannot make fails within it
+GROUP_TIMEOUT_S = 8  # the engine's bound on each try to join a group (c10d retries once after a random back-off)
+TRAINER_WAIT_S = 120  # the trainer's side outwaits the engine's tries by far: the engine's refusal always comes first
 
 
 def test_this_hosts_address_toward_a_peer() -> None:
@@ -157,16 +158,17 @@ def test_an_address_the_engines_cannot_reach_is_named_with_their_host(other_host
 
     async def go():
         async with SGLangClient(engine) as client:
-            sync = DistributedWeightSync(client, master_address="127.0.0.1", timeout=2.5 * GROUP_TIMEOUT_S)
+            sync = DistributedWeightSync(client, master_address="127.0.0.1", timeout=TRAINER_WAIT_S)
             try:
                 await sync.sync(trainer.state_dict().items(), "unreachable")
             finally:
                 sync.close()
 
-    started = time.monotonic()
     with pytest.raises(WeightGroupError) as caught:
         asyncio.run(go())
     message = str(caught.value)
-    assert time.monotonic() - started < 2 * GROUP_TIMEOUT_S  # the engine's refusal, not our side's timeout
+    # the engine's own report (SGLang's words), not our side's timeout ("the trainer's side of the group failed")
+    assert "Failed to initialize custom process group" in message, message
+    assert "the trainer's side" not in message, message
     assert f"at 127.0.0.1:{caught.value.port}" in message and f"(host {other_host.address})" in message, message
     assert "--update-weight-master-address" in message and "could not be reached" in message, message
