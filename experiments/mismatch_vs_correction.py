@@ -86,6 +86,13 @@ CONFIGS = {
     "naive-k4": Config("naive PPO, 4 rollouts ahead (--max-staleness 19)", "disabled", True, "tab:pink",
                        ("--max-staleness", "19")),
 }
+# the peers' losses (slime_corr/policy_losses.py), each on its own against the async mismatch: decoupled, π_old
+# recomputed, no rollout IS (the `disabled` preset, as naive PPO), so what a loss does with stale tokens is its own
+for _loss, _color in (("cispo", "tab:olive"), ("sapo", "tab:cyan"), ("geo_mean", "tab:brown"), ("dppo_tv", "tab:gray"),
+                      ("dppo_kl", "black"), ("clip_cov", "gold"), ("kl_cov", "lime")):
+    CONFIGS[_loss.replace("_", "-")] = Config(f"--policy-loss-type {_loss}, async", "disabled", True, _color,
+                                              ("--policy-loss-type", _loss))
+LOSS_CONFIGS = ("naive", "token-is", "cispo", "sapo", "geo-mean", "dppo-tv", "dppo-kl", "clip-cov", "kl-cov")
 DEFAULT_CONFIGS = ("naive-sync", "naive", "token-is", "seq-is-rs", "bypass")
 # (key, title, one point per rollout): the gradient norm per step, so that a single exploding step shows
 PANELS = (
@@ -104,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(DEFAULT_CONFIGS),
                    help=f"Which to run (default: {' '.join(DEFAULT_CONFIGS)}; the async variants token-is-k2, "
-                        "token-is-k4, token-is-partial, token-is-loglinear and naive-k4 on request).")
+                        "token-is-k4, token-is-partial, token-is-loglinear and naive-k4, and the peers' losses ("
+                        f"{' '.join(LOSS_CONFIGS[2:])}) on request).")
     p.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3], help="--seed of the runs (one run each).")
     p.add_argument("--lrs", nargs="+", type=float, default=[0.01, 0.03],
                    help="Learning rates, one column of the plot each: how far π moves per optimizer step, so how "
