@@ -1,4 +1,4 @@
-"""Every install hint, followed: in an environment that lacks what the hint installs (tests/bare_env.py: a venv
+"""Every install hint, followed (the model and plot extras, the progress bar): in an environment that lacks what the hint installs (tests/bare_env.py: a venv
 that sees this run's packages less those), the original command fails with the hint; the test runs the hint's pip
 commands there as a user would type them, then the original command again, which now works. (The hint of a refused
 --sglang-url is followed in tests/trainer/test_trainer_units.py; the wording of every extra's hint is checked
@@ -7,6 +7,7 @@ against pyproject.toml in tests/test_install_hints.py.)"""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -63,3 +64,27 @@ def test_the_shipped_models_hint_installs_the_weights_and_what_reads_them(tmp_pa
     followed = bare.run(run, cwd=tmp_path, timeout=900)
     assert followed.returncode == 0, followed.stdout[-2000:] + followed.stderr[-3000:]
     assert "step 1:" in followed.stdout, followed.stdout[-2000:]
+
+
+LOGGING_HINTS = [  # (the flags that need the package, the distribution the bare env lacks)
+    (["--rollout-progress", "bar"], "tqdm"),
+    # --tensorboard-dir's and --wandb-project's hints are extras.install_hint's, as the plot extra's above (followed
+    # there; each extra's wording against pyproject.toml in tests/test_install_hints.py): following them installs
+    # tensorboard (~100 s here) or wandb, which this CI time does not buy twice.
+]
+
+
+@pytest.mark.parametrize("flags, distribution", LOGGING_HINTS, ids=[d for _, d in LOGGING_HINTS])
+def test_each_logging_sinks_hint_installs_it(tmp_path: Path, flags: list[str], distribution: str) -> None:
+    """Refused at parse time with the hint; after it, the same flags pass the parse-time checks (`--self-check`:
+    the sinks themselves run in tests/monitoring/test_monitoring_e2e.py)."""
+    bare = make_bare_env(tmp_path / "venv", [distribution])
+    command = ["python", "-m", "slime_corr.main", *(f.replace("TMP", str(tmp_path)) for f in flags), "--self-check"]
+
+    refused = bare.run(command, cwd=tmp_path, timeout=300)
+    assert refused.returncode == 2 and re.search(rf"needs (the )?{distribution}\b", refused.stderr), \
+        refused.stderr[-3000:]
+    _follow_every_hint(bare, refused.stderr)
+
+    followed = bare.run(command, cwd=tmp_path, timeout=300)
+    assert followed.returncode == 0, followed.stderr[-3000:]
