@@ -34,7 +34,7 @@ from slime_corr.config_checks import (  # noqa: F401  (the choices: public here 
 )
 from slime_corr.config_yaml import read_yaml, slime_yaml_meaning
 from slime_corr.errors import ConfigError  # (public here too: slime_corr.config.ConfigError)
-from slime_corr.flags.fields import flag
+from slime_corr.fields import flag
 from slime_corr.presets import PRESETS
 
 Level = Literal["token", "sequence", "geometric"]
