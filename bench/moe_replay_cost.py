@@ -42,7 +42,7 @@ def main() -> None:
     from slime_corr.models import build_gpt_from_hf
     from slime_corr.models.tiny_moe import TinyMoEArgs, make_tiny_moe_checkpoint
     from slime_corr.ports import init_world_of_one
-    from slime_corr.rollout.routing import RoutedExpertsSpec
+    from slime_corr.routed_experts import RoutedExpertsSpec
 
     init_world_of_one("gloo")
     ps.initialize_model_parallel(1)

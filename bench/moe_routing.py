@@ -30,8 +30,8 @@ from slime_corr.engines.sglang_server import SGLangServerConfig, launch_sglang_s
 from slime_corr.models.tiny_moe import TinyMoEArgs, make_tiny_moe_checkpoint  # noqa: E402
 from slime_corr.rollout.client import SGLangClient  # noqa: E402
 from slime_corr.rollout.rollout import generate_sample  # noqa: E402
-from slime_corr.rollout.routing import RoutedExpertsSpec  # noqa: E402
-from slime_corr.rollout.sample import Sample  # noqa: E402
+from slime_corr.routed_experts import RoutedExpertsSpec  # noqa: E402
+from slime_corr.samples import Sample  # noqa: E402
 
 
 def _init_megatron() -> None:

@@ -35,7 +35,7 @@ from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.layout.micro_batch import build_micro_batch
 from slime_corr.mcore.context_parallel import ParallelGroups
 from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
-from slime_corr.rollout.sample import Sample
+from slime_corr.samples import Sample
 
 MEAN_RESPONSE, MAX_RESPONSE, PROMPT = 1024, 8192, 128
 SIGMA = 1.0  # log-normal shape: lengths spread about 10x between the 10th and the 90th percentile

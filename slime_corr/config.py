@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import types
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
-from slime_corr.config_checks import (  # noqa: F401  (the choices: public here too)
+from slime_corr.config_checks import (  # noqa: F401  (the choices and their Literal types: public here too)
     CLIP_COV_DEFAULTS,
     DEFAULT_TIS_UPPER_BOUND,
     KL_COV_DEFAULTS,
@@ -29,27 +31,27 @@ from slime_corr.config_checks import (  # noqa: F401  (the choices: public here 
     RS_METRICS,
     SAPO_TAUS,
     TIS_MODES,
-    RolloutCorrectionChecks,
+    KernelBackend,
+    Level,
+    LossAggMode,
+    LossType,
+    RatioLevel,
+    RSAgg,
+    RSMetric,
+    TISMode,
+    check_config,
     flag_of,
 )
 from slime_corr.config_yaml import read_yaml, slime_yaml_meaning
 from slime_corr.errors import ConfigError  # (public here too: slime_corr.config.ConfigError)
-from slime_corr.flags.fields import flag
+from slime_corr.fields import flag
 from slime_corr.presets import PRESETS
-
-Level = Literal["token", "sequence", "geometric"]
-TISMode = Literal["truncate", "clip", "mask"]
-LossType = Literal["ppo", "reinforce", "cispo", "sapo", "geo_mean", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov"]
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-RSMetric = Literal["ratio", "k2", "k3", "binary_kl"]
-RSAgg = Literal["token", "mean", "sum", "max"]
-RatioLevel = Literal["token", "sequence"]
-KernelBackend = Literal["torch", "triton"]  # --logprobs-backend, --rollout-correction-backend (kernel_fallback.py)
 
 
 @dataclass(frozen=True)
-class RolloutCorrectionConfig(RolloutCorrectionChecks):
-    """Rollout-correction settings. Field names are the flag names with `-` replaced by `_`.
+class RolloutCorrectionConfig:
+    """Rollout-correction settings. Field names are the flag names with `-` replaced by `_`. A config is checked
+    when made: each field's type (`_check_types`), then `config_checks.check_config` (every check across fields).
 
     Notation: lr = lp_train - lp_rollout, with lp_train = lp_old (decoupled) or lp.detach() (bypass).
     """
@@ -178,7 +180,7 @@ class RolloutCorrectionConfig(RolloutCorrectionChecks):
 
     def __post_init__(self) -> None:
         self._check_types()
-        self._validate()
+        check_config(self)
         if self.requests_correction:
             object.__setattr__(self, "use_rollout_correction", True)
 
@@ -413,21 +415,19 @@ def _check_keys(values: Mapping[str, Any], source: str) -> None:
         )
 
 
-_FLOAT_FIELDS = ("tis_lower_bound", "tis_upper_bound", "tis_clip", "tis_clip_low", "rs_lower_bound", "rs_upper_bound",
-                 "rs_veto_threshold", "eps_clip_high", "eps_clip_c", "rs_divergence_bound", "rs_divergence_budget",
-                 "tis_ess_target", "tau_pos", "tau_neg", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio",
-                 "ppo_kl_coef", "m2_threshold", "seq_logprob_error_threshold", "max_train_rollout_logprob_abs_diff",
-                 "max_mismatch_k3_kl")
-FIELD_KINDS: dict[str, str] = {  # the type of each field ("?": None allowed)
-    **{f.name: "bool" for f in fields(RolloutCorrectionConfig) if isinstance(f.default, bool)},
-    **{name: "str" for name in ("tis_mode", "tis_level", "rs_level", "loss_type", "loss_agg_mode", "rs_metric",
-                                "policy_ratio_level", "logprobs_backend", "rollout_correction_backend")},
-    **{name: "str?" for name in ("rollout_correction_preset", "custom_config_path", "custom_tis_function_path",
-                                 "rs_agg")},
-    **{name: "float?" for name in _FLOAT_FIELDS},
-    "eps_clip": "float",
-    "opsm_delta": "float",
-}
+
+
+def _field_kind(annotation: Any) -> str:
+    """A field's type as `read_yaml` and `_check_types` name it: "bool", "float" or "str" (a `Literal` of strings),
+    with a trailing "?" when it may be None."""
+    kinds = [a for a in typing.get_args(annotation) if a is not type(None)]
+    optional = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    base = kinds[0] if optional else annotation
+    return {bool: "bool", float: "float"}.get(base, "str") + ("?" if optional else "")
+
+
+_ANNOTATIONS = typing.get_type_hints(RolloutCorrectionConfig)
+FIELD_KINDS: dict[str, str] = {f.name: _field_kind(_ANNOTATIONS[f.name]) for f in fields(RolloutCorrectionConfig)}
 _BOUNDS_OF = {"use_tis": ("tis_lower_bound", "tis_upper_bound", "tis_clip", "tis_clip_low"),
               "use_rs": ("rs_lower_bound", "rs_upper_bound"),
               "rs_metric": ("rs_agg", "rs_divergence_bound", "rs_divergence_budget")}

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slime_corr.errors import ConfigError
-from slime_corr.flags.fields import flag
+from slime_corr.fields import flag
 
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
 

@@ -12,12 +12,12 @@ import pytest
 
 from slime_corr import flag_docs
 from slime_corr.config import RolloutCorrectionConfig
+from slime_corr.fields import add_flags, flag, flag_fields, option_of
 from slime_corr.flags import correction as correction_flags
 from slime_corr.flags import loss_terms as loss_terms_flags
 from slime_corr.flags import model as model_flags
 from slime_corr.flags import monitoring as monitoring_flags
 from slime_corr.flags import trainer as trainer_flags
-from slime_corr.flags.fields import add_flags, flag, flag_fields, option_of
 from slime_corr.flags.main_job import MAIN_JOB_DEFAULTS
 from slime_corr.loss_terms import LossTermsConfig
 from slime_corr.main import build_parser
@@ -51,7 +51,7 @@ def test_a_stale_reference_is_found(tmp_path, monkeypatch) -> None:
     assert flag_docs.main([]) == 0 and flag_docs.main(["--check"]) == 0
 
 
-# Every config field that is a flag (`slime_corr.flags.fields.flag`), by the flag group that shows it.
+# Every config field that is a flag (`slime_corr.fields.flag`), by the flag group that shows it.
 OWNERS = {RolloutCorrectionConfig: correction_flags.FIELDS, LossTermsConfig: loss_terms_flags.FIELDS,
           TrainerConfig: trainer_flags.FIELDS, TinyGPTArgs: model_flags.TINY_MODEL, ModelSource: model_flags.PRETRAINED,
           MonitoringConfig: monitoring_flags.FIELDS, PrecisionConfig: trainer_flags.PRECISION}

@@ -1,5 +1,6 @@
 """The package's import graph, read from the source (every import: module level, inside functions and under
-TYPE_CHECKING): no circles, and the layers import downwards only — the pure tensor math (`correction`, `losses`)
+TYPE_CHECKING): no circles, and the layers import downwards only — every module stands on one floor of `FLOORS`
+(docs/layout.md) and imports from its own floor or those below; the pure tensor math (`correction`, `losses`)
 imports no distributed glue, rollout or trainer code, and nothing but the main job imports the trainer (the flag
 layer, `slime_corr.flags`, which owns the main job's flags, reads the trainer's config modules only)."""
 
@@ -84,6 +85,57 @@ def test_no_import_circles() -> None:
     assert cycles(import_graph()) == []
 
 
+# The floors from the ground up: a module stands on the floor of its longest prefix listed here, and imports only
+# from its own floor and those below. The ground floor holds what everything stands on (no project imports but its
+# own floor's): the error types, the flag fields, the sample record, ports, disks, extras.
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("slime_corr", "slime_corr.errors", "slime_corr.fields", "slime_corr.samples", "slime_corr.routed_experts",
+     "slime_corr.ports", "slime_corr.addresses", "slime_corr.device", "slime_corr.device_check", "slime_corr.disk",
+     "slime_corr.extras", "slime_corr.threads", "slime_corr.startup_gc", "slime_corr.kernel_fallback"),
+    ("slime_corr.config", "slime_corr.config_checks", "slime_corr.config_yaml", "slime_corr.presets",
+     "slime_corr.registry", "slime_corr.loss_terms"),  # the correction's configuration
+    ("slime_corr.layout",),
+    ("slime_corr.correction", "slime_corr.losses", "slime_corr.loss_inputs", "slime_corr.policy_losses",
+     "slime_corr.mismatch_masks", "slime_corr.opsm", "slime_corr.verl_rollout_rs"),  # the pure tensor math
+    ("slime_corr.integrations",),
+    ("slime_corr.mcore",),
+    ("slime_corr.rollout",),
+    ("slime_corr.engines",),
+    ("slime_corr.models",),
+    ("slime_corr.monitoring",),
+    ("slime_corr.trainer.config", "slime_corr.trainer.config_checks", "slime_corr.trainer.task"),  # the job's config
+    ("slime_corr.flags", "slime_corr.arguments"),
+    ("slime_corr.trainer",),
+    ("slime_corr.main", "slime_corr.cli", "slime_corr.flag_docs", "slime_corr.mcore.megatron_lm",
+     "slime_corr.models.check"),  # the entry points: commands and Megatron-LM's extra_args_provider
+)
+ARROWS_UP_ALLOWED = 1
+
+
+def floor_of(module: str) -> int | None:
+    """The index in `FLOORS` of the longest prefix of `module` listed there (the package root by its name only)."""
+    found = [(len(prefix), level) for level, prefixes in enumerate(FLOORS) for prefix in prefixes
+             if module == prefix or (prefix != "slime_corr" and module.startswith(prefix + "."))]
+    return max(found)[1] if found else None
+
+
+def arrows_up(graph: dict[str, set[str]]) -> list[str]:
+    """`importer -> imported` for every import from a lower floor to a higher one."""
+    return sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets if floor_of(t) > floor_of(m))
+
+
+def test_every_module_stands_on_a_floor() -> None:
+    assert [m for m in import_graph() if floor_of(m) is None] == []
+    assert floor_of("slime_corr.mcore.megatron_lm") > floor_of("slime_corr.flags.checks") > floor_of("slime_corr.mcore")
+    assert arrows_up({"slime_corr.errors": {"slime_corr.trainer"}, "slime_corr.trainer": {"slime_corr.errors"}}) == [
+        "slime_corr.errors -> slime_corr.trainer"]
+
+
+def test_at_most_one_arrow_runs_back_up_the_floors() -> None:
+    up = arrows_up(import_graph())
+    assert len(up) <= ARROWS_UP_ALLOWED, f"{len(up)} imports run up the floors (at most {ARROWS_UP_ALLOWED}): {up}"
+
+
 def _imports_under(graph: dict[str, set[str]], importer: str, imported: tuple[str, ...]) -> list[str]:
     return sorted(f"{m} -> {t}" for m, targets in graph.items() if m == importer or m.startswith(importer + ".")
                   for t in targets if t.startswith(imported))
@@ -102,11 +154,11 @@ def test_layers_import_downwards() -> None:
 
 
 def test_the_layout_is_the_ground_floor_of_the_trainer_and_the_megatron_glue() -> None:
-    """`slime_corr.layout` owns the sequence layout: it imports only torch and the rollout's `Sample` record, and
+    """`slime_corr.layout` owns the sequence layout: it imports only torch and the ground floor's `Sample` record, and
     the trainer, the Megatron glue and the correction core read the layout from it (no other module defines it)."""
     graph = import_graph()
     upward = [f"{m} -> {t}" for m, targets in graph.items() if m.startswith("slime_corr.layout")
-              for t in targets if not t.startswith(("slime_corr.layout", "slime_corr.rollout.sample"))]
+              for t in targets if not t.startswith(("slime_corr.layout", "slime_corr.samples", "slime_corr.routed_experts"))]
     assert upward == []
     users = {m.split(".")[1] for m, targets in graph.items() for t in targets
              if t.startswith("slime_corr.layout") and not m.startswith("slime_corr.layout")}

@@ -18,6 +18,7 @@ from typing import Any
 import slime_corr.correction  # noqa: F401  (registers the built-in weighting functions)
 from slime_corr.config import LOSS_TYPES, RolloutCorrectionConfig
 from slime_corr.errors import ConfigError
+from slime_corr.fields import add_flags
 from slime_corr.flags.checks import check_megatron_lm_rl_flags
 from slime_corr.flags.compose import (
     EXPLICIT_ATTR,
@@ -26,7 +27,6 @@ from slime_corr.flags.compose import (
     compose_flag,
     recording,
 )
-from slime_corr.flags.fields import add_flags
 from slime_corr.registry import WEIGHT_FUNCTIONS
 from slime_corr.verl_rollout_rs import OPTIONS as VERL_RS_OPTIONS
 from slime_corr.verl_rollout_rs import rollout_rs_settings

@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 import functools
 
+from slime_corr.fields import add_flags
 from slime_corr.flags.compose import compose_flag
-from slime_corr.flags.fields import add_flags
 from slime_corr.loss_terms import LossTermsConfig
 
 TITLE = "KL and entropy loss terms (slime's flags)"

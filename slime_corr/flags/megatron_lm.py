@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import argparse
 
+from slime_corr.fields import add_flags
 from slime_corr.flags.checks import ROUTING_FLAGS_ATTR
 from slime_corr.flags.correction import add_rollout_correction_args
-from slime_corr.flags.fields import add_flags
 from slime_corr.trainer.config import TrainerConfig
 
 TITLE = "MoE rollout routing replay (slime_corr)"

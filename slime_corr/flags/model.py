@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from slime_corr.flags.fields import add_flags
+from slime_corr.fields import add_flags
 from slime_corr.mcore.model import TinyGPTArgs
 from slime_corr.models.selection import ModelSource
 

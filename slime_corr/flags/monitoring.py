@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from slime_corr.flags.fields import add_flags
+from slime_corr.fields import add_flags
 from slime_corr.monitoring.config import MonitoringConfig
 
 TITLE = "monitoring (slime_corr)"

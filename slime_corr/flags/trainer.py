@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from slime_corr.flags.fields import add_flags
+from slime_corr.fields import add_flags
 from slime_corr.mcore.precision import PrecisionConfig
 from slime_corr.trainer.config import PRETRAINED_LR, TrainerConfig
 from slime_corr.trainer.task import TASKS

@@ -10,7 +10,7 @@ import torch
 
 from slime_corr.layout.context_parallel import slice_micro_batch_for_cp
 from slime_corr.layout.micro_batch import build_micro_batch, cp_pad_multiple
-from slime_corr.rollout.sample import Sample
+from slime_corr.samples import Sample
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, keep: torch.Tensor | None = None,

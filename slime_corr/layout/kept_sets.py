@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from slime_corr.rollout.sample import Sample
+from slime_corr.samples import Sample
 
 KEPT_COUNTS_KEY = "rollout_kept_token_counts"
 KEPT_IDS_KEY = "rollout_kept_token_ids"

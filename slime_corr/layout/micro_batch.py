@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from slime_corr.layout.kept_sets import KEPT_COUNTS_KEY, sample_count_row, sample_counts, sample_entries
-from slime_corr.rollout.sample import Sample, SampleStatus
+from slime_corr.samples import Sample, SampleStatus
 
 BATCH_KEYS = ("tokens", "position_ids", "labels", "loss_mask", "rollout_log_probs", "advantages")
 NUCLEUS_MASS_KEY, NUCLEUS_KNOWN_KEY = "rollout_nucleus_log_mass", "rollout_nucleus_known"

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from slime_corr.device import place_module
-from slime_corr.flags.fields import flag
+from slime_corr.fields import flag
 from slime_corr.layout.context_parallel import is_packed
 from slime_corr.mcore.context_parallel import ParallelGroups, packed_seq_params, slice_tensor_for_cp
 from slime_corr.mcore.local_spec import local_layer_spec

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from slime_corr.errors import ConfigError
-from slime_corr.flags.fields import flag
+from slime_corr.fields import flag
 from slime_corr.mcore.model import TinyGPTArgs, build_tiny_gpt
 
 

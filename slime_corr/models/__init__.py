@@ -11,7 +11,6 @@ Importing this package imports megatron-core (the bridge builds Megatron's layer
 transformers, mbridge or gguf (the `model` extra); the functions import those when called.
 """
 
-from slime_corr.flags.model import add_model_args
 from slime_corr.models.bridge import MegatronHFBridge, build_gpt_from_hf, write_hf_checkpoint
 from slime_corr.models.gguf_checkpoint import SHIPPED_MODELS, cached_hf_checkpoint
 from slime_corr.models.hf_checkpoint import (
@@ -32,7 +31,6 @@ __all__ = [
     "HFModelSpec",
     "MegatronHFBridge",
     "ModelSource",
-    "add_model_args",
     "build_gpt_from_hf",
     "cached_hf_checkpoint",
     "check_tensor_parallel",

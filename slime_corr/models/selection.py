@@ -16,7 +16,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from slime_corr.flags.fields import flag
+from slime_corr.fields import flag
 from slime_corr.models.gguf_checkpoint import (
     SHIPPED_MODELS,
     _locked,

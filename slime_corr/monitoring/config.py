@@ -20,7 +20,7 @@ from typing import Any
 
 from slime_corr.errors import ConfigError
 from slime_corr.extras import install_hint
-from slime_corr.flags.fields import flag
+from slime_corr.fields import flag
 from slime_corr.integrations.slime.names import METRIC_NAMINGS
 
 WANDB_MODES = ("online", "offline", "disabled")

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from slime_corr.rollout.buffer import SampleBuffer
-from slime_corr.rollout.sample import Sample, SampleStatus
+from slime_corr.samples import Sample, SampleStatus
 
 LINE_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 

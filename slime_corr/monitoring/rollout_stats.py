@@ -9,7 +9,7 @@ import torch
 
 from slime_corr.layout.micro_batch import TRAINABLE
 from slime_corr.monitoring.keys import ROLLOUT, with_prefix
-from slime_corr.rollout.sample import Sample, SampleStatus
+from slime_corr.samples import Sample, SampleStatus
 
 
 def rollout_metrics(samples: Sequence[Sample]) -> dict[str, float]:

@@ -17,7 +17,7 @@ from typing import Any
 
 from slime_corr.correction.diagnostics import DiagnosticsResult
 from slime_corr.monitoring.keys import DIAG, with_prefix
-from slime_corr.rollout.sample import Sample
+from slime_corr.samples import Sample
 
 TEXT_CHARS = 120
 

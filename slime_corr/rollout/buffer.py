@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from slime_corr.rollout.sample import Sample
+from slime_corr.samples import Sample
 
 
 class BufferClosed(Exception):

@@ -51,8 +51,8 @@ from slime_corr.rollout.protocol import (
     build_generate_request,
     parse_generate_response,
 )
-from slime_corr.rollout.routing import RoutedExpertsSpec
 from slime_corr.rollout.weight_calls import WeightCalls
+from slime_corr.routed_experts import RoutedExpertsSpec
 
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 # Seconds an idle pooled connection is kept: below the 5 s after which SGLang's server (uvicorn,

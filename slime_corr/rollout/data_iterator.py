@@ -50,7 +50,7 @@ from slime_corr.layout.micro_batch import (
     packed_length,
 )
 from slime_corr.rollout.buffer import SampleBuffer
-from slime_corr.rollout.sample import Sample
+from slime_corr.samples import Sample
 
 
 @contextlib.contextmanager

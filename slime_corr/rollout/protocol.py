@@ -4,7 +4,7 @@ Everything a response must satisfy before its tokens reach a sample is checked h
 ``output_token_logprobs`` has one finite log-prob per output token with the same token id, the finish reason is
 one of stop / length / abort, and stream events are consistent with ``completion_tokens`` (which tells
 cumulative from incremental streaming). A violation raises :class:`ResponseError`. Routed experts (MoE, asked for
-with a :class:`~slime_corr.rollout.routing.RoutedExpertsSpec`) are decoded and checked by `rollout.routing`.
+with a :class:`~slime_corr.routed_experts.RoutedExpertsSpec`) are decoded and checked by `slime_corr.routed_experts`.
 
 Under top-p / top-k, a :class:`~slime_corr.rollout.nucleus.NucleusRequest` asks for the engine's top-N
 log-probs (`top_logprobs_num`); ``meta_info.output_top_logprobs`` (per output token N ``[logprob, token_id, text]``,
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from slime_corr.rollout.nucleus import NucleusRequest, engine_nucleus
-from slime_corr.rollout.routing import RoutedExpertsError, RoutedExpertsSpec, decode_routed_experts
+from slime_corr.routed_experts import RoutedExpertsError, RoutedExpertsSpec, decode_routed_experts
 
 # Keys of SGLang 0.5.23's SamplingParams schema; any other key makes the server answer 400.
 SAMPLING_KEYS = frozenset(
@@ -110,7 +110,7 @@ class GenerateOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     rid: str = ""
-    # [prompt_tokens + completion_tokens - 1, layers, top_k] (rollout.routing), when asked for and returned
+    # [prompt_tokens + completion_tokens - 1, layers, top_k] (slime_corr.routed_experts), when asked for and returned
     routed_experts: torch.Tensor | None = None
     # under a NucleusRequest: the engine's top-N log-probs and ids per output token, and its nucleus log-mass
     # log M_μ per output token (NaN where the nucleus does not fit in the N)

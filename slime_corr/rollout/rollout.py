@@ -32,9 +32,9 @@ from slime_corr.rollout.buffer import SampleBuffer
 from slime_corr.rollout.client import GenerationError, SGLangClient
 from slime_corr.rollout.nucleus import nucleus_request
 from slime_corr.rollout.protocol import sampling_mask_params
-from slime_corr.rollout.routing import RoutedExpertsSpec
-from slime_corr.rollout.sample import Sample, SampleStatus, SampleValidationError
 from slime_corr.rollout.sampling import mix_seed
+from slime_corr.routed_experts import RoutedExpertsSpec
+from slime_corr.samples import Sample, SampleStatus, SampleValidationError
 
 T = TypeVar("T")
 

@@ -22,7 +22,7 @@ import torch
 from slime_corr.device import current
 from slime_corr.errors import ConfigError
 from slime_corr.mcore.checkpoint import load_checkpoint, save_checkpoint
-from slime_corr.rollout.sample import Sample
+from slime_corr.samples import Sample
 from slime_corr.trainer.config import TrainerConfig
 
 

@@ -22,7 +22,7 @@ TP × CP × PP.
 Where it lives: this module holds the dataclass, its batch defaults, derived values, the checks of batches, the
 rollout loop (async, π_old) and `from_args`; `config_checks` the checks of the engines, the model, PP and packing,
 MoE routes, staleness and `--load` (a mixin) with the shared choices. Each field that is a flag carries its help
-(`slime_corr.flags.fields.flag`); `slime_corr.flags.trainer` adds them to a parser (`add_trainer_args`).
+(`slime_corr.fields.flag`); `slime_corr.flags.trainer` adds them to a parser (`add_trainer_args`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from slime_corr.correction.proximal import PROX_LOGP_METHODS
 from slime_corr.device import DEVICE_CHOICES, DEVICE_ENV, resolve
 from slime_corr.engines.router import router_available
 from slime_corr.errors import ConfigError, DeviceError
-from slime_corr.flags.fields import flag, flag_fields
+from slime_corr.fields import flag, flag_fields
 from slime_corr.mcore.model import TinyGPTArgs
 from slime_corr.mcore.nucleus import Truncation
 from slime_corr.mcore.precision import PrecisionConfig
@@ -46,8 +46,8 @@ from slime_corr.models.hf_checkpoint import CheckpointError
 from slime_corr.models.selection import ModelSource
 from slime_corr.rollout.nucleus import DEFAULT_NUCLEUS_LOGPROBS
 from slime_corr.rollout.protocol import sampling_mask_params
-from slime_corr.rollout.routing import RoutedExpertsSpec
 from slime_corr.rollout.weight_calls import WEIGHT_LOAD_S_PER_GB
+from slime_corr.routed_experts import RoutedExpertsSpec
 from slime_corr.trainer.config_checks import (  # noqa: F401  (the choices and defaults, importable from here too)
     CHAT_TEMPLATE_ALLOWANCE,
     DEFAULT_MICRO_BATCH_SIZE,

@@ -36,8 +36,8 @@ from slime_corr.layout.micro_batch import (
     packed_length,
     padding_sample,
 )
-from slime_corr.rollout.routing import RoutedExpertsSpec
-from slime_corr.rollout.sample import Sample
+from slime_corr.routed_experts import RoutedExpertsSpec
+from slime_corr.samples import Sample
 
 VERSION_PREFIX = "step-"
 

@@ -36,10 +36,10 @@ from slime_corr.rollout.rollout import (
     rollout_report,
     with_health_watch,
 )
-from slime_corr.rollout.sample import Sample
 from slime_corr.rollout.sampling import mix_seed
 from slime_corr.rollout.weight_calls import weight_call_timeout
 from slime_corr.rollout.weight_sync import DistributedWeightSync, SyncReport, sync_weights_from_disk
+from slime_corr.samples import Sample
 from slime_corr.trainer.config import TrainerConfig
 from slime_corr.trainer.data import VERSION_PREFIX, weight_version
 from slime_corr.trainer.task import TASKS, Response, encode_prompt

@@ -44,7 +44,7 @@ from slime_corr.monitoring.logger import MetricsLogger
 from slime_corr.monitoring.loss_scale import SKIPPED_KEY, SkippedSteps
 from slime_corr.monitoring.rollout_stats import rollout_metrics, step_sample_counts
 from slime_corr.monitoring.step_diagnostics import diagnostic_metrics, top_mismatch_records
-from slime_corr.rollout.sample import Sample, SampleStatus
+from slime_corr.samples import Sample, SampleStatus
 from slime_corr.trainer import interrupts
 from slime_corr.trainer.agreement import check_agreement
 from slime_corr.trainer.checkpoint import TrainState, load_train_state, save_train_state

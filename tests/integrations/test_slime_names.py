@@ -15,7 +15,7 @@ from slime_corr.monitoring.config import MonitoringConfig
 from slime_corr.monitoring.keys import loss_step_metrics
 from slime_corr.monitoring.logger import METRICS_FILE, MetricsLogger
 from slime_corr.monitoring.rollout_stats import rollout_metrics
-from slime_corr.rollout.sample import Sample, SampleStatus
+from slime_corr.samples import Sample, SampleStatus
 
 
 def _step_metrics() -> dict[str, float]:

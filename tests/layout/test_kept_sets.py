@@ -24,7 +24,7 @@ from slime_corr.layout.micro_batch import (
     empty_micro_batch,
     mask_not_trained,
 )
-from slime_corr.rollout.sample import Sample, SampleStatus, SampleValidationError
+from slime_corr.samples import Sample, SampleStatus, SampleValidationError
 
 V = 50
 

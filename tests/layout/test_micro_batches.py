@@ -27,7 +27,7 @@ from slime_corr.layout.micro_batch import (
     empty_micro_batch,
 )
 from slime_corr.ports import agent_store_environment, host_store
-from slime_corr.rollout.sample import Sample
+from slime_corr.samples import Sample
 
 
 def _s(prompt, resp, mask=None, reward=None, group=0, index=0):

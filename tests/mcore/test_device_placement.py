@@ -21,8 +21,8 @@ from slime_corr.engines.embedded.model import TorchEngineModel
 from slime_corr.mcore.loss_hook import RolloutCorrectionLoss, default_model_forward
 from slime_corr.mcore.model import TinyGPTArgs, build_tiny_gpt, single_rank_groups
 from slime_corr.mcore.params import full_named_tensors
-from slime_corr.rollout.sample import Sample, SampleStatus
 from slime_corr.rollout.weight_group import WeightUpdateGroup, make_buckets
+from slime_corr.samples import Sample, SampleStatus
 from slime_corr.trainer import update
 from slime_corr.trainer.data import build_micro_batches, rollout_shards
 from slime_corr.trainer.policy import WEIGHTS_FILE, EngineGPT

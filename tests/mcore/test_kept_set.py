@@ -21,7 +21,7 @@ from slime_corr.layout.micro_batch import build_micro_batch
 from slime_corr.mcore.kept_set import kept_token_log_softmax
 from slime_corr.mcore.nucleus import replayed_log_probs
 from slime_corr.mcore.truncated_logprobs import label_in_nucleus, truncated_token_log_softmax
-from slime_corr.rollout.sample import Sample
+from slime_corr.samples import Sample
 from tests.job_runner import spawn_processes
 
 pytestmark = pytest.mark.cost(15)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)

@@ -145,7 +145,7 @@ def _job_worker(rank: int, store: str, device_name: str, checkpoint: str) -> Non
     from slime_corr.mcore.model import TinyGPTArgs, build_tiny_gpt, single_rank_groups
     from slime_corr.mcore.parallel_groups import destroy_model_parallel_groups
     from slime_corr.mcore.params import full_named_tensors
-    from slime_corr.rollout.sample import Sample, SampleStatus
+    from slime_corr.samples import Sample, SampleStatus
     from slime_corr.trainer.data import build_micro_batches, rollout_shards
     from slime_corr.trainer.policy import EngineGPT, save_engine_gpt_checkpoint
     from slime_corr.trainer.update import Updater

@@ -86,7 +86,7 @@ def test_decoupled_loss_func_requires_old_log_probs():
 def _packed_and_padded(seed: int = 4):
     """The same samples as one packed micro-batch and as a padded one (batching's layouts), with logits."""
     from slime_corr.layout.micro_batch import build_micro_batch
-    from slime_corr.rollout.sample import Sample
+    from slime_corr.samples import Sample
 
     g = torch.Generator().manual_seed(seed)
     samples = []
@@ -139,7 +139,7 @@ def test_packed_batch_segments_are_the_thd_local_offsets():
     itself is compared with Megatron's own CP slicing in test_mcore_parallel.py (it needs a real CP group)."""
     from slime_corr.layout.micro_batch import build_micro_batch, cp_pad_multiple
     from slime_corr.mcore.context_parallel import batch_segments
-    from slime_corr.rollout.sample import Sample
+    from slime_corr.samples import Sample
 
     samples = [Sample(prompt_tokens=list(range(1, 1 + n)), index=i) for i, n in enumerate((5, 1, 12, 6))]
     for cp in (1, 2, 3):

@@ -19,7 +19,7 @@ from mcore_helpers import init_layout, run_in_process
 from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.rollout.buffer import SampleBuffer
 from slime_corr.rollout.data_iterator import BufferMicroBatchIterator, background_event_loop
-from slime_corr.rollout.sample import Sample, SampleStatus
+from slime_corr.samples import Sample, SampleStatus
 
 V = 16
 RESPONSES = [[5, 1], [2, 9], [14, 13], [1, 3], [4, 4], [7, 0]]  # per group of 2: an empty and a 1-token response

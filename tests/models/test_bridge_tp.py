@@ -71,7 +71,7 @@ def _pp2(rank: int, cases: list[str], root: str) -> None:
     from slime_corr.mcore.pipeline import forward_only
     from slime_corr.models import build_gpt_from_hf, load_hf_causal_lm
     from slime_corr.models.check import round_trip_mismatches
-    from slime_corr.rollout.sample import Sample
+    from slime_corr.samples import Sample
 
     ps.initialize_model_parallel(pipeline_model_parallel_size=2)
     groups = ParallelGroups.from_parallel_state()

@@ -24,7 +24,7 @@ from slime_corr.monitoring.progress import RolloutProgress
 from slime_corr.monitoring.recommend import PRESETS, Thresholds, recommend
 from slime_corr.monitoring.report import load_run
 from slime_corr.monitoring.report import main as report_main
-from slime_corr.rollout.sample import Sample, SampleStatus
+from slime_corr.samples import Sample, SampleStatus
 
 
 # ------------------------------------------------------------------------------------------------ flags

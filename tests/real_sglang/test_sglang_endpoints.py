@@ -31,8 +31,8 @@ from slime_corr.engines import sglang_server
 from slime_corr.ports import free_port
 from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.rollout import generate_sample
-from slime_corr.rollout.sample import Sample, SampleStatus
 from slime_corr.rollout.weight_sync import DistributedWeightSync
+from slime_corr.samples import Sample, SampleStatus
 
 pytestmark = pytest.mark.cost(150)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 

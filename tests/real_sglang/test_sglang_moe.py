@@ -18,8 +18,8 @@ from slime_corr.models.hf_checkpoint import load_hf_causal_lm
 from slime_corr.models.tiny_moe import TinyMoEArgs, hf_router_logits, make_tiny_moe_checkpoint, topk_routes
 from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.rollout import generate_sample
-from slime_corr.rollout.routing import RoutedExpertsSpec
-from slime_corr.rollout.sample import Sample, SampleStatus
+from slime_corr.routed_experts import RoutedExpertsSpec
+from slime_corr.samples import Sample, SampleStatus
 
 pytestmark = pytest.mark.cost(90)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 

@@ -16,7 +16,7 @@ from sglang_helpers import ServerSpec, teacher_forced
 from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.nucleus import NucleusRequest
 from slime_corr.rollout.rollout import generate_sample
-from slime_corr.rollout.sample import Sample, SampleStatus
+from slime_corr.samples import Sample, SampleStatus
 
 pytestmark = pytest.mark.cost(20)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 

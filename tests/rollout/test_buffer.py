@@ -10,7 +10,7 @@ import pytest
 from slime_corr.rollout.buffer import BufferClosed, SampleBuffer
 from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.rollout import generate_group_samples
-from slime_corr.rollout.sample import Sample
+from slime_corr.samples import Sample
 
 
 def _s(i: int) -> Sample:

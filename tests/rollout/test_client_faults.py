@@ -16,7 +16,7 @@ from slime_corr.rollout.buffer import SampleBuffer
 from slime_corr.rollout.client import GenerationError, RetryPolicy, SGLangClient
 from slime_corr.rollout.control import ControlError
 from slime_corr.rollout.rollout import generate_group_samples
-from slime_corr.rollout.sample import SampleStatus
+from slime_corr.samples import SampleStatus
 
 from .fault_server import CODE, closed_port_url, good_output, run_fault_server
 

@@ -14,7 +14,7 @@ from slime_corr.rollout.buffer import SampleBuffer
 from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.data_iterator import BufferMicroBatchIterator, background_event_loop
 from slime_corr.rollout.rollout import generate_group_samples
-from slime_corr.rollout.sample import Sample, SampleStatus
+from slime_corr.samples import Sample, SampleStatus
 
 PROMPTS = [list(b"Count: "), list(b"Say hi: "), list(b"Spell it: "), list(b"x = ")]
 GROUP = 2

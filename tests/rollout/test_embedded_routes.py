@@ -34,8 +34,8 @@ from slime_corr.models.tiny_moe import TinyMoEArgs, make_tiny_moe_checkpoint
 from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.protocol import ResponseError, StreamAccumulator, parse_generate_response
 from slime_corr.rollout.rollout import PausePolicy, generate_sample
-from slime_corr.rollout.routing import RoutedExpertsSpec, decode_routed_experts
-from slime_corr.rollout.sample import Sample, SampleStatus
+from slime_corr.routed_experts import RoutedExpertsSpec, decode_routed_experts
+from slime_corr.samples import Sample, SampleStatus
 
 from .engine_helpers import wait_tokens
 

@@ -15,7 +15,7 @@ from slime_corr.engines.embedded.model import load_tiny_lm, teacher_forced_logpr
 from slime_corr.engines.group import spawn_local_engine, start_engine_group, use_router
 from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.rollout import generate_group_samples, rollout_report
-from slime_corr.rollout.sample import SampleStatus
+from slime_corr.samples import SampleStatus
 
 from .conftest import require_router
 from .test_router import router_json

@@ -27,7 +27,7 @@ from slime_corr.rollout.protocol import (
     sampling_mask_params,
 )
 from slime_corr.rollout.rollout import PausePolicy, generate_sample
-from slime_corr.rollout.sample import Sample, SampleStatus
+from slime_corr.samples import Sample, SampleStatus
 
 from .engine_helpers import wait_tokens
 

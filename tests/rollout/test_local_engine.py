@@ -22,7 +22,7 @@ from slime_corr.engines.embedded.model import (
 from slime_corr.engines.embedded.sampling import sample_next_token
 from slime_corr.rollout.client import GenerationError, SGLangClient
 from slime_corr.rollout.rollout import generate_sample
-from slime_corr.rollout.sample import Sample, SampleStatus
+from slime_corr.samples import Sample, SampleStatus
 
 PROMPT = [72, 101, 108, 108, 111, 32]
 

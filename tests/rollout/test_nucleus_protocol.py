@@ -28,7 +28,7 @@ from slime_corr.rollout.protocol import (
     parse_generate_response,
 )
 from slime_corr.rollout.rollout import generate_sample
-from slime_corr.rollout.sample import Sample, SampleValidationError
+from slime_corr.samples import Sample, SampleValidationError
 
 STOP = {"type": "stop", "matched": 3}
 # three positions of a 6-token vocabulary: (sampled token, the distribution)

@@ -11,7 +11,7 @@ from slime_corr.engines.embedded.engine import start_local_engine
 from slime_corr.engines.embedded.model import load_tiny_lm, teacher_forced_logprobs
 from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.rollout import PausePolicy, generate_sample
-from slime_corr.rollout.sample import Sample, SampleStatus
+from slime_corr.samples import Sample, SampleStatus
 
 from .engine_helpers import wait_tokens
 

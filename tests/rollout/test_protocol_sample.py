@@ -14,7 +14,7 @@ from slime_corr.rollout.protocol import (
     build_generate_request,
     parse_generate_response,
 )
-from slime_corr.rollout.sample import Sample, SampleStatus, SampleValidationError
+from slime_corr.samples import Sample, SampleStatus, SampleValidationError
 
 
 def _ev(ids, lps, total=None, finish=None):

@@ -13,7 +13,7 @@ import pytest
 from slime_corr.rollout.client import RetryPolicy, SGLangClient, failure_kind
 from slime_corr.rollout.control import ControlPlane, EnginesDownError
 from slime_corr.rollout.rollout import RolloutFailedError, generate_group_samples, with_health_watch
-from slime_corr.rollout.sample import SampleStatus
+from slime_corr.samples import SampleStatus
 
 from .fault_server import closed_port_url, run_fault_server
 

@@ -21,14 +21,14 @@ from slime_corr.rollout.protocol import (
     parse_generate_response,
 )
 from slime_corr.rollout.rollout import generate_sample
-from slime_corr.rollout.routing import (
+from slime_corr.routed_experts import (
     RoutedExpertsError,
     RoutedExpertsSpec,
     decode_routed_experts,
     encode_routed_experts,
     extend_routes,
 )
-from slime_corr.rollout.sample import Sample, SampleStatus, SampleValidationError
+from slime_corr.samples import Sample, SampleStatus, SampleValidationError
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "sglang_moe_routed_experts.json").read_text())
 SPEC = RoutedExpertsSpec(num_layers=2, top_k=2, num_experts=8)  # the recorded tiny Qwen3-MoE

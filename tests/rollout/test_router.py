@@ -25,7 +25,7 @@ from slime_corr.ports import free_port
 from slime_corr.rollout.client import GenerationError, RetryPolicy, SGLangClient
 from slime_corr.rollout.control import ControlError
 from slime_corr.rollout.rollout import PausePolicy, generate_sample
-from slime_corr.rollout.sample import Sample, SampleStatus
+from slime_corr.samples import Sample, SampleStatus
 
 from .conftest import require_router
 from .fault_server import run_fault_server

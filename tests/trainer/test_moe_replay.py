@@ -26,7 +26,7 @@ import torch
 
 from slime_corr.config import ConfigError, RolloutCorrectionConfig
 from slime_corr.models.selection import TINY_MOE, ModelSource
-from slime_corr.rollout.sample import Sample, SampleStatus
+from slime_corr.samples import Sample, SampleStatus
 from slime_corr.trainer.config import TrainerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mcore"))  # mcore_helpers
@@ -83,7 +83,7 @@ def test_route_filler_and_metric_keys():
     """Samples without routes get filler routes (experts 0..k-1) unless they are trained; the routing keys of the
     loss's report are logged under diag/."""
     from slime_corr.monitoring.keys import loss_step_metrics
-    from slime_corr.rollout.routing import RoutedExpertsSpec
+    from slime_corr.routed_experts import RoutedExpertsSpec
     from slime_corr.trainer.data import _with_routes
 
     spec = RoutedExpertsSpec(2, 2, 8)

@@ -23,7 +23,7 @@ import json
 import pytest
 
 from slime_corr.errors import ConfigError
-from slime_corr.rollout.sample import Sample
+from slime_corr.samples import Sample
 from slime_corr.trainer.config import TrainerConfig
 from slime_corr.trainer.data import mask_offpolicy_tokens, mask_stale_tokens
 from tests.trainer.test_trainer_launch import compared, launch

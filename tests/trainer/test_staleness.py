@@ -18,7 +18,7 @@ import json
 
 import pytest
 
-from slime_corr.rollout.sample import Sample, SampleStatus
+from slime_corr.samples import Sample, SampleStatus
 from slime_corr.trainer.config import TrainerConfig
 from slime_corr.trainer.data import oldest_version_step, stale_samples
 from tests.trainer.test_trainer_launch import compared, launch

@@ -20,7 +20,7 @@ from slime_corr.layout.groups import group_advantages, grpo_advantages
 from slime_corr.loss_terms import LossTermsConfig
 from slime_corr.losses import KL_ESTIMATORS, compute_policy_loss
 from slime_corr.main import main
-from slime_corr.rollout.sample import Sample, SampleStatus
+from slime_corr.samples import Sample, SampleStatus
 from slime_corr.trainer.config import TrainerConfig
 from slime_corr.trainer.data import (
     RankShard,

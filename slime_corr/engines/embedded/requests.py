@@ -19,7 +19,7 @@ from slime_corr.engines.embedded.model import EngineModel, Tokenizer
 from slime_corr.engines.embedded.routes import check_start_len
 from slime_corr.engines.embedded.sampling import request_seed
 from slime_corr.rollout.protocol import SAMPLING_KEYS, SAMPLING_MASK_MAX_TOKENS
-from slime_corr.rollout.routing import encode_routed_experts
+from slime_corr.routed_experts import encode_routed_experts
 
 # Accepted by the schema but not implemented by this engine: a request using them gets a 400, never a silent no-op.
 _UNSUPPORTED = ("stop_regex", "json_schema", "regex", "ebnf", "structural_tag", "beam_width", "watermark", "choice")

@@ -8,7 +8,7 @@ from enum import StrEnum
 
 import torch
 
-from slime_corr.rollout.routing import extend_routes
+from slime_corr.routed_experts import extend_routes
 
 
 class SampleStatus(StrEnum):
@@ -34,7 +34,7 @@ class Sample:
     other-turn tokens spliced into the response. ``weight_versions`` lists ``(version, start, end)``
     spans over response positions when generation was resumed across a weight update.
     ``routed_experts`` (MoE, when asked for): the engine's expert ids ``[rows, layers, top_k]`` (uint8 or int16,
-    ``rollout.routing``) of the sequence's tokens ``prompt + response`` from the first on; ``rows`` is
+    ``slime_corr.routed_experts``) of the sequence's tokens ``prompt + response`` from the first on; ``rows`` is
     ``total_length - 1`` once the last segment was generated (the last token was never a forward's input), fewer
     while spliced tool tokens wait for the next request to route them.
     ``rollout_nucleus_log_mass`` (top-p / top-k with the engine's top-N log-probs asked for): the engine's nucleus
@@ -183,7 +183,7 @@ class Sample:
 
         ``spans``: the server's per-token weight versions for this segment (relative positions), when the
         weights changed during it (an in-place pause); otherwise the whole segment gets ``weight_version``.
-        ``routed_experts``: the response's routes over its whole request (``routing.extend_routes``).
+        ``routed_experts``: the response's routes over its whole request (``routed_experts.extend_routes``).
         ``nucleus_log_mass``: the engine's nucleus log-mass of each token (NaN: unknown); a segment without it
         extends ``rollout_nucleus_log_mass`` with NaN once a segment had it (and the other way round).
         ``kept_ids`` / ``kept_log_probs``: each token's kept set and the engine's log-probs of it (SGLang's sampling
