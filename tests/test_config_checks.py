@@ -8,6 +8,7 @@ import pytest
 
 from slime_corr import config_checks
 from slime_corr.config import FIELD_KINDS, ConfigError, RolloutCorrectionConfig
+from slime_corr.trainer import config_checks as trainer_checks
 
 
 def test_a_check_runs_alone_on_what_it_reads():
@@ -35,3 +36,11 @@ def test_the_choices_and_kinds_come_from_the_annotations():
     assert FIELD_KINDS["use_tis"] == "bool" and FIELD_KINDS["tis_mode"] == "str" and FIELD_KINDS["rs_agg"] == "str?"
     assert FIELD_KINDS["eps_clip"] == "float" and FIELD_KINDS["tis_upper_bound"] == "float?"
     assert FIELD_KINDS["custom_config_path"] == "str?"
+
+
+def test_a_trainer_check_runs_alone_on_what_it_reads():
+    """The trainer's checks are functions of its config too (`slime_corr.trainer.config_checks`)."""
+    addresses = {"rollout_weight_sync": "disk", "sglang_url": (), "rollout_engine": "sglang", "work_dir": None}
+    with pytest.raises(ConfigError, match="--update-weight-master-address '10.0.0.1' is only used by"):
+        trainer_checks.check_addresses(SimpleNamespace(update_weight_master_address="10.0.0.1", **addresses))
+    trainer_checks.check_addresses(SimpleNamespace(update_weight_master_address=None, **addresses))

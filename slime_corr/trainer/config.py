@@ -21,7 +21,7 @@ TP × CP × PP.
 
 Where it lives: this module holds the dataclass, its batch defaults, derived values, the checks of batches, the
 rollout loop (async, π_old) and `from_args`; `config_checks` the checks of the engines, the model, PP and packing,
-MoE routes, staleness and `--load` (a mixin) with the shared choices. Each field that is a flag carries its help
+MoE routes, staleness and `--load` (functions of the config) with the shared choices. Each field that is a flag carries its help
 (`slime_corr.fields.flag`); `slime_corr.flags.trainer` adds them to a parser (`add_trainer_args`).
 """
 
@@ -63,7 +63,14 @@ from slime_corr.trainer.config_checks import (  # noqa: F401  (the choices and d
     STALENESS_POLICIES,
     TINY_MOE_LR,
     WEIGHT_SYNC_MODES,
-    TrainerConfigChecks,
+    check_engine,
+    check_load,
+    check_pipeline_and_packing,
+    check_precision,
+    check_pretrained,
+    check_routing,
+    check_staleness,
+    check_tiny_model,
     check_writable_dir,
     flag_name,
 )
@@ -71,7 +78,7 @@ from slime_corr.trainer.task import TASKS
 
 
 @dataclass(frozen=True)
-class TrainerConfig(TrainerConfigChecks):
+class TrainerConfig:
     """What the trainer runs. Field names are the flag names with `-` replaced by `_` (`sglang_url` is a tuple)."""
 
     # where it computes (slime_corr.device: None = $SLIME_CORR_DEVICE, else auto) and parallelism (Megatron)
@@ -444,22 +451,22 @@ class TrainerConfig(TrainerConfigChecks):
                 check_writable_dir(f"--{flag_name(name)}", getattr(self, name))
         if self.sglang_url and self.rollout_num_engines != 1:
             fail("--rollout-num-engines starts engines; with --sglang-url the engines are yours: drop one.")
-        self._check_engine()
-        self._check_precision()
+        check_engine(self)
+        check_precision(self)
         if self.task not in TASKS:
             fail(f"--task {self.task!r} is not one of {', '.join(TASKS)}.")
         if self.model_source.is_pretrained:
-            self._check_pretrained()
+            check_pretrained(self)
         else:
-            self._check_tiny_model()
-        self._check_pipeline_and_packing()
-        self._check_routing()
+            check_tiny_model(self)
+        check_pipeline_and_packing(self)
+        check_routing(self)
         if self.save_interval is not None:
             if self.save_interval < 1:
                 fail(f"--save-interval {self.save_interval} must be >= 1 (rollouts between checkpoints).")
             if not self.save:
                 fail("--save-interval needs --save DIR (where the checkpoints go).")
-        self._check_staleness()
+        check_staleness(self)
         if self.prox_logp_method not in PROX_LOGP_METHODS:
             fail(f"--prox-logp-method {self.prox_logp_method!r} is not one of {', '.join(PROX_LOGP_METHODS)}.")
         if not isinstance(self.prox_logp_error_interval, int) or self.prox_logp_error_interval < 0:
@@ -468,7 +475,7 @@ class TrainerConfig(TrainerConfigChecks):
         if self.ckpt_step is not None and not self.load:
             fail("--ckpt-step selects a checkpoint of --load DIR: add --load.")
         if self.load:
-            self._check_load()
+            check_load(self)
 
     @property
     def staleness_bound(self) -> int:
