@@ -62,10 +62,11 @@ reference's, slime_corr.mcore.policy_log_probs; the bypass pre-pass) run through
 `train_step` / `prepare_step` work at any PP size; inside `pretrain()` a step that needs one fails with the fix.
 
 Where it lives: this module holds the hook's state, the Megatron hooks (`forward_step`, `next_micro_batch`,
-`loss_func`: everything one loss call does), the step's metrics and `train_step`. Two mixins hold the rest:
-`PolicyLogProbs` (slime_corr.mcore.policy_log_probs: `log_probs` from logits, the forward-only passes for lp_old and
-the reference, loglinear π_old) and `StepPrepass` (slime_corr.mcore.step_prepass: `prepare_step`, the step's mean and
-budgeted bounds, `kept_sequences`, `can_stream`).
+`loss_func`: everything one loss call does), the step's metrics and `train_step`. The hook holds two parts that do
+the rest, each usable alone: `hook.policy`, a `PolicyLogProbs` (slime_corr.mcore.policy_log_probs: `log_probs` from
+logits, the forward-only passes for lp_old and the reference, loglinear π_old), and `hook.prepass`, a `StepPrepass`
+(slime_corr.mcore.step_prepass: `prepare_step`, the step's mean and budgeted bounds, `kept_sequences`, `can_stream`).
+The hook's methods and properties of the same names hand over to them.
 """
 
 from __future__ import annotations
@@ -80,7 +81,6 @@ from torch import Tensor
 from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.correction import metrics_to_host
 from slime_corr.correction.diagnostics import DiagnosticsResult, MismatchDiagnostics, response_positions
-from slime_corr.correction.proximal import check_prox_logp_method
 from slime_corr.layout.context_parallel import is_packed, seq_length_for_norm
 from slime_corr.layout.kept_sets import check_trained_tokens_have_kept_sets, has_kept_sets
 from slime_corr.loss_terms import LossTermsConfig
@@ -99,8 +99,8 @@ from slime_corr.mcore.nucleus import (
 )
 from slime_corr.mcore.per_token_loss import check_model_config, check_per_token_loss, guard_loss
 from slime_corr.mcore.pipeline import MicroBatches, run_schedule
-from slime_corr.mcore.policy_log_probs import PolicyLogProbs
-from slime_corr.mcore.rollout_steps import pop_step
+from slime_corr.mcore.policy_log_probs import ModelForward, PolicyLogProbs
+from slime_corr.mcore.rollout_steps import RolloutStep, pop_step
 from slime_corr.mcore.routing import TRAINER_ROUTES_KEY, routing_report, stage_routing_reports
 from slime_corr.mcore.step_metrics import (
     ADVANTAGE_COUNT,
@@ -110,8 +110,6 @@ from slime_corr.mcore.step_metrics import (
     reduce_reports,
 )
 from slime_corr.mcore.step_prepass import PRECOMPUTED_CORRECTION, STEP_BOUNDS, StepPrepass
-
-ModelForward = Callable[[torch.nn.Module, dict[str, Tensor]], Tensor]
 
 
 def default_model_forward(model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
@@ -126,7 +124,7 @@ def default_model_forward(model: torch.nn.Module, batch: dict[str, Tensor]) -> T
     )
 
 
-class RolloutCorrectionLoss(StepPrepass, PolicyLogProbs):
+class RolloutCorrectionLoss:
     """`forward_step` / `loss_func` for Megatron's schedules, built from a `RolloutCorrectionConfig`.
 
     `groups`: explicit process groups; by default read from `megatron.core.parallel_state` at each call.
@@ -153,6 +151,9 @@ class RolloutCorrectionLoss(StepPrepass, PolicyLogProbs):
     `measure_prox_error` set for a rollout, lp_old is also recomputed and the step logs
     `prox_logp_abs_error_mean` / `_max` of the approximation against it). `on_rollout_prepared(micro_batches)`: called once per rollout after its forward-only
     pass (lp_old / reference log-probs), before any of its micro-batches is trained.
+
+    Its parts: `policy` (`PolicyLogProbs`: the log-probs, from logits and by forward-only passes) and `prepass`
+    (`StepPrepass`: the step's pre-pass, over `policy`).
     """
 
     def __init__(
@@ -175,53 +176,97 @@ class RolloutCorrectionLoss(StepPrepass, PolicyLogProbs):
         prox_logp_method: str = "recompute",
     ) -> None:
         self.config = config
-        self.prox_logp_method = check_prox_logp_method(prox_logp_method, config,
-                                                       truncation is not None and truncation.active)
-        self.measure_prox_error = False  # loglinear: also recompute lp_old in this rollout and log the error
-        self._prox_error: Tensor | None = None
-        self.temperature = temperature
-        self.truncation = truncation or Truncation()
-        self.chunk_size = chunk_size
-        self._groups = groups
-        self.model_forward = model_forward
-        self.loss_terms = loss_terms or LossTermsConfig()
-        if self.loss_terms.uses_reference and ref_model is None:
+        self.policy = PolicyLogProbs(
+            config, model_forward=model_forward, groups=groups, temperature=temperature, truncation=truncation,
+            chunk_size=chunk_size, compute_entropy=compute_entropy, loss_terms=loss_terms, ref_model=ref_model,
+            prox_logp_method=prox_logp_method, on_rollout_prepared=on_rollout_prepared)
+        if self.policy.loss_terms.uses_reference and ref_model is None:
             raise ValueError("RolloutCorrectionLoss: --use-kl-loss / --kl-loss-coef need ref_model (the frozen "
                              "reference policy).")
-        self.ref_model = ref_model
-        self.compute_entropy = compute_entropy or self.loss_terms.uses_entropy
+        self.prepass = StepPrepass(config, self.policy)
         self.diagnostics = MismatchDiagnostics(diagnostics_top_k) if diagnostics_top_k is not None else None
         self.last_diagnostics = DiagnosticsResult()
-        self.on_rollout_prepared = on_rollout_prepared
         self.keep_outputs = keep_outputs
         self.on_step_metrics = on_step_metrics
         self.seq_length_for_norm = seq_length_for_norm
         self.outputs: list[Any] = []
-        self.step_batch_norm_mean: Tensor | None = None  # set by `prepare_step`
         self.step_stats = StepStatistics()
         self.last_step_metrics: dict[str, float] = {}
         self._stage_routed: list[dict[str, Any]] = []  # PP + MoE: this step's micro-batches with routes to merge
 
-    # ------------------------------------------------------------------ properties
+    # ------------------------------------------------------------------ the parts' settings and state
     @property
     def groups(self) -> ParallelGroups:
-        return self._groups if self._groups is not None else ParallelGroups.current()
+        """The process groups given, else `megatron.core.parallel_state`'s, read at each call."""
+        return self.policy.groups
+
+    @property
+    def model_forward(self) -> ModelForward:
+        """How the model runs: `model_forward(model, batch) -> logits`."""
+        return self.policy.model_forward
 
     @property
     def needs_old_log_probs(self) -> bool:
         """Decoupled mode: lp_old must be recomputed before the update (bypass/REINFORCE need no extra pass)."""
-        return not self.config.use_rollout_logprobs
-
-    @property
-    def budgeted(self) -> bool:
-        """`--rs-divergence-budget` / `--tis-ess-target`: bounds set per optimizer step from its statistics."""
-        cfg = self.config
-        return cfg.use_rollout_correction and (cfg.rs_divergence_budget is not None or cfg.tis_ess_target is not None)
+        return self.policy.needs_old_log_probs
 
     @property
     def needs_ref_log_probs(self) -> bool:
         """A KL term: the reference policy's log-probs are computed in the forward-only pass."""
-        return self.loss_terms.uses_reference
+        return self.policy.needs_ref_log_probs
+
+    @property
+    def budgeted(self) -> bool:
+        """`--rs-divergence-budget` / `--tis-ess-target`: bounds set per optimizer step from its statistics."""
+        return self.prepass.budgeted
+
+    @property
+    def measure_prox_error(self) -> bool:
+        """Loglinear π_old: also recompute lp_old in this rollout and log the approximation's error."""
+        return self.policy.measure_prox_error
+
+    @measure_prox_error.setter
+    def measure_prox_error(self, value: bool) -> None:
+        self.policy.measure_prox_error = value
+
+    @property
+    def step_batch_norm_mean(self) -> Tensor | None:
+        """The step's `--tis-batch-normalize` mean, set by `prepare_step` (None: each micro-batch's own)."""
+        return self.prepass.step_batch_norm_mean
+
+    # ------------------------------------------------------------------ the parts' calls
+    def log_probs(self, logits: Tensor, labels: Tensor, with_entropy: bool | None = None
+                  ) -> tuple[Tensor, Tensor | None]:
+        """(log π(labels), entropy or None) from vocab-parallel logits: `PolicyLogProbs.log_probs`."""
+        return self.policy.log_probs(logits, labels, with_entropy)
+
+    def compute_old_log_probs(self, model: torch.nn.Module, micro_batches: Sequence[dict[str, Tensor]]) -> list[Tensor]:
+        """Decoupled mode: lp_old of every micro-batch, stored in it: `PolicyLogProbs.compute_old_log_probs`."""
+        return self.policy.compute_old_log_probs(model, micro_batches)
+
+    def prepare_rollout(self, model: torch.nn.Module, micro_batches: Sequence[dict[str, Tensor]]) -> None:
+        """Before a rollout's first update, the forward-only passes for lp_old and the reference's log-probs:
+        `PolicyLogProbs.prepare_rollout`."""
+        self.policy.prepare_rollout(model, micro_batches)
+
+    def prepare_step(self, model: torch.nn.Module, micro_batches: Sequence[dict[str, Tensor]], *,
+                     recompute_old_log_probs: bool = True) -> None:
+        """Before a step's training pass: its log-probs, normalization mean and budgeted bounds:
+        `StepPrepass.prepare_step`."""
+        self.prepass.prepare_step(model, micro_batches, recompute_old_log_probs=recompute_old_log_probs)
+
+    def kept_sequences(self, batch: dict[str, Tensor]) -> Tensor:
+        """[n] bool: the sequences of a prepared micro-batch that keep a token in the loss:
+        `StepPrepass.kept_sequences`."""
+        return self.prepass.kept_sequences(batch)
+
+    def set_step_bounds(self, micro_batches: Sequence[dict[str, Tensor]]) -> None:
+        """Decoupled mode: the step's budgeted bounds, stored in each micro-batch: `StepPrepass.set_step_bounds`."""
+        self.prepass.set_step_bounds(micro_batches)
+
+    def can_stream(self, num_micro_batches: int) -> bool:
+        """Whether `train_step` can read the micro-batches once, as a stream: `StepPrepass.can_stream`."""
+        return self.prepass.can_stream(num_micro_batches)
 
     # ------------------------------------------------------------------ Megatron hooks
     def forward_step(self, data_iterator: Iterator[dict[str, Tensor]], model: torch.nn.Module):
@@ -252,6 +297,21 @@ class RolloutCorrectionLoss(StepPrepass, PolicyLogProbs):
             self._start_step(step, model)
         return batch
 
+    def _start_step(self, step: RolloutStep, model: torch.nn.Module) -> None:
+        """A `RolloutStepIterator` step read from inside Megatron's schedule: refused under PP when it needs a pass
+        first; else the previous step's metrics finalized, lp_old for a new rollout, the step's pre-pass."""
+        self.prepass.check_inside_schedule(step)
+        if not self.step_stats.empty:
+            self.last_step_metrics = self.pop_step_metrics()
+            if self.on_step_metrics is not None:
+                self.on_step_metrics(self.last_step_metrics)
+        rollout = step.rollout
+        if not rollout.old_log_probs_ready:
+            self.policy.prepare_rollout(model, rollout.micro_batches)
+            rollout.old_log_probs_ready = True
+        self.prepass.prepare_step(model, step.micro_batches, recompute_old_log_probs=False)
+        step.prepared = True
+
     def loss_func(
         self, batch: dict[str, Tensor], logits: Tensor, model: Any = None
     ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
@@ -267,31 +327,32 @@ class RolloutCorrectionLoss(StepPrepass, PolicyLogProbs):
         elif (args := megatron_lm_args()) is not None:
             check_per_token_loss(getattr(args, "calculate_per_token_loss", None), "Megatron-LM's arguments")
         cfg = self.config
-        groups = self.groups
+        policy = self.policy
+        groups = policy.groups
         nucleus = kl_log_probs = None
         replay = has_kept_sets(batch)
         if replay:  # the engine's kept sets: the policy term over them, the KL / entropy over the full distribution
             check_trained_tokens_have_kept_sets(batch)
-            replayed = self._replayed(logits, batch, self.compute_entropy, full_grad=self.needs_ref_log_probs,
-                                      trainer_nucleus=not self.needs_old_log_probs)
+            replayed = policy.replayed(logits, batch, policy.compute_entropy, full_grad=self.needs_ref_log_probs,
+                                       trainer_nucleus=not self.needs_old_log_probs)
             nucleus = replayed.nucleus
             log_probs, entropy = nucleus.log_probs, nucleus.entropy
             kl_log_probs = replayed.full_log_probs if self.needs_ref_log_probs else None
             if not self.needs_old_log_probs:  # bypass: renormalized with the policy being trained
                 renormalize_batch(batch, nucleus)
                 store_replay_metrics(batch, replayed)
-        elif self.truncation.active:
-            nucleus = self._nucleus(logits, batch["labels"], self.compute_entropy)
+        elif policy.truncation.active:
+            nucleus = policy.nucleus(logits, batch["labels"], policy.compute_entropy)
             log_probs, entropy = nucleus.log_probs, nucleus.entropy
             if not self.needs_old_log_probs:  # bypass: renormalized to the nucleus of the policy being trained
                 renormalize_batch(batch, nucleus)
         else:
-            log_probs, entropy = self.log_probs(logits, batch["labels"])
+            log_probs, entropy = policy.log_probs(logits, batch["labels"])
         old = None
         if self.needs_old_log_probs:
             old = batch.get("old_log_probs")
-            if self.prox_logp_method == "loglinear":
-                old = self._loglinear_old(batch, log_probs, old)
+            if policy.prox_logp_method == "loglinear":
+                old = policy.loglinear_old(batch, log_probs, old)
             if old is None:
                 raise KeyError(
                     "decoupled mode needs batch['old_log_probs']: read the micro-batches of a RolloutStepIterator "
@@ -319,12 +380,12 @@ class RolloutCorrectionLoss(StepPrepass, PolicyLogProbs):
             cp_group=groups.cp,
             dp_group=groups.dp,
             seq_length_for_norm=self._seq_length_for_norm(batch, groups),
-            batch_norm_mean=self.step_batch_norm_mean if precomputed is None else None,
+            batch_norm_mean=self.prepass.step_batch_norm_mean if precomputed is None else None,
             correction=precomputed,
             step_bounds=batch.get(STEP_BOUNDS) if precomputed is None else None,
             finalize_metrics=False,  # the step's metrics are finalized once, from the merged statistics
             segments=segments,
-            loss_terms=self.loss_terms,
+            loss_terms=policy.loss_terms,
             ref_log_probs=ref,
             entropy=entropy,
             kl_log_probs=kl_log_probs,
@@ -346,7 +407,7 @@ class RolloutCorrectionLoss(StepPrepass, PolicyLogProbs):
         if nucleus is not None:
             report.update(nucleus_report(batch, old if old is not None else log_probs))
         if replay:
-            report.update(kept_set_report(batch, self.truncation.active))
+            report.update(kept_set_report(batch, policy.truncation.active))
         report.update(routing_report(batch, log_probs, groups))  # MoE: trainer vs engine routes ({} otherwise)
         return guard_loss(out.loss_sum), count, report
 
@@ -405,7 +466,7 @@ class RolloutCorrectionLoss(StepPrepass, PolicyLogProbs):
         out = {k: v[0] / v[1] if v.numel() == 2 else v for k, v in totals.items()}
         out["loss"] = out["pg_loss"]
         out["loss_denominator"] = totals["pg_loss"][1].round()  # counts are integers; 0 was clamped to 1e-30
-        out.update(self._pop_prox_error(out["loss"]))
+        out.update(self.policy.pop_prox_error(out["loss"]))
         out.update(self.step_stats.pop(self.config))
         for count, fraction in COUNT_FRACTIONS.items():  # over DP×CP (the step statistics' counts are this rank's)
             if fraction in totals:
@@ -452,7 +513,7 @@ class RolloutCorrectionLoss(StepPrepass, PolicyLogProbs):
             if self._stage_routed:
                 stage_routing_reports(self._stage_routed, losses, self.groups)
         finally:
-            self.step_batch_norm_mean = None
+            self.prepass.step_batch_norm_mean = None
             self._stage_routed.clear()
         return self.reduce_step_metrics(losses)
 

@@ -6,11 +6,11 @@ mean and the budgeted bounds (`--rs-divergence-budget`, `--tis-ess-target`: one 
 `correction.budget.StepBounds`), from a pre-pass over the step's micro-batches (`prepare_step`; decoupled mode reuses
 lp_old and hands the training pass its corrections, `PRECOMPUTED_CORRECTION`; bypass mode, which has no lp_old, pays
 one forward-only pass, and only when one of these is on with more than one micro-batch). `kept_sequences` and
-`set_step_bounds` serve the trainer's baselines before a step; `_start_step` prepares a `RolloutStepIterator` step
-from inside Megatron's schedule (`next_micro_batch`).
+`set_step_bounds` serve the trainer's baselines before a step; `check_inside_schedule` refuses a
+`RolloutStepIterator` step that needs a pass which cannot start from inside Megatron's running schedule.
 
-`StepPrepass` is a mixin of `RolloutCorrectionLoss`: it reads the hook's `config`, `groups`, `budgeted`,
-`needs_old_log_probs` / `needs_ref_log_probs` and its forward-only passes (slime_corr.mcore.policy_log_probs).
+`RolloutCorrectionLoss` holds one `StepPrepass` as `hook.prepass`, over its `PolicyLogProbs` (`hook.policy`, whose
+forward-only passes, process groups and modes it uses); it also works alone, given a config and a `PolicyLogProbs`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.correction import (
+    CorrectionResult,
     StepBounds,
     compute_rollout_correction,
     merge_stats,
@@ -29,6 +31,7 @@ from slime_corr.correction import (
 )
 from slime_corr.correction.reductions import active_groups
 from slime_corr.mcore.context_parallel import batch_segments
+from slime_corr.mcore.policy_log_probs import PolicyLogProbs
 from slime_corr.mcore.rollout_steps import RolloutStep
 
 # A micro-batch's correction computed by the decoupled normalization pre-pass (lp_train = lp_old, so the training
@@ -40,13 +43,28 @@ STEP_BOUNDS = "_rollout_correction_step_bounds"
 
 
 class StepPrepass:
-    """`prepare_step` and what it needs (the step's normalization mean and budgeted bounds); see the module doc."""
+    """`prepare_step` and what it needs (the step's normalization mean and budgeted bounds); see the module doc.
+    `policy`: the log-probs (lp_old, the reference's, a bypass pass's) and the process groups."""
 
-    def _start_step(self, step: RolloutStep, model: torch.nn.Module) -> None:
-        needs_rollout_pass = (self.needs_old_log_probs or self.needs_ref_log_probs) and not \
+    def __init__(self, config: RolloutCorrectionConfig, policy: PolicyLogProbs) -> None:
+        self.config = config
+        self.policy = policy
+        self.step_batch_norm_mean: Tensor | None = None  # set by `prepare_step`
+
+    @property
+    def budgeted(self) -> bool:
+        """`--rs-divergence-budget` / `--tis-ess-target`: bounds set per optimizer step from its statistics."""
+        cfg = self.config
+        return cfg.use_rollout_correction and (cfg.rs_divergence_budget is not None or cfg.tis_ess_target is not None)
+
+    def check_inside_schedule(self, step: RolloutStep) -> None:
+        """Refuse to prepare `step` from inside Megatron's running schedule under PP when it needs a forward-only
+        pass first (that pass is a pipelined schedule of its own)."""
+        policy = self.policy
+        needs_rollout_pass = (policy.needs_old_log_probs or policy.needs_ref_log_probs) and not \
             step.rollout.old_log_probs_ready
         needs_prepass = needs_rollout_pass or self._needs_step_prepass(len(step.micro_batches))
-        if needs_prepass and self.groups.pp_size > 1:
+        if needs_prepass and policy.groups.pp_size > 1:
             raise NotImplementedError(
                 "RolloutStepIterator under pipeline parallelism: this step needs a forward-only pass over its "
                 "micro-batches first (lp_old in decoupled mode, the reference log-probs of a KL term, the "
@@ -57,30 +75,20 @@ class StepPrepass:
                 "forward_backward_func); inside pretrain() use bypass mode (--use-rollout-logprobs) without "
                 "--tis-batch-normalize and budgets, or one micro-batch per step."
             )
-        if not self.step_stats.empty:
-            self.last_step_metrics = self.pop_step_metrics()
-            if self.on_step_metrics is not None:
-                self.on_step_metrics(self.last_step_metrics)
-        rollout = step.rollout
-        if not rollout.old_log_probs_ready:
-            self.prepare_rollout(model, rollout.micro_batches)
-            rollout.old_log_probs_ready = True
-        self.prepare_step(model, step.micro_batches, recompute_old_log_probs=False)
-        step.prepared = True
 
     def kept_sequences(self, batch: dict[str, Tensor]) -> Tensor:
         """[n] bool: the sequences (rows, or a packed row's sequences) of a prepared micro-batch (decoupled mode:
         `old_log_probs` set) that keep at least one token in the loss after the correction's rejection (RS, veto,
         non-finite log-probs), over the whole sequence (one [n] all-reduce over CP). Sequences with no trained token
         are not kept."""
-        if not self.needs_old_log_probs or "old_log_probs" not in batch:
+        if not self.policy.needs_old_log_probs or "old_log_probs" not in batch:
             raise ValueError("kept_sequences: needs lp_old (decoupled mode, after prepare_rollout); in bypass mode "
                              "the rejection depends on the current policy and is known only inside the loss.")
         if self.budgeted and STEP_BOUNDS not in batch:
             raise ValueError("kept_sequences: --rs-divergence-budget / --tis-ess-target bound each optimizer step "
                              "from all its micro-batches; call hook.set_step_bounds(step_micro_batches) first.")
         lp = batch["old_log_probs"]
-        groups = self.groups
+        groups = self.policy.groups
         seg = batch_segments(batch, groups)
         corr = compute_rollout_correction(lp, batch["rollout_log_probs"].to(lp.dtype), batch["loss_mask"],
                                           self.config, cp_group=groups.cp, normalize=False, finalize_metrics=False,
@@ -109,18 +117,19 @@ class StepPrepass:
         divisor is applied); in bypass mode the pre-pass runs a forward-only pass for its log-probs and keeps the
         step mean and the step bounds (stored in each micro-batch), and the training pass computes the correction.
         """
-        if recompute_old_log_probs and (self.needs_old_log_probs or self.needs_ref_log_probs):
-            self.prepare_rollout(model, micro_batches)
+        policy = self.policy
+        if recompute_old_log_probs and (policy.needs_old_log_probs or policy.needs_ref_log_probs):
+            policy.prepare_rollout(model, micro_batches)
         self.step_batch_norm_mean = None
         for b in micro_batches:
             b.pop(PRECOMPUTED_CORRECTION, None)
             b.pop(STEP_BOUNDS, None)
         if not self._needs_step_prepass(len(micro_batches)):
             return
-        cfg, groups = self.config, self.groups
-        decoupled = self.needs_old_log_probs
-        train_log_probs = None if decoupled else self._forward_log_probs(model, micro_batches,  # all PP stages
-                                                                         renormalize=True)
+        cfg, groups = self.config, policy.groups
+        decoupled = policy.needs_old_log_probs
+        train_log_probs = None if decoupled else policy.forward_log_probs(model, micro_batches,  # all PP stages
+                                                                          renormalize=True)
         if not groups.pp_last:  # the mean and bounds are used by the loss, on the last stage
             return
         if train_log_probs is None:
@@ -141,9 +150,10 @@ class StepPrepass:
             elif bounds is not None:  # bypass: lp_train is the training pass's own log-prob, so the correction
                 b[STEP_BOUNDS] = bounds  # is computed there, with this mean and these bounds
 
-    def _prepass_correction(self, lp: Tensor, batch: dict[str, Tensor], bounds: StepBounds | None):
+    def _prepass_correction(self, lp: Tensor, batch: dict[str, Tensor], bounds: StepBounds | None
+                            ) -> CorrectionResult:
         """One micro-batch's correction from lp_train, unnormalized and unfinalized (a step pre-pass)."""
-        groups = self.groups
+        groups = self.policy.groups
         return compute_rollout_correction(lp, batch["rollout_log_probs"].to(lp.dtype), batch["loss_mask"],
                                           self.config, cp_group=groups.cp, dp_group=groups.dp, normalize=False,
                                           finalize_metrics=False, segments=batch_segments(batch, groups),
@@ -156,7 +166,8 @@ class StepPrepass:
         bounds = StepBounds()
         for lp, b in zip(train_log_probs, micro_batches, strict=True):
             self._prepass_correction(lp, b, bounds)
-        return bounds.finish(active_groups(self.groups.cp, self.groups.dp))
+        groups = self.policy.groups
+        return bounds.finish(active_groups(groups.cp, groups.dp))
 
     def set_step_bounds(self, micro_batches: Sequence[dict[str, Tensor]]) -> None:
         """Decoupled mode, after `prepare_rollout`: the budgeted bounds of the optimizer step made of
@@ -180,5 +191,6 @@ class StepPrepass:
         """Whether `train_step` can read the micro-batches once, as a stream: no lp_old recompute (bypass), no
         reference pass, no step-wide normalization mean and no step budget, which all need a pass over every
         micro-batch first."""
-        return not (self.needs_old_log_probs or self.needs_ref_log_probs
+        policy = self.policy
+        return not (policy.needs_old_log_probs or policy.needs_ref_log_probs
                     or self._needs_step_prepass(num_micro_batches))

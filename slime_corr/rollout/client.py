@@ -1,4 +1,5 @@
-"""Async client for SGLang servers (or an sglang-router): /generate with log-probs; control in :mod:`.control`.
+"""Async client for SGLang servers (or an sglang-router): /generate with log-probs; it holds its control plane
+(``client.control``, :mod:`.control`) and its weight calls (``client.weights``, :mod:`.weight_calls`).
 
 Faults and retries (one request per sample, every call ends exactly once: a result or a GenerationError):
 
@@ -35,11 +36,13 @@ import itertools
 import json
 import random
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
+from slime_corr.rollout.control import ControlPlane, RequestGate
 from slime_corr.rollout.http import cancel_for_certain
 from slime_corr.rollout.nucleus import NucleusRequest
 from slime_corr.rollout.protocol import (
@@ -120,13 +123,21 @@ class GenerateResult(GenerateOutput):
     errors: list[str] = field(default_factory=list)
 
 
-class SGLangClient(WeightCalls):
+class SGLangClient:
     """Talks to one or more SGLang servers (or sglang-routers) with bounded concurrency per target.
 
     Use as ``async with SGLangClient(urls) as client: ...``. Request ids are fixed-width and unique
     (``{prefix}-{counter:012d}`` with a random 8-character per-client prefix) because SGLang's scheduler aborts
     every rid a given rid prefixes: no rid of this client is a prefix of another. ``abort()`` aborts exactly the
     requests this client has in flight.
+
+    The client generates; it holds ``control`` (:class:`~slime_corr.rollout.control.ControlPlane`: workers, health,
+    dead engines, pause / continue, abort, flush, info) and ``weights``
+    (:class:`~slime_corr.rollout.weight_calls.WeightCalls`: weight updates, over ``control``), both sending through
+    its HTTP session, and ``gate`` (:class:`~slime_corr.rollout.control.RequestGate`: its requests in flight, held
+    back by a pause), shared with ``control``. The calls a rollout makes between generations stay on the client
+    too: ``pause``, ``continue_generation``, ``abort``, ``flush_cache``, ``sync_weights_from_disk``,
+    ``update_weights_from_disk``, ``weight_versions``.
     """
 
     def __init__(
@@ -148,7 +159,6 @@ class SGLangClient(WeightCalls):
         self.timeout = aiohttp.ClientTimeout(total=request_timeout, sock_connect=connect_timeout,
                                              sock_read=read_timeout)
         self.retry = retry or RetryPolicy()
-        self.control_timeout = control_timeout  # seconds one control call (a weight update...) may take
         self.max_pause_wait = max_pause_wait  # seconds a request waits for continue_generation before failing
         self.rid_prefix = rid_prefix or secrets.token_hex(4)
         if len(self.rid_prefix) != 8 or not self.rid_prefix.isalnum() or not self.rid_prefix.isascii():
@@ -160,10 +170,11 @@ class SGLangClient(WeightCalls):
         self._rr = itertools.count()
         self._session: aiohttp.ClientSession | None = None
         self._closed = False  # close() was called: no new session until the client is entered again
-        self._running: asyncio.Event | None = None  # cleared between pause() and continue_generation()
-        self._inflight: dict[str, str] = {}  # rid -> target, of requests sent and not answered yet
         self.failovers = 0  # attempts retried after a connection failure or a dead engine
-        self._init_control()
+        self.gate = RequestGate()  # rid -> target of requests sent and not answered yet; held back by a pause
+        # control_timeout: seconds one control call (a weight update...) may take
+        self.control = ControlPlane(self.urls, self._get_session, timeout=control_timeout, gate=self.gate)
+        self.weights = WeightCalls(self.control)
 
     # ---- session ---------------------------------------------------------------------------------------
     async def __aenter__(self) -> SGLangClient:
@@ -191,27 +202,14 @@ class SGLangClient(WeightCalls):
             await self._session.close()
             self._session = None
 
-    def _running_event(self) -> asyncio.Event:
-        if self._running is None:
-            self._running = asyncio.Event()
-            self._running.set()
-        return self._running
-
-    def _hold(self) -> None:
-        """Hold back new /generate requests (between pause and continue)."""
-        self._running_event().clear()
-
-    def _release(self) -> None:
-        self._running_event().set()
-
     @property
     def paused(self) -> bool:
         """The client holds back new requests (a pause without its continue yet)."""
-        return not self._running_event().is_set()
+        return self.gate.held
 
     async def _wait_running(self) -> None:
         try:
-            await asyncio.wait_for(self._running_event().wait(), self.max_pause_wait)
+            await asyncio.wait_for(self.gate.wait_open(), self.max_pause_wait)
         except TimeoutError as e:
             raise GenerationError(f"the client stayed paused for more than max_pause_wait={self.max_pause_wait}s: "
                                   "continue_generation() was never called") from e
@@ -223,7 +221,7 @@ class SGLangClient(WeightCalls):
     def _pick_server(self, avoid: str | None = None) -> str:
         """Least loaded live target (round-robin among ties), avoiding ``avoid`` when there is a choice. A dead
         router's live workers take its place (they serve /generate themselves)."""
-        live = self.live_targets() + self.orphaned_workers()
+        live = self.control.live_targets() + self.control.orphaned_workers()
         for u in live:
             self._sems.setdefault(u, asyncio.Semaphore(self.max_concurrency))
             self._load.setdefault(u, 0)
@@ -255,7 +253,7 @@ class SGLangClient(WeightCalls):
         top_n = nucleus.num if nucleus is not None else 0
         build_generate_request(input_ids, sampling_params, "check", stream, return_logprob, routes, top_n,  # fail fast
                                sampling_mask)
-        await self.discover()  # once: which targets are routers (their failures are probed worker by worker)
+        await self.control.discover()  # once: which targets are routers (their failures are probed worker by worker)
         errors: list[str] = []
         server: str | None = None
         last: GenerationError | None = None
@@ -268,12 +266,12 @@ class SGLangClient(WeightCalls):
             try:
                 async with self._sems[server]:
                     await self._wait_running()  # nothing is sent between our pause() and continue
-                    self._inflight[rid] = server
+                    self.gate.inflight[rid] = server
                     try:
                         out = await cancel_for_certain(
                             self._attempt(server, body, stream, return_logprob, routed_experts, nucleus, sampling_mask))
                     finally:
-                        self._inflight.pop(rid, None)
+                        self.gate.inflight.pop(rid, None)
                 return GenerateResult(**vars(out), server=server, attempts=attempt, errors=errors)
             except GenerationError as e:
                 errors.append(f"attempt {attempt} ({rid} @ {server}): {e.reason}")
@@ -281,9 +279,9 @@ class SGLangClient(WeightCalls):
                 if not e.retryable:
                     raise GenerationError(e.reason, False, attempt, server=server) from e
                 if e.maybe_running:  # must not run twice: abort it on the workers before the retry is sent
-                    await self.abort_rid(server, rid)
+                    await self.control.abort_rid(server, rid)
                 if e.target_down:  # dead engines leave the client (and the router) before the retry
-                    await self.check_target(server)
+                    await self.control.check_target(server)
                     self.failovers += 1
             finally:
                 self._load[server] -= 1
@@ -305,7 +303,7 @@ class SGLangClient(WeightCalls):
                     if resp.status == 400 and "Duplicate request ID" in text:  # a router re-sent our rid
                         raise GenerationError(f"HTTP 400: {text}", True, maybe_running=True)
                     raise GenerationError(f"HTTP {resp.status}: {text}", resp.status in RETRYABLE_STATUS,
-                                          target_down=resp.status >= 500 and self.is_router(server))
+                                          target_down=resp.status >= 500 and self.control.is_router(server))
                 if stream:
                     out = await self._read_stream(resp, want_lp, routes, nucleus, sampling_mask)
                 else:
@@ -355,6 +353,36 @@ class SGLangClient(WeightCalls):
                 break
         return acc.result()
 
+
+    # ---- the rollout's control calls (`control`'s and `weights`', kept on the client) --------------------
+    async def pause(self, mode: str = "abort") -> None:
+        """Pause every live worker and hold back new requests: :meth:`ControlPlane.pause`."""
+        await self.control.pause(mode)
+
+    async def continue_generation(self) -> None:
+        """Continue every live worker and release held-back requests: :meth:`ControlPlane.continue_generation`."""
+        await self.control.continue_generation()
+
+    async def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
+        """Abort ``rid``, everything (``abort_all``) or this client's requests in flight: `ControlPlane.abort`."""
+        await self.control.abort(rid, abort_all)
+
+    async def flush_cache(self, max_tries: int = 50, interval: float = 0.1) -> None:
+        """Flush every live worker's cache: :meth:`ControlPlane.flush_cache`."""
+        await self.control.flush_cache(max_tries, interval)
+
+    async def weight_versions(self, workers: Sequence[str] | None = None) -> dict[str, str | None]:
+        """The weight version each worker reports: :meth:`ControlPlane.weight_versions`."""
+        return await self.control.weight_versions(workers)
+
+    async def sync_weights_from_disk(self, model_path: str, weight_version: str, pause_mode: str = "abort") -> None:
+        """Pause, update from disk, flush, continue: :meth:`WeightCalls.sync_weights_from_disk`."""
+        await self.weights.sync_weights_from_disk(model_path, weight_version, pause_mode)
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
+                                       flush_cache: bool = True, load_format: str | None = None) -> None:
+        """New weights from a checkpoint folder on every live worker: :meth:`WeightCalls.update_weights_from_disk`."""
+        await self.weights.update_weights_from_disk(model_path, weight_version, flush_cache, load_format)
 
 
 def probe_health(url: str, timeout: float = 5.0) -> str | None:

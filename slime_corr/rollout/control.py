@@ -13,6 +13,10 @@ does not answer and fails a health probe is *dead*: it leaves the client's worke
 no live worker left fails. Calls that change the client's state restore it when they fail: a failed ``pause``
 continues the workers and releases the requests the client holds back. A control call that its caller cancels
 (a timeout, an early stop, Ctrl-C) ends then, not at its own timeout (``http.cancel_for_certain``).
+
+The client (:class:`~slime_corr.rollout.client.SGLangClient`) holds its :class:`ControlPlane` as ``client.control``
+and shares with it a :class:`RequestGate` (its requests in flight, held back by a pause); a ControlPlane also
+works alone, given URLs and an HTTP session.
 """
 
 from __future__ import annotations
@@ -80,17 +84,49 @@ def check_sync_pause_mode(mode: str) -> None:
                          "keeps their KV cache, and SGLang refuses to flush it (/flush_cache answers 400).")
 
 
+class RequestGate:
+    """The client's /generate requests as its control plane sees them: the ones in flight (``inflight``: rid -> the
+    target it was sent to, for :meth:`ControlPlane.abort`) and whether new ones are held back (from a pause until
+    its continue)."""
+
+    def __init__(self) -> None:
+        self.inflight: dict[str, str] = {}
+        self._open: asyncio.Event | None = None  # cleared between pause() and continue_generation(); made on first use
+
+    def _event(self) -> asyncio.Event:
+        if self._open is None:
+            self._open = asyncio.Event()
+            self._open.set()
+        return self._open
+
+    def hold(self) -> None:
+        """Hold back new /generate requests (between pause and continue)."""
+        self._event().clear()
+
+    def release(self) -> None:
+        self._event().set()
+
+    @property
+    def held(self) -> bool:
+        """New requests are held back (a pause without its continue yet)."""
+        return not self._event().is_set()
+
+    async def wait_open(self) -> None:
+        """Until new requests may be sent (at once when nothing holds them back)."""
+        await self._event().wait()
+
+
 class ControlPlane:
-    """Mixin of :class:`~slime_corr.rollout.client.SGLangClient`: everything but ``/generate``."""
+    """Every call to the engines but ``/generate`` (module doc): sent to ``urls`` (servers or routers) through the
+    HTTP session ``session()`` gives, each bounded by ``timeout`` seconds unless a call says otherwise. ``gate``:
+    the requests its pause holds back and its abort ends (the client's; a gate of its own by default)."""
 
-    urls: list[str]
-    control_timeout: float
-    _get_session: Callable[[], aiohttp.ClientSession]
-    _hold: Callable[[], None]
-    _release: Callable[[], None]
-    _inflight: dict[str, str]
-
-    def _init_control(self) -> None:
+    def __init__(self, urls: Sequence[str], session: Callable[[], aiohttp.ClientSession], *,
+                 timeout: float = 600.0, gate: RequestGate | None = None) -> None:
+        self.urls = list(urls)
+        self.timeout = timeout  # seconds one control call (a weight update...) may take
+        self.gate = gate if gate is not None else RequestGate()
+        self._session = session
         self._workers_of: dict[str, list[str]] | None = None  # target -> its workers (discovered lazily)
         self._router_ids: dict[str, tuple[str, str]] = {}  # worker -> (router url, worker id at the router)
         self.dead: dict[str, str] = {}  # worker or target url -> why it is considered dead
@@ -102,7 +138,7 @@ class ControlPlane:
     # ---- HTTP ---------------------------------------------------------------------------------------
     async def _request(self, method: str, url: str, path: str, payload: Any = None, *,
                        timeout: float | None = None, params: dict[str, str] | None = None) -> tuple[int, Any]:
-        kw: dict[str, Any] = {"timeout": aiohttp.ClientTimeout(total=timeout or self.control_timeout)}
+        kw: dict[str, Any] = {"timeout": aiohttp.ClientTimeout(total=timeout or self.timeout)}
         if payload is not None:
             kw["json"] = payload
         if params:
@@ -115,7 +151,7 @@ class ControlPlane:
             return await cancel_for_certain(self._send(method, f"{url}{path}", kw))
 
     async def _send(self, method: str, url: str, kw: dict[str, Any]) -> tuple[int, Any]:
-        async with self._get_session().request(method, url, **kw) as resp:
+        async with self._session().request(method, url, **kw) as resp:
             return resp.status, await read_body(resp)
 
     async def _post(self, server: str, path: str, payload: dict[str, Any] | None = None,
@@ -254,9 +290,9 @@ class ControlPlane:
         return [w for t in self.urls if t in self.dead for w in topo.get(t, []) if w != t and w not in self.dead]
 
     # ---- fan-out -------------------------------------------------------------------------------------
-    async def _fan_out(self, path: str, payload: dict[str, Any] | Callable[[str], dict[str, Any]] | None = None,
-                       *, workers: Sequence[str] | None = None, timeout: float | None = None,
-                       allow_404: bool = False, weight_call: bool = False) -> dict[str, Any]:
+    async def fan_out(self, path: str, payload: dict[str, Any] | Callable[[str], dict[str, Any]] | None = None,
+                      *, workers: Sequence[str] | None = None, timeout: float | None = None,
+                      allow_404: bool = False, weight_call: bool = False) -> dict[str, Any]:
         """POST ``path`` to each live worker (``payload`` may depend on the worker); {worker: body} or raise.
 
         A worker that cannot be reached and fails a health probe is marked dead and left out. ``allow_404``:
@@ -276,7 +312,7 @@ class ControlPlane:
                     await self._mark_dead(w, f"{path}: {type(e).__name__}: {e}")
                     return w, "dead", None
                 if isinstance(e, TimeoutError):  # alive (its health check answers), yet this call went unanswered
-                    return w, (f"no answer within {timeout or self.control_timeout:.0f} s though its health check "
+                    return w, (f"no answer within {timeout or self.timeout:.0f} s though its health check "
                                "answers (the bound: the client's control_timeout, the trainer's "
                                "--rollout-control-timeout): is the server stuck? Its log says why"), None
                 return w, f"request failed: {e!r}", None
@@ -332,7 +368,7 @@ class ControlPlane:
         except (aiohttp.ClientError, ConnectionError) as e:  # e.g. a server killed since the call before
             raise ControlError(new, {url: f"request failed: {e!r}"}) from e
         except TimeoutError as e:
-            raise ControlError(new, {url: f"no answer within {self.control_timeout:g} s (the client's "
+            raise ControlError(new, {url: f"no answer within {self.timeout:g} s (the client's "
                                           "control_timeout, the trainer's --rollout-control-timeout)"}) from e
         if status != 200:
             raise ControlError(new, {url: f"HTTP {status} {body}"})
@@ -358,45 +394,45 @@ class ControlPlane:
         """``POST /abort_request`` on every live worker.
 
         ``abort_all=True`` aborts everything on the workers; ``rid`` one request (an exact rid: SGLang 0.5.23
-        ignores a rid it does not know, so a prefix alone aborts nothing); neither aborts every request this
-        client has in flight, each on the workers behind the target it was sent to.
+        ignores a rid it does not know, so a prefix alone aborts nothing); neither aborts every request in flight
+        through the gate (the client's), each on the workers behind the target it was sent to.
         """
         if abort_all or rid:
-            await self._fan_out("/abort_request", {"rid": rid or "", "abort_all": bool(abort_all)})
+            await self.fan_out("/abort_request", {"rid": rid or "", "abort_all": bool(abort_all)})
             return
         if rid == "":
             raise ValueError("rid: empty; pass a rid, abort_all=True, or nothing (this client's requests)")
-        await asyncio.gather(*(self.abort_rid(t, r) for r, t in list(self._inflight.items())))
+        await asyncio.gather(*(self.abort_rid(t, r) for r, t in list(self.gate.inflight.items())))
 
     async def abort_rid(self, target: str, rid: str) -> None:
         """Abort ``rid`` on every live worker behind ``target`` (best effort, bounded: never raises)."""
         with contextlib.suppress(Exception):
-            await self._fan_out("/abort_request", {"rid": rid}, workers=await self.workers(target),
-                                timeout=PROBE_TIMEOUT)
+            await self.fan_out("/abort_request", {"rid": rid}, workers=await self.workers(target),
+                               timeout=PROBE_TIMEOUT)
 
     async def pause(self, mode: str = "abort") -> None:
         """``POST /pause_generation`` (mode abort | retract | in_place) on every live worker.
 
-        Until :meth:`continue_generation`, this client also holds back new /generate requests (resumed or
-        retried samples wait in the client), so the workers become idle and ``flush_cache`` can succeed.
+        Until :meth:`continue_generation`, the gate also holds back the client's new /generate requests (resumed
+        or retried samples wait in the client), so the workers become idle and ``flush_cache`` can succeed.
         On failure, every worker is continued (continuing is harmless where the pause did not land) and the
-        client releases its requests.
+        gate releases the requests.
         """
-        self._hold()
+        self.gate.hold()
         try:
-            await self._fan_out("/pause_generation", {"mode": mode})
+            await self.fan_out("/pause_generation", {"mode": mode})
         except BaseException:
             with contextlib.suppress(Exception):  # also where it failed: it may have half happened there
-                await self._fan_out("/continue_generation", {})
-            self._release()
+                await self.fan_out("/continue_generation", {})
+            self.gate.release()
             raise
 
     async def continue_generation(self) -> None:
         """``POST /continue_generation`` on every live worker, then release held-back requests (always)."""
         try:
-            await self._fan_out("/continue_generation", {})
+            await self.fan_out("/continue_generation", {})
         finally:
-            self._release()
+            self.gate.release()
 
     async def flush_cache(self, max_tries: int = 50, interval: float = 0.1) -> None:
         """``POST /flush_cache`` on every live worker, retrying the 400 SGLang gives while requests are in flight.
@@ -406,7 +442,7 @@ class ControlPlane:
         async def one(w: str) -> None:
             for i in range(max_tries):
                 try:
-                    await self._fan_out("/flush_cache", workers=[w])
+                    await self.fan_out("/flush_cache", workers=[w])
                     return
                 except ControlError as e:
                     if not e.failures.get(w, "").startswith("HTTP 400") or i == max_tries - 1:

@@ -227,11 +227,11 @@ def _unwrap(group: BaseExceptionGroup) -> BaseException:
 
 async def with_health_watch(client: SGLangClient, aw: Awaitable[T], interval: float, timeout: float,
                             generate: bool = True) -> T:
-    """Await ``aw`` while ``client.watch_health(interval, timeout, generate)`` checks the engines: when none is left, ``aw``
-    is cancelled and :class:`~slime_corr.rollout.control.EnginesDownError` raised, so a dead or stopped engine
-    ends the wait within about ``interval + timeout`` seconds."""
+    """Await ``aw`` while ``client.control.watch_health(interval, timeout, generate)`` checks the engines: when none
+    is left, ``aw`` is cancelled and :class:`~slime_corr.rollout.control.EnginesDownError` raised, so a dead or
+    stopped engine ends the wait within about ``interval + timeout`` seconds."""
     work = asyncio.ensure_future(aw)
-    watch = asyncio.ensure_future(client.watch_health(interval, timeout, generate))
+    watch = asyncio.ensure_future(client.control.watch_health(interval, timeout, generate))
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():
@@ -330,4 +330,5 @@ def rollout_report(samples: Sequence[Sample], client: SGLangClient, failovers_be
                    events_before: int = 0) -> RolloutReport:
     """Summarize a step's samples and what ``client`` did since the counters ``*_before`` were read."""
     return RolloutReport(dict(Counter(str(s.status) for s in samples)), sum(s.attempts > 1 for s in samples),
-                         client.failovers - failovers_before, dict(client.dead), client.events[events_before:])
+                         client.failovers - failovers_before, dict(client.control.dead),
+                         client.control.events[events_before:])

@@ -1,9 +1,10 @@
 """The client's weight-update calls: new weights to every live worker, from a checkpoint on disk or over a process
 group, and the check that each worker then reports the expected weight version.
 
-Each call fans out like every control call (:class:`~slime_corr.rollout.control.ControlPlane`: all live workers or
-a :class:`~slime_corr.rollout.control.ControlError`), with a bound that grows with the bytes it carries
-(:func:`weight_call_timeout`). What the trainer does around them (buckets, the group's life) is
+Each call fans out through a control plane like every control call (:class:`~slime_corr.rollout.control.ControlPlane`:
+all live workers or a :class:`~slime_corr.rollout.control.ControlError`), with a bound that grows with the bytes it
+carries (:func:`weight_call_timeout`). The client holds its :class:`WeightCalls` as ``client.weights``, over its
+own control plane. What the trainer does around them (buckets, the group's life) is
 :mod:`slime_corr.rollout.weight_sync`'s.
 """
 
@@ -25,8 +26,11 @@ def weight_call_timeout(control_timeout: float, nbytes: int) -> float:
     return control_timeout + WEIGHT_LOAD_S_PER_GB * nbytes / 1e9
 
 
-class WeightCalls(ControlPlane):
-    """Mixin of :class:`~slime_corr.rollout.client.SGLangClient`: the control plane plus its weight calls."""
+class WeightCalls:
+    """The weight calls, each sent to the live workers of ``control`` (its timeout the base of their bounds)."""
+
+    def __init__(self, control: ControlPlane) -> None:
+        self.control = control
 
     async def update_weights_from_disk(
         self, model_path: str, weight_version: str | None = None, flush_cache: bool = True,
@@ -45,15 +49,15 @@ class WeightCalls(ControlPlane):
             payload["weight_version"] = weight_version
         if load_format is not None:
             payload["load_format"] = load_format
-        timeout = weight_call_timeout(self.control_timeout, _folder_bytes(model_path))
-        done = await self._fan_out("/update_weights_from_disk", payload, weight_call=True, timeout=timeout)
+        timeout = weight_call_timeout(self.control.timeout, _folder_bytes(model_path))
+        done = await self.control.fan_out("/update_weights_from_disk", payload, weight_call=True, timeout=timeout)
         if weight_version is not None:
             await self.check_weight_version("/update_weights_from_disk", weight_version, list(done))
 
     async def check_weight_version(self, path: str, expected: str, workers: Sequence[str]) -> None:
         """Raise ControlError unless every worker of `workers` reports ``expected`` as its weight version
         (``/model_info``): a server that answered a weight update with success without applying it is found here."""
-        wrong = {w: v for w, v in (await self.weight_versions(workers)).items() if v != expected}
+        wrong = {w: v for w, v in (await self.control.weight_versions(workers)).items() if v != expected}
         if wrong:
             raise ControlError(path, {w: f"answered success, but then reports weight version {v!r}, not "
                                          f"{expected!r}: the server did not apply the update" for w, v in wrong.items()},
@@ -65,9 +69,9 @@ class WeightCalls(ControlPlane):
 
         async def update() -> None:
             await self.update_weights_from_disk(model_path, weight_version, flush_cache=False)
-            await self.flush_cache()
+            await self.control.flush_cache()
 
-        await self.while_paused(update, pause_mode)
+        await self.control.while_paused(update, pause_mode)
 
     async def init_weights_update_group(
         self, master_address: str, master_port: int, rank_offset: int = 1, world_size: int | None = None,
@@ -78,9 +82,9 @@ class WeightCalls(ControlPlane):
 
         Blocks until every member joined: run the trainer's side of the group concurrently.
         """
-        ws = list(workers) if workers is not None else await self.workers()
+        ws = list(workers) if workers is not None else await self.control.workers()
         ranks = {w: rank_offset + i for i, w in enumerate(ws)}
-        await self._fan_out("/init_weights_update_group", lambda w: {
+        await self.control.fan_out("/init_weights_update_group", lambda w: {
             "master_address": master_address, "master_port": master_port, "rank_offset": ranks[w],
             "world_size": world_size or rank_offset + len(ws), "group_name": group_name, "backend": backend},
             workers=ws, weight_call=True)
@@ -88,14 +92,14 @@ class WeightCalls(ControlPlane):
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group",
                                            workers: Sequence[str] | None = None) -> None:
-        await self._fan_out("/destroy_weights_update_group", {"group_name": group_name}, workers=workers)
+        await self.control.fan_out("/destroy_weights_update_group", {"group_name": group_name}, workers=workers)
 
     async def begin_weight_update(self, workers: Sequence[str] | None = None) -> None:
         """``/begin_weight_update`` (SGLang 0.5.23 needs it around distributed updates; older servers: 404, ok)."""
-        await self._fan_out("/begin_weight_update", {}, workers=workers, allow_404=True)
+        await self.control.fan_out("/begin_weight_update", {}, workers=workers, allow_404=True)
 
     async def end_weight_update(self, workers: Sequence[str] | None = None) -> None:
-        await self._fan_out("/end_weight_update", {}, workers=workers, allow_404=True)
+        await self.control.fan_out("/end_weight_update", {}, workers=workers, allow_404=True)
 
     async def update_weights_from_distributed(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]],
@@ -110,9 +114,9 @@ class WeightCalls(ControlPlane):
             payload["weight_version"] = weight_version
         if load_format is not None:
             payload["load_format"] = load_format
-        timeout = weight_call_timeout(self.control_timeout, nbytes)
-        done = await self._fan_out("/update_weights_from_distributed", payload, workers=workers, weight_call=True,
-                                   timeout=timeout)
+        timeout = weight_call_timeout(self.control.timeout, nbytes)
+        done = await self.control.fan_out("/update_weights_from_distributed", payload, workers=workers,
+                                          weight_call=True, timeout=timeout)
         if weight_version is not None:
             await self.check_weight_version("/update_weights_from_distributed", weight_version, list(done))
         return done

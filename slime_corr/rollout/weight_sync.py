@@ -112,7 +112,7 @@ class DistributedWeightSync:
     async def connect(self) -> None:
         """(Re)build the group with the live engines: they join as ranks 1..N while the trainer joins as 0."""
         await self.disconnect()
-        workers = await self.client.workers()
+        workers = await self.client.control.workers()
         if not workers:
             raise ControlError("/init_weights_update_group", {"(none)": "no live engine to sync"})
         world = 1 + len(workers)
@@ -130,7 +130,7 @@ class DistributedWeightSync:
         name = f"{self.group_name}-{os.getpid()}-{next(_groups_built)}"
         mine = _in_daemon_thread(WeightUpdateGroup, address, port, 0, world, name, self.backend, self.timeout,
                                  store=store)
-        theirs = asyncio.ensure_future(self.client.init_weights_update_group(
+        theirs = asyncio.ensure_future(self.client.weights.init_weights_update_group(
             address, port, 1, world, name, self.backend, workers=workers))
         try:
             await _both(mine, theirs)  # an engine's refusal surfaces at once (our side then times out by itself)
@@ -148,7 +148,7 @@ class DistributedWeightSync:
         side (one may be gone): the next group has a name of its own anyway."""
         if self.group is not None:
             with contextlib.suppress(Exception):
-                await self.client.destroy_weights_update_group(self.name, workers=self.workers)
+                await self.client.weights.destroy_weights_update_group(self.name, workers=self.workers)
         self.close()
 
     async def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str,
@@ -156,26 +156,26 @@ class DistributedWeightSync:
         """Pause, send every tensor bucket by bucket, flush, continue; the engines report ``weight_version``."""
         check_sync_pause_mode(pause_mode)
         t0 = time.perf_counter()
-        if self.group is None or set(self.workers) != set(await self.client.workers()):
+        if self.group is None or set(self.workers) != set(await self.client.control.workers()):
             await self.connect()
         buckets = make_buckets([(n, t.detach()) for n, t in named_tensors], self.bucket_bytes)
         if not buckets:
             raise ValueError("named_tensors: nothing to sync")
 
         async def send_all() -> None:
-            await self.client.begin_weight_update(self.workers)
+            await self.client.weights.begin_weight_update(self.workers)
             try:
                 for i, bucket in enumerate(buckets):
                     await self._send(bucket, weight_version if i == len(buckets) - 1 else None)
             except BaseException:
                 with contextlib.suppress(Exception):  # no session left open for the next sync
-                    await self.client.end_weight_update(self.workers)
+                    await self.client.weights.end_weight_update(self.workers)
                 raise
-            await self.client.end_weight_update(self.workers)
-            await self.client.flush_cache()
+            await self.client.weights.end_weight_update(self.workers)
+            await self.client.control.flush_cache()
 
         try:
-            await self.client.while_paused(send_all, pause_mode)
+            await self.client.control.while_paused(send_all, pause_mode)
         except BaseException:
             self.close()  # the group may be mid-broadcast: the next sync starts from a new one
             raise
@@ -184,7 +184,7 @@ class DistributedWeightSync:
 
     async def _send(self, bucket: Bucket, weight_version: str | None) -> None:
         assert self.group is not None
-        post = asyncio.ensure_future(self.client.update_weights_from_distributed(
+        post = asyncio.ensure_future(self.client.weights.update_weights_from_distributed(
             bucket.names, bucket.dtypes, bucket.shapes, self.name, flush_cache=False,
             weight_version=weight_version, load_format=self.load_format, workers=self.workers,
             nbytes=bucket.nbytes))
@@ -246,5 +246,5 @@ async def sync_weights_from_disk(client: SGLangClient, checkpoint_dir: str, weig
                                  pause_mode: str = "abort") -> SyncReport:
     """The disk path with the same report: every engine loads ``checkpoint_dir`` (written by the trainer)."""
     t0 = time.perf_counter()
-    await client.sync_weights_from_disk(checkpoint_dir, weight_version, pause_mode)
-    return SyncReport(await client.workers(), 0, 0, time.perf_counter() - t0)
+    await client.weights.sync_weights_from_disk(checkpoint_dir, weight_version, pause_mode)
+    return SyncReport(await client.control.workers(), 0, 0, time.perf_counter() - t0)

@@ -156,7 +156,7 @@ class RolloutDriver:
         """Start rollout number `rollout` on the background loop; the future gives its samples in group order.
         Rollouts submitted ahead generate one after another (in submission order), each alone on the engines."""
         assert self.client is not None
-        self._counters[rollout] = self.client.failovers, len(self.client.events)
+        self._counters[rollout] = self.client.failovers, len(self.client.control.events)
         return self._generate(rollout, None)
 
     def regenerate(self, rollout: int, groups: Sequence[int]) -> Future[list[Sample]]:
@@ -256,7 +256,7 @@ async def _open_client(urls: list[str], cfg: TrainerConfig) -> SGLangClient:
     client = SGLangClient(urls, request_timeout=None, read_timeout=cfg.rollout_request_timeout,
                           control_timeout=cfg.rollout_control_timeout)
     try:
-        await client.wait_healthy()
+        await client.control.wait_healthy()
     except BaseException:  # an engine that never became healthy, or a Ctrl-C: no session left open
         await client.close()
         raise

@@ -139,7 +139,7 @@ def test_abort_by_rid_and_abort_all(servers):
             with tokens_streamed() as streamed:
                 jobs = [asyncio.create_task(c.generate(list(p), long, stream=True)) for p in PROMPTS[:2]]
                 await streamed(2)
-            await c.abort(rid=sorted(c._inflight)[0])
+            await c.abort(rid=sorted(c.gate.inflight)[0])
             done, running = await asyncio.wait(jobs, timeout=60, return_when=asyncio.FIRST_COMPLETED)
             assert len(done) == len(running) == 1, "the abort by rid ended no request, or both"
             await c.abort(abort_all=True)  # the other one still runs: >= 10 s in all
@@ -239,7 +239,7 @@ def test_update_weights_from_disk_reports_versions_and_serves_them(servers, tiny
         async with SGLangClient(a) as c:
             await c.sync_weights_from_disk(tiny_opt["v1"], "v1")
             versions = await c.weight_versions()
-            info = await c.model_info()
+            info = await c.control.model_info()
             return versions, info
 
     versions, info = _run(go())

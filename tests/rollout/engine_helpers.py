@@ -13,7 +13,7 @@ async def wait_tokens(engine: LocalEngine, client: SGLangClient, n: int) -> None
     request of the test's previous step can still be listed by the engine, finished, while its handler ends (a
     test that acted on it paused before its own request was sent, and waited for a request its client held back)."""
     for _ in range(3000):
-        mine = set(client._inflight)
+        mine = set(client.gate.inflight)
         if any(len(r.output_ids) >= n for rid, r in list(engine.active.items()) if rid in mine and r.finish is None):
             return
         await asyncio.sleep(0.002)

@@ -209,15 +209,15 @@ def test_control_calls_old_server_names_and_flush_retry(fault_server, tmp_path):
 
     async def go():
         async with _client(url) as c:
-            mi, si = await c.model_info(), await c.server_info()  # /model_info, /server_info: 404 here
+            mi, si = await c.control.model_info(), await c.control.server_info()  # /model_info, /server_info: 404
             await c.sync_weights_from_disk(str(ckpt), weight_version="step-3", pause_mode="retract")
-            await c.init_weights_update_group("127.0.0.1", 29500, 1, 3, group_name="g")
-            await c.update_weights_from_distributed(["w"], ["bfloat16"], [[2, 3]], group_name="g",
+            await c.weights.init_weights_update_group("127.0.0.1", 29500, 1, 3, group_name="g")
+            await c.weights.update_weights_from_distributed(["w"], ["bfloat16"], [[2, 3]], group_name="g",
                                                     weight_version="step-4")
             server.flush_statuses[:] = [500]
             with pytest.raises(RuntimeError, match="flush_cache.*HTTP 500"):
                 await c.flush_cache()
-            assert not c.is_router(url) and await c.workers() == [url]
+            assert not c.control.is_router(url) and await c.control.workers() == [url]
             return mi, si
 
     mi, si = asyncio.run(go())
@@ -255,8 +255,8 @@ def test_a_control_request_on_a_connection_the_server_closed_goes_out_again(faul
         async with _client(url) as c:
             await c.pause("abort")
             await c.continue_generation()  # on the pause's connection: closed unread, then sent again
-            info = await c.model_info()  # a GET too
-            return c.dead, c._get_session().connector._keepalive_timeout, info
+            info = await c.control.model_info()  # a GET too
+            return c.control.dead, c._get_session().connector._keepalive_timeout, info
 
     dead, keepalive, info = asyncio.run(go())
     assert not dead and info["weight_version"] == server.weight_version
@@ -279,7 +279,7 @@ def test_a_server_gone_right_after_a_weight_update_is_a_control_error_naming_it(
                 if sync == "disk":
                     await c.update_weights_from_disk(str(tmp_path), weight_version="step-1")
                 else:
-                    await c.update_weights_from_distributed(["w"], ["float32"], [[2]], weight_version="step-1")
+                    await c.weights.update_weights_from_distributed(["w"], ["float32"], [[2]], weight_version="step-1")
 
         with pytest.raises(ControlError, match=rf"/model_info failed on 1 of 1 worker\(s\): {url}: request failed: "
                                                r"ServerDisconnectedError"):
@@ -292,8 +292,8 @@ def test_old_router_endpoints():
     with run_fault_server(old_router=True) as (url, server), run_fault_server() as (worker, _):
         async def go():
             async with _client(url) as c:
-                await c.add_worker(worker)
-                return await c.list_workers(), await c.workers(), c.is_router(url)
+                await c.control.add_worker(worker)
+                return await c.control.list_workers(), await c.control.workers(), c.control.is_router(url)
 
         listed, workers, is_router = asyncio.run(go())
     assert server.calls == [("/add_worker", {"url": worker}), ("/list_workers", {}), ("/list_workers", {})]

@@ -79,7 +79,7 @@ def test_engine_responses_conform(api_types, tiny_ckpt, incremental):
 
         async def info():
             async with SGLangClient(h.url) as c:
-                return await c.model_info(), await c.server_info()
+                return await c.control.model_info(), await c.control.server_info()
 
         mi, si = asyncio.run(info())
     for obj in plain + stream + batch:

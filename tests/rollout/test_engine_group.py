@@ -41,7 +41,7 @@ def test_killed_engine_behind_the_router_loses_no_sample(tiny_ckpt, tiny_ckpt_v1
                 rollout = asyncio.create_task(generate_group_samples(
                     c, PROMPTS, 4, {"max_new_tokens": 30, "ignore_eos": True}, stream=True))
                 for _ in range(3000):  # until the doomed engine streams its share
-                    if (await c.server_info(doomed.url))["internal_states"][0]["num_running"] >= 2:
+                    if (await c.control.server_info(doomed.url))["internal_states"][0]["num_running"] >= 2:
                         break
                     await asyncio.sleep(0.01)
                 doomed.kill()

@@ -126,8 +126,8 @@ def test_batch_request(engine):
 def test_info_health_and_flush(engine):
     async def go():
         async with SGLangClient(engine.url) as c:
-            assert await c.health() and await c.health(generate=True)
-            mi, si = await c.model_info(), await c.server_info()
+            assert await c.control.health() and await c.control.health(generate=True)
+            mi, si = await c.control.model_info(), await c.control.server_info()
             await c.flush_cache()
             return mi, si
 
@@ -141,7 +141,7 @@ def test_health_false_when_nothing_listens():
 
     async def go():
         async with SGLangClient(closed_port_url()) as c:
-            return await c.health()
+            return await c.control.health()
 
     assert asyncio.run(go()) is False
 
@@ -155,13 +155,13 @@ def test_update_weights_from_disk_and_flush_while_busy(tiny_ckpt, tiny_ckpt_v1, 
             busy = asyncio.create_task(c.generate(PROMPT, {"max_new_tokens": 30, "ignore_eos": True}))
             while not engine.active:
                 await asyncio.sleep(0.005)
-            status, _ = await c._post(url, "/flush_cache")
+            status, _ = await c.control._post(url, "/flush_cache")
             assert status == 400  # SGLang refuses to flush with requests in flight
             await busy
             engine.step_delay = 0.0
             await c.update_weights_from_disk(tiny_ckpt_v1, weight_version="v1")
             res = await c.generate(PROMPT, {"max_new_tokens": 20, "ignore_eos": True, "sampling_seed": 1})
-            info = await c.model_info()
+            info = await c.control.model_info()
             with pytest.raises(RuntimeError, match="update_weights_from_disk"):  # a folder without a checkpoint
                 await c.update_weights_from_disk(str(tmp_path))
             return res, info
@@ -221,7 +221,7 @@ def test_real_server_killed_mid_stream_samples_move_to_the_other_server(tiny_ckp
                     tasks = [asyncio.create_task(generate_sample(c, s, {"max_new_tokens": 40, "ignore_eos": True},
                                                                  stream=True)) for s in samples]
                     for _ in range(2000):  # until the doomed server is streaming its share
-                        info = await c.server_info(doomed)
+                        info = await c.control.server_info(doomed)
                         if info["internal_states"][0]["num_running"] >= 2:
                             break
                         await asyncio.sleep(0.01)

@@ -149,7 +149,7 @@ def test_flush_after_retract_or_in_place_pause(slow_fp32_engine, mode):
             task = asyncio.create_task(c.generate(PROMPT, params, stream=True))
             await wait_tokens(h.engine, c, 5)
             await c.pause(mode)
-            status, _ = await c._post(h.url, "/flush_cache")
+            status, _ = await c.control._post(h.url, "/flush_cache")
             await c.continue_generation()
             return reference, await task, status
 

@@ -124,7 +124,7 @@ def test_the_health_watch_ends_a_wait_on_engines_that_stopped_answering():
                 start = time.monotonic()
                 with pytest.raises(EnginesDownError) as e:
                     await with_health_watch(c, asyncio.sleep(60), interval=0.2, timeout=0.5)
-                return e.value, time.monotonic() - start, c.dead
+                return e.value, time.monotonic() - start, c.control.dead
 
         err, seconds, dead = asyncio.run(go())
     assert seconds < 10 and list(dead) == [url]
@@ -158,13 +158,13 @@ def test_a_dead_routers_workers_take_its_work():
 
         async def go():
             async with _client(router_url) as c:
-                await c.add_worker(w1)
-                await c.add_worker(w2)
-                assert sorted(await c.workers()) == sorted([w1, w2]) and c.is_router(router_url)
+                await c.control.add_worker(w1)
+                await c.control.add_worker(w2)
+                assert sorted(await c.control.workers()) == sorted([w1, w2]) and c.control.is_router(router_url)
                 router.close()  # the router process dies; its engines live on
                 samples = await generate_group_samples(c, [[1, 2, 3]] * 2, 2, {"max_new_tokens": 4},
                                                        max_failed_fraction=0.0)
-                return samples, dict(c.dead), list(c.events)
+                return samples, dict(c.control.dead), list(c.control.events)
 
         samples, dead, events = asyncio.run(go())
     assert all(s.status == SampleStatus.TRUNCATED for s in samples)

@@ -74,7 +74,9 @@ def test_client_finds_the_workers_behind_the_router(routed):
 
     async def go():
         async with SGLangClient(router_url) as c:
-            return await c.workers(), c.is_router(router_url), await c.server_info(), await c.health()
+            control = c.control
+            return (await control.workers(), control.is_router(router_url), await control.server_info(),
+                    await control.health())
 
     workers, is_router, info, healthy = asyncio.run(go())
     assert sorted(workers) == sorted(routed.engine_urls) and is_router and healthy
@@ -163,7 +165,7 @@ def test_flush_under_load_waits_for_each_engine(routed):
                 tasks = [asyncio.create_task(c.generate(PROMPT, LONG)) for _ in range(4)]
                 await wait_running(routed, 1, per_engine=2)
                 with pytest.raises(ControlError, match="206 partial_success") as ei:
-                    await c._fan_out("/flush_cache", workers=[routed.router.url])
+                    await c.control.fan_out("/flush_cache", workers=[routed.router.url])
                 await c.flush_cache()
                 idle_at_flush = [not h.engine.busy() for h in routed.engines]
                 return ei.value, idle_at_flush, await asyncio.gather(*tasks)

@@ -20,6 +20,7 @@ from slime_corr.engines.embedded.engine import start_local_engine
 from slime_corr.engines.embedded.model import load_tiny_lm, save_checkpoint, teacher_forced_logprobs
 from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.control import ControlError
+from slime_corr.rollout.weight_calls import WeightCalls
 from slime_corr.rollout.weight_group import (
     FLATTENED_BUCKET,
     WeightUpdateGroup,
@@ -105,7 +106,7 @@ def test_the_group_port_is_bound_before_the_engines_are_told_it(engines, trainer
     first: when the engines are told the port, another process binding it fails, and no port is picked at all."""
     fp32, _ = engines
     told: list[tuple[int, str]] = []
-    tell = SGLangClient.init_weights_update_group
+    tell = WeightCalls.init_weights_update_group
 
     async def init_group(self, master_address, master_port, *args, **kwargs):
         with socket.socket() as other:  # another process trying to take the port now
@@ -119,7 +120,7 @@ def test_the_group_port_is_bound_before_the_engines_are_told_it(engines, trainer
     def no_port(*args):
         raise AssertionError("the weight sync picked a port to bind later")
 
-    monkeypatch.setattr(SGLangClient, "init_weights_update_group", init_group)
+    monkeypatch.setattr(WeightCalls, "init_weights_update_group", init_group)
     monkeypatch.setattr(ports, "free_port", no_port)
 
     async def go():
@@ -203,17 +204,19 @@ def test_engine_refusals_name_the_problem(engines):
     async def go():
         async with SGLangClient(fp32.url) as c:
             errors = []
-            for call in (lambda: c.init_weights_update_group("127.0.0.1", ports.free_port(), 1, 2, backend="nccl"),
-                         lambda: c.end_weight_update(),
-                         lambda: c.update_weights_from_distributed(["w"], ["float32"], [[1]], group_name="none")):
+            weights = c.weights
+            for call in (lambda: weights.init_weights_update_group("127.0.0.1", ports.free_port(), 1, 2,
+                                                                   backend="nccl"),
+                         lambda: weights.end_weight_update(),
+                         lambda: weights.update_weights_from_distributed(["w"], ["float32"], [[1]], group_name="none")):
                 with pytest.raises(ControlError) as ei:
                     await call()
                 errors.append(str(ei.value))
-            await c.begin_weight_update()
+            await weights.begin_weight_update()
             with pytest.raises(ControlError) as ei:
-                await c.begin_weight_update()
+                await weights.begin_weight_update()
             errors.append(str(ei.value))
-            await c.end_weight_update()
+            await weights.end_weight_update()
             return errors
 
     nccl, end, no_group, twice = asyncio.run(go())
