@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from slime_corr.config import RolloutCorrectionConfig
-from slime_corr.correction.types import CorrectionResult, WeightInputs, WeightOutputs
+from slime_corr.correction.public_types import CorrectionResult, WeightInputs, WeightOutputs
 from slime_corr.layout.segments import Segments
 
 

@@ -1,13 +1,13 @@
 """`compute_rollout_correction`: IS weights, rejection, veto, batch normalization and metrics for one micro-batch.
 
-Order of operations (docs/theory.md, docs/metrics.md), one function per stage (their records: `records.py`):
+Order of operations (docs/theory.md, docs/metrics.md), one function per stage (their records: `stage_records.py`):
 1. `log_ratio_stage`: lr = lp_train - lp_rollout on valid tokens; per-sequence sums (count, Σlr, Σlp_train, veto
    and token-RS counts) in ONE CP all_reduce. A sequence is a row of the [B, S] inputs, or a segment of a packed
    [1, T] row (`slime_corr.layout.segments`): every per-sequence sum, maximum and broadcast goes through a
    `Segments`, the rest is per token and layout-free. `sequence_stage`: a sequence with a non-finite lr at a valid position is rejected.
-2. `rejection_stage`: the weighting function ("default" = `weights.default_weights`, or
+2. `rejection_stage`: the weighting function ("default" = `builtin_weights.default_weights`, or
    `--custom-tis-function-path`) gives the RS mask; the veto (`lr < log C` at any valid token) then rejects whole
-   sequences. `weighting.weight_stage`: the IS weights of what stays.
+   sequences. `weight_stage.weight_stage`: the IS weights of what stays.
 3. `batch_statistics`: all batch statistics (metric numerators/denominators, normalization mean, counts) in ONE SUM
    and ONE MAX all_reduce per group (CP, DP); with IS weights, the exact weight quantiles take two more small SUMs
    (`quantiles.py`). `normalization_stage`: batch normalization divides the weights by the mean over contributing
@@ -25,12 +25,9 @@ import torch
 from torch import Tensor
 
 from slime_corr.config import KernelBackend, RolloutCorrectionConfig
-from slime_corr.correction import budget as BG
-from slime_corr.correction import cuda_graphs
-from slime_corr.correction import divergence as D
-from slime_corr.correction import metrics as M
-from slime_corr.correction import quantiles as Q
-from slime_corr.correction import weighting as W
+from slime_corr.correction import cuda_graphs, divergence, quantiles
+from slime_corr.correction.budget import StepBounds
+from slime_corr.correction.builtin_weights import default_weights, in_log_bounds, rs_keep
 from slime_corr.correction.checks import (
     CUSTOM_NEGATIVE,
     CUSTOM_NONFINITE,
@@ -39,7 +36,29 @@ from slime_corr.correction.checks import (
     input_value_counts,
 )
 from slime_corr.correction.compiling import maybe_compiled
-from slime_corr.correction.records import (
+from slime_corr.correction.metrics import (
+    SEQ_SUMS,
+    TOKEN_SUMS,
+    mismatch_metrics,
+    raw_metrics,
+    seq_terms,
+    token_pass,
+    weight_metrics,
+)
+from slime_corr.correction.public_types import CorrectionResult, WeightInputs
+from slime_corr.correction.reductions import (
+    ProcessGroup,
+    compute_dtype,
+    count_greater_,
+    cp_sum_,
+    device_constant,
+    float_not,
+    indicator,
+    safe_divide,
+    valid_float,
+)
+from slime_corr.correction.reporting import OPTIONAL_RATIOS
+from slime_corr.correction.stage_records import (
     VETO_COLUMN,
     BatchColumns,
     CorrectionPlan,
@@ -49,19 +68,7 @@ from slime_corr.correction.records import (
     Sequences,
     Weighted,
 )
-from slime_corr.correction.reductions import (
-    ProcessGroup,
-    compute_dtype,
-    count_greater_,
-    cp_sum_,
-    device_constant,
-    float_not,
-    indicator,
-    valid_float,
-)
-from slime_corr.correction.reporting import OPTIONAL_RATIOS
-from slime_corr.correction.types import CorrectionResult, WeightInputs
-from slime_corr.correction.weights import default_weights, in_log_bounds, rs_keep
+from slime_corr.correction.weight_stage import custom_rejection, ess_bounded_config, weight_stage
 from slime_corr.layout.segments import Segments
 from slime_corr.registry import WEIGHT_FUNCTIONS
 
@@ -129,7 +136,7 @@ def compute_rollout_correction(
     normalize: bool = True,
     finalize_metrics: bool = True,
     segments: Segments | None = None,
-    step_bounds: BG.StepBounds | None = None,
+    step_bounds: StepBounds | None = None,
 ) -> CorrectionResult:
     """Weights, masks and metrics for [B, S] local slices (one sequence per row), or for one packed row [1, T]
     whose sequences `segments` gives (`Segments.packed_row`; per-sequence results are then [n]).
@@ -160,7 +167,7 @@ def compute_rollout_correction(
 
 def _correction(log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor, config: RolloutCorrectionConfig, *,
                 cp_group: ProcessGroup, dp_group: ProcessGroup, batch_norm_mean: Tensor | None, normalize: bool,
-                finalize_metrics: bool, segments: Segments | None, step_bounds: BG.StepBounds | None
+                finalize_metrics: bool, segments: Segments | None, step_bounds: StepBounds | None
                 ) -> CorrectionResult:
     """`compute_rollout_correction` after its input checks, in stages."""
     if not config.computes_metrics:
@@ -180,9 +187,9 @@ def _correction(log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor,
                                   cp_group=cp_group, dp_group=dp_group)
         seq_keep = float_not(seqs.nonfinite, ratios.dtype)  # [n] 0/1; RS, divergence and veto follow
         if plan.builtin and config.tis_ess_target is not None:  # this call's U from the ESS target (one SUM)
-            config = W.ess_bounded_config(inputs, config, seq_keep, seqs, layout, step_bounds, batch)
+            config = ess_bounded_config(inputs, config, seq_keep, seqs, layout, step_bounds, batch)
         kept = rejection_stage(inputs, ratios, seqs, seq_keep, config, plan, layout, step_bounds, batch)
-        weighted = W.weight_stage(inputs, kept, config, plan, layout, batch)
+        weighted = weight_stage(inputs, kept, config, plan, layout, batch)
     masks = output_masks(ratios, weighted, config, plan, batch)
     r = batch_statistics(batch, ratios, seqs, layout)
     normalized = normalization_stage(r, weighted, config, normalize, batch_norm_mean, layout.segments, ratios.dtype)
@@ -207,8 +214,8 @@ class TokenSums(NamedTuple):
     """The per-token work before the sequence sums (`token_sums`)."""
 
     log_ratio: Tensor  # lr [B, S]
-    local_sums: Tensor  # [n, k] local per-sequence sums: `M.LOCAL`, then the veto count and the token-RS kept count
-    token_rows: Tensor  # [n, len(M.TOKEN_SUMS)] the token mismatch terms' sums
+    local_sums: Tensor  # [n, k] local per-sequence sums: `LOCAL`, then the veto count and the token-RS kept count
+    token_rows: Tensor  # [n, len(TOKEN_SUMS)] the token mismatch terms' sums
     max_prob_diff: Tensor  # [n] max |p_t - p_r|
     token_rs_keep: Tensor | None  # built-in token-level RS: 0/1 keep of the valid tokens
 
@@ -216,9 +223,9 @@ class TokenSums(NamedTuple):
 def token_sums(log_probs: Tensor, rollout_log_probs: Tensor, valid: Tensor, dtype: torch.dtype,
                veto_log: float | None, rs_bounds: tuple[float, float] | None, seg: Segments,
                backend: KernelBackend = "torch") -> TokenSums:
-    """lr, the token metrics' sums and the per-sequence local sums: `M.LOCAL` (valid tokens, Σlr, Σlp_train,
+    """lr, the token metrics' sums and the per-sequence local sums: `LOCAL` (valid tokens, Σlr, Σlp_train,
     non-finite tokens), then the veto count (lr < log C) and the token-RS kept count if asked."""
-    tok = M.token_pass(log_probs.detach().to(dtype), rollout_log_probs.detach().to(dtype), valid, seg, backend)
+    tok = token_pass(log_probs.detach().to(dtype), rollout_log_probs.detach().to(dtype), valid, seg, backend)
     columns = [tok.seq]
     if veto_log is not None:  # lr < log C, as -lr > -log C (lr is 0 outside the mask and log C < 0)
         columns.append(count_greater_(tok.lr.neg(), -veto_log, seg)[:, None])
@@ -231,7 +238,7 @@ def token_sums(log_probs: Tensor, rollout_log_probs: Tensor, valid: Tensor, dtyp
 
 
 def log_ratio_stage(log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor, config: RolloutCorrectionConfig,
-                    plan: CorrectionPlan, layout: Layout, step_bounds: BG.StepBounds | None) -> LogRatios:
+                    plan: CorrectionPlan, layout: Layout, step_bounds: StepBounds | None) -> LogRatios:
     """lr = lp_train - lp_rollout per token and the whole-sequence sums of `token_sums` and of the divergence
     filter's token stage, in ONE CP all_reduce (compiled with --rollout-correction-compile)."""
     dtype = compute_dtype(log_probs, rollout_log_probs)
@@ -243,7 +250,7 @@ def log_ratio_stage(log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Ten
     first_divergence = local.shape[-1]  # the divergence filter's columns follow
     div = None
     if plan.correct and config.rejects_divergence:
-        div = D.token_stage(tok.log_ratio, valid, tok.token_rs_keep, config, layout.segments, layout.groups,
+        div = divergence.token_stage(tok.log_ratio, valid, tok.token_rs_keep, config, layout.segments, layout.groups,
                             step_bounds, rollout_log_probs)
         local = torch.cat([local, div.columns.to(local.dtype)], -1)
     seq = cp_sum_(local, layout.cp_group)  # the one CP collective for sequence sums
@@ -271,14 +278,14 @@ def start_batch_columns(ratios: LogRatios, seqs: Sequences) -> BatchColumns:
     seq = ratios.seq_sums
     counts = dict(n_tok=seqs.token_count, n_seq=seqs.usable, n_valid_tok=seq[:, 0], n_valid_seq=seqs.has_tokens,
                   n_bad_tok=seq[:, 3])
-    return BatchColumns(counts=counts, token_columns={M.TOKEN_SUMS: ratios.token_rows},
-                        seq_columns={M.SEQ_SUMS: M.seq_terms(seqs.frame[:, 0], seqs.frame[:, 1:4])})
+    return BatchColumns(counts=counts, token_columns={TOKEN_SUMS: ratios.token_rows},
+                        seq_columns={SEQ_SUMS: seq_terms(seqs.frame[:, 0], seqs.frame[:, 1:4])})
 
 
 # ------------------------------------------------------------------------------------------ 2. rejection
 def rejection_stage(inputs: WeightInputs | None, ratios: LogRatios, seqs: Sequences, seq_keep: Tensor,
                     config: RolloutCorrectionConfig, plan: CorrectionPlan, layout: Layout,
-                    step_bounds: BG.StepBounds | None, batch: BatchColumns) -> Kept:
+                    step_bounds: StepBounds | None, batch: BatchColumns) -> Kept:
     """What stays: `seq_keep` (the finite sequences) less the weighting function's RS (built-in) or mask (custom),
     the divergence filter and the veto; each rejection's counts go to `batch`."""
     div = ratios.divergence
@@ -287,7 +294,7 @@ def rejection_stage(inputs: WeightInputs | None, ratios: LogRatios, seqs: Sequen
         token_keep, seq_keep, rs_kept = _builtin_rejection(inputs, ratios, seqs, seq_keep, config, plan)
     else:  # a custom mask is arbitrary: one extra CP collective for its per-sequence counts
         valid = ratios.valid if div is None or div.keep is None else div.keep
-        token_keep, custom_weights, rs_kept = W.custom_rejection(plan.weight_fn, ratios.log_ratio, valid, seq_keep,
+        token_keep, custom_weights, rs_kept = custom_rejection(plan.weight_fn, ratios.log_ratio, valid, seq_keep,
                                                                  seqs, layout, config, batch)
     if div is not None:
         seq_keep, rs_kept = _divergence_rows(div, ratios.seq_sums[:, ratios.divergence_column:], seqs, seq_keep,
@@ -323,15 +330,15 @@ def _builtin_rejection(inputs: WeightInputs, ratios: LogRatios, seqs: Sequences,
     return token_keep, seq_keep, kept_tokens
 
 
-def _divergence_rows(div: D.TokenStage, columns: Tensor, seqs: Sequences, seq_keep: Tensor, kept_tokens: Tensor,
-                     config: RolloutCorrectionConfig, layout: Layout, step_bounds: BG.StepBounds | None,
+def _divergence_rows(div: divergence.TokenStage, columns: Tensor, seqs: Sequences, seq_keep: Tensor, kept_tokens: Tensor,
+                     config: RolloutCorrectionConfig, layout: Layout, step_bounds: StepBounds | None,
                      batch: BatchColumns) -> tuple[Tensor, Tensor]:
     """The divergence filter after the sequence sums (`divergence.py`): the sequence-level decision applied to
     (seq_keep, kept_tokens), its own rejection counts and the budgeted bound in `batch`."""
     bound = div.bound
     n_seq, usable = seqs.token_count, seqs.usable
     if div.keep is None:  # mean / max: whole sequences
-        keep, bound = D.sequence_keep(columns, n_seq, usable, config, layout.cp_first, layout.groups, step_bounds)
+        keep, bound = divergence.sequence_keep(columns, n_seq, usable, config, layout.cp_first, layout.groups, step_bounds)
         seq_keep, kept_tokens = seq_keep * keep, kept_tokens * keep
         batch.counts.update(n_div_tok=n_seq * (1.0 - keep), n_div_seq=usable & (keep == 0))
     else:
@@ -363,7 +370,7 @@ def batch_statistics(batch: BatchColumns, ratios: LogRatios, seqs: Sequences, la
     r = batch.stats.reduce(layout.cp_group, layout.dp_group)
     r.update({alias: r[name] for alias, name in batch.aliases.items()})
     if batch.sketch is not None:
-        r.update(Q.refine(batch.sketch, r[Q.LEVEL1_KEY], layout.groups))
+        r.update(quantiles.refine(batch.sketch, r[quantiles.LEVEL1_KEY], layout.groups))
     return r
 
 
@@ -417,7 +424,7 @@ def normalize_weights(result: CorrectionResult, config: RolloutCorrectionConfig,
 
 def weight_mean(stats: dict[str, Tensor]) -> Tensor:
     """Mean of the bounded IS weights over contributing units (tokens, or sequences counted once)."""
-    return M._div(stats["w_uw"], stats["w_u"])
+    return safe_divide(stats["w_uw"], stats["w_u"])
 
 
 def normalization_divisor(mean: Tensor) -> Tensor:
@@ -432,7 +439,7 @@ def correction_metrics(
     """The metrics of reduced statistics: one call's `CorrectionResult.stats`, or a step's (`merge_stats`).
 
     `divisor`: the `--tis-batch-normalize` divisor that was applied (default: the weight mean of `stats`).
-    Every ratio metric is divided in one go (`M.mismatch_metrics`).
+    Every ratio metric is divided in one go (`mismatch_metrics`).
     """
     r = stats
     correct = config.use_rollout_correction
@@ -455,7 +462,7 @@ def correction_metrics(
                 nums.append(r[num])
                 dens.append(r[den])
         if "raw_u" in r:
-            for name, num in M.raw_metrics(config.effective_tis_mode):
+            for name, num in raw_metrics(config.effective_tis_mode):
                 names.append(name)
                 nums.append(r[num])
                 dens.append(r["raw_u"])
@@ -463,7 +470,7 @@ def correction_metrics(
             names += ["w_mean", "w_mean2"]
             nums += [r["w_uw"], r["w_uw2"]]
             dens += [r["w_u"], r["w_u"]]
-    metrics = M.mismatch_metrics(r, names, nums, dens)
+    metrics = mismatch_metrics(r, names, nums, dens)
     metrics["mis_valid_token_count"] = r["n_valid_tok"]
     metrics["mis_valid_seq_count"] = r["n_valid_seq"]
     metrics["mis_nonfinite_token_count"] = r["n_bad_tok"]
@@ -479,5 +486,5 @@ def correction_metrics(
         means = {k: metrics.pop(k) for k in ("w_mean", "w_mean2")}
         if divisor is None and config.tis_batch_normalize:
             divisor = normalization_divisor(means["w_mean"])
-        metrics.update(M.weight_metrics(r, means, divisor))
+        metrics.update(weight_metrics(r, means, divisor))
     return metrics

@@ -55,10 +55,10 @@ import torch
 from torch import Tensor
 
 from slime_corr.config import KernelBackend, RolloutCorrectionConfig
-from slime_corr.correction import quantiles as Q
+from slime_corr.correction import quantiles
+from slime_corr.correction.builtin_weights import LOG_RATIO_CLAMP
 from slime_corr.correction.checks import check_host_metrics
-from slime_corr.correction.reductions import count_greater_, device_constant, row_products
-from slime_corr.correction.weights import LOG_RATIO_CLAMP
+from slime_corr.correction.reductions import count_greater_, device_constant, row_products, safe_divide
 from slime_corr.kernel_fallback import KernelFallback
 from slime_corr.layout.segments import Segments
 
@@ -77,14 +77,14 @@ def merge_stats(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     merged: dict[str, Tensor] = {}
     for stats in parts:
         for key, value in stats.items():
-            if key in Q.REFINED or key in Q.REFINED.values() or key == Q.CALL_KEY:
+            if key in quantiles.REFINED or key in quantiles.REFINED.values() or key == quantiles.CALL_KEY:
                 continue
             combine = EXTREMA.get(key, torch.add)
             merged[key] = value if key not in merged else combine(merged[key], value)
-    for key, ids_key in Q.REFINED.items():
+    for key, ids_key in quantiles.REFINED.items():
         with_key = [p for p in parts if key in p]
         if with_key:
-            merged[key], merged[ids_key] = Q.merge(with_key, key)
+            merged[key], merged[ids_key] = quantiles.merge(with_key, key)
     return merged
 
 
@@ -101,11 +101,6 @@ def metrics_to_host(metrics: dict[str, Tensor], config: RolloutCorrectionConfig 
             scalars = [v.to(torch.float64) for v in scalars]
         values = torch.stack(scalars).tolist()
     return check_host_metrics(dict(zip(metrics.keys(), values, strict=True)), config)
-
-
-def _div(num: Tensor, den: Tensor) -> Tensor:
-    """num / den for float64 batch statistics; 0 / 0 = 0."""
-    return num / den.clamp_min(1e-30)
 
 
 # per-sequence token sums, in this order (`token_pass`); d, p_t, p_r and their second moments side by side
@@ -250,7 +245,7 @@ def mismatch_metrics(r: dict[str, Tensor], names: list[str], nums: list[Tensor],
     `dens`), divided in one go."""
     num = torch.stack([r[k] for k in TOKEN_SUMS + SEQ_SUMS] + nums)
     den = torch.stack([r["n_tok"]] * len(TOKEN_SUMS) + [r["n_seq"]] * len(SEQ_SUMS) + dens)
-    means = _div(num, den)
+    means = safe_divide(num, den)
     values = means.unbind()
     tok = dict(zip(TOKEN_SUMS, values[:len(TOKEN_SUMS)], strict=True))
     seq = dict(zip(SEQ_SUMS, values[len(TOKEN_SUMS):len(TOKEN_SUMS) + len(SEQ_SUMS)], strict=True))
@@ -327,12 +322,12 @@ def weight_metrics(r: dict[str, Tensor], means: dict[str, Tensor], factor: Tenso
     mean, mean2 = means["w_mean"], means["w_mean2"]
     msq = mean * mean
     w_min, w_max = torch.stack([r["w_min"], r["w_max"]]).masked_fill_(r["w_u"] <= 0, 0.0).unbind()
-    q = torch.clamp(Q.quantiles(r), w_min, w_max)
+    q = torch.clamp(quantiles.quantiles(r), w_min, w_max)
     values = torch.stack([mean, (mean2 - msq).clamp_min(0).sqrt(), w_min, w_max, *q.unbind()])
     if factor is not None:
         values = values / factor
     names = ["mis_ratio_mean_after_mis", "mis_weight_std", "mis_weight_min", "mis_weight_max"] + [
-        f"mis_weight_{name}" for name in Q.QUANTILES]
+        f"mis_weight_{name}" for name in quantiles.QUANTILES]
     out = dict(zip(names, values.unbind(), strict=True))
     if factor is not None:
         out["mis_batch_norm_factor"] = factor

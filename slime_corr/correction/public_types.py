@@ -1,4 +1,5 @@
-"""Data types of the correction core (inputs/outputs of weighting functions, the correction result)."""
+"""The public records of the correction core: what a weighting function receives and returns, and the result of
+`compute_rollout_correction` (the records its stages pass each other are in `stage_records.py`)."""
 
 from __future__ import annotations
 
