@@ -16,11 +16,13 @@ from slime_corr.correction.core import (
     weight_function,
     weight_mean,
 )
-from slime_corr.correction.metrics import merge_stats, metrics_to_host
+from slime_corr.correction.metrics import metrics_to_host
 from slime_corr.correction.public_types import CorrectionResult, WeightInputs, WeightOutputs
+from slime_corr.correction.statistics import BatchStatistics, merge_stats
 from slime_corr.layout.segments import Segments
 
 __all__ = [
+    "BatchStatistics",
     "CorrectionResult",
     "Segments",
     "StepBounds",

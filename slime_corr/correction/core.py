@@ -37,8 +37,6 @@ from slime_corr.correction.checks import (
 )
 from slime_corr.correction.compiling import maybe_compiled
 from slime_corr.correction.metrics import (
-    SEQ_SUMS,
-    TOKEN_SUMS,
     mismatch_metrics,
     raw_metrics,
     seq_terms,
@@ -65,9 +63,11 @@ from slime_corr.correction.stage_records import (
     Kept,
     Layout,
     LogRatios,
+    SequenceCounts,
     Sequences,
     Weighted,
 )
+from slime_corr.correction.statistics import SEQ_SUMS, TOKEN_SUMS, BatchStatistics
 from slime_corr.correction.weight_stage import custom_rejection, ess_bounded_config, weight_stage
 from slime_corr.layout.segments import Segments
 from slime_corr.registry import WEIGHT_FUNCTIONS
@@ -201,8 +201,8 @@ def _correction(log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor,
         denominator_mask=masks.denominator_mask,
         metrics=metrics,
         seq_token_count=masks.seq_token_count,
-        global_token_count=r["g_tok"],
-        global_seq_count=r["g_seq"],
+        global_token_count=r.denominator_token_count,
+        global_seq_count=r.denominator_seq_count,
         stats=r,
         function_metrics=batch.function_metrics,
         divisor=normalized.divisor,
@@ -276,8 +276,9 @@ def start_batch_columns(ratios: LogRatios, seqs: Sequences) -> BatchColumns:
     sequences), token level (local sums, added over CP) and sequence level (whole-sequence values, counted on CP
     rank 0)."""
     seq = ratios.seq_sums
-    counts = dict(n_tok=seqs.token_count, n_seq=seqs.usable, n_valid_tok=seq[:, 0], n_valid_seq=seqs.has_tokens,
-                  n_bad_tok=seq[:, 3])
+    counts = SequenceCounts(finite_token_count=seqs.token_count, finite_seq_count=seqs.usable,
+                            valid_token_count=seq[:, 0], valid_seq_count=seqs.has_tokens,
+                            nonfinite_token_count=seq[:, 3])
     return BatchColumns(counts=counts, token_columns={TOKEN_SUMS: ratios.token_rows},
                         seq_columns={SEQ_SUMS: seq_terms(seqs.frame[:, 0], seqs.frame[:, 1:4])})
 
@@ -305,9 +306,12 @@ def rejection_stage(inputs: WeightInputs | None, ratios: LogRatios, seqs: Sequen
         vetoed = below > 0
         seq_keep = _zero_where(vetoed, seq_keep)
         kept_tokens = _zero_where(vetoed, rs_kept)
-        batch.counts.update(n_cat_tok=seqs.usable * below, n_cat_seq=vetoed & seqs.usable)
+        batch.counts.vetoed_token_count = seqs.usable * below
+        batch.counts.vetoed_seq_count = vetoed & seqs.usable
     kept = indicator(torch.gt, torch.stack([rs_kept, kept_tokens], -1), 0.0)  # > 0 only in finite valid sequences
-    batch.counts.update(n_fn_tok=rs_kept, n_fn_seq=kept[:, 0], n_final_tok=kept_tokens, n_final_seq=kept[:, 1])
+    counts = batch.counts
+    counts.function_kept_token_count, counts.function_kept_seq_count = rs_kept, kept[:, 0]
+    counts.final_token_count, counts.final_seq_count = kept_tokens, kept[:, 1]
     return Kept(token_keep, seq_keep, rs_kept, kept_tokens, kept[:, 1], custom_weights)
 
 
@@ -340,12 +344,14 @@ def _divergence_rows(div: divergence.TokenStage, columns: Tensor, seqs: Sequence
     if div.keep is None:  # mean / max: whole sequences
         keep, bound = divergence.sequence_keep(columns, n_seq, usable, config, layout.cp_first, layout.groups, step_bounds)
         seq_keep, kept_tokens = seq_keep * keep, kept_tokens * keep
-        batch.counts.update(n_div_tok=n_seq * (1.0 - keep), n_div_seq=usable & (keep == 0))
+        rejected_tokens, rejected_seqs = n_seq * (1.0 - keep), usable & (keep == 0)
     else:
         kept = torch.where(usable, columns[:, 0], torch.zeros_like(n_seq))
-        batch.counts.update(n_div_tok=n_seq - kept, n_div_seq=usable & (kept == 0))
+        rejected_tokens, rejected_seqs = n_seq - kept, usable & (kept == 0)
+    batch.counts.divergence_rejected_token_count = rejected_tokens
+    batch.counts.divergence_rejected_seq_count = rejected_seqs
     if bound is not None:
-        batch.add_call_value("div_bound", bound, layout.groups)
+        batch.add_call_value("divergence_bound", bound, layout.groups)
     return seq_keep, kept_tokens
 
 
@@ -353,25 +359,24 @@ def _divergence_rows(div: divergence.TokenStage, columns: Tensor, seqs: Sequence
 def output_masks(ratios: LogRatios, weighted: Weighted, config: RolloutCorrectionConfig, plan: CorrectionPlan,
                  batch: BatchColumns) -> OutputMasks:
     """The final mask and the loss denominators' (with --rs-keep-loss-denominator rejected tokens still count);
-    `g_tok` / `g_seq` in the statistics are the denominators' global counts."""
+    `denominator_token_count` / `_seq_count` in the statistics are the denominators' global counts."""
     keep_den = not plan.correct or config.rs_keep_loss_denominator
     final_mask = weighted.final_mask.to(torch.float32)
     den_mask = ratios.valid.to(torch.float32) if keep_den else final_mask
     den = "valid" if keep_den else "final"
-    batch.aliases.update(g_tok=f"n_{den}_tok", g_seq=f"n_{den}_seq")
+    batch.aliases.update(denominator_token_count=f"{den}_token_count", denominator_seq_count=f"{den}_seq_count")
     return OutputMasks(final_mask, den_mask, ratios.seq_sums[:, 0] if keep_den else weighted.kept_tokens)
 
 
-def batch_statistics(batch: BatchColumns, ratios: LogRatios, seqs: Sequences, layout: Layout) -> dict[str, Tensor]:
+def batch_statistics(batch: BatchColumns, ratios: LogRatios, seqs: Sequences, layout: Layout) -> BatchStatistics:
     """The reduced batch statistics: everything in `batch` and the input value counts in the one batch collective
     (SUM + MAX per group), the aliases, and with weights their exact quantiles (two more small SUMs)."""
     _add_batch_sums(batch, ratios.max_prob_diff, seqs.unusable, layout.cp_first)
     batch.stats.add_sums(tuple(INPUT_VALUE_COUNTS), ratios.value_counts)
-    r = batch.stats.reduce(layout.cp_group, layout.dp_group)
-    r.update({alias: r[name] for alias, name in batch.aliases.items()})
+    reduced = batch.stats.reduce(layout.cp_group, layout.dp_group)
     if batch.sketch is not None:
-        r.update(quantiles.refine(batch.sketch, r[quantiles.LEVEL1_KEY], layout.groups))
-    return r
+        reduced.update(quantiles.refine(batch.sketch, reduced[quantiles.LEVEL1_KEY], layout.groups))
+    return BatchStatistics.from_reduced(reduced, batch.aliases)
 
 
 def _add_batch_sums(batch: BatchColumns, d_max: Tensor, unusable: Tensor, cp0: float) -> None:
@@ -379,7 +384,8 @@ def _add_batch_sums(batch: BatchColumns, d_max: Tensor, unusable: Tensor, cp0: f
     sequence may hold inf/NaN: zeroed, not multiplied) over the finite valid sequences, with the maximum of
     `d_max`; sequence-level ones (counts, `seq_columns`) counted once across CP (`cp0`). Two sums and one max."""
     stats, counts, tok_cols, seq_cols = batch.stats, batch.counts, batch.token_columns, batch.seq_columns
-    total = torch.stack(list(counts.values()), -1).sum(0, dtype=torch.float64)
+    count_columns = counts.present()
+    total = torch.stack(list(count_columns.values()), -1).sum(0, dtype=torch.float64)
     names = [name for names in (*tok_cols, *seq_cols) for name in names]
     values = _zero_where(unusable[:, None], torch.cat([*tok_cols.values(), *seq_cols.values(), d_max[:, None]], -1))
     sums = values.sum(0)
@@ -387,17 +393,17 @@ def _add_batch_sums(batch: BatchColumns, d_max: Tensor, unusable: Tensor, cp0: f
     if cp0 != 1.0:
         total = total * cp0
         sums = torch.cat([sums[:n_tok], sums[n_tok:] * cp0])
-    stats.add_sums(tuple(counts), total)
+    stats.add_sums(tuple(count_columns), total)
     stats.add_sums(tuple(names), sums[:-1])
-    stats.add_max("tok_d_max", values[:, -1].amax() if values.shape[0] else values.new_zeros(()))
+    stats.add_max("prob_diff_max", values[:, -1].amax() if values.shape[0] else values.new_zeros(()))
 
 
-def normalization_stage(r: dict[str, Tensor], weighted: Weighted, config: RolloutCorrectionConfig, normalize: bool,
+def normalization_stage(r: BatchStatistics, weighted: Weighted, config: RolloutCorrectionConfig, normalize: bool,
                         batch_norm_mean: Tensor | None, seg: Segments, dtype: torch.dtype) -> Normalized:
     """`--tis-batch-normalize`: w / mean(w) over the contributing units (`batch_norm_mean`, default this call's);
     per-sequence weights are expanded to the tokens in the same pass (x final mask)."""
     divisor = None
-    if "w_u" in r and config.tis_batch_normalize and normalize:
+    if r.has_weights and config.tis_batch_normalize and normalize:
         divisor = normalization_divisor(weight_mean(r) if batch_norm_mean is None else batch_norm_mean)
     weights = weighted.weights
     if weighted.seq_weights is not None:
@@ -422,9 +428,9 @@ def normalize_weights(result: CorrectionResult, config: RolloutCorrectionConfig,
                                divisor=divisor)
 
 
-def weight_mean(stats: dict[str, Tensor]) -> Tensor:
+def weight_mean(stats: BatchStatistics) -> Tensor:
     """Mean of the bounded IS weights over contributing units (tokens, or sequences counted once)."""
-    return safe_divide(stats["w_uw"], stats["w_u"])
+    return safe_divide(stats.weight_sum, stats.weight_units)
 
 
 def normalization_divisor(mean: Tensor) -> Tensor:
@@ -434,7 +440,7 @@ def normalization_divisor(mean: Tensor) -> Tensor:
 
 
 def correction_metrics(
-    stats: dict[str, Tensor], config: RolloutCorrectionConfig, divisor: Tensor | None = None
+    stats: BatchStatistics, config: RolloutCorrectionConfig, divisor: Tensor | None = None
 ) -> dict[str, Tensor]:
     """The metrics of reduced statistics: one call's `CorrectionResult.stats`, or a step's (`merge_stats`).
 
@@ -444,47 +450,49 @@ def correction_metrics(
     r = stats
     correct = config.use_rollout_correction
     # differences of counts: non-finite sequences; with correction, rejected tokens and sequences
-    pairs = [("n_valid_seq", "n_seq")]
+    pairs = [(r.valid_seq_count, r.finite_seq_count)]
     if correct:
-        pairs += [("n_tok", "n_fn_tok"), ("n_seq", "n_fn_seq"), ("n_valid_tok", "n_final_tok"),
-                  ("n_valid_seq", "n_final_seq")]
+        pairs += [(r.finite_token_count, r.function_kept_token_count), (r.finite_seq_count, r.function_kept_seq_count),
+                  (r.valid_token_count, r.final_token_count), (r.valid_seq_count, r.final_seq_count)]
     a, b = zip(*pairs, strict=True)
-    diff = (torch.stack([r[k] for k in a]) - torch.stack([r[k] for k in b])).unbind()
-    names, nums, dens = ["mis_nonfinite_seq_fraction"], [diff[0]], [r["n_valid_seq"]]
+    diff = (torch.stack(a) - torch.stack(b)).unbind()
+    names, nums, dens = ["mis_nonfinite_seq_fraction"], [diff[0]], [r.valid_seq_count]
     if correct:
         names += ["mis_rs_rejected_token_fraction", "mis_rs_rejected_seq_fraction", "mis_rejected_token_fraction",
                   "mis_rejected_seq_fraction"]
         nums += list(diff[1:])
-        dens += [r["n_tok"], r["n_seq"], r["n_valid_tok"], r["n_valid_seq"]]
-        for name, (num, den) in OPTIONAL_RATIOS.items():
-            if num in r:
+        dens += [r.finite_token_count, r.finite_seq_count, r.valid_token_count, r.valid_seq_count]
+        for name, ratio in OPTIONAL_RATIOS.items():
+            num, den = ratio(r)
+            if num is not None:
                 names.append(name)
-                nums.append(r[num])
-                dens.append(r[den])
-        if "raw_u" in r:
-            for name, num in raw_metrics(config.effective_tis_mode):
+                nums.append(num)
+                dens.append(den)
+        if r.has_raw_weights:
+            for name, num in raw_metrics(r, config.effective_tis_mode):
                 names.append(name)
-                nums.append(r[num])
-                dens.append(r["raw_u"])
-        if "w_u" in r:
+                nums.append(num)
+                dens.append(r.raw_weight_units)
+        if r.has_weights:
             names += ["w_mean", "w_mean2"]
-            nums += [r["w_uw"], r["w_uw2"]]
-            dens += [r["w_u"], r["w_u"]]
+            nums += [r.weight_sum, r.weight_square_sum]
+            dens += [r.weight_units, r.weight_units]
     metrics = mismatch_metrics(r, names, nums, dens)
-    metrics["mis_valid_token_count"] = r["n_valid_tok"]
-    metrics["mis_valid_seq_count"] = r["n_valid_seq"]
-    metrics["mis_nonfinite_token_count"] = r["n_bad_tok"]
+    metrics["mis_valid_token_count"] = r.valid_token_count
+    metrics["mis_valid_seq_count"] = r.valid_seq_count
+    metrics["mis_nonfinite_token_count"] = r.nonfinite_token_count
     metrics["mis_nonfinite_seq_count"] = diff[0]
-    metrics.update({key: r[stat] for stat, (key, _) in INPUT_VALUE_COUNTS.items()})
+    metrics.update({key: getattr(r, stat) for stat, (key, _) in INPUT_VALUE_COUNTS.items()})
     if not correct:
         return metrics
-    metrics["mis_contributing_token_count"] = r["n_final_tok"]
-    metrics["mis_all_rejected"] = indicator(torch.eq, r["n_final_tok"], 0.0, torch.float64)
-    if "n_fn_bad_w" in r:
-        metrics[CUSTOM_NONFINITE], metrics[CUSTOM_NEGATIVE] = r["n_fn_bad_w"], r["n_fn_neg_w"]
-    if "w_u" in r:
-        means = {k: metrics.pop(k) for k in ("w_mean", "w_mean2")}
+    metrics["mis_contributing_token_count"] = r.final_token_count
+    metrics["mis_all_rejected"] = indicator(torch.eq, r.final_token_count, 0.0, torch.float64)
+    if r.custom_nonfinite_weight_count is not None:
+        metrics[CUSTOM_NONFINITE], metrics[CUSTOM_NEGATIVE] = (r.custom_nonfinite_weight_count,
+                                                               r.custom_negative_weight_count)
+    if r.has_weights:
+        mean, mean2 = metrics.pop("w_mean"), metrics.pop("w_mean2")
         if divisor is None and config.tis_batch_normalize:
-            divisor = normalization_divisor(means["w_mean"])
-        metrics.update(weight_metrics(r, means, divisor))
+            divisor = normalization_divisor(mean)
+        metrics.update(weight_metrics(r, mean, mean2, divisor))
     return metrics

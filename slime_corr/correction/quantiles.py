@@ -25,7 +25,7 @@ How a histogram is counted (`Counts`), with no device->host sync and no data-dep
   which fall back to global atomics), still serializes within a block when every weight is 1.0, counts no weighted
   units and refuses deterministic mode; one comparison sum per boundary costs a pass per bin.
 
-Mergeable: the statistics are sums keyed by bin id, so `merge_stats` adds those of several micro-batches (`merge`).
+Mergeable: the statistics are sums keyed by bin id, so `merge_sketches` adds those of several micro-batches (`merge`).
 A step's quantile is exact where every micro-batch refined the bins it falls in; mass a micro-batch did not refine
 is spread evenly over its bin, so the rank error is at most that mass (the heaviest bins are always refined).
 """
@@ -256,6 +256,22 @@ def merge(parts: list[dict[str, Tensor]], key: str) -> tuple[Tensor, Tensor]:
     rows = torch.cat([p[key] for p in parts])
     unique, inverse = torch.unique(ids, return_inverse=True)
     return torch.zeros(unique.numel(), SUB, dtype=rows.dtype, device=rows.device).index_add_(0, inverse, rows), unique
+
+
+def merge_sketches(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """The reduced sketch statistics of several calls as one (`merge_stats`): the level-1 histograms add, the
+    refined ones are added by bin id (`merge`), a call's own exact quantiles (`CALL_KEY`) are dropped."""
+    merged: dict[str, Tensor] = {}
+    for sketch in parts:
+        for key, value in sketch.items():
+            if key in REFINED or key in REFINED.values() or key == CALL_KEY:
+                continue
+            merged[key] = value if key not in merged else torch.add(merged[key], value)
+    for key, ids_key in REFINED.items():
+        with_key = [p for p in parts if key in p]
+        if with_key:
+            merged[key], merged[ids_key] = merge(with_key, key)
+    return merged
 
 
 def _digit(rows: Tensor, ids: Tensor, bin_id: Tensor, mass: Tensor, rank: Tensor) -> tuple[Tensor, Tensor, Tensor]:

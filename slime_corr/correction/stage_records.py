@@ -8,7 +8,7 @@ decides once per call, `Layout` where the call's sequences live (rows or a packe
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
 import torch
@@ -101,15 +101,40 @@ class Weighted(NamedTuple):
 
 
 @dataclass
+class SequenceCounts:
+    """The per-sequence counts [n] the stages collect (finite; bool or 0/1 floats), summed into the
+    `BatchStatistics` fields of the same names (see there); None where the config does not count them."""
+
+    finite_token_count: Tensor  # valid tokens of the finite sequences (0 in a non-finite one)
+    finite_seq_count: Tensor  # the finite sequences with a valid token
+    valid_token_count: Tensor  # valid tokens
+    valid_seq_count: Tensor  # sequences with a valid token
+    nonfinite_token_count: Tensor  # valid tokens with a non-finite log-prob
+    function_kept_token_count: Tensor | None = None  # rejection stage: tokens kept before the veto
+    function_kept_seq_count: Tensor | None = None
+    final_token_count: Tensor | None = None  # rejection stage: tokens kept after the veto too
+    final_seq_count: Tensor | None = None
+    vetoed_token_count: Tensor | None = None  # the veto: finite valid tokens with lr < log C in the vetoed sequences
+    vetoed_seq_count: Tensor | None = None
+    divergence_rejected_token_count: Tensor | None = None  # the divergence filter's rejections
+    divergence_rejected_seq_count: Tensor | None = None
+
+    def present(self) -> dict[str, Tensor]:
+        """{field name: counts} of the counts collected, in field order."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+@dataclass
 class BatchColumns:
     """The batch statistics collected by the stages, summed and reduced at once (`core.batch_statistics`).
 
-    `counts` [n] each (finite), `token_columns` / `seq_columns` [n, k] values (zeroed in the unusable sequences;
-    the sequence-level ones counted once across CP), `stats` what a stage adds directly, `aliases` the statistics
-    that equal others, `sketch` the weights prepared for the exact quantiles (`quantiles.refine`).
+    `counts` [n] each (finite), `token_columns` / `seq_columns` [n, k] values under the `BatchStatistics` field
+    names of their columns (zeroed in the unusable sequences; the sequence-level ones counted once across CP),
+    `stats` what a stage adds directly, `aliases` the `BatchStatistics` fields that equal others ({alias: field}),
+    `sketch` the weights prepared for the exact quantiles (`quantiles.refine`).
     """
 
-    counts: dict[str, Tensor]
+    counts: SequenceCounts
     token_columns: dict[tuple[str, ...], Tensor]
     seq_columns: dict[tuple[str, ...], Tensor]
     stats: BatchStats = field(default_factory=BatchStats)
@@ -118,8 +143,9 @@ class BatchColumns:
     sketch: quantiles.Counts | None = None
 
     def add_call_value(self, name: str, value: Tensor, groups: list) -> None:
-        """Logs a value every rank of the call holds (a budgeted bound) as (calls, Σ value) sums, divided by the
-        ranks so the batch SUM gives (1, value) per call and merged micro-batches their mean."""
+        """Logs a value every rank of the call holds (a budgeted bound) as (calls, Σ value) sums (the
+        `BatchStatistics` fields `{name}_calls`, `{name}_sum`), divided by the ranks so the batch SUM gives
+        (1, value) per call and merged micro-batches their mean."""
         share = 1.0
         for g in groups:
             share /= group_size(g)

@@ -5,8 +5,9 @@
   level ([n]: no [B, S] copies of per-sequence quantities), its statistics on [n], each sequence counted once;
 - a custom weighting function (`custom_rejection`): the rejection stage calls it, as its mask comes with its weights;
 - `--tis-ess-target`: the bound U of this call, or of its optimizer step (`ess_bounded_config`).
-The weights' statistics: Σ unit, Σ unit·w, Σ unit·w² (`WEIGHT_SUMS`), the extremes and the first level of the
-exact quantile sketch (`quantiles.py`); the raw weights' Σ w_raw, # w_raw > U, # w_raw < L (`RAW_SUMS`).
+The weights' statistics: Σ unit, Σ unit·w, Σ unit·w² (`statistics.WeightSums`), the extremes and the first level of
+the exact quantile sketch (`quantiles.py`); the raw weights' Σ w_raw, # w_raw > U, # w_raw < L
+(`statistics.RawWeightSums`).
 """
 
 from __future__ import annotations
@@ -24,13 +25,7 @@ from slime_corr.correction.budget import StepBounds
 from slime_corr.correction.builtin_weights import LOG_RATIO_CLAMP, default_weight_parts
 from slime_corr.correction.checks import call_weight_function, custom_weight_counts
 from slime_corr.correction.compiling import maybe_compiled
-from slime_corr.correction.metrics import (
-    RAW_SUMS,
-    WEIGHT_SUMS,
-    raw_weight_columns,
-    weight_extremes,
-    weight_sums,
-)
+from slime_corr.correction.metrics import raw_weight_columns, weight_extremes, weight_sums
 from slime_corr.correction.public_types import WeightInputs
 from slime_corr.correction.reductions import count_greater_, indicator, row_products, seq_sums, valid_float
 from slime_corr.correction.stage_records import (
@@ -41,6 +36,7 @@ from slime_corr.correction.stage_records import (
     Sequences,
     Weighted,
 )
+from slime_corr.correction.statistics import RAW_SUMS, WEIGHT_SUMS
 from slime_corr.layout.segments import Segments
 
 
@@ -72,7 +68,7 @@ def ess_bounded_config(inputs: WeightInputs, config: RolloutCorrectionConfig, se
     else:
         unit = seqs.usable.to(inputs.loss_mask.dtype) * layout.cp_first
     bound = budget.ess_target_bound(inputs, config, unit, layout.groups, step_bounds)
-    batch.add_call_value("tis_bound", bound, layout.groups)
+    batch.add_call_value("tis_ess_bound", bound, layout.groups)
     return config.replace(tis_upper_bound=float(bound), tis_ess_target=None)  # one device->host read
 
 
@@ -90,7 +86,7 @@ def weight_stage(inputs: WeightInputs | None, kept: Kept, config: RolloutCorrect
         final_mask, weights = tw.final_mask, tw.weights
         batch.token_columns[RAW_SUMS[1:1 + tw.raw_columns.shape[-1]]] = tw.raw_columns
         batch.token_columns[WEIGHT_SUMS[1:]] = tw.weight_columns
-        batch.aliases.update(raw_u="n_tok", w_u="n_final_tok")
+        batch.aliases.update(raw_weight_units="finite_token_count", weight_units="final_token_count")
         add_weight_stats(batch, weights, final_mask, tw.max, tw.min, binary=True)
     else:
         final_mask = kept.token_keep * seg.expand(kept.seq_keep)
@@ -99,7 +95,7 @@ def weight_stage(inputs: WeightInputs | None, kept: Kept, config: RolloutCorrect
         unit = unit if layout.cp_first == 1.0 else unit * layout.cp_first
         counted = seq_weights * unit
         batch.seq_columns[WEIGHT_SUMS[1:]] = torch.stack([counted, counted * counted], -1)
-        batch.aliases["w_u"] = "n_final_seq"
+        batch.aliases["weight_units"] = "final_seq_count"
         add_weight_stats(batch, counted, unit, *weight_extremes(counted, unit), binary=True)
     elif weights is not None and not plan.builtin:
         weights = torch.where(final_mask > 0, weights, final_mask.new_zeros(()))  # its NaN stays out
@@ -119,7 +115,7 @@ def sequence_weights(inputs: WeightInputs, config: RolloutCorrectionConfig, batc
     weight, raw = weight.squeeze(-1), raw.squeeze(-1)
     columns = [raw, raw > upper] + ([raw < lower] if config.effective_tis_mode != "truncate" else [])
     batch.seq_columns[RAW_SUMS[1:len(columns) + 1]] = torch.stack(columns, -1)
-    batch.aliases["raw_u"] = "n_seq"
+    batch.aliases["raw_weight_units"] = "finite_seq_count"
     return weight
 
 
@@ -145,8 +141,8 @@ def add_weight_stats(batch: BatchColumns, weights: Tensor, unit: Tensor, w_max: 
                      binary: bool = False) -> None:
     """The weights' extremes and the sketch's level-1 histogram (`unit`: 0/1 with `binary`); `batch.sketch`
     keeps what `quantiles.refine` needs."""
-    batch.stats.add_max("w_max", w_max)
-    batch.stats.add_min("w_min", w_min)
+    batch.stats.add_max("weight_max", w_max)
+    batch.stats.add_min("weight_min", w_min)
     hist, batch.sketch = quantiles.level1(weights, unit, binary)
     batch.stats.add_sum(quantiles.LEVEL1_KEY, hist)
 
@@ -175,6 +171,6 @@ def custom_rejection(fn: Callable, log_ratio: Tensor, valid: Tensor, good: Tenso
         batch.stats.add_sums(RAW_SUMS, columns.sum(0, dtype=torch.float64))
     if weights is not None:  # a NaN/inf weight rejects its token (counted), like a non-finite log-prob
         finite, bad = custom_weight_counts(weights, fn_mask)
-        batch.stats.add_sums(("n_fn_bad_w", "n_fn_neg_w"), bad)
+        batch.stats.add_sums(("custom_nonfinite_weight_count", "custom_negative_weight_count"), bad)
         fn_mask = fn_mask * finite
     return CustomRejection(fn_mask, weights, seq_sums([seg.sum(fn_mask)], layout.cp_group)[:, 0])
