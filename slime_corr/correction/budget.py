@@ -26,24 +26,24 @@ import torch.distributed as dist
 from torch import Tensor
 
 from slime_corr.config import RolloutCorrectionConfig
-from slime_corr.correction import quantiles as Q
-from slime_corr.correction.types import WeightInputs
-from slime_corr.correction.weights import raw_is_weights
+from slime_corr.correction import quantiles
+from slime_corr.correction.builtin_weights import raw_is_weights
+from slime_corr.correction.public_types import WeightInputs
 
 NO_WEIGHT_BOUND = 2.0  # U when a call has no weight at all (nothing is truncated either way)
-INF_KEY = 0x7F800000 >> Q.TOP_SHIFT  # the level-1 bin of inf (the bins above hold NaNs)
+INF_KEY = 0x7F800000 >> quantiles.TOP_SHIFT  # the level-1 bin of inf (the bins above hold NaNs)
 
 
 def bin_sums(values: Tensor, unit: Tensor, moments: int, groups: list[dist.ProcessGroup]) -> Tensor:
     """[moments + 1, bins] float64: Σ u·v^p per level-1 bin of `values` (≥ 0) for p = 0..moments, summed over
     `groups` in one all_reduce. `unit` is 0 where a value does not count."""
-    key = Q.level1_keys(values).reshape(-1)
+    key = quantiles.level1_keys(values).reshape(-1)
     u = unit.to(torch.float64).expand_as(values).reshape(-1)
     v = torch.where(u > 0, values.to(torch.float64).reshape(-1), 0.0)  # an inf where u = 0 stays out
     rows = [u]
     for _ in range(moments):
         rows.append(rows[-1] * v)
-    out = Q.bin_sums(key, torch.stack(rows))
+    out = quantiles.bin_sums(key, torch.stack(rows))
     for g in groups:
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=g)
     return out
@@ -91,7 +91,7 @@ class StepBounds:
             for g in groups:
                 dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=g)
             self._sums = dict(zip(names, flat.split([self._sums[n].numel() for n in names]), strict=True))
-            self._sums = {n: v.view(-1, Q.LEVEL1_BINS) for n, v in self._sums.items()}
+            self._sums = {n: v.view(-1, quantiles.LEVEL1_BINS) for n, v in self._sums.items()}
         self.finished = True
         return self
 
@@ -106,7 +106,7 @@ def budget_sums(name: str, values: Tensor, unit: Tensor, moments: int, groups: l
 
 def bin_edge(key: Tensor) -> Tensor:
     """The lower edge of level-1 bin `key` (float64; 0 for bin 0, inf from the bin of inf on, past the last)."""
-    bits = key.clamp(0, INF_KEY).to(torch.int32) << Q.TOP_SHIFT
+    bits = key.clamp(0, INF_KEY).to(torch.int32) << quantiles.TOP_SHIFT
     return bits.view(torch.float32).to(torch.float64)
 
 
@@ -125,7 +125,7 @@ def mean_budget_key(sums: Tensor, budget: float) -> Tensor:
 
 def keep_below(values: Tensor, last_key: Tensor) -> Tensor:
     """0/1 floats (the dtype of `values`): the value's level-1 bin is ≤ `last_key`."""
-    return (Q.level1_keys(values) <= last_key).to(values.dtype)
+    return (quantiles.level1_keys(values) <= last_key).to(values.dtype)
 
 
 def ess_bound(sums: Tensor, target: float) -> Tensor:
@@ -133,7 +133,7 @@ def ess_bound(sums: Tensor, target: float) -> Tensor:
     n = sums[0].sum()
     zero = sums.new_zeros(3, 1)
     below = torch.cat([zero, sums.cumsum(1)[:, :-1]], 1)  # Σ over the bins below each bin
-    edge = bin_edge(torch.arange(Q.LEVEL1_BINS, device=sums.device))
+    edge = bin_edge(torch.arange(quantiles.LEVEL1_BINS, device=sums.device))
     above = n - below[0]
     s1 = below[1] + edge * above
     s2 = below[2] + edge.square() * above

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from slime_corr.config import RolloutCorrectionConfig
-from slime_corr.correction.types import CorrectionResult, WeightInputs, WeightOutputs
+from slime_corr.correction.public_types import CorrectionResult, WeightInputs, WeightOutputs
 from slime_corr.layout.segments import Segments
 
 
@@ -211,10 +211,10 @@ def check_weight_outputs(out: Any, inputs: WeightInputs, config: RolloutCorrecti
 POSITIVE_LOG_PROB_TOLERANCE = 1e-4  # a log-prob above it is a probability above 1.0001: impossible, not rounding
 # statistic -> (metric, what it counts)
 INPUT_VALUE_COUNTS = {
-    "n_bad_mask": ("mis_invalid_mask_count", "loss-mask value(s) outside {0, 1} or NaN"),
-    "n_pos_lp": ("mis_positive_logprob_count",
+    "invalid_mask_count": ("mis_invalid_mask_count", "loss-mask value(s) outside {0, 1} or NaN"),
+    "positive_logprob_count": ("mis_positive_logprob_count",
                  f"log-prob(s) > {POSITIVE_LOG_PROB_TOLERANCE:g} (a probability above 1) at tokens in the loss mask"),
-    "n_nan_lp": ("mis_nan_logprob_count", "NaN log-prob(s) at tokens in the loss mask"),
+    "nan_logprob_count": ("mis_nan_logprob_count", "NaN log-prob(s) at tokens in the loss mask"),
 }
 # the policy loss's own impossible inputs (`compute_policy_loss`), counted there on the device: metric -> what
 LOSS_VALUE_COUNTS = {

@@ -1,13 +1,13 @@
 """`compute_rollout_correction`: IS weights, rejection, veto, batch normalization and metrics for one micro-batch.
 
-Order of operations (docs/theory.md, docs/metrics.md), one function per stage (their records: `records.py`):
+Order of operations (docs/theory.md, docs/metrics.md), one function per stage (their records: `stage_records.py`):
 1. `log_ratio_stage`: lr = lp_train - lp_rollout on valid tokens; per-sequence sums (count, Σlr, Σlp_train, veto
    and token-RS counts) in ONE CP all_reduce. A sequence is a row of the [B, S] inputs, or a segment of a packed
    [1, T] row (`slime_corr.layout.segments`): every per-sequence sum, maximum and broadcast goes through a
    `Segments`, the rest is per token and layout-free. `sequence_stage`: a sequence with a non-finite lr at a valid position is rejected.
-2. `rejection_stage`: the weighting function ("default" = `weights.default_weights`, or
+2. `rejection_stage`: the weighting function ("default" = `builtin_weights.default_weights`, or
    `--custom-tis-function-path`) gives the RS mask; the veto (`lr < log C` at any valid token) then rejects whole
-   sequences. `weighting.weight_stage`: the IS weights of what stays.
+   sequences. `weight_stage.weight_stage`: the IS weights of what stays.
 3. `batch_statistics`: all batch statistics (metric numerators/denominators, normalization mean, counts) in ONE SUM
    and ONE MAX all_reduce per group (CP, DP); with IS weights, the exact weight quantiles take two more small SUMs
    (`quantiles.py`). `normalization_stage`: batch normalization divides the weights by the mean over contributing
@@ -25,12 +25,9 @@ import torch
 from torch import Tensor
 
 from slime_corr.config import KernelBackend, RolloutCorrectionConfig
-from slime_corr.correction import budget as BG
-from slime_corr.correction import cuda_graphs
-from slime_corr.correction import divergence as D
-from slime_corr.correction import metrics as M
-from slime_corr.correction import quantiles as Q
-from slime_corr.correction import weighting as W
+from slime_corr.correction import cuda_graphs, divergence, quantiles
+from slime_corr.correction.budget import StepBounds
+from slime_corr.correction.builtin_weights import default_weights, in_log_bounds, rs_keep
 from slime_corr.correction.checks import (
     CUSTOM_NEGATIVE,
     CUSTOM_NONFINITE,
@@ -39,16 +36,14 @@ from slime_corr.correction.checks import (
     input_value_counts,
 )
 from slime_corr.correction.compiling import maybe_compiled
-from slime_corr.correction.records import (
-    VETO_COLUMN,
-    BatchColumns,
-    CorrectionPlan,
-    Kept,
-    Layout,
-    LogRatios,
-    Sequences,
-    Weighted,
+from slime_corr.correction.metrics import (
+    mismatch_metrics,
+    raw_metrics,
+    seq_terms,
+    token_pass,
+    weight_metrics,
 )
+from slime_corr.correction.public_types import CorrectionResult, WeightInputs
 from slime_corr.correction.reductions import (
     ProcessGroup,
     compute_dtype,
@@ -57,11 +52,23 @@ from slime_corr.correction.reductions import (
     device_constant,
     float_not,
     indicator,
+    safe_divide,
     valid_float,
 )
 from slime_corr.correction.reporting import OPTIONAL_RATIOS
-from slime_corr.correction.types import CorrectionResult, WeightInputs
-from slime_corr.correction.weights import default_weights, in_log_bounds, rs_keep
+from slime_corr.correction.stage_records import (
+    VETO_COLUMN,
+    BatchColumns,
+    CorrectionPlan,
+    Kept,
+    Layout,
+    LogRatios,
+    SequenceCounts,
+    Sequences,
+    Weighted,
+)
+from slime_corr.correction.statistics import SEQ_SUMS, TOKEN_SUMS, BatchStatistics
+from slime_corr.correction.weight_stage import custom_rejection, ess_bounded_config, weight_stage
 from slime_corr.layout.segments import Segments
 from slime_corr.registry import WEIGHT_FUNCTIONS
 
@@ -129,7 +136,7 @@ def compute_rollout_correction(
     normalize: bool = True,
     finalize_metrics: bool = True,
     segments: Segments | None = None,
-    step_bounds: BG.StepBounds | None = None,
+    step_bounds: StepBounds | None = None,
 ) -> CorrectionResult:
     """Weights, masks and metrics for [B, S] local slices (one sequence per row), or for one packed row [1, T]
     whose sequences `segments` gives (`Segments.packed_row`; per-sequence results are then [n]).
@@ -160,7 +167,7 @@ def compute_rollout_correction(
 
 def _correction(log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor, config: RolloutCorrectionConfig, *,
                 cp_group: ProcessGroup, dp_group: ProcessGroup, batch_norm_mean: Tensor | None, normalize: bool,
-                finalize_metrics: bool, segments: Segments | None, step_bounds: BG.StepBounds | None
+                finalize_metrics: bool, segments: Segments | None, step_bounds: StepBounds | None
                 ) -> CorrectionResult:
     """`compute_rollout_correction` after its input checks, in stages."""
     if not config.computes_metrics:
@@ -180,9 +187,9 @@ def _correction(log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor,
                                   cp_group=cp_group, dp_group=dp_group)
         seq_keep = float_not(seqs.nonfinite, ratios.dtype)  # [n] 0/1; RS, divergence and veto follow
         if plan.builtin and config.tis_ess_target is not None:  # this call's U from the ESS target (one SUM)
-            config = W.ess_bounded_config(inputs, config, seq_keep, seqs, layout, step_bounds, batch)
+            config = ess_bounded_config(inputs, config, seq_keep, seqs, layout, step_bounds, batch)
         kept = rejection_stage(inputs, ratios, seqs, seq_keep, config, plan, layout, step_bounds, batch)
-        weighted = W.weight_stage(inputs, kept, config, plan, layout, batch)
+        weighted = weight_stage(inputs, kept, config, plan, layout, batch)
     masks = output_masks(ratios, weighted, config, plan, batch)
     r = batch_statistics(batch, ratios, seqs, layout)
     normalized = normalization_stage(r, weighted, config, normalize, batch_norm_mean, layout.segments, ratios.dtype)
@@ -194,8 +201,8 @@ def _correction(log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor,
         denominator_mask=masks.denominator_mask,
         metrics=metrics,
         seq_token_count=masks.seq_token_count,
-        global_token_count=r["g_tok"],
-        global_seq_count=r["g_seq"],
+        global_token_count=r.denominator_token_count,
+        global_seq_count=r.denominator_seq_count,
         stats=r,
         function_metrics=batch.function_metrics,
         divisor=normalized.divisor,
@@ -207,8 +214,8 @@ class TokenSums(NamedTuple):
     """The per-token work before the sequence sums (`token_sums`)."""
 
     log_ratio: Tensor  # lr [B, S]
-    local_sums: Tensor  # [n, k] local per-sequence sums: `M.LOCAL`, then the veto count and the token-RS kept count
-    token_rows: Tensor  # [n, len(M.TOKEN_SUMS)] the token mismatch terms' sums
+    local_sums: Tensor  # [n, k] local per-sequence sums: `LOCAL`, then the veto count and the token-RS kept count
+    token_rows: Tensor  # [n, len(TOKEN_SUMS)] the token mismatch terms' sums
     max_prob_diff: Tensor  # [n] max |p_t - p_r|
     token_rs_keep: Tensor | None  # built-in token-level RS: 0/1 keep of the valid tokens
 
@@ -216,9 +223,9 @@ class TokenSums(NamedTuple):
 def token_sums(log_probs: Tensor, rollout_log_probs: Tensor, valid: Tensor, dtype: torch.dtype,
                veto_log: float | None, rs_bounds: tuple[float, float] | None, seg: Segments,
                backend: KernelBackend = "torch") -> TokenSums:
-    """lr, the token metrics' sums and the per-sequence local sums: `M.LOCAL` (valid tokens, Σlr, Σlp_train,
+    """lr, the token metrics' sums and the per-sequence local sums: `LOCAL` (valid tokens, Σlr, Σlp_train,
     non-finite tokens), then the veto count (lr < log C) and the token-RS kept count if asked."""
-    tok = M.token_pass(log_probs.detach().to(dtype), rollout_log_probs.detach().to(dtype), valid, seg, backend)
+    tok = token_pass(log_probs.detach().to(dtype), rollout_log_probs.detach().to(dtype), valid, seg, backend)
     columns = [tok.seq]
     if veto_log is not None:  # lr < log C, as -lr > -log C (lr is 0 outside the mask and log C < 0)
         columns.append(count_greater_(tok.lr.neg(), -veto_log, seg)[:, None])
@@ -231,7 +238,7 @@ def token_sums(log_probs: Tensor, rollout_log_probs: Tensor, valid: Tensor, dtyp
 
 
 def log_ratio_stage(log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor, config: RolloutCorrectionConfig,
-                    plan: CorrectionPlan, layout: Layout, step_bounds: BG.StepBounds | None) -> LogRatios:
+                    plan: CorrectionPlan, layout: Layout, step_bounds: StepBounds | None) -> LogRatios:
     """lr = lp_train - lp_rollout per token and the whole-sequence sums of `token_sums` and of the divergence
     filter's token stage, in ONE CP all_reduce (compiled with --rollout-correction-compile)."""
     dtype = compute_dtype(log_probs, rollout_log_probs)
@@ -243,7 +250,7 @@ def log_ratio_stage(log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Ten
     first_divergence = local.shape[-1]  # the divergence filter's columns follow
     div = None
     if plan.correct and config.rejects_divergence:
-        div = D.token_stage(tok.log_ratio, valid, tok.token_rs_keep, config, layout.segments, layout.groups,
+        div = divergence.token_stage(tok.log_ratio, valid, tok.token_rs_keep, config, layout.segments, layout.groups,
                             step_bounds, rollout_log_probs)
         local = torch.cat([local, div.columns.to(local.dtype)], -1)
     seq = cp_sum_(local, layout.cp_group)  # the one CP collective for sequence sums
@@ -269,16 +276,17 @@ def start_batch_columns(ratios: LogRatios, seqs: Sequences) -> BatchColumns:
     sequences), token level (local sums, added over CP) and sequence level (whole-sequence values, counted on CP
     rank 0)."""
     seq = ratios.seq_sums
-    counts = dict(n_tok=seqs.token_count, n_seq=seqs.usable, n_valid_tok=seq[:, 0], n_valid_seq=seqs.has_tokens,
-                  n_bad_tok=seq[:, 3])
-    return BatchColumns(counts=counts, token_columns={M.TOKEN_SUMS: ratios.token_rows},
-                        seq_columns={M.SEQ_SUMS: M.seq_terms(seqs.frame[:, 0], seqs.frame[:, 1:4])})
+    counts = SequenceCounts(finite_token_count=seqs.token_count, finite_seq_count=seqs.usable,
+                            valid_token_count=seq[:, 0], valid_seq_count=seqs.has_tokens,
+                            nonfinite_token_count=seq[:, 3])
+    return BatchColumns(counts=counts, token_columns={TOKEN_SUMS: ratios.token_rows},
+                        seq_columns={SEQ_SUMS: seq_terms(seqs.frame[:, 0], seqs.frame[:, 1:4])})
 
 
 # ------------------------------------------------------------------------------------------ 2. rejection
 def rejection_stage(inputs: WeightInputs | None, ratios: LogRatios, seqs: Sequences, seq_keep: Tensor,
                     config: RolloutCorrectionConfig, plan: CorrectionPlan, layout: Layout,
-                    step_bounds: BG.StepBounds | None, batch: BatchColumns) -> Kept:
+                    step_bounds: StepBounds | None, batch: BatchColumns) -> Kept:
     """What stays: `seq_keep` (the finite sequences) less the weighting function's RS (built-in) or mask (custom),
     the divergence filter and the veto; each rejection's counts go to `batch`."""
     div = ratios.divergence
@@ -287,7 +295,7 @@ def rejection_stage(inputs: WeightInputs | None, ratios: LogRatios, seqs: Sequen
         token_keep, seq_keep, rs_kept = _builtin_rejection(inputs, ratios, seqs, seq_keep, config, plan)
     else:  # a custom mask is arbitrary: one extra CP collective for its per-sequence counts
         valid = ratios.valid if div is None or div.keep is None else div.keep
-        token_keep, custom_weights, rs_kept = W.custom_rejection(plan.weight_fn, ratios.log_ratio, valid, seq_keep,
+        token_keep, custom_weights, rs_kept = custom_rejection(plan.weight_fn, ratios.log_ratio, valid, seq_keep,
                                                                  seqs, layout, config, batch)
     if div is not None:
         seq_keep, rs_kept = _divergence_rows(div, ratios.seq_sums[:, ratios.divergence_column:], seqs, seq_keep,
@@ -298,9 +306,12 @@ def rejection_stage(inputs: WeightInputs | None, ratios: LogRatios, seqs: Sequen
         vetoed = below > 0
         seq_keep = _zero_where(vetoed, seq_keep)
         kept_tokens = _zero_where(vetoed, rs_kept)
-        batch.counts.update(n_cat_tok=seqs.usable * below, n_cat_seq=vetoed & seqs.usable)
+        batch.counts.vetoed_token_count = seqs.usable * below
+        batch.counts.vetoed_seq_count = vetoed & seqs.usable
     kept = indicator(torch.gt, torch.stack([rs_kept, kept_tokens], -1), 0.0)  # > 0 only in finite valid sequences
-    batch.counts.update(n_fn_tok=rs_kept, n_fn_seq=kept[:, 0], n_final_tok=kept_tokens, n_final_seq=kept[:, 1])
+    counts = batch.counts
+    counts.function_kept_token_count, counts.function_kept_seq_count = rs_kept, kept[:, 0]
+    counts.final_token_count, counts.final_seq_count = kept_tokens, kept[:, 1]
     return Kept(token_keep, seq_keep, rs_kept, kept_tokens, kept[:, 1], custom_weights)
 
 
@@ -323,22 +334,24 @@ def _builtin_rejection(inputs: WeightInputs, ratios: LogRatios, seqs: Sequences,
     return token_keep, seq_keep, kept_tokens
 
 
-def _divergence_rows(div: D.TokenStage, columns: Tensor, seqs: Sequences, seq_keep: Tensor, kept_tokens: Tensor,
-                     config: RolloutCorrectionConfig, layout: Layout, step_bounds: BG.StepBounds | None,
+def _divergence_rows(div: divergence.TokenStage, columns: Tensor, seqs: Sequences, seq_keep: Tensor, kept_tokens: Tensor,
+                     config: RolloutCorrectionConfig, layout: Layout, step_bounds: StepBounds | None,
                      batch: BatchColumns) -> tuple[Tensor, Tensor]:
     """The divergence filter after the sequence sums (`divergence.py`): the sequence-level decision applied to
     (seq_keep, kept_tokens), its own rejection counts and the budgeted bound in `batch`."""
     bound = div.bound
     n_seq, usable = seqs.token_count, seqs.usable
     if div.keep is None:  # mean / max: whole sequences
-        keep, bound = D.sequence_keep(columns, n_seq, usable, config, layout.cp_first, layout.groups, step_bounds)
+        keep, bound = divergence.sequence_keep(columns, n_seq, usable, config, layout.cp_first, layout.groups, step_bounds)
         seq_keep, kept_tokens = seq_keep * keep, kept_tokens * keep
-        batch.counts.update(n_div_tok=n_seq * (1.0 - keep), n_div_seq=usable & (keep == 0))
+        rejected_tokens, rejected_seqs = n_seq * (1.0 - keep), usable & (keep == 0)
     else:
         kept = torch.where(usable, columns[:, 0], torch.zeros_like(n_seq))
-        batch.counts.update(n_div_tok=n_seq - kept, n_div_seq=usable & (kept == 0))
+        rejected_tokens, rejected_seqs = n_seq - kept, usable & (kept == 0)
+    batch.counts.divergence_rejected_token_count = rejected_tokens
+    batch.counts.divergence_rejected_seq_count = rejected_seqs
     if bound is not None:
-        batch.add_call_value("div_bound", bound, layout.groups)
+        batch.add_call_value("divergence_bound", bound, layout.groups)
     return seq_keep, kept_tokens
 
 
@@ -346,25 +359,24 @@ def _divergence_rows(div: D.TokenStage, columns: Tensor, seqs: Sequences, seq_ke
 def output_masks(ratios: LogRatios, weighted: Weighted, config: RolloutCorrectionConfig, plan: CorrectionPlan,
                  batch: BatchColumns) -> OutputMasks:
     """The final mask and the loss denominators' (with --rs-keep-loss-denominator rejected tokens still count);
-    `g_tok` / `g_seq` in the statistics are the denominators' global counts."""
+    `denominator_token_count` / `_seq_count` in the statistics are the denominators' global counts."""
     keep_den = not plan.correct or config.rs_keep_loss_denominator
     final_mask = weighted.final_mask.to(torch.float32)
     den_mask = ratios.valid.to(torch.float32) if keep_den else final_mask
     den = "valid" if keep_den else "final"
-    batch.aliases.update(g_tok=f"n_{den}_tok", g_seq=f"n_{den}_seq")
+    batch.aliases.update(denominator_token_count=f"{den}_token_count", denominator_seq_count=f"{den}_seq_count")
     return OutputMasks(final_mask, den_mask, ratios.seq_sums[:, 0] if keep_den else weighted.kept_tokens)
 
 
-def batch_statistics(batch: BatchColumns, ratios: LogRatios, seqs: Sequences, layout: Layout) -> dict[str, Tensor]:
+def batch_statistics(batch: BatchColumns, ratios: LogRatios, seqs: Sequences, layout: Layout) -> BatchStatistics:
     """The reduced batch statistics: everything in `batch` and the input value counts in the one batch collective
     (SUM + MAX per group), the aliases, and with weights their exact quantiles (two more small SUMs)."""
     _add_batch_sums(batch, ratios.max_prob_diff, seqs.unusable, layout.cp_first)
     batch.stats.add_sums(tuple(INPUT_VALUE_COUNTS), ratios.value_counts)
-    r = batch.stats.reduce(layout.cp_group, layout.dp_group)
-    r.update({alias: r[name] for alias, name in batch.aliases.items()})
+    reduced = batch.stats.reduce(layout.cp_group, layout.dp_group)
     if batch.sketch is not None:
-        r.update(Q.refine(batch.sketch, r[Q.LEVEL1_KEY], layout.groups))
-    return r
+        reduced.update(quantiles.refine(batch.sketch, reduced[quantiles.LEVEL1_KEY], layout.groups))
+    return BatchStatistics.from_reduced(reduced, batch.aliases)
 
 
 def _add_batch_sums(batch: BatchColumns, d_max: Tensor, unusable: Tensor, cp0: float) -> None:
@@ -372,7 +384,8 @@ def _add_batch_sums(batch: BatchColumns, d_max: Tensor, unusable: Tensor, cp0: f
     sequence may hold inf/NaN: zeroed, not multiplied) over the finite valid sequences, with the maximum of
     `d_max`; sequence-level ones (counts, `seq_columns`) counted once across CP (`cp0`). Two sums and one max."""
     stats, counts, tok_cols, seq_cols = batch.stats, batch.counts, batch.token_columns, batch.seq_columns
-    total = torch.stack(list(counts.values()), -1).sum(0, dtype=torch.float64)
+    count_columns = counts.present()
+    total = torch.stack(list(count_columns.values()), -1).sum(0, dtype=torch.float64)
     names = [name for names in (*tok_cols, *seq_cols) for name in names]
     values = _zero_where(unusable[:, None], torch.cat([*tok_cols.values(), *seq_cols.values(), d_max[:, None]], -1))
     sums = values.sum(0)
@@ -380,17 +393,17 @@ def _add_batch_sums(batch: BatchColumns, d_max: Tensor, unusable: Tensor, cp0: f
     if cp0 != 1.0:
         total = total * cp0
         sums = torch.cat([sums[:n_tok], sums[n_tok:] * cp0])
-    stats.add_sums(tuple(counts), total)
+    stats.add_sums(tuple(count_columns), total)
     stats.add_sums(tuple(names), sums[:-1])
-    stats.add_max("tok_d_max", values[:, -1].amax() if values.shape[0] else values.new_zeros(()))
+    stats.add_max("prob_diff_max", values[:, -1].amax() if values.shape[0] else values.new_zeros(()))
 
 
-def normalization_stage(r: dict[str, Tensor], weighted: Weighted, config: RolloutCorrectionConfig, normalize: bool,
+def normalization_stage(r: BatchStatistics, weighted: Weighted, config: RolloutCorrectionConfig, normalize: bool,
                         batch_norm_mean: Tensor | None, seg: Segments, dtype: torch.dtype) -> Normalized:
     """`--tis-batch-normalize`: w / mean(w) over the contributing units (`batch_norm_mean`, default this call's);
     per-sequence weights are expanded to the tokens in the same pass (x final mask)."""
     divisor = None
-    if "w_u" in r and config.tis_batch_normalize and normalize:
+    if r.has_weights and config.tis_batch_normalize and normalize:
         divisor = normalization_divisor(weight_mean(r) if batch_norm_mean is None else batch_norm_mean)
     weights = weighted.weights
     if weighted.seq_weights is not None:
@@ -415,9 +428,9 @@ def normalize_weights(result: CorrectionResult, config: RolloutCorrectionConfig,
                                divisor=divisor)
 
 
-def weight_mean(stats: dict[str, Tensor]) -> Tensor:
+def weight_mean(stats: BatchStatistics) -> Tensor:
     """Mean of the bounded IS weights over contributing units (tokens, or sequences counted once)."""
-    return M._div(stats["w_uw"], stats["w_u"])
+    return safe_divide(stats.weight_sum, stats.weight_units)
 
 
 def normalization_divisor(mean: Tensor) -> Tensor:
@@ -427,57 +440,59 @@ def normalization_divisor(mean: Tensor) -> Tensor:
 
 
 def correction_metrics(
-    stats: dict[str, Tensor], config: RolloutCorrectionConfig, divisor: Tensor | None = None
+    stats: BatchStatistics, config: RolloutCorrectionConfig, divisor: Tensor | None = None
 ) -> dict[str, Tensor]:
     """The metrics of reduced statistics: one call's `CorrectionResult.stats`, or a step's (`merge_stats`).
 
     `divisor`: the `--tis-batch-normalize` divisor that was applied (default: the weight mean of `stats`).
-    Every ratio metric is divided in one go (`M.mismatch_metrics`).
+    Every ratio metric is divided in one go (`mismatch_metrics`).
     """
     r = stats
     correct = config.use_rollout_correction
     # differences of counts: non-finite sequences; with correction, rejected tokens and sequences
-    pairs = [("n_valid_seq", "n_seq")]
+    pairs = [(r.valid_seq_count, r.finite_seq_count)]
     if correct:
-        pairs += [("n_tok", "n_fn_tok"), ("n_seq", "n_fn_seq"), ("n_valid_tok", "n_final_tok"),
-                  ("n_valid_seq", "n_final_seq")]
+        pairs += [(r.finite_token_count, r.function_kept_token_count), (r.finite_seq_count, r.function_kept_seq_count),
+                  (r.valid_token_count, r.final_token_count), (r.valid_seq_count, r.final_seq_count)]
     a, b = zip(*pairs, strict=True)
-    diff = (torch.stack([r[k] for k in a]) - torch.stack([r[k] for k in b])).unbind()
-    names, nums, dens = ["mis_nonfinite_seq_fraction"], [diff[0]], [r["n_valid_seq"]]
+    diff = (torch.stack(a) - torch.stack(b)).unbind()
+    names, nums, dens = ["mis_nonfinite_seq_fraction"], [diff[0]], [r.valid_seq_count]
     if correct:
         names += ["mis_rs_rejected_token_fraction", "mis_rs_rejected_seq_fraction", "mis_rejected_token_fraction",
                   "mis_rejected_seq_fraction"]
         nums += list(diff[1:])
-        dens += [r["n_tok"], r["n_seq"], r["n_valid_tok"], r["n_valid_seq"]]
-        for name, (num, den) in OPTIONAL_RATIOS.items():
-            if num in r:
+        dens += [r.finite_token_count, r.finite_seq_count, r.valid_token_count, r.valid_seq_count]
+        for name, ratio in OPTIONAL_RATIOS.items():
+            num, den = ratio(r)
+            if num is not None:
                 names.append(name)
-                nums.append(r[num])
-                dens.append(r[den])
-        if "raw_u" in r:
-            for name, num in M.raw_metrics(config.effective_tis_mode):
+                nums.append(num)
+                dens.append(den)
+        if r.has_raw_weights:
+            for name, num in raw_metrics(r, config.effective_tis_mode):
                 names.append(name)
-                nums.append(r[num])
-                dens.append(r["raw_u"])
-        if "w_u" in r:
+                nums.append(num)
+                dens.append(r.raw_weight_units)
+        if r.has_weights:
             names += ["w_mean", "w_mean2"]
-            nums += [r["w_uw"], r["w_uw2"]]
-            dens += [r["w_u"], r["w_u"]]
-    metrics = M.mismatch_metrics(r, names, nums, dens)
-    metrics["mis_valid_token_count"] = r["n_valid_tok"]
-    metrics["mis_valid_seq_count"] = r["n_valid_seq"]
-    metrics["mis_nonfinite_token_count"] = r["n_bad_tok"]
+            nums += [r.weight_sum, r.weight_square_sum]
+            dens += [r.weight_units, r.weight_units]
+    metrics = mismatch_metrics(r, names, nums, dens)
+    metrics["mis_valid_token_count"] = r.valid_token_count
+    metrics["mis_valid_seq_count"] = r.valid_seq_count
+    metrics["mis_nonfinite_token_count"] = r.nonfinite_token_count
     metrics["mis_nonfinite_seq_count"] = diff[0]
-    metrics.update({key: r[stat] for stat, (key, _) in INPUT_VALUE_COUNTS.items()})
+    metrics.update({key: getattr(r, stat) for stat, (key, _) in INPUT_VALUE_COUNTS.items()})
     if not correct:
         return metrics
-    metrics["mis_contributing_token_count"] = r["n_final_tok"]
-    metrics["mis_all_rejected"] = indicator(torch.eq, r["n_final_tok"], 0.0, torch.float64)
-    if "n_fn_bad_w" in r:
-        metrics[CUSTOM_NONFINITE], metrics[CUSTOM_NEGATIVE] = r["n_fn_bad_w"], r["n_fn_neg_w"]
-    if "w_u" in r:
-        means = {k: metrics.pop(k) for k in ("w_mean", "w_mean2")}
+    metrics["mis_contributing_token_count"] = r.final_token_count
+    metrics["mis_all_rejected"] = indicator(torch.eq, r.final_token_count, 0.0, torch.float64)
+    if r.custom_nonfinite_weight_count is not None:
+        metrics[CUSTOM_NONFINITE], metrics[CUSTOM_NEGATIVE] = (r.custom_nonfinite_weight_count,
+                                                               r.custom_negative_weight_count)
+    if r.has_weights:
+        mean, mean2 = metrics.pop("w_mean"), metrics.pop("w_mean2")
         if divisor is None and config.tis_batch_normalize:
-            divisor = normalization_divisor(means["w_mean"])
-        metrics.update(M.weight_metrics(r, means, divisor))
+            divisor = normalization_divisor(mean)
+        metrics.update(weight_metrics(r, mean, mean2, divisor))
     return metrics

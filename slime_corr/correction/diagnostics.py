@@ -45,7 +45,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from slime_corr.correction.metrics import merge_stats
 from slime_corr.correction.reductions import BatchStats, ProcessGroup, group_size, valid_mask
 
 PROB_EDGES = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 0.5, 0.9, 0.99)
@@ -192,7 +191,11 @@ class DiagnosticsResult:
 def merge_diagnostics(parts: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
     """A step's sums from its micro-batches': bucket sums add, per-row tables concatenate."""
     rows = [p["diag_rows"] for p in parts if "diag_rows" in p]
-    merged = merge_stats([{k: v for k, v in p.items() if k != "diag_rows"} for p in parts])
+    merged: dict[str, Tensor] = {}
+    for part in parts:
+        for key, value in part.items():
+            if key != "diag_rows":
+                merged[key] = value if key not in merged else torch.add(merged[key], value)
     if rows:
         merged["diag_rows"] = torch.cat(rows)
     return merged

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from slime_corr.config import RolloutCorrectionConfig
-from slime_corr.correction import budget as B
+from slime_corr.correction import budget
 from slime_corr.correction.reductions import at_most_, count_greater_, indicator
 from slime_corr.layout.segments import Segments
 
@@ -60,7 +60,7 @@ class TokenStage(NamedTuple):
 
 
 def token_stage(lr: Tensor, valid: Tensor, ratio_keep: Tensor | None, config: RolloutCorrectionConfig,
-                seg: Segments, groups: list[dist.ProcessGroup], step: B.StepBounds | None = None,
+                seg: Segments, groups: list[dist.ProcessGroup], step: budget.StepBounds | None = None,
                 rollout_log_probs: Tensor | None = None) -> TokenStage:
     """Columns: token level [Σ filter keep, Σ filter keep·ratio keep]; mean/sum [Σ m·d, 0]; max [#{d > b}, 0].
     `lr` is 0 outside `valid` and NaN-free; `ratio_keep` the token-RS keep (`--use-rs --rs-level token`) or None;
@@ -74,10 +74,10 @@ def token_stage(lr: Tensor, valid: Tensor, ratio_keep: Tensor | None, config: Ro
     if config.rs_agg == "token":
         if config.rs_divergence_budget is not None:
             finite = at_most_(lr.abs(), MAX_FINITE_LOG_RATIO).mul_(valid)
-            sums = B.budget_sums("div", d, finite, 1, groups, step)
-            last = B.mean_budget_key(sums, config.rs_divergence_budget)
-            keep = B.keep_below(d, last).mul_(valid)
-            bound = B.bin_edge(last + 1)
+            sums = budget.budget_sums("div", d, finite, 1, groups, step)
+            last = budget.mean_budget_key(sums, config.rs_divergence_budget)
+            keep = budget.keep_below(d, last).mul_(valid)
+            bound = budget.bin_edge(last + 1)
         else:
             keep = indicator(torch.le, d, config.rs_divergence_bound).mul_(valid)
         both = keep if ratio_keep is None else keep * ratio_keep
@@ -91,7 +91,7 @@ def token_stage(lr: Tensor, valid: Tensor, ratio_keep: Tensor | None, config: Ro
 
 
 def sequence_keep(columns: Tensor, n_tok: Tensor, seq_ok: Tensor, config: RolloutCorrectionConfig, cp0: float,
-                  groups: list[dist.ProcessGroup], step: B.StepBounds | None = None) -> tuple[Tensor, Tensor | None]:
+                  groups: list[dist.ProcessGroup], step: budget.StepBounds | None = None) -> tuple[Tensor, Tensor | None]:
     """Sequence level (mean/sum/max): ([n] 0/1 keep, the budgeted bound or None) from the CP-reduced `columns` of
     `token_stage`. `n_tok` [n]: valid tokens per sequence; `seq_ok`: the finite valid sequences (budget units,
     counted once across CP with `cp0`)."""
@@ -102,9 +102,9 @@ def sequence_keep(columns: Tensor, n_tok: Tensor, seq_ok: Tensor, config: Rollou
     if config.rs_divergence_budget is None:
         return (mean <= config.rs_divergence_bound).to(value.dtype), None
     safe = torch.where(seq_ok, mean, torch.zeros_like(mean))  # a rejected sequence's inf/NaN stays out
-    sums = B.budget_sums("div", safe, seq_ok.to(torch.float64) * cp0, 1, groups, step)
-    last = B.mean_budget_key(sums, config.rs_divergence_budget)
-    return B.keep_below(safe, last), B.bin_edge(last + 1)
+    sums = budget.budget_sums("div", safe, seq_ok.to(torch.float64) * cp0, 1, groups, step)
+    last = budget.mean_budget_key(sums, config.rs_divergence_budget)
+    return budget.keep_below(safe, last), budget.bin_edge(last + 1)
 
 
 __all__ = ["TokenStage", "sequence_keep", "token_divergence", "token_stage"]

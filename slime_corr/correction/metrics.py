@@ -55,10 +55,17 @@ import torch
 from torch import Tensor
 
 from slime_corr.config import KernelBackend, RolloutCorrectionConfig
-from slime_corr.correction import quantiles as Q
+from slime_corr.correction import quantiles
+from slime_corr.correction.builtin_weights import LOG_RATIO_CLAMP
 from slime_corr.correction.checks import check_host_metrics
-from slime_corr.correction.reductions import count_greater_, device_constant, row_products
-from slime_corr.correction.weights import LOG_RATIO_CLAMP
+from slime_corr.correction.reductions import count_greater_, device_constant, row_products, safe_divide
+from slime_corr.correction.statistics import (
+    SEQ_SUMS,
+    TOKEN_SUMS,
+    BatchStatistics,
+    SequenceTermSums,
+    TokenTermSums,
+)
 from slime_corr.kernel_fallback import KernelFallback
 from slime_corr.layout.segments import Segments
 
@@ -66,26 +73,6 @@ PPL_EXP_CLAMP = 80.0
 LOG_PROB_CLAMP = 20.0
 MAX_ABS_LOG_RATIO = 1e30  # |lr| above this (or non-finite) rejects the sequence
 _NOT_COUNTED = 2.0**120  # what a weight that is not counted is raised by, for its minimum
-
-
-EXTREMA = {"tok_d_max": torch.maximum, "w_max": torch.maximum, "w_min": torch.minimum}
-
-
-def merge_stats(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
-    """The reduced statistics of a whole step from its micro-batches': sums add, extremes take the max/min, and the
-    quantile sketch's refined histograms are added by bin id (a call's own exact quantiles are not merged)."""
-    merged: dict[str, Tensor] = {}
-    for stats in parts:
-        for key, value in stats.items():
-            if key in Q.REFINED or key in Q.REFINED.values() or key == Q.CALL_KEY:
-                continue
-            combine = EXTREMA.get(key, torch.add)
-            merged[key] = value if key not in merged else combine(merged[key], value)
-    for key, ids_key in Q.REFINED.items():
-        with_key = [p for p in parts if key in p]
-        if with_key:
-            merged[key], merged[ids_key] = Q.merge(with_key, key)
-    return merged
 
 
 def metrics_to_host(metrics: dict[str, Tensor], config: RolloutCorrectionConfig | None = None) -> dict[str, float]:
@@ -103,15 +90,8 @@ def metrics_to_host(metrics: dict[str, Tensor], config: RolloutCorrectionConfig 
     return check_host_metrics(dict(zip(metrics.keys(), values, strict=True)), config)
 
 
-def _div(num: Tensor, den: Tensor) -> Tensor:
-    """num / den for float64 batch statistics; 0 / 0 = 0."""
-    return num / den.clamp_min(1e-30)
-
-
-# per-sequence token sums, in this order (`token_pass`); d, p_t, p_r and their second moments side by side
-TOKEN_SUMS = ("tok_neg_lr", "tok_k3", "tok_chi2", "tok_abs_lr", "tok_d", "tok_pt", "tok_pr", "tok_d2", "tok_pt2",
-              "tok_pr2", "tok_ptr")
-LOCAL = ("n_valid", "s_lr", "s_lpt", "n_bad")  # per-sequence local sums of the token pass (columns of `seq_sums`)
+# per-sequence local sums of the token pass (the first columns of the core's `seq_sums`), in this order
+LOCAL = ("valid_token_count", "log_ratio_sum", "train_log_prob_sum", "nonfinite_token_count")
 
 
 class TokenPass(NamedTuple):
@@ -119,7 +99,7 @@ class TokenPass(NamedTuple):
 
     lr: Tensor  # lp_train - lp_rollout at valid tokens, 0 elsewhere; non-finite -> ±max (rejects the sequence)
     seq: Tensor  # [n, 4] per-sequence local sums (`LOCAL`): valid tokens, Σ lr, Σ lp_train, tokens with |lr| > 1e30
-    rows: Tensor  # [n, len(TOKEN_SUMS)] float64 per-sequence sums of the token mismatch terms
+    rows: Tensor  # [n, len(TOKEN_SUMS)] float64 per-sequence sums of the token mismatch terms (`TokenTermSums`)
     d_max: Tensor  # [n] max |p_train - p_rollout|
 
 
@@ -129,7 +109,7 @@ _RAW_TO_SUMS = ((2, 0, -1), (1, 1, 1), (7, 2, 1), (8, 2, 2), (10, 2, 1), (1, 2, 
 
 
 def _raw_to_sums(device: torch.device) -> Tensor:
-    """[_RAW, 11] float64: the eager pass's raw sums -> `TOKEN_SUMS` (chi2 = Σ e² + 2e with e = k3 + x)."""
+    """[_RAW, 11] float64: the eager pass's raw sums -> `TokenTermSums` (chi2 = Σ e² + 2e with e = k3 + x)."""
     m = [[0.0] * len(TOKEN_SUMS) for _ in range(_RAW)]
     for raw, col, coef in _RAW_TO_SUMS:
         m[raw][col] = float(coef)
@@ -219,11 +199,6 @@ def _sums(seg: Segments, terms: tuple[Tensor, ...]) -> Tensor:
     return torch.stack([t.sum(-1) for t in terms], -1)
 
 
-# per-sequence terms of the sequence means, in this order (`seq_terms`)
-SEQ_SUMS = ("seq_train_log_ppl", "seq_rollout_log_ppl", "seq_log_ppl_diff", "seq_log_ppl_abs_diff", "seq_train_ppl",
-            "seq_rollout_ppl", "seq_ppl_ratio", "seq_chi2")
-
-
 def _seq_constants(device: torch.device) -> Tensor:
     """[5, 4]: rows 0-2 map [Σlr, Σlp_train, Σlp_rollout] -> [-Σlp_t, -Σlp_r, Σlp_r - Σlp_t, 2·Σlr]; rows 3-4 are
     the lower and upper clamps of their exponents."""
@@ -233,7 +208,7 @@ def _seq_constants(device: torch.device) -> Tensor:
 
 
 def seq_terms(n: Tensor, sums: Tensor) -> Tensor:
-    """[n, 8] float64 per-sequence terms of `SEQ_SUMS` from the whole-sequence (CP-reduced) valid-token count `n`
+    """[n, 8] float64 per-sequence terms of `SequenceTermSums` from the whole-sequence (CP-reduced) valid-token count `n`
     [n] and the sums [Σlr, Σlp_train, Σlp_rollout] [n, 3]: with m = Σlp / n, -m_t, -m_r, m_r - m_t, |m_r - m_t|,
     exp(-m_t), exp(-m_r), exp(m_r - m_t) (exponents clamped to ±80) and exp(2·clamp(Σlr, ±20)) - 1."""
     m, lo, hi = device_constant("seq_terms", sums.device, _seq_constants).split([3, 1, 1])
@@ -244,36 +219,36 @@ def seq_terms(n: Tensor, sums: Tensor) -> Tensor:
     return torch.cat([e[:, :3], e[:, 2:3].abs(), p], -1)
 
 
-def mismatch_metrics(r: dict[str, Tensor], names: list[str], nums: list[Tensor], dens: list[Tensor]
+def mismatch_metrics(r: BatchStatistics, names: list[str], nums: list[Tensor], dens: list[Tensor]
                      ) -> dict[str, Tensor]:
     """The mismatch metrics of reduced statistics `r`, and every other ratio metric asked for in (`names`, `nums`,
     `dens`), divided in one go."""
-    num = torch.stack([r[k] for k in TOKEN_SUMS + SEQ_SUMS] + nums)
-    den = torch.stack([r["n_tok"]] * len(TOKEN_SUMS) + [r["n_seq"]] * len(SEQ_SUMS) + dens)
-    means = _div(num, den)
+    num = torch.stack([*r.token_terms(), *r.sequence_terms(), *nums])
+    den = torch.stack([r.finite_token_count] * len(TOKEN_SUMS) + [r.finite_seq_count] * len(SEQ_SUMS) + dens)
+    means = safe_divide(num, den)
     values = means.unbind()
-    tok = dict(zip(TOKEN_SUMS, values[:len(TOKEN_SUMS)], strict=True))
-    seq = dict(zip(SEQ_SUMS, values[len(TOKEN_SUMS):len(TOKEN_SUMS) + len(SEQ_SUMS)], strict=True))
+    tok = TokenTermSums(*values[:len(TOKEN_SUMS)])  # their means
+    seq = SequenceTermSums(*values[len(TOKEN_SUMS):len(TOKEN_SUMS) + len(SEQ_SUMS)])
     first, second = means[4:7], means[7:10]  # [d, p_t, p_r] and their second moments
     sd = torch.addcmul(second, first, first, value=-1.0).clamp_min_(0).sqrt_().unbind()
-    cov = tok["tok_ptr"] - tok["tok_pt"] * tok["tok_pr"]
+    cov = tok.train_rollout_prob_product - tok.train_prob * tok.rollout_prob
     denom = sd[1] * sd[2]
     pearson = (cov / denom).masked_fill_(denom <= 1e-20, 0.0).clamp_(-1, 1)
     out = {
-        "mismatch_kl": tok["tok_neg_lr"],
-        "mismatch_k3_kl": tok["tok_k3"],
-        "mismatch_training_log_ppl": seq["seq_train_log_ppl"],
-        "mismatch_rollout_log_ppl": seq["seq_rollout_log_ppl"],
-        "mismatch_training_ppl": seq["seq_train_ppl"],
-        "mismatch_rollout_ppl": seq["seq_rollout_ppl"],
-        "mismatch_log_ppl_diff": seq["seq_log_ppl_diff"],
-        "mismatch_log_ppl_abs_diff": seq["seq_log_ppl_abs_diff"],
-        "mismatch_ppl_ratio": seq["seq_ppl_ratio"],
-        "mismatch_chi2_token": tok["tok_chi2"],
-        "mismatch_chi2_seq": seq["seq_chi2"],
-        "train_rollout_logprob_abs_diff": tok["tok_abs_lr"],
-        "rollout_probs_diff_max": r["tok_d_max"],  # 0 without a measured token (every row's maximum is 0)
-        "rollout_probs_diff_mean": tok["tok_d"],
+        "mismatch_kl": tok.negative_log_ratio,
+        "mismatch_k3_kl": tok.k3,
+        "mismatch_training_log_ppl": seq.train_log_ppl,
+        "mismatch_rollout_log_ppl": seq.rollout_log_ppl,
+        "mismatch_training_ppl": seq.train_ppl,
+        "mismatch_rollout_ppl": seq.rollout_ppl,
+        "mismatch_log_ppl_diff": seq.log_ppl_diff,
+        "mismatch_log_ppl_abs_diff": seq.log_ppl_abs_diff,
+        "mismatch_ppl_ratio": seq.ppl_ratio,
+        "mismatch_chi2_token": tok.chi2_token,
+        "mismatch_chi2_seq": seq.chi2_seq,
+        "train_rollout_logprob_abs_diff": tok.abs_log_ratio,
+        "rollout_probs_diff_max": r.prob_diff_max,  # 0 without a measured token (every row's maximum is 0)
+        "rollout_probs_diff_mean": tok.prob_diff,
         "rollout_probs_diff_std": sd[0],
         "rollout_actor_probs_pearson_corr": pearson,
     }
@@ -281,27 +256,21 @@ def mismatch_metrics(r: dict[str, Tensor], names: list[str], nums: list[Tensor],
     return out
 
 
-RAW_SUMS = ("raw_u", "raw_uw", "raw_high", "raw_low")  # Σ unit, Σ unit·w_raw, Σ unit·[w_raw > U], Σ unit·[w_raw < L]
-
-
 def raw_weight_columns(w_raw: Tensor, unit: Tensor, lower: float, upper: float) -> Tensor:
-    """[n, 4] per-row `RAW_SUMS` of raw weights `w_raw` [n, S] with units `unit` (a custom function's; the built-in
+    """[n, 4] per-row `RawWeightSums` of raw weights `w_raw` [n, S] with units `unit` (a custom function's; the built-in
     ones count theirs in the core); the caller sums the rows."""
     cols = (unit, unit * w_raw, (w_raw > upper) * unit, (w_raw < lower) * unit)
     return torch.stack([c.sum(-1) for c in cols], -1)
 
 
-def raw_metrics(mode: str) -> list[tuple[str, str]]:
-    """(metric, numerator) of the raw-weight ratios over `raw_u` for `mode`."""
-    out = [("mis_mean_is_weight_before_clip", "raw_uw")]
+def raw_metrics(r: BatchStatistics, mode: str) -> list[tuple[str, Tensor]]:
+    """(metric, numerator) of the raw-weight ratios over `raw_weight_units` for `mode`."""
+    out = [("mis_mean_is_weight_before_clip", r.raw_weight_sum)]
     if mode == "truncate":
-        out.append(("mis_truncate_fraction", "raw_high"))
+        out.append(("mis_truncate_fraction", r.raw_above_upper))
     elif mode in ("clip", "mask"):
-        out += [(f"mis_{mode}_fraction_low", "raw_low"), (f"mis_{mode}_fraction_high", "raw_high")]
+        out += [(f"mis_{mode}_fraction_low", r.raw_below_lower), (f"mis_{mode}_fraction_high", r.raw_above_upper)]
     return out
-
-
-WEIGHT_SUMS = ("w_u", "w_uw", "w_uw2")
 
 
 def weight_sums(w: Tensor, unit: Tensor) -> Tensor:
@@ -321,18 +290,17 @@ def weight_extremes(w: Tensor, counted: Tensor, shifted_max: bool = False) -> tu
     return w_max, torch.sub(w, off, alpha=_NOT_COUNTED).amin()
 
 
-def weight_metrics(r: dict[str, Tensor], means: dict[str, Tensor], factor: Tensor | None) -> dict[str, Tensor]:
-    """Stats of the final weights from the reduced statistics `r` and the ratios `means` (`w_mean` = Σuw/Σu,
-    `w_mean2` = Σuw²/Σu); `factor` (batch-normalization divisor) rescales all but the ESS."""
-    mean, mean2 = means["w_mean"], means["w_mean2"]
+def weight_metrics(r: BatchStatistics, mean: Tensor, mean2: Tensor, factor: Tensor | None) -> dict[str, Tensor]:
+    """Stats of the final weights from the reduced statistics `r`, their mean Σuw/Σu and second moment `mean2`
+    Σuw²/Σu; `factor` (batch-normalization divisor) rescales all but the ESS."""
     msq = mean * mean
-    w_min, w_max = torch.stack([r["w_min"], r["w_max"]]).masked_fill_(r["w_u"] <= 0, 0.0).unbind()
-    q = torch.clamp(Q.quantiles(r), w_min, w_max)
+    w_min, w_max = torch.stack([r.weight_min, r.weight_max]).masked_fill_(r.weight_units <= 0, 0.0).unbind()
+    q = torch.clamp(quantiles.quantiles(r.weight_sketch), w_min, w_max)
     values = torch.stack([mean, (mean2 - msq).clamp_min(0).sqrt(), w_min, w_max, *q.unbind()])
     if factor is not None:
         values = values / factor
     names = ["mis_ratio_mean_after_mis", "mis_weight_std", "mis_weight_min", "mis_weight_max"] + [
-        f"mis_weight_{name}" for name in Q.QUANTILES]
+        f"mis_weight_{name}" for name in quantiles.QUANTILES]
     out = dict(zip(names, values.unbind(), strict=True))
     if factor is not None:
         out["mis_batch_norm_factor"] = factor

@@ -25,7 +25,7 @@ How a histogram is counted (`Counts`), with no device->host sync and no data-dep
   which fall back to global atomics), still serializes within a block when every weight is 1.0, counts no weighted
   units and refuses deterministic mode; one comparison sum per boundary costs a pass per bin.
 
-Mergeable: the statistics are sums keyed by bin id, so `merge_stats` adds those of several micro-batches (`merge`).
+Mergeable: the statistics are sums keyed by bin id, so `merge_sketches` adds those of several micro-batches (`merge`).
 A step's quantile is exact where every micro-batch refined the bins it falls in; mass a micro-batch did not refine
 is spread evenly over its bin, so the rank error is at most that mass (the heaviest bins are always refined).
 """
@@ -37,8 +37,8 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.functional import pad
 
 from slime_corr.correction.reductions import device_constant
 
@@ -135,7 +135,7 @@ def level1(w: Tensor, unit: Tensor, binary: bool = False) -> tuple[Tensor, Count
             pieces = [torch.sort(part) for part in keys.split(SORT_CHUNK)]
             units = flat.to(torch.float64).split(SORT_CHUNK)
             counts = Counts(chunks=tuple(v for v, _ in pieces), sorting=True,
-                            cums=tuple(F.pad(u[order].cumsum(0), (1, 0)) for (_, order), u in zip(pieces, units,
+                            cums=tuple(pad(u[order].cumsum(0), (1, 0)) for (_, order), u in zip(pieces, units,
                                                                                                  strict=True)))
         return _sorted_counts(counts, _const("edges1", w.device)), counts
     key = torch.bitwise_and(bits, _const("abs", w.device)) >> TOP_SHIFT
@@ -164,7 +164,7 @@ def _sorted_counts(c: Counts, edges: Tensor) -> Tensor:
     for i, key in enumerate(c.chunks):
         pos = torch.searchsorted(key, edges.reshape(-1)).view(edges.shape)
         if edges.dim() == 1:
-            pos = F.pad(pos, (0, 1), value=key.numel())
+            pos = pad(pos, (0, 1), value=key.numel())
         part = (c.cums[i][pos] if c.cums else pos).diff(dim=-1).to(torch.float64)
         total = part if total is None else total.add_(part)
     assert total is not None, "no weights to count"
@@ -180,8 +180,8 @@ def bin_sums(key: Tensor, rows: Tensor) -> Tensor:
         out = torch.zeros(k * LEVEL1_BINS, dtype=torch.float64, device=rows.device)
         return out.index_add_(0, index, rows.reshape(-1)).view(k, LEVEL1_BINS)
     key, order = torch.sort(key)
-    cum = F.pad(rows[:, order].cumsum(1), (1, 0))
-    pos = F.pad(torch.searchsorted(key, _const("bins", key.device)), (0, 1), value=key.numel())
+    cum = pad(rows[:, order].cumsum(1), (1, 0))
+    pos = pad(torch.searchsorted(key, _const("bins", key.device)), (0, 1), value=key.numel())
     return cum[:, pos].diff(dim=-1)
 
 
@@ -243,7 +243,7 @@ def refine(c: Counts, hist1: Tensor, groups: list[dist.ProcessGroup]) -> dict[st
         rows3, _, _ = _counted_rows(c, index2, ids3 + SUB, (SLOTS + 1) * SUB, SUB_BITS, zeros2)
     rows3 = _reduced(rows3.reshape(-1), groups).view(SLOTS, SUB)
     cum3 = rows3[torch.searchsorted(ids3, target3)].cumsum(-1)
-    r2 = r1[:, None] - F.pad(cum2, (1, 0)).gather(-1, d2)
+    r2 = r1[:, None] - pad(cum2, (1, 0)).gather(-1, d2)
     d3 = torch.searchsorted(cum3, r2).clamp_max_(SUB - 1)
     bits = (cells2.view(-1)[target3] << SUB_BITS) + d3.view(-1)
     return {"w_hist2": rows2, "w_hist2_ids": ids2.to(torch.float64), "w_hist3": rows3,
@@ -258,6 +258,22 @@ def merge(parts: list[dict[str, Tensor]], key: str) -> tuple[Tensor, Tensor]:
     return torch.zeros(unique.numel(), SUB, dtype=rows.dtype, device=rows.device).index_add_(0, inverse, rows), unique
 
 
+def merge_sketches(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """The reduced sketch statistics of several calls as one (`merge_stats`): the level-1 histograms add, the
+    refined ones are added by bin id (`merge`), a call's own exact quantiles (`CALL_KEY`) are dropped."""
+    merged: dict[str, Tensor] = {}
+    for sketch in parts:
+        for key, value in sketch.items():
+            if key in REFINED or key in REFINED.values() or key == CALL_KEY:
+                continue
+            merged[key] = value if key not in merged else torch.add(merged[key], value)
+    for key, ids_key in REFINED.items():
+        with_key = [p for p in parts if key in p]
+        if with_key:
+            merged[key], merged[ids_key] = merge(with_key, key)
+    return merged
+
+
 def _digit(rows: Tensor, ids: Tensor, bin_id: Tensor, mass: Tensor, rank: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The next digit of each quantile inside bin `bin_id` of total `mass`, from the refined rows with that id;
     mass no row refined is spread evenly over the digits. Returns (digit, rank left, mass of that digit)."""
@@ -266,7 +282,7 @@ def _digit(rows: Tensor, ids: Tensor, bin_id: Tensor, mass: Tensor, rank: Tensor
     unrefined = torch.where(unrefined > 1e-9 * mass, unrefined, torch.zeros_like(unrefined))
     cum = (hist + (unrefined / SUB)[:, None]).cumsum(-1)
     digit = torch.searchsorted(cum, rank[:, None]).clamp_max_(SUB - 1)
-    below = F.pad(cum, (1, 0)).gather(-1, digit)
+    below = pad(cum, (1, 0)).gather(-1, digit)
     return digit.squeeze(-1), (rank[:, None] - below).squeeze(-1), (cum.gather(-1, digit) - below).squeeze(-1)
 
 

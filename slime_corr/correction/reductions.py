@@ -105,6 +105,11 @@ def finite_indicator_(x: Tensor) -> Tensor:
     return x.mul_(0.0).nan_to_num_(nan=-1.0).add_(1.0)
 
 
+def safe_divide(numerator: Tensor, denominator: Tensor) -> Tensor:
+    """numerator / max(denominator, 1e-30) for float64 batch statistics: 0 / 0 = 0."""
+    return numerator / denominator.clamp_min(1e-30)
+
+
 def group_size(group: ProcessGroup) -> int:
     if group is None or not dist.is_available() or not dist.is_initialized():
         return 1

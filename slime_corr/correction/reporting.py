@@ -15,48 +15,52 @@ statistics gives them for a step. Denominators are clamped to ≥ 1e-30, so an e
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 from slime_corr.config import RolloutCorrectionConfig
+from slime_corr.correction.statistics import BatchStatistics
 
 MIN_DENOMINATOR = 1e-30
+Statistic = Callable[[BatchStatistics], Tensor | None]  # one statistic of a `BatchStatistics`
 
-# metric -> numerator statistic, over the finite valid tokens ("n_tok")
-TOKEN_MEANS = {
-    "mismatch_kl": "tok_neg_lr",
-    "mismatch_k3_kl": "tok_k3",
-    "mismatch_chi2_token": "tok_chi2",
-    "train_rollout_logprob_abs_diff": "tok_abs_lr",
-    "rollout_probs_diff_mean": "tok_d",
+# metric -> numerator statistic, over the finite valid tokens (`finite_token_count`)
+TOKEN_MEANS: dict[str, Statistic] = {
+    "mismatch_kl": lambda r: r.negative_log_ratio,
+    "mismatch_k3_kl": lambda r: r.k3,
+    "mismatch_chi2_token": lambda r: r.chi2_token,
+    "train_rollout_logprob_abs_diff": lambda r: r.abs_log_ratio,
+    "rollout_probs_diff_mean": lambda r: r.prob_diff,
 }
-# metric -> numerator statistic, over the finite valid sequences ("n_seq")
-SEQ_MEANS = {
-    "mismatch_training_log_ppl": "seq_train_log_ppl",
-    "mismatch_rollout_log_ppl": "seq_rollout_log_ppl",
-    "mismatch_training_ppl": "seq_train_ppl",
-    "mismatch_rollout_ppl": "seq_rollout_ppl",
-    "mismatch_log_ppl_diff": "seq_log_ppl_diff",
-    "mismatch_log_ppl_abs_diff": "seq_log_ppl_abs_diff",
-    "mismatch_ppl_ratio": "seq_ppl_ratio",
-    "mismatch_chi2_seq": "seq_chi2",
+# metric -> numerator statistic, over the finite valid sequences (`finite_seq_count`)
+SEQ_MEANS: dict[str, Statistic] = {
+    "mismatch_training_log_ppl": lambda r: r.train_log_ppl,
+    "mismatch_rollout_log_ppl": lambda r: r.rollout_log_ppl,
+    "mismatch_training_ppl": lambda r: r.train_ppl,
+    "mismatch_rollout_ppl": lambda r: r.rollout_ppl,
+    "mismatch_log_ppl_diff": lambda r: r.log_ppl_diff,
+    "mismatch_log_ppl_abs_diff": lambda r: r.log_ppl_abs_diff,
+    "mismatch_ppl_ratio": lambda r: r.ppl_ratio,
+    "mismatch_chi2_seq": lambda r: r.chi2_seq,
 }
-# raw-weight fractions per --tis-mode: metric -> numerator statistic, over "raw_u"
-RAW_FRACTIONS = {
-    "truncate": {"mis_truncate_fraction": "raw_high"},
-    "clip": {"mis_clip_fraction_low": "raw_low", "mis_clip_fraction_high": "raw_high"},
-    "mask": {"mis_mask_fraction_low": "raw_low", "mis_mask_fraction_high": "raw_high"},
+# raw-weight fractions per --tis-mode: metric -> numerator statistic, over `raw_weight_units`
+RAW_FRACTIONS: dict[str, dict[str, Statistic]] = {
+    "truncate": {"mis_truncate_fraction": lambda r: r.raw_above_upper},
+    "clip": {"mis_clip_fraction_low": lambda r: r.raw_below_lower, "mis_clip_fraction_high": lambda r: r.raw_above_upper},
+    "mask": {"mis_mask_fraction_low": lambda r: r.raw_below_lower, "mis_mask_fraction_high": lambda r: r.raw_above_upper},
 }
 # metrics of the optional filters and budgets: metric -> (numerator, denominator) statistics, present when the
 # numerator is (the veto, the divergence filter, a budgeted bound: the mean over the calls of a step, one per step).
 # The one list of them: `correction_metrics` (core.py) and `metric_pairs` read it.
-OPTIONAL_RATIOS = {
-    "mis_catastrophic_token_fraction": ("n_cat_tok", "n_tok"),
-    "mis_catastrophic_seq_fraction": ("n_cat_seq", "n_seq"),
-    "mis_div_rejected_token_fraction": ("n_div_tok", "n_tok"),
-    "mis_div_rejected_seq_fraction": ("n_div_seq", "n_seq"),
-    "mis_rs_divergence_bound": ("div_bound_sum", "div_bound_calls"),
-    "mis_tis_ess_bound": ("tis_bound_sum", "tis_bound_calls"),
+OPTIONAL_RATIOS: dict[str, Callable[[BatchStatistics], tuple[Tensor | None, Tensor | None]]] = {
+    "mis_catastrophic_token_fraction": lambda r: (r.vetoed_token_count, r.finite_token_count),
+    "mis_catastrophic_seq_fraction": lambda r: (r.vetoed_seq_count, r.finite_seq_count),
+    "mis_div_rejected_token_fraction": lambda r: (r.divergence_rejected_token_count, r.finite_token_count),
+    "mis_div_rejected_seq_fraction": lambda r: (r.divergence_rejected_seq_count, r.finite_seq_count),
+    "mis_rs_divergence_bound": lambda r: (r.divergence_bound_sum, r.divergence_bound_calls),
+    "mis_tis_ess_bound": lambda r: (r.tis_ess_bound_sum, r.tis_ess_bound_calls),
 }
 NON_RATIO_METRICS = frozenset({
     "rollout_probs_diff_max", "rollout_probs_diff_std", "rollout_actor_probs_pearson_corr",
@@ -74,30 +78,33 @@ def ratio_pair(numerator: Tensor, denominator: Tensor) -> Tensor:
 
 
 def metric_pairs(
-    stats: dict[str, Tensor], config: RolloutCorrectionConfig, divisor: Tensor | None = None
+    stats: BatchStatistics, config: RolloutCorrectionConfig, divisor: Tensor | None = None
 ) -> dict[str, Tensor]:
     """{metric: tensor([numerator, denominator])} for every ratio-of-sums metric of `stats` (one call's
     `CorrectionResult.stats`). `divisor`: the `--tis-batch-normalize` divisor that call applied (its
     `mis_batch_norm_factor` metric), None when it applied none."""
     r = stats
-    pairs = {name: ratio_pair(r[num], r["n_tok"]) for name, num in TOKEN_MEANS.items()}
-    pairs.update({name: ratio_pair(r[num], r["n_seq"]) for name, num in SEQ_MEANS.items()})
-    n_tok, n_seq, n_valid_seq = r["n_tok"], r["n_seq"], r["n_valid_seq"]
-    pairs["mis_nonfinite_seq_fraction"] = ratio_pair(n_valid_seq - n_seq, n_valid_seq)
+    finite_tokens, finite_seqs, valid_seqs = r.finite_token_count, r.finite_seq_count, r.valid_seq_count
+    pairs = {name: ratio_pair(num(r), finite_tokens) for name, num in TOKEN_MEANS.items()}
+    pairs.update({name: ratio_pair(num(r), finite_seqs) for name, num in SEQ_MEANS.items()})
+    pairs["mis_nonfinite_seq_fraction"] = ratio_pair(valid_seqs - finite_seqs, valid_seqs)
     if not config.use_rollout_correction:
         return pairs
-    pairs["mis_rs_rejected_token_fraction"] = ratio_pair(n_tok - r["n_fn_tok"], n_tok)
-    pairs["mis_rs_rejected_seq_fraction"] = ratio_pair(n_seq - r["n_fn_seq"], n_seq)
-    pairs.update({name: ratio_pair(r[num], r[den]) for name, (num, den) in OPTIONAL_RATIOS.items() if num in r})
-    pairs["mis_rejected_token_fraction"] = ratio_pair(r["n_valid_tok"] - r["n_final_tok"], r["n_valid_tok"])
-    pairs["mis_rejected_seq_fraction"] = ratio_pair(n_valid_seq - r["n_final_seq"], n_valid_seq)
-    if "raw_u" in r:
-        pairs["mis_mean_is_weight_before_clip"] = ratio_pair(r["raw_uw"], r["raw_u"])
+    pairs["mis_rs_rejected_token_fraction"] = ratio_pair(finite_tokens - r.function_kept_token_count, finite_tokens)
+    pairs["mis_rs_rejected_seq_fraction"] = ratio_pair(finite_seqs - r.function_kept_seq_count, finite_seqs)
+    for name, ratio in OPTIONAL_RATIOS.items():
+        num, den = ratio(r)
+        if num is not None:
+            pairs[name] = ratio_pair(num, den)
+    pairs["mis_rejected_token_fraction"] = ratio_pair(r.valid_token_count - r.final_token_count, r.valid_token_count)
+    pairs["mis_rejected_seq_fraction"] = ratio_pair(valid_seqs - r.final_seq_count, valid_seqs)
+    if r.has_raw_weights:
+        pairs["mis_mean_is_weight_before_clip"] = ratio_pair(r.raw_weight_sum, r.raw_weight_units)
         for name, num in RAW_FRACTIONS.get(config.effective_tis_mode, {}).items():
-            pairs[name] = ratio_pair(r[num], r["raw_u"])
-    if "w_u" in r:
-        weighted = r["w_uw"] if divisor is None else r["w_uw"] / divisor.to(torch.float64)
-        pairs["mis_ratio_mean_after_mis"] = ratio_pair(weighted, r["w_u"])
+            pairs[name] = ratio_pair(num(r), r.raw_weight_units)
+    if r.has_weights:
+        weighted = r.weight_sum if divisor is None else r.weight_sum / divisor.to(torch.float64)
+        pairs["mis_ratio_mean_after_mis"] = ratio_pair(weighted, r.weight_units)
     return pairs
 
 

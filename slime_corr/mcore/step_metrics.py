@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from slime_corr.config import RolloutCorrectionConfig
-from slime_corr.correction import correction_metrics, merge_stats
+from slime_corr.correction import BatchStatistics, correction_metrics, merge_stats
 from slime_corr.correction.rejection_outcomes import rejection_outcome_pairs
 from slime_corr.correction.reporting import metric_pairs, ratio_pair
 from slime_corr.layout.segments import Segments
@@ -127,7 +127,7 @@ class StepStatistics:
         self.reset()
 
     def reset(self) -> None:
-        self.stats: dict[str, Tensor] = {}
+        self.stats: BatchStatistics | None = None
         self.function_sums: dict[str, Tensor] = {}
         self.advantage_count: Tensor | None = None  # this rank's NaN/inf advantages (the loss's, not the correction's)
         self.micro_batches = 0
@@ -139,8 +139,8 @@ class StepStatistics:
     def add_advantage_count(self, count: Tensor) -> None:
         self.advantage_count = count if self.advantage_count is None else self.advantage_count + count
 
-    def add(self, stats: dict[str, Tensor], function_metrics: dict[str, Tensor]) -> None:
-        self.stats = merge_stats([self.stats, stats]) if self.stats else dict(stats)
+    def add(self, stats: BatchStatistics, function_metrics: dict[str, Tensor]) -> None:
+        self.stats = merge_stats([self.stats, stats]) if self.stats is not None else stats
         for key, value in function_metrics.items():
             v = value.detach().to(torch.float64)
             self.function_sums[key] = self.function_sums[key] + v if key in self.function_sums else v
@@ -150,7 +150,7 @@ class StepStatistics:
         """Every correction metric of the step (exact, as one batch) and the custom-function metrics (mean over
         micro-batches); {} when no micro-batch was added. No collective: the statistics are already global."""
         out: dict[str, Tensor] = {}
-        if self.stats:
+        if self.stats is not None:
             out.update(correction_metrics(self.stats, config))
         out.update({k: v / self.micro_batches for k, v in self.function_sums.items()})
         if self.advantage_count is not None:

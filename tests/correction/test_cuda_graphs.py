@@ -24,15 +24,17 @@ def _correction(cfg: C, x: dict[str, torch.Tensor], **kw):
     return compute_rollout_correction(x["old"], x["ro"], x["mask"], cfg, **kw)
 
 
-def _tensors(result) -> dict[str, torch.Tensor]:
-    """Every tensor of a CorrectionResult by its path."""
+def _tensors(result, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a CorrectionResult (and of the records it holds, its `stats`) by its path."""
     out = {}
     for f in dataclasses.fields(result):
-        value = getattr(result, f.name)
+        value, path = getattr(result, f.name), prefix + f.name
         if isinstance(value, torch.Tensor):
-            out[f.name] = value
+            out[path] = value
+        elif dataclasses.is_dataclass(value):
+            out.update(_tensors(value, f"{path}."))
         elif isinstance(value, dict):
-            out.update({f"{f.name}.{k}": v for k, v in value.items() if isinstance(v, torch.Tensor)})
+            out.update({f"{path}.{k}": v for k, v in value.items() if isinstance(v, torch.Tensor)})
     return out
 
 

@@ -107,6 +107,6 @@ def test_merged_wide_data_stays_within_its_bin_and_one_percent_rank():
     quantile stays in the exact one's level-1 bin and within 1% rank error."""
     w = weights(3.0, n=40_000, seed=4)
     parts = [sketch(c, torch.ones_like(c)) for c in w.chunk(8)]
-    got = Q.quantiles(merge_stats(parts)).tolist()
+    got = Q.quantiles(Q.merge_sketches(parts)).tolist()
     for value, q in zip(got, Q.QUANTILES.values(), strict=True):
         assert rank_error(w, value, q) <= 0.01 and value == pytest.approx(exact(w, q), rel=2**-5), q

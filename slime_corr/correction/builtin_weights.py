@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from slime_corr.config import RolloutCorrectionConfig
+from slime_corr.correction.public_types import WeightInputs, WeightOutputs
 from slime_corr.correction.reductions import float_mask, indicator
-from slime_corr.correction.types import WeightInputs, WeightOutputs
 from slime_corr.registry import WEIGHT_FUNCTIONS
 
 LOG_RATIO_CLAMP = 20.0

@@ -5,8 +5,9 @@
   level ([n]: no [B, S] copies of per-sequence quantities), its statistics on [n], each sequence counted once;
 - a custom weighting function (`custom_rejection`): the rejection stage calls it, as its mask comes with its weights;
 - `--tis-ess-target`: the bound U of this call, or of its optimizer step (`ess_bounded_config`).
-The weights' statistics: Σ unit, Σ unit·w, Σ unit·w² (`M.WEIGHT_SUMS`), the extremes and the first level of the
-exact quantile sketch (`quantiles.py`); the raw weights' Σ w_raw, # w_raw > U, # w_raw < L (`M.RAW_SUMS`).
+The weights' statistics: Σ unit, Σ unit·w, Σ unit·w² (`statistics.WeightSums`), the extremes and the first level of
+the exact quantile sketch (`quantiles.py`); the raw weights' Σ w_raw, # w_raw > U, # w_raw < L
+(`statistics.RawWeightSums`).
 """
 
 from __future__ import annotations
@@ -19,16 +20,23 @@ import torch
 from torch import Tensor
 
 from slime_corr.config import RolloutCorrectionConfig
-from slime_corr.correction import budget as BG
-from slime_corr.correction import metrics as M
-from slime_corr.correction import quantiles as Q
+from slime_corr.correction import budget, quantiles
 from slime_corr.correction.budget import StepBounds
+from slime_corr.correction.builtin_weights import LOG_RATIO_CLAMP, default_weight_parts
 from slime_corr.correction.checks import call_weight_function, custom_weight_counts
 from slime_corr.correction.compiling import maybe_compiled
-from slime_corr.correction.records import BatchColumns, CorrectionPlan, Kept, Layout, Sequences, Weighted
+from slime_corr.correction.metrics import raw_weight_columns, weight_extremes, weight_sums
+from slime_corr.correction.public_types import WeightInputs
 from slime_corr.correction.reductions import count_greater_, indicator, row_products, seq_sums, valid_float
-from slime_corr.correction.types import WeightInputs
-from slime_corr.correction.weights import LOG_RATIO_CLAMP, default_weight_parts
+from slime_corr.correction.stage_records import (
+    BatchColumns,
+    CorrectionPlan,
+    Kept,
+    Layout,
+    Sequences,
+    Weighted,
+)
+from slime_corr.correction.statistics import RAW_SUMS, WEIGHT_SUMS
 from slime_corr.layout.segments import Segments
 
 
@@ -37,7 +45,7 @@ class TokenWeights(NamedTuple):
 
     final_mask: Tensor  # [B, S] 0/1 after rejection
     weights: Tensor  # [B, S], 0 outside final_mask
-    raw_columns: Tensor  # [n, 2|3] `M.RAW_SUMS[1:]`: Σ w_raw, # w_raw > U, # w_raw < L (not in truncate mode)
+    raw_columns: Tensor  # [n, 2|3] `RAW_SUMS[1:]`: Σ w_raw, # w_raw > U, # w_raw < L (not in truncate mode)
     weight_columns: Tensor  # [n, 2] Σw, Σw²
     max: Tensor  # the weights' max and min over final_mask
     min: Tensor
@@ -59,8 +67,8 @@ def ess_bounded_config(inputs: WeightInputs, config: RolloutCorrectionConfig, se
         unit = inputs.loss_mask * layout.segments.expand(seq_keep)
     else:
         unit = seqs.usable.to(inputs.loss_mask.dtype) * layout.cp_first
-    bound = BG.ess_target_bound(inputs, config, unit, layout.groups, step_bounds)
-    batch.add_call_value("tis_bound", bound, layout.groups)
+    bound = budget.ess_target_bound(inputs, config, unit, layout.groups, step_bounds)
+    batch.add_call_value("tis_ess_bound", bound, layout.groups)
     return config.replace(tis_upper_bound=float(bound), tis_ess_target=None)  # one device->host read
 
 
@@ -76,9 +84,9 @@ def weight_stage(inputs: WeightInputs | None, kept: Kept, config: RolloutCorrect
     if token_is:  # the per-token weights, their statistics and the sketch's first digit
         tw = maybe_compiled(token_weights, config)(inputs, config, kept.token_keep, seg.expand(kept.seq_keep), seg)
         final_mask, weights = tw.final_mask, tw.weights
-        batch.token_columns[M.RAW_SUMS[1:1 + tw.raw_columns.shape[-1]]] = tw.raw_columns
-        batch.token_columns[M.WEIGHT_SUMS[1:]] = tw.weight_columns
-        batch.aliases.update(raw_u="n_tok", w_u="n_final_tok")
+        batch.token_columns[RAW_SUMS[1:1 + tw.raw_columns.shape[-1]]] = tw.raw_columns
+        batch.token_columns[WEIGHT_SUMS[1:]] = tw.weight_columns
+        batch.aliases.update(raw_weight_units="finite_token_count", weight_units="final_token_count")
         add_weight_stats(batch, weights, final_mask, tw.max, tw.min, binary=True)
     else:
         final_mask = kept.token_keep * seg.expand(kept.seq_keep)
@@ -86,16 +94,16 @@ def weight_stage(inputs: WeightInputs | None, kept: Kept, config: RolloutCorrect
         unit = kept.kept_seqs.to(inputs.loss_mask.dtype)
         unit = unit if layout.cp_first == 1.0 else unit * layout.cp_first
         counted = seq_weights * unit
-        batch.seq_columns[M.WEIGHT_SUMS[1:]] = torch.stack([counted, counted * counted], -1)
-        batch.aliases["w_u"] = "n_final_seq"
-        add_weight_stats(batch, counted, unit, *M.weight_extremes(counted, unit), binary=True)
+        batch.seq_columns[WEIGHT_SUMS[1:]] = torch.stack([counted, counted * counted], -1)
+        batch.aliases["weight_units"] = "final_seq_count"
+        add_weight_stats(batch, counted, unit, *weight_extremes(counted, unit), binary=True)
     elif weights is not None and not plan.builtin:
         weights = torch.where(final_mask > 0, weights, final_mask.new_zeros(()))  # its NaN stays out
         unit = final_mask.double()
         if config.tis_level != "token":
             unit = unit / seg.expand(kept.kept_tokens.clamp_min(1).double(), fill=1.0)
-        batch.stats.add_sums(M.WEIGHT_SUMS, M.weight_sums(weights, unit).sum(0))
-        add_weight_stats(batch, weights, unit, *M.weight_extremes(weights, final_mask, shifted_max=True))
+        batch.stats.add_sums(WEIGHT_SUMS, weight_sums(weights, unit).sum(0))
+        add_weight_stats(batch, weights, unit, *weight_extremes(weights, final_mask, shifted_max=True))
     return Weighted(final_mask, kept.kept_tokens, weights, seq_weights)
 
 
@@ -106,8 +114,8 @@ def sequence_weights(inputs: WeightInputs, config: RolloutCorrectionConfig, batc
     weight, raw, _ = default_weight_parts(inputs, config, rs=False)
     weight, raw = weight.squeeze(-1), raw.squeeze(-1)
     columns = [raw, raw > upper] + ([raw < lower] if config.effective_tis_mode != "truncate" else [])
-    batch.seq_columns[M.RAW_SUMS[1:len(columns) + 1]] = torch.stack(columns, -1)
-    batch.aliases["raw_u"] = "n_seq"
+    batch.seq_columns[RAW_SUMS[1:len(columns) + 1]] = torch.stack(columns, -1)
+    batch.aliases["raw_weight_units"] = "finite_seq_count"
     return weight
 
 
@@ -126,17 +134,17 @@ def token_weights(inputs: WeightInputs, config: RolloutCorrectionConfig, token_k
     weights = w.mul_(final_mask)
     square = seg.sum(weights * weights) if seg.packed else row_products(weights[:, None]).view(-1)
     return TokenWeights(final_mask, weights, torch.stack(raw, -1), torch.stack([seg.sum(weights), square], -1),
-                        *M.weight_extremes(weights, final_mask))
+                        *weight_extremes(weights, final_mask))
 
 
 def add_weight_stats(batch: BatchColumns, weights: Tensor, unit: Tensor, w_max: Tensor, w_min: Tensor,
                      binary: bool = False) -> None:
     """The weights' extremes and the sketch's level-1 histogram (`unit`: 0/1 with `binary`); `batch.sketch`
-    keeps what `Q.refine` needs."""
-    batch.stats.add_max("w_max", w_max)
-    batch.stats.add_min("w_min", w_min)
-    hist, batch.sketch = Q.level1(weights, unit, binary)
-    batch.stats.add_sum(Q.LEVEL1_KEY, hist)
+    keeps what `quantiles.refine` needs."""
+    batch.stats.add_max("weight_max", w_max)
+    batch.stats.add_min("weight_min", w_min)
+    hist, batch.sketch = quantiles.level1(weights, unit, binary)
+    batch.stats.add_sum(quantiles.LEVEL1_KEY, hist)
 
 
 def custom_rejection(fn: Callable, log_ratio: Tensor, valid: Tensor, good: Tensor, seqs: Sequences, layout: Layout,
@@ -159,10 +167,10 @@ def custom_rejection(fn: Callable, log_ratio: Tensor, valid: Tensor, good: Tenso
         raw = seg.from_rows(out.raw_weights.detach().to(dtype)).nan_to_num(0.0, math.exp(LOG_RATIO_CLAMP), 0.0)
         unit = mask_in if config.tis_level == "token" else mask_in / seg.expand(seqs.token_count.clamp_min(1),
                                                                                  fill=1.0)
-        columns = M.raw_weight_columns(raw, unit, *config.tis_bounds)
-        batch.stats.add_sums(M.RAW_SUMS, columns.sum(0, dtype=torch.float64))
+        columns = raw_weight_columns(raw, unit, *config.tis_bounds)
+        batch.stats.add_sums(RAW_SUMS, columns.sum(0, dtype=torch.float64))
     if weights is not None:  # a NaN/inf weight rejects its token (counted), like a non-finite log-prob
         finite, bad = custom_weight_counts(weights, fn_mask)
-        batch.stats.add_sums(("n_fn_bad_w", "n_fn_neg_w"), bad)
+        batch.stats.add_sums(("custom_nonfinite_weight_count", "custom_negative_weight_count"), bad)
         fn_mask = fn_mask * finite
     return CustomRejection(fn_mask, weights, seq_sums([seg.sum(fn_mask)], layout.cp_group)[:, 0])

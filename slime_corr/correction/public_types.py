@@ -1,4 +1,5 @@
-"""Data types of the correction core (inputs/outputs of weighting functions, the correction result)."""
+"""The public records of the correction core: what a weighting function receives and returns, and the result of
+`compute_rollout_correction` (the records its stages pass each other are in `stage_records.py`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch import Tensor
+
+from slime_corr.correction.statistics import BatchStatistics
 
 
 @dataclass
@@ -63,8 +66,9 @@ class CorrectionResult:
     - `seq_token_count` [B]: Σ_t denominator_mask over the whole sequence (CP-reduced).
     - `global_token_count`, `global_seq_count`: 0-dim float64, Σ denominator_mask and the number of sequences
       with ≥ 1 denominator token, over DP x CP (each sequence counted once).
-    - `stats`: the reduced batch statistics (sums over DP x CP, true extremes) `metrics` are computed from;
-      `merge_stats` of a step's micro-batches then `correction_metrics` gives the exact metrics of the step.
+    - `stats`: the reduced batch statistics (`statistics.BatchStatistics`: sums over DP x CP, true extremes)
+      `metrics` are computed from (None when no metric is computed); `merge_stats` of a step's micro-batches then
+      `correction_metrics` gives the exact metrics of the step.
     - `function_metrics`: the part of `metrics` a custom weighting function returned (not in `stats`).
     - `divisor`: 0-dim float64, what `--tis-batch-normalize` divided the weights by (None when nothing was divided).
     """
@@ -76,6 +80,6 @@ class CorrectionResult:
     seq_token_count: Tensor | None = None
     global_token_count: Tensor | None = None
     global_seq_count: Tensor | None = None
-    stats: dict[str, Tensor] = field(default_factory=dict, repr=False)
+    stats: BatchStatistics | None = field(default=None, repr=False)
     function_metrics: dict[str, Tensor] = field(default_factory=dict)
     divisor: Tensor | None = None

@@ -1,4 +1,4 @@
-"""The records the stages of `compute_rollout_correction` pass each other (`core.py`, `weighting.py`).
+"""The records the stages of `compute_rollout_correction` pass each other (`core.py`, `weight_stage.py`).
 
 log-ratios (`LogRatios`, per token and per sequence) -> rejection (`Kept`) -> weights (`Weighted`) -> batch
 statistics (`BatchColumns`, reduced once) -> normalization and metrics. `CorrectionPlan` holds what the config
@@ -8,19 +8,19 @@ decides once per call, `Layout` where the call's sequences live (rows or a packe
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from slime_corr.correction import divergence as D
-from slime_corr.correction import metrics as M
-from slime_corr.correction import quantiles as Q
+from slime_corr.correction import quantiles
+from slime_corr.correction.divergence import TokenStage
+from slime_corr.correction.metrics import LOCAL
 from slime_corr.correction.reductions import BatchStats, ProcessGroup, active_groups, cp_first, group_size
 from slime_corr.layout.segments import Segments
 
-VETO_COLUMN = len(M.LOCAL)  # in `LogRatios.seq_sums`: the tokens under the veto threshold, when the veto is on
+VETO_COLUMN = len(LOCAL)  # in `LogRatios.seq_sums`: the tokens under the veto threshold, when the veto is on
 
 
 class CorrectionPlan(NamedTuple):
@@ -29,7 +29,7 @@ class CorrectionPlan(NamedTuple):
     correct: bool  # IS / RS / veto change the loss (else the metrics only)
     veto_log_threshold: float | None  # log C of --rs-veto-threshold
     weight_fn: Callable | None  # the weighting function (None: no correction)
-    builtin: bool  # it is the built-in one (`weights.default_weights`), run at the shapes of its level
+    builtin: bool  # it is the built-in one (`builtin_weights.default_weights`), run at the shapes of its level
     token_rs_bounds: tuple[float, float] | None  # built-in token-level RS: decided in the token pass
 
 
@@ -54,11 +54,11 @@ class LogRatios(NamedTuple):
 
     log_ratio: Tensor  # lr = lp_train - lp_rollout at valid tokens, 0 elsewhere (non-finite -> ±max)
     valid: Tensor  # the loss mask as 0/1 floats of the compute dtype
-    seq_sums: Tensor  # [n, k] whole-sequence sums: `M.LOCAL`, the veto count, the token-RS kept count, divergence
-    token_rows: Tensor  # [n, len(M.TOKEN_SUMS)] local sums of the token mismatch terms
+    seq_sums: Tensor  # [n, k] whole-sequence sums: `LOCAL`, the veto count, the token-RS kept count, divergence
+    token_rows: Tensor  # [n, len(TOKEN_SUMS)] local sums of the token mismatch terms
     max_prob_diff: Tensor  # [n] local max |p_train - p_rollout|
     token_rs_keep: Tensor | None  # built-in token-level RS: 0/1 keep of the valid tokens
-    divergence: D.TokenStage | None  # the divergence filter's token stage
+    divergence: TokenStage | None  # the divergence filter's token stage
     divergence_column: int  # the first column of `seq_sums` the divergence filter adds (after the others)
     value_counts: Tensor  # `checks.input_value_counts`
 
@@ -101,25 +101,51 @@ class Weighted(NamedTuple):
 
 
 @dataclass
+class SequenceCounts:
+    """The per-sequence counts [n] the stages collect (finite; bool or 0/1 floats), summed into the
+    `BatchStatistics` fields of the same names (see there); None where the config does not count them."""
+
+    finite_token_count: Tensor  # valid tokens of the finite sequences (0 in a non-finite one)
+    finite_seq_count: Tensor  # the finite sequences with a valid token
+    valid_token_count: Tensor  # valid tokens
+    valid_seq_count: Tensor  # sequences with a valid token
+    nonfinite_token_count: Tensor  # valid tokens with a non-finite log-prob
+    function_kept_token_count: Tensor | None = None  # rejection stage: tokens kept before the veto
+    function_kept_seq_count: Tensor | None = None
+    final_token_count: Tensor | None = None  # rejection stage: tokens kept after the veto too
+    final_seq_count: Tensor | None = None
+    vetoed_token_count: Tensor | None = None  # the veto: finite valid tokens with lr < log C in the vetoed sequences
+    vetoed_seq_count: Tensor | None = None
+    divergence_rejected_token_count: Tensor | None = None  # the divergence filter's rejections
+    divergence_rejected_seq_count: Tensor | None = None
+
+    def present(self) -> dict[str, Tensor]:
+        """{field name: counts} of the counts collected, in field order."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+@dataclass
 class BatchColumns:
     """The batch statistics collected by the stages, summed and reduced at once (`core.batch_statistics`).
 
-    `counts` [n] each (finite), `token_columns` / `seq_columns` [n, k] values (zeroed in the unusable sequences;
-    the sequence-level ones counted once across CP), `stats` what a stage adds directly, `aliases` the statistics
-    that equal others, `sketch` the weights prepared for the exact quantiles (`Q.refine`).
+    `counts` [n] each (finite), `token_columns` / `seq_columns` [n, k] values under the `BatchStatistics` field
+    names of their columns (zeroed in the unusable sequences; the sequence-level ones counted once across CP),
+    `stats` what a stage adds directly, `aliases` the `BatchStatistics` fields that equal others ({alias: field}),
+    `sketch` the weights prepared for the exact quantiles (`quantiles.refine`).
     """
 
-    counts: dict[str, Tensor]
+    counts: SequenceCounts
     token_columns: dict[tuple[str, ...], Tensor]
     seq_columns: dict[tuple[str, ...], Tensor]
     stats: BatchStats = field(default_factory=BatchStats)
     aliases: dict[str, str] = field(default_factory=dict)
     function_metrics: dict[str, Tensor] = field(default_factory=dict)  # a custom weighting function's metrics
-    sketch: Q.Counts | None = None
+    sketch: quantiles.Counts | None = None
 
     def add_call_value(self, name: str, value: Tensor, groups: list) -> None:
-        """Logs a value every rank of the call holds (a budgeted bound) as (calls, Σ value) sums, divided by the
-        ranks so the batch SUM gives (1, value) per call and merged micro-batches their mean."""
+        """Logs a value every rank of the call holds (a budgeted bound) as (calls, Σ value) sums (the
+        `BatchStatistics` fields `{name}_calls`, `{name}_sum`), divided by the ranks so the batch SUM gives
+        (1, value) per call and merged micro-batches their mean."""
         share = 1.0
         for g in groups:
             share /= group_size(g)
