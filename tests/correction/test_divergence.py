@@ -8,8 +8,6 @@ import math
 
 import pytest
 import torch
-from corr_reference import ref_correction
-from test_packed import _data, _pack, _segments, _unpack, _within
 
 from slime_corr.config import ConfigError
 from slime_corr.config import RolloutCorrectionConfig as C
@@ -17,6 +15,8 @@ from slime_corr.correction import budget as BG
 from slime_corr.correction import compute_rollout_correction, metrics_to_host
 from slime_corr.correction import quantiles as Q
 from slime_corr.losses import compute_policy_loss
+from tests.correction.corr_reference import ref_correction
+from tests.correction.test_packed import _data, _pack, _segments, _unpack, _within
 
 
 def _div(x: float, metric: str, lq: float = 0.0) -> float:

@@ -10,20 +10,17 @@ single-rank full batch does, with one SUM per group for the step."""
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
-from test_distributed import CountingAllReduce, zigzag_index
 
 from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.correction import StepBounds, compute_rollout_correction, merge_stats, metrics_to_host
 from slime_corr.correction.core import correction_metrics
 from slime_corr.layout.segments import Segments
 from slime_corr.losses import compute_policy_loss
-from tests.job_runner import spawn_processes
+from tests.correction.test_distributed import CountingAllReduce, zigzag_index
+from tests.mcore.mcore_helpers import checking, spawn_group
 
 WORLD = 2
 B, S = 8, 16
@@ -88,9 +85,7 @@ def packed_slicer(rows: slice, cp_rank: int, cp: int):
     return sl, Segments.packed_row(offsets, len(local))
 
 
-def _worker(rank: int, store_path: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
+def _worker(rank: int) -> None:
     lp, old, ro, adv, mask = _data()
     for dp, cp in LAYOUTS:
         cp_groups = [dist.new_group([d * cp + c for c in range(cp)]) for d in range(dp)]
@@ -104,6 +99,7 @@ def _worker(rank: int, store_path: str) -> None:
                 rows, c, cp)) for case in CASES]:
             cfg = cfg.replace(loss_agg_mode=agg)
             tag = f"dp={dp} cp={cp} {'packed' if seg else 'padded'} {agg} {cfg.describe()}"
+            checking(tag)
             x = lp.clone().requires_grad_()
             ref = compute_policy_loss(x, old, ro, adv, mask, cfg)
             ref.loss.backward()
@@ -140,6 +136,7 @@ def _worker(rank: int, store_path: str) -> None:
         # the correction alone: a fixed divergence bound adds no collective to the correction
         base_cfg = C(use_tis=True)
         for cfg in (base_cfg, base_cfg.replace(rs_metric="k3", rs_agg="max", rs_divergence_bound=0.1)):
+            checking(f"dp={dp} cp={cp} the correction alone: {cfg.describe()}")
             counter = CountingAllReduce()
             dist.all_reduce = counter
             try:
@@ -147,7 +144,6 @@ def _worker(rank: int, store_path: str) -> None:
             finally:
                 dist.all_reduce = counter.real
             assert len(counter.calls) == (5 if cp > 1 else 4), (dp, cp, len(counter.calls))
-    dist.destroy_process_group()
 
 
 def _check_step_bounds(cfg, sl, seg, rows, old, ro, mask, cp_group, dp_group, tag) -> None:
@@ -194,5 +190,4 @@ def _check_step_bounds(cfg, sl, seg, rows, old, ro, mask, cp_group, dp_group, ta
 def test_divergence_budgets_and_gspo_over_cp_and_dp():
     if not dist.is_available():
         pytest.skip("torch.distributed unavailable")
-    with tempfile.TemporaryDirectory() as tmp:
-        spawn_processes(_worker, WORLD, (os.path.join(tmp, "store"),))
+    spawn_group(_worker, WORLD)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_packed import _data, _pack, _segments, _unpack, _within
 
 from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.losses import compute_policy_loss
+from tests.correction.test_packed import _data, _pack, _segments, _unpack, _within
 
 B, S = 6, 10
 EPS = (3e-4, 4e-4)  # the GSPO paper's clip range: the ratio is a per-token geometric mean, close to 1

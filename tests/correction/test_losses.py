@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from corr_reference import ref_policy_loss
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +18,7 @@ from slime_corr.correction import (
     weight_mean,
 )
 from slime_corr.losses import compute_policy_loss
+from tests.correction.corr_reference import ref_policy_loss
 
 AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 PRESETS = ("decoupled_token_is", "decoupled_seq_is", "decoupled_seq_is_rs", "decoupled_geo_rs", "ppo_is_bypass", "pg_is", "pg_rs", "disabled")

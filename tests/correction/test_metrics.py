@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
-from corr_reference import ref_mismatch_metrics
 
 from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.correction import checks, compute_rollout_correction, metrics_to_host
 from slime_corr.correction.quantiles import QUANTILES
+from tests.correction.corr_reference import ref_mismatch_metrics
 
 MISMATCH_KEYS = {
     "mismatch_kl", "mismatch_k3_kl", "mismatch_training_log_ppl", "mismatch_rollout_log_ppl",

@@ -5,17 +5,14 @@ only); Clip-Cov and KL-Cov, per rank by design, refuse CP (tests/correction/test
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
-from test_distributed import zigzag_index
 
 from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.losses import M2PO_COUNT, SEQ_ERROR_COUNT, compute_policy_loss
-from tests.job_runner import spawn_processes
+from tests.correction.test_distributed import zigzag_index
+from tests.mcore.mcore_helpers import checking, spawn_group
 
 WORLD = 4
 B, S = 8, 16
@@ -47,9 +44,7 @@ def _data():
     return lp, old, ro, adv, mask
 
 
-def _worker(rank: int, store_path: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
+def _worker(rank: int) -> None:
     lp, old, ro, adv, mask = _data()
     for dp, cp in LAYOUTS:
         n = dp * cp
@@ -66,6 +61,7 @@ def _worker(rank: int, store_path: str) -> None:
                 continue
             cfg = cfg.replace(loss_agg_mode=agg)
             tag = f"dp={dp} cp={cp} {cfg.loss_type} {agg}"
+            checking(tag)
             x = lp.clone().requires_grad_()
             ref = compute_policy_loss(x, old, ro, adv, mask, cfg)
             ref.loss.backward()
@@ -87,11 +83,9 @@ def _worker(rank: int, store_path: str) -> None:
                     removed = out.metrics[key].clone()
                     dist.all_reduce(removed, group=members)
                     assert removed.item() == ref.metrics[key].item() > 0, (tag, key)
-    dist.destroy_process_group()
 
 
 def test_dp_cp_sharding_matches_single_rank():
     if not dist.is_available():
         pytest.skip("torch.distributed unavailable")
-    with tempfile.TemporaryDirectory() as tmp:
-        spawn_processes(_worker, WORLD, (os.path.join(tmp, "store"),))
+    spawn_group(_worker, WORLD)

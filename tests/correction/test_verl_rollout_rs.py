@@ -6,8 +6,6 @@ expressed or parsed is refused naming the flag."""
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +15,7 @@ from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.correction import compute_rollout_correction
 from slime_corr.errors import ConfigError
 from slime_corr.verl_rollout_rs import rollout_rs_settings
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from tests.bench_modules import bench_module
 
 B, S = 16, 24
 CHAINS = [
@@ -32,9 +29,7 @@ CHAINS = [
 
 @pytest.fixture(scope="module")
 def verl_rc():
-    from vs_verl import load_verl  # bench/vs_verl.py: verl's wheel, downloaded once into bench/.cache/verl
-
-    return load_verl().rc
+    return bench_module("vs_verl").load_verl().rc  # verl's wheel, downloaded once into bench/.cache/verl
 
 
 def _data():

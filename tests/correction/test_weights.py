@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
-from corr_reference import ref_correction
 
 from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.correction import compute_rollout_correction, metrics_to_host
+from tests.correction.corr_reference import ref_correction
 
 # One sequence with token ratios [3, 0.25, 1] plus one padding token; a second sequence with ratios [1.5, 1].
 LR = torch.tensor([[math.log(3.0), math.log(0.25), 0.0, 7.0], [math.log(1.5), 0.0, 0.0, 0.0]], dtype=torch.float64)
