@@ -12,6 +12,7 @@ from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.correction import compute_rollout_correction, metrics_to_host
 from slime_corr.losses import OPSM_COUNT, compute_policy_loss
 from tests.mcore.mcore_helpers import checking, spawn_group
+from tests.synthetic import UNEVEN_LENGTHS, policy_batch
 
 WORLD = 4
 B, S = 8, 16
@@ -31,14 +32,8 @@ CASES = (
 
 
 def _data():
-    g = torch.Generator().manual_seed(0)
-    old = -torch.rand(B, S, generator=g, dtype=torch.float64) * 2
-    ro = old + 0.3 * torch.randn(B, S, generator=g, dtype=torch.float64)
+    lp, old, ro, adv, mask = policy_batch(0, B, S, rollout_noise=0.3, policy_noise=0.2, lengths=UNEVEN_LENGTHS)
     ro[1, 2] = float("nan")  # non-finite sequence
-    lp = old + 0.2 * torch.randn(B, S, generator=g, dtype=torch.float64)
-    adv = torch.randn(B, S, generator=g, dtype=torch.float64)
-    lengths = torch.tensor([16, 3, 0, 9, 1, 12, 16, 5])
-    mask = torch.arange(S)[None, :] < lengths[:, None]
     mask[6, ::3] = False
     return lp, old, ro, adv, mask
 

@@ -21,6 +21,7 @@ from slime_corr.layout.segments import Segments
 from slime_corr.losses import compute_policy_loss
 from tests.correction.test_distributed import CountingAllReduce, zigzag_index
 from tests.mcore.mcore_helpers import checking, spawn_group
+from tests.synthetic import policy_batch
 
 WORLD = 2
 B, S = 8, 16
@@ -45,14 +46,9 @@ CASES = (  # (config, loss aggregation, extra collectives per group in the corre
 
 
 def _data():
-    g = torch.Generator().manual_seed(3)
-    old = -torch.rand(B, S, generator=g, dtype=torch.float64) * 2
-    ro = old + 0.25 * torch.randn(B, S, generator=g, dtype=torch.float64) * torch.linspace(0.1, 1.5, B)[:, None]
+    lp, old, ro, adv, mask = policy_batch(3, B, S, rollout_noise=0.25, row_scale=torch.linspace(0.1, 1.5, B)[:, None],
+                                          policy_noise=0.05, lengths=LENGTHS)
     ro[1, 2] = float("nan")  # non-finite sequence
-    lp = old + 0.05 * torch.randn(B, S, generator=g, dtype=torch.float64)
-    adv = torch.randn(B, S, generator=g, dtype=torch.float64)
-    lengths = torch.tensor([16, 3, 0, 9, 1, 12, 16, 5])
-    mask = torch.arange(S)[None, :] < lengths[:, None]
     mask[6, ::3] = False
     return lp, old, ro, adv, mask
 

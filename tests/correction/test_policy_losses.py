@@ -22,6 +22,7 @@ from slime_corr.opsm import opsm_masked
 from tests.bench_modules import bench_module
 from tests.correction.test_packed import _data as packed_data
 from tests.correction.test_packed import _pack, _segments, _unpack, _within
+from tests.synthetic import response_mask
 
 B, S = 8, 12
 LENGTHS = (12, 7, 0, 1, 10, 5, 12, 3)  # an empty and a one-token sequence
@@ -69,7 +70,7 @@ def inputs(seed: int = 0, spread: float = 0.3, per_sequence: bool = True):
     lp = old + spread * torch.randn(B, S, generator=g, dtype=torch.float64)
     ro = old + 0.15 * torch.randn(B, S, generator=g, dtype=torch.float64)
     adv = 2 * torch.randn(B, 1 if per_sequence else S, generator=g, dtype=torch.float64).expand(B, S).clone()
-    mask = torch.arange(S)[None] < torch.tensor(LENGTHS)[:, None]
+    mask = response_mask(LENGTHS, S)
     mask[0, 3] = mask[6, ::4] = False  # holes inside sequences
     lp = torch.where(mask, lp, torch.full_like(lp, float("nan")))
     return lp, old, ro, adv, mask

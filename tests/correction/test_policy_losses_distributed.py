@@ -13,6 +13,7 @@ from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.losses import M2PO_COUNT, SEQ_ERROR_COUNT, compute_policy_loss
 from tests.correction.test_distributed import zigzag_index
 from tests.mcore.mcore_helpers import checking, spawn_group
+from tests.synthetic import UNEVEN_LENGTHS, policy_batch
 
 WORLD = 4
 B, S = 8, 16
@@ -32,16 +33,11 @@ CASES = (
 
 
 def _data():
-    g = torch.Generator().manual_seed(0)
-    old = -torch.rand(B, S, generator=g, dtype=torch.float64) * 2
-    ro = old + 0.15 * torch.randn(B, S, generator=g, dtype=torch.float64)
+    lp, old, ro, adv, mask = policy_batch(0, B, S, rollout_noise=0.15, policy_noise=0.2, sequence_advantages=True,
+                                          lengths=UNEVEN_LENGTHS)
     ro[3, 1] += 2.0  # one token far off
-    lp = old + 0.2 * torch.randn(B, S, generator=g, dtype=torch.float64)
-    adv = torch.randn(B, 1, generator=g, dtype=torch.float64).expand(B, S).contiguous()
-    lengths = torch.tensor([16, 3, 0, 9, 1, 12, 16, 5])
-    mask = torch.arange(S)[None, :] < lengths[:, None]
     mask[6, ::3] = False
-    return lp, old, ro, adv, mask
+    return lp, old, ro, adv[:, None].expand(B, S).contiguous(), mask
 
 
 def _worker(rank: int) -> None:

@@ -15,6 +15,7 @@ from slime_corr.correction.rejection_outcomes import REJECTION_OUTCOME_METRICS, 
 from tests.correction.test_distributed import zigzag_index
 from tests.correction.test_divergence_distributed import LENGTHS, packed_slicer
 from tests.mcore.mcore_helpers import spawn_group
+from tests.synthetic import response_mask
 
 B, S = 8, 16
 CONFIG = C(use_tis=True, use_rs=True, rs_level="sequence", rs_upper_bound=1.3, rs_veto_threshold=0.05)
@@ -24,7 +25,7 @@ def _data():
     g = torch.Generator().manual_seed(11)
     old = -torch.rand(B, S, generator=g, dtype=torch.float64) * 2
     ro = old + 0.3 * torch.randn(B, S, generator=g, dtype=torch.float64) * torch.linspace(0.05, 1.0, B)[:, None]
-    mask = torch.arange(S)[None, :] < torch.tensor(LENGTHS)[:, None]
+    mask = response_mask(LENGTHS, S)
     adv = torch.randn(B, 1, generator=g, dtype=torch.float64).expand(B, S).clone()
     adv[4] = 0.0  # a GRPO group whose rewards were all equal
     adv[5, ::2] = -adv[5, ::2].abs() - 1  # per-token advantages: the sequence's sign is that of their sum

@@ -16,6 +16,7 @@ from slime_corr.correction import compute_rollout_correction
 from slime_corr.errors import ConfigError
 from slime_corr.verl_rollout_rs import rollout_rs_settings
 from tests.bench_modules import bench_module
+from tests.synthetic import response_mask
 
 B, S = 16, 24
 CHAINS = [
@@ -38,7 +39,7 @@ def _data():
     ro = old + 0.15 * torch.randn(B, S, generator=g, dtype=torch.float64)
     lengths = torch.randint(1, S + 1, (B,), generator=g)
     lengths[4] = 0  # an empty sequence
-    mask = (torch.arange(S)[None, :] < lengths[:, None]).to(torch.float64)
+    mask = response_mask(lengths, S).to(torch.float64)
     return old, ro, mask
 
 
