@@ -4,24 +4,12 @@ against verl's real code)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.losses import compute_policy_loss
-
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "correction.py"
-
-
-def _bench_module():
-    spec = importlib.util.spec_from_file_location("bench_correction", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.bench_modules import bench_module
 
 
 def test_fusion_estimate_matches_ours():
@@ -39,7 +27,7 @@ def test_fusion_estimate_matches_ours():
     )
     out = compute_policy_loss(lp, old, ro, adv, mask, cfg)
     assert 0 < out.metrics["mis_rejected_seq_fraction"] < 1  # some sequences kept, some rejected
-    est = _bench_module().fusion_estimate(lp, old, ro, adv, mask, cfg)
+    est = bench_module("correction").fusion_estimate(lp, old, ro, adv, mask, cfg)
     n_tok = mask.sum()
     assert est[-1].item() == pytest.approx(out.loss.item(), rel=1e-12)
     assert (-est[2] / n_tok).item() == pytest.approx(out.metrics["mismatch_kl"].item(), rel=1e-12)
@@ -47,22 +35,10 @@ def test_fusion_estimate_matches_ours():
     assert est[16].item() == pytest.approx(out.metrics["rollout_probs_diff_max"].item(), rel=1e-12)
 
 
-VS_VERL = Path(__file__).resolve().parents[1] / "bench" / "vs_verl.py"
-
-
-def _vs_verl():
-    if "bench_vs_verl" not in sys.modules:  # dataclasses look their module up in sys.modules
-        spec = importlib.util.spec_from_file_location("bench_vs_verl", VS_VERL)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["bench_vs_verl"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["bench_vs_verl"]
-
-
 def test_vs_verl_equality_check_catches_differences():
     """The bench's check (weights and masks bit-equal, loss/grad to rounding, shared metrics within 1e-6) on our
     own results: it passes for identical results and names each kind of difference."""
-    bench = _vs_verl()
+    bench = bench_module("vs_verl")
     row = bench.rows()[bench.ROW_KEYS["ppo"]]
     x = bench.make_inputs(4, 64)
     ours = bench.run_ours(row, x)
@@ -81,7 +57,7 @@ def test_vs_verl_equality_check_catches_differences():
 @pytest.mark.slow
 def test_vs_verl_rows_agree_with_verls_real_code():
     """Downloads verl's wheel (pip download --no-deps) and checks every row of the bench at a small size."""
-    bench = _vs_verl()
+    bench = bench_module("vs_verl")
     verl = bench.load_verl()
     x = bench.make_inputs(8, 256)
     for row in bench.rows():

@@ -16,6 +16,7 @@ from slime_corr.errors import ConfigError
 from slime_corr.layout.segments import Segments
 from slime_corr.losses import OPSM_COUNT, compute_policy_loss
 from slime_corr.opsm import opsm_masked
+from tests.synthetic import response_mask
 
 B, S = 6, 10
 
@@ -27,7 +28,7 @@ def _data(seed: int = 0):
     lp[3, 1] = float("nan")  # a non-finite current log-prob at a valid token
     adv = torch.randn(B, S, generator=g, dtype=torch.float64)
     lengths = torch.tensor([10, 3, 0, 7, 1, 10])
-    mask = torch.arange(S)[None, :] < lengths[:, None]
+    mask = response_mask(lengths, S)
     mask[5, ::3] = False
     return lp, old, adv, mask
 

@@ -9,17 +9,13 @@ import torch
 from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.correction import metrics_to_host
 from slime_corr.losses import compute_policy_loss
+from tests.synthetic import policy_batch
 
 pytestmark = pytest.mark.cost(35)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 
 
 def _batch(dtype: torch.dtype, seed: int = 0, b: int = 16, s: int = 96):
-    g = torch.Generator().manual_seed(seed)
-    old = -torch.rand(b, s, generator=g, dtype=dtype) * 2
-    ro = old + 0.3 * torch.randn(b, s, generator=g, dtype=dtype)
-    lp = old + 0.2 * torch.randn(b, s, generator=g, dtype=dtype)
-    adv = torch.randn(b, s, generator=g, dtype=dtype)
-    mask = torch.rand(b, s, generator=g) > 0.25
+    lp, old, ro, adv, mask = policy_batch(seed, b, s, rollout_noise=0.3, policy_noise=0.2, dropped=0.25, dtype=dtype)
     mask[3] = False  # an empty sequence
     ro[5, 7], mask[5, 7] = float("nan"), True  # a non-finite sequence
     lp[0, 10] = 30.0  # a saturated PPO ratio (|lp - lp_old| > 20)

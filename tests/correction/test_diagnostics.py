@@ -4,8 +4,6 @@ over micro-batches, on meta tensors (no host sync), and over DP x CP (gloo, one 
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 
 import pytest
 import torch
@@ -24,7 +22,7 @@ from slime_corr.correction.diagnostics import (
     reduce_diagnostics,
     response_positions,
 )
-from tests.job_runner import spawn_processes
+from tests.mcore.mcore_helpers import checking, spawn_group
 
 B, S = 6, 16
 
@@ -210,13 +208,12 @@ def _zigzag(cp_rank: int, cp: int) -> torch.Tensor:
     return torch.cat([torch.arange(k * c, (k + 1) * c) for k in (cp_rank, 2 * cp - 1 - cp_rank)])
 
 
-def _worker(rank: int, store: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+def _worker(rank: int) -> None:
     lp_t, lp_r, lp_c, mask, lag = _data()
     want = reduce_diagnostics(diagnostic_sums(lp_t, lp_r, mask, lp_current=lp_c, weight_lag=lag,
                                               sample_ids=torch.arange(B)), top_k=3)
     for dp, cp in LAYOUTS:
+        checking(f"dp={dp} cp={cp} rank={rank}")
         cp_groups = [dist.new_group([d * cp + c for c in range(cp)]) for d in range(dp)]
         dp_groups = [dist.new_group([d * cp + c for d in range(dp)]) for c in range(cp)]
         d, c = divmod(rank, cp)
@@ -237,9 +234,7 @@ def _worker(rank: int, store: str) -> None:
         for g, w in zip(got.top, want.top, strict=True):
             assert g["max_position"] == w["max_position"] and g["tokens"] == w["tokens"], tag
             assert g["seq_log_ratio"] == pytest.approx(w["seq_log_ratio"], rel=1e-12), tag
-    dist.destroy_process_group()
 
 
 def test_dp_cp_split_reduces_to_the_single_rank_result():
-    with tempfile.TemporaryDirectory() as tmp:
-        spawn_processes(_worker, WORLD, (os.path.join(tmp, "store"),))
+    spawn_group(_worker, WORLD)

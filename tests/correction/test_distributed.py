@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 
 import pytest
 import torch
@@ -13,7 +11,8 @@ import torch.distributed as dist
 from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.correction import compute_rollout_correction, metrics_to_host
 from slime_corr.losses import OPSM_COUNT, compute_policy_loss
-from tests.job_runner import spawn_processes
+from tests.mcore.mcore_helpers import checking, spawn_group
+from tests.synthetic import UNEVEN_LENGTHS, policy_batch
 
 WORLD = 4
 B, S = 8, 16
@@ -33,14 +32,8 @@ CASES = (
 
 
 def _data():
-    g = torch.Generator().manual_seed(0)
-    old = -torch.rand(B, S, generator=g, dtype=torch.float64) * 2
-    ro = old + 0.3 * torch.randn(B, S, generator=g, dtype=torch.float64)
+    lp, old, ro, adv, mask = policy_batch(0, B, S, rollout_noise=0.3, policy_noise=0.2, lengths=UNEVEN_LENGTHS)
     ro[1, 2] = float("nan")  # non-finite sequence
-    lp = old + 0.2 * torch.randn(B, S, generator=g, dtype=torch.float64)
-    adv = torch.randn(B, S, generator=g, dtype=torch.float64)
-    lengths = torch.tensor([16, 3, 0, 9, 1, 12, 16, 5])
-    mask = torch.arange(S)[None, :] < lengths[:, None]
     mask[6, ::3] = False
     return lp, old, ro, adv, mask
 
@@ -93,9 +86,7 @@ def _check_collective_count(cfg, agg, sl, y, old, ro, adv, mask, cp_group, dp_gr
         dist.all_reduce = counter.real
 
 
-def _worker(rank: int, store_path: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
+def _worker(rank: int) -> None:
     lp, old, ro, adv, mask = _data()
     for dp, cp in LAYOUTS:
         n = dp * cp
@@ -109,6 +100,7 @@ def _worker(rank: int, store_path: str) -> None:
         cols = zigzag_index(c, cp)
         for cfg, agg in CASES:
             cfg = cfg.replace(loss_agg_mode=agg)
+            checking(f"dp={dp} cp={cp} {cfg.rollout_correction_preset} {agg}")
             x = lp.clone().requires_grad_()
             ref = compute_policy_loss(x, old, ro, adv, mask, cfg)
             ref.loss.backward()
@@ -141,7 +133,6 @@ def _worker(rank: int, store_path: str) -> None:
                     assert abs(got[k] - v) <= 1e-9 * max(1.0, abs(v)), f"{tag} {k}: {got[k]} != {v}"
             _check_collective_count(cfg, agg, sl, lp, old, ro, adv, mask, cp_groups[d], dp_groups[c], cp, dp, tag)
         _check_quantiles(rows, c, cp, cp_groups[d], dp_groups[c], f"dp={dp} cp={cp}")
-    dist.destroy_process_group()
 
 
 def _check_quantiles(rows: slice, cp_rank: int, cp: int, cp_group, dp_group, tag: str) -> None:
@@ -155,6 +146,7 @@ def _check_quantiles(rows: slice, cp_rank: int, cp: int, cp_group, dp_group, tag
         lp_t = lp_r + spread * torch.randn(B, s, generator=g, dtype=torch.float64)
         mask = torch.rand(B, s, generator=g) > 0.3
         for level in ("token", "sequence"):
+            checking(f"{tag} quantiles: spread={spread} {level} level")
             cfg = C(use_tis=True, tis_level=level, tis_upper_bound=1e6)
             full = compute_rollout_correction(lp_t, lp_r, mask, cfg)
             local = compute_rollout_correction(lp_t[rows][:, cols], lp_r[rows][:, cols], mask[rows][:, cols], cfg,
@@ -171,5 +163,4 @@ def _check_quantiles(rows: slice, cp_rank: int, cp: int, cp_group, dp_group, tag
 def test_dp_cp_sharding_matches_single_rank():
     if not dist.is_available():
         pytest.skip("torch.distributed unavailable")
-    with tempfile.TemporaryDirectory() as tmp:
-        spawn_processes(_worker, WORLD, (os.path.join(tmp, "store"),))
+    spawn_group(_worker, WORLD)

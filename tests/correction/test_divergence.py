@@ -8,8 +8,6 @@ import math
 
 import pytest
 import torch
-from corr_reference import ref_correction
-from test_packed import _data, _pack, _segments, _unpack, _within
 
 from slime_corr.config import ConfigError
 from slime_corr.config import RolloutCorrectionConfig as C
@@ -17,6 +15,9 @@ from slime_corr.correction import budget as BG
 from slime_corr.correction import compute_rollout_correction, metrics_to_host
 from slime_corr.correction import quantiles as Q
 from slime_corr.losses import compute_policy_loss
+from tests.correction.corr_reference import ref_correction
+from tests.correction.test_packed import _data, _pack, _segments, _unpack, _within
+from tests.synthetic import response_mask
 
 
 def _div(x: float, metric: str, lq: float = 0.0) -> float:
@@ -57,7 +58,7 @@ def _inputs(seed=0, B=6, S=20, scale=0.4):
     g = torch.Generator().manual_seed(seed)
     lp_r = -torch.rand(B, S, generator=g, dtype=torch.float64) * 3
     lp_t = lp_r + scale * torch.randn(B, S, generator=g, dtype=torch.float64) * torch.linspace(0.05, 2, B)[:, None]
-    mask = torch.arange(S)[None] < torch.tensor([20, 13, 1, 0, 17, 9])[:B, None]
+    mask = response_mask([20, 13, 1, 0, 17, 9][:B], S)
     mask[0, ::4] = False
     lp_r[4, 3] = float("nan")  # a non-finite sequence
     lp_t[1, 2] = lp_r[1, 2] + 60.0  # an extreme log-ratio: k3 overflows to inf, never NaN

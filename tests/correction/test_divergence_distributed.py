@@ -10,20 +10,18 @@ single-rank full batch does, with one SUM per group for the step."""
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
-from test_distributed import CountingAllReduce, zigzag_index
 
 from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.correction import StepBounds, compute_rollout_correction, merge_stats, metrics_to_host
 from slime_corr.correction.core import correction_metrics
 from slime_corr.layout.segments import Segments
 from slime_corr.losses import compute_policy_loss
-from tests.job_runner import spawn_processes
+from tests.correction.test_distributed import CountingAllReduce, zigzag_index
+from tests.mcore.mcore_helpers import checking, spawn_group
+from tests.synthetic import policy_batch
 
 WORLD = 2
 B, S = 8, 16
@@ -48,14 +46,9 @@ CASES = (  # (config, loss aggregation, extra collectives per group in the corre
 
 
 def _data():
-    g = torch.Generator().manual_seed(3)
-    old = -torch.rand(B, S, generator=g, dtype=torch.float64) * 2
-    ro = old + 0.25 * torch.randn(B, S, generator=g, dtype=torch.float64) * torch.linspace(0.1, 1.5, B)[:, None]
+    lp, old, ro, adv, mask = policy_batch(3, B, S, rollout_noise=0.25, row_scale=torch.linspace(0.1, 1.5, B)[:, None],
+                                          policy_noise=0.05, lengths=LENGTHS)
     ro[1, 2] = float("nan")  # non-finite sequence
-    lp = old + 0.05 * torch.randn(B, S, generator=g, dtype=torch.float64)
-    adv = torch.randn(B, S, generator=g, dtype=torch.float64)
-    lengths = torch.tensor([16, 3, 0, 9, 1, 12, 16, 5])
-    mask = torch.arange(S)[None, :] < lengths[:, None]
     mask[6, ::3] = False
     return lp, old, ro, adv, mask
 
@@ -88,9 +81,7 @@ def packed_slicer(rows: slice, cp_rank: int, cp: int):
     return sl, Segments.packed_row(offsets, len(local))
 
 
-def _worker(rank: int, store_path: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
+def _worker(rank: int) -> None:
     lp, old, ro, adv, mask = _data()
     for dp, cp in LAYOUTS:
         cp_groups = [dist.new_group([d * cp + c for c in range(cp)]) for d in range(dp)]
@@ -104,6 +95,7 @@ def _worker(rank: int, store_path: str) -> None:
                 rows, c, cp)) for case in CASES]:
             cfg = cfg.replace(loss_agg_mode=agg)
             tag = f"dp={dp} cp={cp} {'packed' if seg else 'padded'} {agg} {cfg.describe()}"
+            checking(tag)
             x = lp.clone().requires_grad_()
             ref = compute_policy_loss(x, old, ro, adv, mask, cfg)
             ref.loss.backward()
@@ -140,6 +132,7 @@ def _worker(rank: int, store_path: str) -> None:
         # the correction alone: a fixed divergence bound adds no collective to the correction
         base_cfg = C(use_tis=True)
         for cfg in (base_cfg, base_cfg.replace(rs_metric="k3", rs_agg="max", rs_divergence_bound=0.1)):
+            checking(f"dp={dp} cp={cp} the correction alone: {cfg.describe()}")
             counter = CountingAllReduce()
             dist.all_reduce = counter
             try:
@@ -147,7 +140,6 @@ def _worker(rank: int, store_path: str) -> None:
             finally:
                 dist.all_reduce = counter.real
             assert len(counter.calls) == (5 if cp > 1 else 4), (dp, cp, len(counter.calls))
-    dist.destroy_process_group()
 
 
 def _check_step_bounds(cfg, sl, seg, rows, old, ro, mask, cp_group, dp_group, tag) -> None:
@@ -194,5 +186,4 @@ def _check_step_bounds(cfg, sl, seg, rows, old, ro, mask, cp_group, dp_group, ta
 def test_divergence_budgets_and_gspo_over_cp_and_dp():
     if not dist.is_available():
         pytest.skip("torch.distributed unavailable")
-    with tempfile.TemporaryDirectory() as tmp:
-        spawn_processes(_worker, WORLD, (os.path.join(tmp, "store"),))
+    spawn_group(_worker, WORLD)

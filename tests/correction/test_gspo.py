@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_packed import _data, _pack, _segments, _unpack, _within
 
 from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.losses import compute_policy_loss
+from tests.correction.test_packed import _data, _pack, _segments, _unpack, _within
+from tests.synthetic import response_mask
 
 B, S = 6, 10
 EPS = (3e-4, 4e-4)  # the GSPO paper's clip range: the ratio is a per-token geometric mean, close to 1
@@ -22,7 +23,7 @@ def _inputs(seed=0):
     lp = old + shift + 2e-4 * torch.randn(B, S, generator=g, dtype=torch.float64)
     ro = old + 0.2 * torch.randn(B, S, generator=g, dtype=torch.float64)
     adv = torch.tensor([1.0, -1.0, 0.5, -2.0, 1.5, 1.0], dtype=torch.float64)
-    mask = torch.arange(S)[None] < torch.tensor([10, 7, 3, 0, 9, 1])[:, None]
+    mask = response_mask([10, 7, 3, 0, 9, 1], S)
     mask[0, 4] = False
     lp = torch.where(mask, lp, torch.full_like(lp, float("nan")))  # NaN outside the mask never leaks
     return lp, old, ro, adv, mask

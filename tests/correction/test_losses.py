@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from corr_reference import ref_policy_loss
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,18 +18,15 @@ from slime_corr.correction import (
     weight_mean,
 )
 from slime_corr.losses import compute_policy_loss
+from tests.correction.corr_reference import ref_policy_loss
+from tests.synthetic import policy_batch
 
 AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 PRESETS = ("decoupled_token_is", "decoupled_seq_is", "decoupled_seq_is_rs", "decoupled_geo_rs", "ppo_is_bypass", "pg_is", "pg_rs", "disabled")
 
 
 def _batch(seed, B=6, S=10, mismatch=0.2):
-    g = torch.Generator().manual_seed(seed)
-    old = -torch.rand(B, S, generator=g, dtype=torch.float64) * 2
-    ro = old + mismatch * torch.randn(B, S, generator=g, dtype=torch.float64)
-    lp = old + 0.3 * torch.randn(B, S, generator=g, dtype=torch.float64)
-    adv = torch.randn(B, S, generator=g, dtype=torch.float64)
-    mask = torch.rand(B, S, generator=g) > 0.3
+    lp, old, ro, adv, mask = policy_batch(seed, B, S, rollout_noise=mismatch, policy_noise=0.3, dropped=0.3)
     mask[0] = False
     return lp, old, ro, adv, mask
 

@@ -6,11 +6,12 @@ import math
 
 import pytest
 import torch
-from corr_reference import ref_mismatch_metrics
 
 from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.correction import checks, compute_rollout_correction, metrics_to_host
 from slime_corr.correction.quantiles import QUANTILES
+from tests.correction.corr_reference import ref_mismatch_metrics
+from tests.synthetic import correction_batch
 
 MISMATCH_KEYS = {
     "mismatch_kl", "mismatch_k3_kl", "mismatch_training_log_ppl", "mismatch_rollout_log_ppl",
@@ -29,10 +30,7 @@ def nearest_rank(values: torch.Tensor, q: float) -> float:
 
 
 def _batch(seed, B=7, S=20, dtype=torch.float64):
-    g = torch.Generator().manual_seed(seed)
-    lp_r = -torch.rand(B, S, generator=g, dtype=dtype) * 2
-    lp_t = lp_r + 0.2 * torch.randn(B, S, generator=g, dtype=dtype)
-    mask = torch.rand(B, S, generator=g) > 0.3
+    lp_t, lp_r, mask = correction_batch(seed, B, S, spread=2.0, noise=0.2, dropped=0.3, dtype=dtype)
     mask[-1] = False
     return lp_t, lp_r, mask
 

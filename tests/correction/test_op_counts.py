@@ -11,14 +11,11 @@ before issue 31: 378, 386, 194, 387, 167, 445, 418 (the exact quantile sketch al
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.bench_modules import bench_module
+
 BUDGETS = {  # bench/vs_verl.py ROW_KEYS -> most ops per call
     "token_tis": 177,
     "seq_tis": 174,
@@ -31,17 +28,8 @@ BUDGETS = {  # bench/vs_verl.py ROW_KEYS -> most ops per call
 VERL = {"token_tis": 227, "seq_tis": 216, "geo_rs": 235, "token_tis_bn": 239, "metrics": 96, "ppo": 325, "reinforce": 246}
 
 
-def _module(name: str, path: Path):
-    if name not in sys.modules:  # dataclasses look their module up in sys.modules
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 def _bench():
-    return _module("bench_vs_verl", BENCH / "vs_verl.py")
+    return bench_module("vs_verl")
 
 
 def test_the_counter_counts_kernels_not_views() -> None:

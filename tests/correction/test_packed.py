@@ -17,6 +17,7 @@ from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.correction import compute_rollout_correction, metrics_to_host
 from slime_corr.layout.segments import Segments
 from slime_corr.losses import compute_policy_loss
+from tests.synthetic import policy_batch, response_mask
 
 B, S = 7, 12
 LENGTHS = (12, 3, 0, 7, 1, 9, 5)  # the positions each sequence occupies (mask holes inside some)
@@ -28,13 +29,9 @@ CUSTOM = f"{Path(__file__).resolve().parents[2] / 'examples' / 'custom_tis.py'}:
 
 def _data(seed: int = 0, dtype: torch.dtype = torch.float64):
     """Padded [B, S] data; lp_rollout close to lp_old in half of the rows (RS keeps them), far in the others."""
-    g = torch.Generator().manual_seed(seed)
-    old = -torch.rand(B, S, generator=g, dtype=dtype) * 2
     noise = torch.tensor([1e-4, 0.3] * 4, dtype=dtype)[:B, None]
-    ro = old + noise * torch.randn(B, S, generator=g, dtype=dtype)
-    lp = old + 0.5 * noise * torch.randn(B, S, generator=g, dtype=dtype)
-    adv = torch.randn(B, generator=g, dtype=dtype)
-    mask = torch.arange(S)[None] < torch.tensor(LENGTHS)[:, None]
+    lp, old, ro, adv, mask = policy_batch(seed, B, S, rollout_noise=noise, policy_noise=0.5 * noise,
+                                          sequence_advantages=True, lengths=LENGTHS, dtype=dtype)
     mask[0, ::3] = False
     mask[5, 2] = False
     ro[5, 4] = float("nan")  # a non-finite sequence
@@ -66,7 +63,7 @@ def _segments() -> Segments:
 
 
 def _within() -> torch.Tensor:
-    return torch.arange(S)[None] < torch.tensor(LENGTHS)[:, None]
+    return response_mask(LENGTHS, S)
 
 
 def _cases() -> list[tuple[str, C]]:

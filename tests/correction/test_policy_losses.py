@@ -10,13 +10,8 @@ inputs handled as the rest of the project handles them (a non-finite token leave
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from test_packed import _data as packed_data
-from test_packed import _pack, _segments, _unpack, _within
 
 from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.errors import ConfigError
@@ -24,8 +19,10 @@ from slime_corr.layout.segments import Segments
 from slime_corr.losses import M2PO_COUNT, SEQ_ERROR_COUNT, compute_policy_loss
 from slime_corr.mismatch_masks import m2po_masked, seq_mult_prob_error
 from slime_corr.opsm import opsm_masked
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from tests.bench_modules import bench_module
+from tests.correction.test_packed import _data as packed_data
+from tests.correction.test_packed import _pack, _segments, _unpack, _within
+from tests.synthetic import response_mask
 
 B, S = 8, 12
 LENGTHS = (12, 7, 0, 1, 10, 5, 12, 3)  # an empty and a one-token sequence
@@ -35,9 +32,7 @@ TOL = dict(rtol=1e-7, atol=1e-12)  # verl divides some means by n + 1e-8: equal 
 
 @pytest.fixture(scope="module")
 def verl_losses():
-    from vs_verl import load_verl  # bench/vs_verl.py: verl's wheel, downloaded once into bench/.cache/verl
-
-    return load_verl().algos
+    return bench_module("vs_verl").load_verl().algos  # verl's wheel, downloaded once into bench/.cache/verl
 
 
 class VerlPolicyLoss:
@@ -75,7 +70,7 @@ def inputs(seed: int = 0, spread: float = 0.3, per_sequence: bool = True):
     lp = old + spread * torch.randn(B, S, generator=g, dtype=torch.float64)
     ro = old + 0.15 * torch.randn(B, S, generator=g, dtype=torch.float64)
     adv = 2 * torch.randn(B, 1 if per_sequence else S, generator=g, dtype=torch.float64).expand(B, S).clone()
-    mask = torch.arange(S)[None] < torch.tensor(LENGTHS)[:, None]
+    mask = response_mask(LENGTHS, S)
     mask[0, 3] = mask[6, ::4] = False  # holes inside sequences
     lp = torch.where(mask, lp, torch.full_like(lp, float("nan")))
     return lp, old, ro, adv, mask
@@ -268,8 +263,7 @@ def test_packed_rows_equal_padded(loss_type, agg):
 # ------------------------------------------------------------------------------------------------ the masks
 @pytest.fixture(scope="module")
 def areal_m2po():
-    from vs_areal import areal_functions  # bench/vs_areal.py: AReaL's wheel, downloaded once
-
+    areal_functions = bench_module("vs_areal").areal_functions  # AReaL's wheel, downloaded once
     return areal_functions("areal/trainer/ppo/actor.py", ("_apply_m2po_masking", "_get_m2po_loss_mask"))
 
 

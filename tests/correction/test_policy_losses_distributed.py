@@ -5,17 +5,15 @@ only); Clip-Cov and KL-Cov, per rank by design, refuse CP (tests/correction/test
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
-from test_distributed import zigzag_index
 
 from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.losses import M2PO_COUNT, SEQ_ERROR_COUNT, compute_policy_loss
-from tests.job_runner import spawn_processes
+from tests.correction.test_distributed import zigzag_index
+from tests.mcore.mcore_helpers import checking, spawn_group
+from tests.synthetic import UNEVEN_LENGTHS, policy_batch
 
 WORLD = 4
 B, S = 8, 16
@@ -35,21 +33,14 @@ CASES = (
 
 
 def _data():
-    g = torch.Generator().manual_seed(0)
-    old = -torch.rand(B, S, generator=g, dtype=torch.float64) * 2
-    ro = old + 0.15 * torch.randn(B, S, generator=g, dtype=torch.float64)
+    lp, old, ro, adv, mask = policy_batch(0, B, S, rollout_noise=0.15, policy_noise=0.2, sequence_advantages=True,
+                                          lengths=UNEVEN_LENGTHS)
     ro[3, 1] += 2.0  # one token far off
-    lp = old + 0.2 * torch.randn(B, S, generator=g, dtype=torch.float64)
-    adv = torch.randn(B, 1, generator=g, dtype=torch.float64).expand(B, S).contiguous()
-    lengths = torch.tensor([16, 3, 0, 9, 1, 12, 16, 5])
-    mask = torch.arange(S)[None, :] < lengths[:, None]
     mask[6, ::3] = False
-    return lp, old, ro, adv, mask
+    return lp, old, ro, adv[:, None].expand(B, S).contiguous(), mask
 
 
-def _worker(rank: int, store_path: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
+def _worker(rank: int) -> None:
     lp, old, ro, adv, mask = _data()
     for dp, cp in LAYOUTS:
         n = dp * cp
@@ -66,6 +57,7 @@ def _worker(rank: int, store_path: str) -> None:
                 continue
             cfg = cfg.replace(loss_agg_mode=agg)
             tag = f"dp={dp} cp={cp} {cfg.loss_type} {agg}"
+            checking(tag)
             x = lp.clone().requires_grad_()
             ref = compute_policy_loss(x, old, ro, adv, mask, cfg)
             ref.loss.backward()
@@ -87,11 +79,9 @@ def _worker(rank: int, store_path: str) -> None:
                     removed = out.metrics[key].clone()
                     dist.all_reduce(removed, group=members)
                     assert removed.item() == ref.metrics[key].item() > 0, (tag, key)
-    dist.destroy_process_group()
 
 
 def test_dp_cp_sharding_matches_single_rank():
     if not dist.is_available():
         pytest.skip("torch.distributed unavailable")
-    with tempfile.TemporaryDirectory() as tmp:
-        spawn_processes(_worker, WORLD, (os.path.join(tmp, "store"),))
+    spawn_group(_worker, WORLD)

@@ -8,8 +8,6 @@ inputs, merged over a real 2-process gloo group; both give the same statistics; 
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 
 import pytest
 import torch
@@ -20,7 +18,7 @@ from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.correction import compute_rollout_correction, metrics_to_host
 from slime_corr.correction import quantiles as Q
 from slime_corr.correction.budget import bin_sums
-from tests.job_runner import spawn_processes
+from tests.mcore.mcore_helpers import checking, spawn_group
 
 BACKENDS = ("counting", "sorting", "sorting in pieces")  # pieces: the sort split every 997 weights (`SORT_CHUNK`)
 
@@ -200,9 +198,7 @@ def test_padded_core_on_a_device_scatters_nothing(cfg: C) -> None:
     assert not CONTENDED & set(ops.names), sorted(CONTENDED & set(ops.names))
 
 
-def _worker(rank: int, store: str, backend: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+def _worker(rank: int, backend: str) -> None:
     use_backend(backend)
     group = dist.group.WORLD
     for name, (w, unit) in cases().items():
@@ -210,6 +206,7 @@ def _worker(rank: int, store: str, backend: str) -> None:
         cut = (flat_w.numel() * 2) // 5  # uneven halves
         part = slice(0, cut) if rank == 0 else slice(cut, None)
         for binary, units in ((True, flat_u), (False, flat_u * (1 + torch.arange(flat_u.numel()) % 3).float())):
+            checking(f"{backend} {name} binary={binary}")
             got = sketch(flat_w[part], units[part], binary, [group])
             want = reference(flat_w, units)
             assert got[Q.CALL_KEY].tolist() == want, (backend, name, binary, got[Q.CALL_KEY].tolist(), want)
@@ -227,7 +224,6 @@ def _worker(rank: int, store: str, backend: str) -> None:
     local = metrics_to_host(compute_rollout_correction(lp_t[rows], lp_r[rows], mask[rows], cfg, dp_group=group).metrics)
     for name in Q.QUANTILES:
         assert local[f"mis_weight_{name}"] == full[f"mis_weight_{name}"], (backend, name)
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
@@ -236,5 +232,4 @@ def test_merged_over_a_two_process_gloo_group(backend_name: str) -> None:
     the exact quantiles of all the weights."""
     if not dist.is_available():
         pytest.skip("torch.distributed unavailable")
-    with tempfile.TemporaryDirectory() as tmp:
-        spawn_processes(_worker, 2, (os.path.join(tmp, "store"), backend_name))
+    spawn_group(_worker, 2, backend_name)

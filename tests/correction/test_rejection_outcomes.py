@@ -4,20 +4,18 @@ over DP×CP (gloo, one spawn) the pairs summed over the ranks equal the single-r
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_distributed import zigzag_index
-from test_divergence_distributed import LENGTHS, packed_slicer
 
 from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.correction import compute_rollout_correction
 from slime_corr.correction.rejection_outcomes import REJECTION_OUTCOME_METRICS, rejection_outcome_pairs
-from tests.job_runner import spawn_processes
+from tests.correction.test_distributed import zigzag_index
+from tests.correction.test_divergence_distributed import LENGTHS, packed_slicer
+from tests.mcore.mcore_helpers import spawn_group
+from tests.synthetic import response_mask
 
 B, S = 8, 16
 CONFIG = C(use_tis=True, use_rs=True, rs_level="sequence", rs_upper_bound=1.3, rs_veto_threshold=0.05)
@@ -27,7 +25,7 @@ def _data():
     g = torch.Generator().manual_seed(11)
     old = -torch.rand(B, S, generator=g, dtype=torch.float64) * 2
     ro = old + 0.3 * torch.randn(B, S, generator=g, dtype=torch.float64) * torch.linspace(0.05, 1.0, B)[:, None]
-    mask = torch.arange(S)[None, :] < torch.tensor(LENGTHS)[:, None]
+    mask = response_mask(LENGTHS, S)
     adv = torch.randn(B, 1, generator=g, dtype=torch.float64).expand(B, S).clone()
     adv[4] = 0.0  # a GRPO group whose rewards were all equal
     adv[5, ::2] = -adv[5, ::2].abs() - 1  # per-token advantages: the sequence's sign is that of their sum
@@ -93,9 +91,7 @@ def test_all_rejected_and_nothing_valid() -> None:
     assert all(v == 0.0 for v in empty.values())  # 0 / (clamped) 0: no NaN
 
 
-def _worker(rank: int, store_path: str, out: dict) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+def _worker(rank: int, out: dict) -> None:
     old, ro, mask, adv, rewards = _data()
     kept = compute_rollout_correction(old, ro, mask, CONFIG).loss_mask
     for dp, cp in ((1, 2), (2, 1)):
@@ -113,11 +109,9 @@ def _worker(rank: int, store_path: str, out: dict) -> None:
             want = reference(mask, kept, adv, rewards)
             assert got == pytest.approx(want, abs=1e-12), (dp, cp, name, got, want)
     out[rank] = True
-    dist.destroy_process_group()
 
 
 def test_pairs_summed_over_dp_and_cp_equal_one_rank() -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = mp.Manager().dict()
-        spawn_processes(_worker, 2, (os.path.join(tmp, "store"), out))
-        assert dict(out) == {0: True, 1: True}
+    out = mp.Manager().dict()
+    spawn_group(_worker, 2, out)
+    assert dict(out) == {0: True, 1: True}

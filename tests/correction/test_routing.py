@@ -3,15 +3,12 @@ all-masked batches, NaN log-probs at masked positions, and the same numbers over
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from slime_corr.correction.routing import routes_differ, routing_mismatch_metrics, topk_routes
-from tests.job_runner import spawn_processes
+from tests.mcore.mcore_helpers import spawn_group
 
 
 def _host(m: dict) -> dict[str, float]:
@@ -101,9 +98,7 @@ def _data():
     return a, b, mask, torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
 
 
-def _worker(rank: int, store: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+def _worker(rank: int) -> None:
     cp_groups = [dist.new_group([2 * d, 2 * d + 1]) for d in range(2)]
     dp_groups = [dist.new_group([c, 2 + c]) for c in range(2)]
     d, c = divmod(rank, 2)
@@ -113,9 +108,7 @@ def _worker(rank: int, store: str) -> None:
     got = _host(routing_mismatch_metrics(a[rows, cols], b[rows, cols], mask[rows, cols], lp_a[rows, cols],
                                          lp_b[rows, cols], cp_group=cp_groups[d], dp_group=dp_groups[c]))
     assert got == pytest.approx(ref, rel=1e-12), (rank, got, ref)
-    dist.destroy_process_group()
 
 
 def test_dp_cp_sharding_matches_single_rank():
-    with tempfile.TemporaryDirectory() as tmp:
-        spawn_processes(_worker, WORLD, (os.path.join(tmp, "store"),))
+    spawn_group(_worker, WORLD)

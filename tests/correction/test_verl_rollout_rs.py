@@ -6,8 +6,6 @@ expressed or parsed is refused naming the flag."""
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +15,8 @@ from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.correction import compute_rollout_correction
 from slime_corr.errors import ConfigError
 from slime_corr.verl_rollout_rs import rollout_rs_settings
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from tests.bench_modules import bench_module
+from tests.synthetic import response_mask
 
 B, S = 16, 24
 CHAINS = [
@@ -32,9 +30,7 @@ CHAINS = [
 
 @pytest.fixture(scope="module")
 def verl_rc():
-    from vs_verl import load_verl  # bench/vs_verl.py: verl's wheel, downloaded once into bench/.cache/verl
-
-    return load_verl().rc
+    return bench_module("vs_verl").load_verl().rc  # verl's wheel, downloaded once into bench/.cache/verl
 
 
 def _data():
@@ -43,7 +39,7 @@ def _data():
     ro = old + 0.15 * torch.randn(B, S, generator=g, dtype=torch.float64)
     lengths = torch.randint(1, S + 1, (B,), generator=g)
     lengths[4] = 0  # an empty sequence
-    mask = (torch.arange(S)[None, :] < lengths[:, None]).to(torch.float64)
+    mask = response_mask(lengths, S).to(torch.float64)
     return old, ro, mask
 
 

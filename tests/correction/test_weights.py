@@ -7,10 +7,11 @@ import math
 
 import pytest
 import torch
-from corr_reference import ref_correction
 
 from slime_corr.config import RolloutCorrectionConfig as C
 from slime_corr.correction import compute_rollout_correction, metrics_to_host
+from tests.correction.corr_reference import ref_correction
+from tests.synthetic import correction_batch
 
 # One sequence with token ratios [3, 0.25, 1] plus one padding token; a second sequence with ratios [1.5, 1].
 LR = torch.tensor([[math.log(3.0), math.log(0.25), 0.0, 7.0], [math.log(1.5), 0.0, 0.0, 0.0]], dtype=torch.float64)
@@ -101,11 +102,8 @@ def _configs():
 
 
 def _batch(seed, B=6, S=12):
-    g = torch.Generator().manual_seed(seed)
-    lp_r = -torch.rand(B, S, generator=g, dtype=torch.float64) * 3
-    lp_t = lp_r + 0.3 * torch.randn(B, S, generator=g, dtype=torch.float64)
+    lp_t, lp_r, mask = correction_batch(seed, B, S, spread=3.0, noise=0.3, dropped=0.25)
     lp_t[0, 3] = lp_r[0, 3] - 4.0  # catastrophic token (ratio 0.018 < 0.05)
-    mask = torch.rand(B, S, generator=g) > 0.25
     mask[5] = False  # empty sequence
     return lp_t, lp_r, mask
 

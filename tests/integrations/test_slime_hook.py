@@ -12,7 +12,10 @@ import os
 
 import pytest
 import torch
-from slime_reference import (
+
+from slime_corr.config import ConfigError
+from slime_corr.integrations.slime import config_from_slime_args
+from tests.integrations.slime_reference import (
     apply_yaml,
     icepop_reference,
     make_batch,
@@ -21,9 +24,6 @@ from slime_reference import (
     sum_of_sample_mean,
     vanilla_reference,
 )
-
-from slime_corr.config import ConfigError
-from slime_corr.integrations.slime import config_from_slime_args
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "mis.yaml")
 BOUNDS = {"token": (0.5, 2.0), "sequence": (0.3, 3.0), "geometric": (0.95, 1.05)}

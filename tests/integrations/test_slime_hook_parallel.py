@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from mcore_helpers import init_layout, spawn
-from slime_reference import (
+
+from tests.integrations.slime_reference import (
     cp_slice,
     icepop_reference,
     make_batch,
@@ -22,6 +22,7 @@ from slime_reference import (
     slime_args,
     sum_of_sample_mean,
 )
+from tests.mcore.mcore_helpers import checking, init_layout, spawn
 
 N = 8
 LAYOUTS = ((2, 2), (4, 1))
@@ -61,6 +62,7 @@ def _worker(rank: int, world: int) -> None:
 
         for name, kw in _cases().items():
             args = slime_args(**kw)
+            checking(f"cp={cp} dp={dp} {name}")
             kwargs = dict(args=args, pg_loss=torch.cat(local(pg)), train_log_probs=local(train),
                           rollout_log_probs=local(rollout), loss_masks=[masks[i] for i in mine],
                           total_lengths=[totals[i] for i in mine], response_lengths=[resp[i] for i in mine])

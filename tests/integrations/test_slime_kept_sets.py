@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from slime_reference import make_batch, slime_args
 
 from slime_corr.integrations.slime import compute_mis_weights_with_cp
+from tests.integrations.slime_reference import make_batch, slime_args
 
 
 def _call(batch, **extra):

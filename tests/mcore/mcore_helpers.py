@@ -1,4 +1,6 @@
-"""Shared pieces of the Megatron-glue tests: gloo process spawning, the test batch, layouts, references.
+"""Shared pieces of the multi-process tests: gloo process spawning (`spawn` with Megatron's parallel state,
+`spawn_group` a bare process group), the case a worker checks named in its failure (`checking`), and for the
+Megatron-glue tests the test batch, layouts and references.
 
 Multi-process tests spawn ONE set of processes and loop over (TP, CP, DP) layouts inside it (`init_layout`, which
 destroys the previous layout's groups: slime_corr/mcore/parallel_groups.py). The processes are forked from a server
@@ -11,7 +13,8 @@ import os
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +43,12 @@ def _entry(rank: int, store_env: dict[str, str] | None, world: int, fn: Callable
     else:
         os.environ.update(store_env)
         dist.init_process_group("gloo", rank=rank, world_size=world)
+    checking("")
     try:
         apply_cpu_compat()
         fn(rank, world, *args)
-    except BaseException:
+    except BaseException as error:
+        _name_the_case(error)
         traceback.print_exc()
         raise
     finally:
@@ -79,6 +84,52 @@ def run_in_process(fn: Callable[..., Any], *args: Any) -> None:
         _entry(0, None, 1, fn, args)
     finally:
         torch.set_num_threads(threads)
+
+
+@contextmanager
+def joined_group(rank: int, world: int, store_env: dict[str, str], backend: str = "gloo") -> Iterator[None]:
+    """This process as `rank` of a `world`-process group (`backend`) over the store that `store_env` names
+    (`spawn_on_hosted_store`), destroyed when the block ends."""
+    os.environ.update(store_env)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _group_entry(rank: int, store_env: dict[str, str], world: int, fn: Callable[..., Any], args: tuple) -> None:
+    torch.set_num_threads(1)
+    checking("")
+    with joined_group(rank, world, store_env):
+        try:
+            fn(rank, *args)
+        except BaseException as error:
+            _name_the_case(error)
+            raise
+
+
+def spawn_group(fn: Callable[..., Any], world: int, *args: Any) -> None:
+    """Run `fn(rank, *args)` in `world` processes (forked from tests/job_runner.py's server) joined in one gloo
+    process group over a store this process hosts, one thread each, the group destroyed after `fn`; raise the first
+    failure. No Megatron state: for the collectives of the correction itself (`spawn` sets Megatron's up)."""
+    spawn_on_hosted_store(_group_entry, world, world, fn, args)
+
+
+_case = ""  # the case this process checks now (`checking`)
+
+
+def checking(case: str) -> None:
+    """Say which case this worker checks now: a failure of the worker (run by `spawn`, `spawn_group` or
+    `run_in_process`) then names it, as a note at the end of the traceback the test's failure shows. For workers
+    that loop over several cases (layouts, presets, modes) inside one spawned group."""
+    global _case
+    _case = case
+
+
+def _name_the_case(error: BaseException) -> None:
+    if _case:
+        error.add_note(f"while checking: {_case}")
 
 
 _NEVER_NAMED: set[int] = set()  # threads that kept their creator's name past a wait (OpenMP's, torch's inter-op)

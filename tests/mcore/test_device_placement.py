@@ -11,7 +11,6 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from mcore_helpers import init_layout, run_in_process
 
 from slime_corr import device
 from slime_corr.config import RolloutCorrectionConfig as C
@@ -26,6 +25,7 @@ from slime_corr.samples import Sample, SampleStatus
 from slime_corr.trainer import update
 from slime_corr.trainer.data import build_micro_batches, rollout_shards
 from slime_corr.trainer.policy import WEIGHTS_FILE, EngineGPT
+from tests.mcore.mcore_helpers import init_layout, run_in_process
 
 META = torch.device("meta")
 ARGS = TinyGPTArgs(vocab_size=256)

@@ -9,9 +9,6 @@ included, chunked and under TP=2."""
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,7 +19,7 @@ from slime_corr.mcore.kept_set import kept_token_log_softmax
 from slime_corr.mcore.nucleus import replayed_log_probs
 from slime_corr.mcore.truncated_logprobs import label_in_nucleus, truncated_token_log_softmax
 from slime_corr.samples import Sample
-from tests.job_runner import spawn_processes
+from tests.mcore.mcore_helpers import checking, spawn_group
 
 pytestmark = pytest.mark.cost(15)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 V = 40
@@ -155,10 +152,9 @@ def test_label_in_nucleus_is_the_floor_based_membership(top_k, top_p, t):
         assert not got.all() and got.any()
 
 
-def _tp_worker(rank: int, store: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+def _tp_worker(rank: int) -> None:
     for dtype in (torch.float64, torch.float32):
+        checking(f"kept sets, {dtype}")
         logits, labels, counts, ids = _data(tokens=30, seed=2, dtype=dtype)
         shard = logits[:, rank * V // 2:(rank + 1) * V // 2].clone().requires_grad_()
         out = kept_token_log_softmax(shard, labels, counts, ids, tp_group=dist.group.WORLD, temperature=0.9)
@@ -179,16 +175,15 @@ def _tp_worker(rank: int, store: str) -> None:
         assert torch.equal(both[0], both[1]), "log-probs differ across TP ranks"
     logits, labels = _nucleus_data(seed=4)
     for top_k, top_p, t in NUCLEUS_SETTINGS:
+        checking(f"label_in_nucleus top_k={top_k} top_p={top_p} t={t}")
         shard = logits[..., rank * V // 2:(rank + 1) * V // 2]
         got = label_in_nucleus(shard, labels, top_k=top_k, top_p=top_p, temperature=t, chunk_size=7,
                                tp_group=dist.group.WORLD)
         assert torch.equal(got, label_in_nucleus(logits, labels, top_k=top_k, top_p=top_p, temperature=t))
-    dist.destroy_process_group()
 
 
 def test_tp2_is_the_same_on_both_ranks_and_equals_one_process():
-    with tempfile.TemporaryDirectory() as tmp:
-        spawn_processes(_tp_worker, 2, (os.path.join(tmp, "store"),))
+    spawn_group(_tp_worker, 2)
 
 
 def _samples() -> list[Sample]:

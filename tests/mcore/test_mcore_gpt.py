@@ -21,13 +21,13 @@ from functools import partial
 import pytest
 import torch
 import torch.distributed as dist
-from mcore_helpers import TEMPERATURE, S, V, init_layout, local_rows, spawn, step_data
 
 from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.loss_terms import LossTermsConfig
 from slime_corr.mcore.context_parallel import ParallelGroups, slice_batch_for_cp
 from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
 from slime_corr.mcore.model import TinyGPTArgs, build_tiny_gpt, emulated_cp_forward
+from tests.mcore.mcore_helpers import TEMPERATURE, S, V, checking, init_layout, local_rows, spawn, step_data
 
 pytestmark = pytest.mark.cost(70)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 
@@ -149,6 +149,7 @@ def _worker(rank: int, world: int) -> None:
         dp_rank, pp_rank = ps.get_data_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         for cfg in CASES:
             tag = f"TP={tp} CP={cp} DP={dp} PP={pp} {_case_name(cfg)}"
+            checking(tag)
             model = build_tiny_gpt(ARGS)
             if pp > 1:
                 _check_stage_weights(model.module, weights, pp_rank, ps.get_tensor_model_parallel_rank(), tp)

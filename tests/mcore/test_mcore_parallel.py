@@ -24,20 +24,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from mcore_helpers import (
-    B_GLOBAL,
-    N_MB,
-    TEMPERATURE,
-    S,
-    V,
-    assert_metrics_close,
-    full_logits,
-    init_layout,
-    local_rows,
-    run_in_process,
-    spawn,
-    step_data,
-)
 
 from slime_corr.config import PRESETS, RolloutCorrectionConfig
 from slime_corr.correction import compute_rollout_correction
@@ -49,6 +35,21 @@ from slime_corr.mcore.compat import get_batch_on_this_cp_rank
 from slime_corr.mcore.context_parallel import ParallelGroups, slice_batch_for_cp
 from slime_corr.mcore.logprobs import vocab_parallel_log_probs
 from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
+from tests.mcore.mcore_helpers import (
+    B_GLOBAL,
+    N_MB,
+    TEMPERATURE,
+    S,
+    V,
+    assert_metrics_close,
+    checking,
+    full_logits,
+    init_layout,
+    local_rows,
+    run_in_process,
+    spawn,
+    step_data,
+)
 
 pytestmark = pytest.mark.cost(50)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 
@@ -394,6 +395,7 @@ def _worker(rank: int, world: int) -> None:
     refs = {}
     counted = communication_checked(world)
     for name, cfg, opts in cases():
+        checking(f"the one-rank reference of {name}")
         refs[name] = reference(cfg, opts, data, logits)
         check_reference_is_not_trivial(name, cfg, refs[name])
     for tp, cp, dp, pp in LAYOUTS[world]:
@@ -402,6 +404,7 @@ def _worker(rank: int, world: int) -> None:
         tp_rank, cp_rank = ps.get_tensor_model_parallel_rank(), ps.get_context_parallel_rank()
         dp_rank = ps.get_data_parallel_rank()
         layout = f"TP={tp} CP={cp} DP={dp} PP={pp}"
+        checking(layout)
         assert (ps.get_tensor_model_parallel_world_size(), groups.cp_size, ps.get_data_parallel_world_size(),
                 groups.pp_size) == (tp, cp, dp, pp), layout
         last = groups.pp_last
@@ -413,6 +416,7 @@ def _worker(rank: int, world: int) -> None:
             batches = _local_batches(data, dp_rank, dp, groups, packed)
             for name, cfg, opts in cases():
                 tag = f"{layout} {'packed' if packed else 'padded'} {name} {opts}"
+                checking(tag)
                 ref_loss, ref_grad, ref_corr, ref_metrics = refs[name]
                 if not packed and name in counted:
                     check_sequence_reduction(tag, cfg, opts, groups, tp, batches[0]["labels"].shape[0])

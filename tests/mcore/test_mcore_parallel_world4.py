@@ -6,8 +6,9 @@ two-process layouts instead of after them."""
 from __future__ import annotations
 
 import pytest
-from mcore_helpers import spawn
-from test_mcore_parallel import _worker
+
+from tests.mcore.mcore_helpers import spawn
+from tests.mcore.test_mcore_parallel import _worker
 
 pytestmark = pytest.mark.cost(160)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 

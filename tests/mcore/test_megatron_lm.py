@@ -42,10 +42,10 @@ from functools import partial
 
 import pytest
 import torch
-from mcore_helpers import B_GLOBAL, TEMPERATURE, S, V, local_rows, spawn, step_data
 
 from slime_corr.mcore.compat import has_megatron_training
 from slime_corr.mcore.parallel_groups import destroy_model_parallel_groups
+from tests.mcore.mcore_helpers import B_GLOBAL, TEMPERATURE, S, V, checking, local_rows, spawn, step_data
 
 pytestmark = [
     pytest.mark.skipif(not has_megatron_training(),
@@ -477,9 +477,11 @@ def _worker(rank: int, world: int) -> None:
                "CP=2": ["--micro-batch-size", str(B_GLOBAL), "--context-parallel-size", "2"]}
     for layout, flags in layouts.items():
         for name, case_flags in CASES.items():
+            checking(f"{layout} {name}")
             _check_case(name, flags + case_flags, layout)
         _check_per_token_loss_required(flags)
     for name, case_flags in PP_CASES.items():
+        checking(f"PP=2 {name}")
         _check_case(name, ["--micro-batch-size", str(B_GLOBAL), "--pipeline-model-parallel-size", "2"] + case_flags,
                     "PP=2")
     with tempfile.TemporaryDirectory() as tmp:

@@ -31,11 +31,19 @@ from functools import partial
 
 import pytest
 import torch
-from mcore_helpers import B_GLOBAL, TEMPERATURE, S, local_rows, spawn
-from test_megatron_lm import BASE_ARGV, LR, ROLLOUTS, _init_parallel, _parse, rollout_data, train_iterations
 
 from slime_corr.layout.micro_batch import ROUTE_KEY
 from slime_corr.mcore.compat import has_megatron_training
+from tests.mcore.mcore_helpers import B_GLOBAL, TEMPERATURE, S, local_rows, spawn
+from tests.mcore.test_megatron_lm import (
+    BASE_ARGV,
+    LR,
+    ROLLOUTS,
+    _init_parallel,
+    _parse,
+    rollout_data,
+    train_iterations,
+)
 
 pytestmark = [
     pytest.mark.skipif(not has_megatron_training(),

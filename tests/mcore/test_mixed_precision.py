@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from mcore_helpers import init_layout, run_in_process, spawn
 
 from slime_corr.errors import ConfigError
 from slime_corr.mcore.compat import get_forward_backward_func
@@ -33,6 +32,7 @@ from slime_corr.mcore.precision import (
     step_optimizer,
     unwrap_model,
 )
+from tests.mcore.mcore_helpers import checking, init_layout, run_in_process, spawn
 
 pytestmark = pytest.mark.cost(40)  # CI seconds, roughly (tests/conftest.py runs the costliest modules first)
 
@@ -415,6 +415,7 @@ def _dp2_worker(rank: int, world: int, reference_file: str) -> None:
     init_layout(1, 1)  # DP = 2
     reference = torch.load(reference_file, weights_only=False)
     for name, precision in (("bf16", BF16), ("fp16", FP16)):
+        checking(f"DP=2 {name}")
         run = run_steps(precision, rank, world)
         want = reference[name]
         if precision.fp16:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_nucleus import ref_keep  # SGLang's kept set, from the full softmax
 
 from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.engines.embedded.sampling import sample_next_token
@@ -17,6 +16,7 @@ from slime_corr.mcore.context_parallel import ParallelGroups
 from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
 from slime_corr.mcore.nucleus import TRAINER_LOG_MASS, UNTRUNCATED_MASK, Truncation, nucleus_report
 from slime_corr.rollout.nucleus import engine_nucleus
+from tests.mcore.test_nucleus import ref_keep  # SGLang's kept set, from the full softmax
 
 B, S, V = 4, 12, 32
 

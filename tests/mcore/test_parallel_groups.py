@@ -8,10 +8,10 @@ import sys
 
 import pytest
 import torch
-from mcore_helpers import gloo_threads, init_layout, run_in_process
 
 from slime_corr.mcore.model import TinyGPTArgs, build_tiny_gpt
 from slime_corr.mcore.parallel_groups import destroy_model_parallel_groups
+from tests.mcore.mcore_helpers import gloo_threads, init_layout, run_in_process
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc/self/task")
 

@@ -14,12 +14,12 @@ import asyncio
 
 import pytest
 import torch
-from mcore_helpers import init_layout, run_in_process
 
 from slime_corr.config import RolloutCorrectionConfig
 from slime_corr.rollout.buffer import SampleBuffer
 from slime_corr.rollout.data_iterator import BufferMicroBatchIterator, background_event_loop
 from slime_corr.samples import Sample, SampleStatus
+from tests.mcore.mcore_helpers import checking, init_layout, run_in_process
 
 V = 16
 RESPONSES = [[5, 1], [2, 9], [14, 13], [1, 3], [4, 4], [7, 0]]  # per group of 2: an empty and a 1-token response
@@ -103,6 +103,7 @@ def _step(cfg: RolloutCorrectionConfig, **iterator_options) -> tuple[dict[str, f
 def _worker(rank: int, world: int) -> None:
     init_layout(1, 1)
     for name, cfg in CASES.items():
+        checking(name)
         padded, grad_padded, fixed = _step(cfg)
         packed, grad_packed, budget = _step(cfg, max_tokens_per_micro_batch=24)
         # the budget makes uneven micro-batches: two groups, one over-long group alone, ... then empty ones

@@ -4,16 +4,13 @@ distribution): values, the in-nucleus flag and gradients; chunked; TP=2 over glo
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from slime_corr.mcore.logprobs import vocab_parallel_log_probs
 from slime_corr.mcore.truncated_logprobs import float_keys, nucleus_disagreement, truncated_log_probs
-from tests.job_runner import spawn_processes
+from tests.mcore.mcore_helpers import checking, spawn_group
 
 V = 48
 SETTINGS = [(0, 1.0, 1.0), (5, 1.0, 1.0), (0, 0.9, 1.0), (0, 0.5, 0.7), (8, 0.8, 1.3), (1, 0.3, 1.0), (0, 0.05, 1.0)]
@@ -49,6 +46,7 @@ def _data(seed=0):
 
 def _check(lp, inside, grad, logits, labels, setting, sl=slice(None)):
     top_k, top_p, t = setting
+    checking(f"top_k={top_k} top_p={top_p} t={t}")
     x = logits.clone().requires_grad_()
     want, want_in = ref_truncated(x, labels, top_k, top_p, t)
     assert torch.equal(inside, want_in), setting
@@ -93,9 +91,7 @@ def test_bad_arguments():
         truncated_log_probs(logits, labels, temperature=0.0)
 
 
-def _worker(rank: int, store: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+def _worker(rank: int) -> None:
     logits, labels = _data(seed=1)
     shard = slice(rank * V // 2, (rank + 1) * V // 2)
     for setting in SETTINGS:
@@ -106,9 +102,7 @@ def _worker(rank: int, store: str) -> None:
         coef = torch.linspace(-1, 1, labels.numel(), dtype=torch.float64).reshape(labels.shape)
         torch.where(inside, lp * coef, 0.0).sum().backward()
         _check(lp, inside, x.grad, logits, labels, setting, shard)
-    dist.destroy_process_group()
 
 
 def test_tp2_equals_the_full_vocabulary():
-    with tempfile.TemporaryDirectory() as tmp:
-        spawn_processes(_worker, 2, (os.path.join(tmp, "store"),))
+    spawn_group(_worker, 2)

@@ -3,15 +3,12 @@ one-process gloo group for in-process Megatron checks. Multi-process tests reuse
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mcore"))  # mcore_helpers (spawn)
-
-from models_helpers import CASES, make_tiny_checkpoint  # noqa: E402
+from tests.models.models_helpers import CASES, make_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,6 @@ import pytest
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.utils import GlobalMemoryBuffer
-from models_helpers import CASES, V
 from safetensors.torch import load_file
 
 from slime_corr import device
@@ -19,6 +18,7 @@ from slime_corr.device_check import DeviceCheck
 from slime_corr.engines.embedded.model import TorchEngineModel
 from slime_corr.models import MegatronHFBridge, build_gpt_from_hf, load_engine_module, load_hf_causal_lm
 from slime_corr.models.check import max_logit_diff, megatron_logits, round_trip_mismatches, sample_and_rescore
+from tests.models.models_helpers import CASES, V
 
 pytestmark = pytest.mark.cost(70)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 

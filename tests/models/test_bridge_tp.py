@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mcore_helpers import spawn
-from models_helpers import CASES, V, make_tiny_checkpoint
 
 from slime_corr.mcore.parallel_groups import destroy_model_parallel_groups
 from slime_corr.models.tiny_moe import TinyMoEArgs, make_tiny_moe_checkpoint
+from tests.mcore.mcore_helpers import checking, spawn
+from tests.models.models_helpers import CASES, V, make_tiny_checkpoint
 
 pytestmark = pytest.mark.cost(30)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 IDS = torch.randint(0, V, (2, 20), generator=torch.Generator().manual_seed(3))
@@ -35,6 +35,7 @@ def _tp2_worker(rank: int, world: int, root: str) -> None:
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     for case in CASES:
+        checking(f"TP=2 {case}")
         d = Path(root) / case
         model, bridge = build_gpt_from_hf(d, ddp=True)
         hf = load_hf_causal_lm(d)
@@ -80,6 +81,7 @@ def _pp2(rank: int, cases: list[str], root: str) -> None:
                       loss_mask=[1] * (len(r) - 4)) for r in rows]
     batches = [build_micro_batch(samples), build_micro_batch(samples, packed=True, pad_to_multiple=4)]
     for case in cases:
+        checking(f"PP=2 {case}")
         d = Path(root) / case
         model, bridge = build_gpt_from_hf(d, ddp=True)
         assert round_trip_mismatches(bridge, model) == [], (case, rank)  # every weight, from both stages

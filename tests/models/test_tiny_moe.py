@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mcore_helpers import spawn
 
 from slime_corr import device
 from slime_corr.engines.embedded.model import TorchEngineModel
@@ -15,6 +14,7 @@ from slime_corr.models import build_gpt_from_hf, load_engine_module, load_hf_cau
 from slime_corr.models.check import max_logit_diff, megatron_logits, round_trip_mismatches
 from slime_corr.models.hf_checkpoint import CheckpointError, read_hf_checkpoint, spec_from_config
 from slime_corr.models.tiny_moe import TinyMoEArgs, hf_router_logits, make_tiny_moe_checkpoint, topk_routes
+from tests.mcore.mcore_helpers import checking, spawn
 
 ARGS = TinyMoEArgs()
 IDS = torch.randint(0, ARGS.vocab_size, (3, 24), generator=torch.Generator().manual_seed(0))
@@ -108,6 +108,7 @@ def _tp2_worker(rank: int, world: int, d: str) -> None:
     assert bridge.transformer_config.sequence_parallel  # Megatron's requirement for MoE with TP > 1
     hf = load_hf_causal_lm(d)
     for train in (False, True):  # forward-only (lp_old / reference) and training mode
+        checking(f"train={train}")
         model.train(train)
         diff = max_logit_diff(model, hf, IDS)
         assert diff <= 1e-5, (rank, train, diff)

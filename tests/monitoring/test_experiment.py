@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from experiment_helpers import experiment_script
 
 from slime_corr.monitoring.plots import seed_band
 from slime_corr.monitoring.report import load_run
+from tests.monitoring.experiment_helpers import experiment_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "experiments" / "mismatch_vs_correction.py"

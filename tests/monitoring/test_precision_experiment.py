@@ -9,7 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
-from experiment_helpers import experiment_script
+
+from tests.monitoring.experiment_helpers import experiment_script
 
 
 @pytest.fixture(scope="module")

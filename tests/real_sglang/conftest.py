@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from sglang_helpers import ServerSpec, restore, server_group
 
 from slime_corr.engines.group import _enter_all
 from slime_corr.engines.launch import engine_device
@@ -32,8 +30,8 @@ from slime_corr.engines.sglang_server import (
     sglang_python,
     stop_process_group,
 )
+from tests.real_sglang.sglang_helpers import ServerSpec, restore, server_group
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mcore"))  # mcore_helpers (run_in_process)
 SEEDS = {"v0": 1234, "v1": 4321}
 
 
@@ -60,11 +58,10 @@ def sglang_py() -> str:
 
 
 def _export_tiny(rank: int, world: int, out: Path) -> None:
-    from mcore_helpers import init_layout
-
     from slime_corr.mcore.model import TinyGPTArgs, build_tiny_gpt
     from slime_corr.mcore.params import full_named_tensors
     from slime_corr.models.tiny_opt import opt_weights, write_opt_checkpoint
+    from tests.mcore.mcore_helpers import init_layout
 
     init_layout(1, 1)
     for version, seed in SEEDS.items():
@@ -77,7 +74,7 @@ def _export_tiny(rank: int, world: int, out: Path) -> None:
 @pytest.fixture(scope="session")
 def tiny_opt(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """{version: OPT checkpoint dir} of the tiny model at two seeds (v0, v1), with the Megatron weights beside."""
-    from mcore_helpers import run_in_process
+    from tests.mcore.mcore_helpers import run_in_process
 
     out = tmp_path_factory.mktemp("tiny_opt")
     run_in_process(_export_tiny, out)

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import json
 import os
-import sys
 import time
 import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
@@ -19,22 +18,19 @@ import torch
 
 from slime_corr.rollout import protocol
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mcore"))  # mcore_helpers (run_in_process)
-
 
 def teacher_forced(version_dir: str, sequences: list[tuple[list[int], list[int]]],
                    per_sequence: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> list[torch.Tensor]:
     """`per_sequence(logits, response)` for each (prompt, response), `logits` [len(response), V] the trainer's
     (Megatron GPTModel, fp32, teacher-forced) at the response's positions, in a one-rank gloo group in this
     process."""
-    from mcore_helpers import run_in_process
+    from tests.mcore.mcore_helpers import run_in_process
 
     result: list[torch.Tensor] = []
 
     def fn(rank: int, world: int) -> None:
-        from mcore_helpers import init_layout
-
         from slime_corr.mcore.model import TinyGPTArgs, build_tiny_gpt
+        from tests.mcore.mcore_helpers import init_layout
 
         init_layout(1, 1)
         model = build_tiny_gpt(TinyGPTArgs(vocab_size=256), ddp=False).eval()

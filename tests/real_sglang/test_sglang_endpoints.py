@@ -18,14 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from sglang_helpers import (
-    ServerSpec,
-    group_cpu_seconds,
-    group_processes,
-    megatron_logprobs,
-    slowed_down,
-    tokens_streamed,
-)
 
 from slime_corr.engines import sglang_server
 from slime_corr.ports import free_port
@@ -33,6 +25,14 @@ from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.rollout import generate_sample
 from slime_corr.rollout.weight_sync import DistributedWeightSync
 from slime_corr.samples import Sample, SampleStatus
+from tests.real_sglang.sglang_helpers import (
+    ServerSpec,
+    group_cpu_seconds,
+    group_processes,
+    megatron_logprobs,
+    slowed_down,
+    tokens_streamed,
+)
 
 pytestmark = pytest.mark.cost(150)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 

@@ -14,13 +14,13 @@ import math
 
 import pytest
 import torch
-from sglang_helpers import ServerSpec, teacher_forced
 
 from slime_corr.mcore.kept_set import kept_token_log_softmax
 from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.rollout import generate_sample
 from slime_corr.samples import Sample, SampleStatus
 from tests.job_runner import run_main_job
+from tests.real_sglang.sglang_helpers import ServerSpec, teacher_forced
 
 pytestmark = pytest.mark.cost(45)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 

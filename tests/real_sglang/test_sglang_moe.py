@@ -11,7 +11,6 @@ import asyncio
 import pytest
 import torch
 from safetensors.torch import load_file
-from sglang_helpers import ServerSpec, slowed_down, tokens_streamed
 
 from slime_corr.models.bridge import write_hf_checkpoint
 from slime_corr.models.hf_checkpoint import load_hf_causal_lm
@@ -20,6 +19,7 @@ from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.rollout import generate_sample
 from slime_corr.routed_experts import RoutedExpertsSpec
 from slime_corr.samples import Sample, SampleStatus
+from tests.real_sglang.sglang_helpers import ServerSpec, slowed_down, tokens_streamed
 
 pytestmark = pytest.mark.cost(90)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 
@@ -171,11 +171,11 @@ def test_routes_across_abort_and_resume(server, hf):
 def _megatron_route_check(rank: int, world: int, moe_dir: str, samples: list[Sample], out: dict) -> None:
     """In a one-rank gloo group: the Megatron model's own routes of each sample (before replay), the routes and
     log-probs under replay of the engine's routes."""
-    from mcore_helpers import init_layout
     from megatron.core import tensor_parallel
 
     from slime_corr.mcore.routing import capture_routes, replay_routes
     from slime_corr.models import build_gpt_from_hf
+    from tests.mcore.mcore_helpers import init_layout
 
     init_layout(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
@@ -197,9 +197,8 @@ def _megatron_route_check(rank: int, world: int, moe_dir: str, samples: list[Sam
 
 
 def test_engine_routes_replayed_in_megatron(server, moe_dir):
-    from mcore_helpers import run_in_process
-
     from slime_corr.correction.routing import routing_mismatch_metrics
+    from tests.mcore.mcore_helpers import run_in_process
 
     samples = asyncio.run(_samples(server, True, 1.0))
     out: dict = {}

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-from sglang_helpers import ServerSpec
 
 from slime_corr.models.selection import TINY_MOE
+from tests.real_sglang.sglang_helpers import ServerSpec
 
 pytestmark = pytest.mark.cost(70)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 

@@ -11,12 +11,12 @@ import math
 
 import pytest
 import torch
-from sglang_helpers import ServerSpec, teacher_forced
 
 from slime_corr.rollout.client import SGLangClient
 from slime_corr.rollout.nucleus import NucleusRequest
 from slime_corr.rollout.rollout import generate_sample
 from slime_corr.samples import Sample, SampleStatus
+from tests.real_sglang.sglang_helpers import ServerSpec, teacher_forced
 
 pytestmark = pytest.mark.cost(20)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 

@@ -8,10 +8,10 @@ in flight for >= 4.8 s, longer than a training step on any machine: the update l
 from __future__ import annotations
 
 import pytest
-from sglang_helpers import ServerSpec, slowed_down
-from test_sglang_trainer import RUN_TIMEOUT, metrics, versions
 
 from tests.job_runner import run_main_job
+from tests.real_sglang.sglang_helpers import ServerSpec, slowed_down
+from tests.real_sglang.test_sglang_trainer import RUN_TIMEOUT, metrics, versions
 
 pytestmark = pytest.mark.cost(40)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 

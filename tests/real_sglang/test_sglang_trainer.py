@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-from sglang_helpers import ServerSpec
 
 from slime_corr.rollout.client import SGLangClient
 from tests.job_runner import MainJob, run_main_job
+from tests.real_sglang.sglang_helpers import ServerSpec
 
 pytestmark = pytest.mark.cost(200)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 

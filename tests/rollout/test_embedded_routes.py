@@ -18,8 +18,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -38,8 +36,6 @@ from slime_corr.routed_experts import RoutedExpertsSpec, decode_routed_experts
 from slime_corr.samples import Sample, SampleStatus
 
 from .engine_helpers import wait_tokens
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mcore"))  # mcore_helpers
 
 pytestmark = pytest.mark.cost(15)  # CI seconds, roughly (tests/conftest.py)
 
@@ -105,11 +101,11 @@ def _ints(meta: dict) -> np.ndarray:
 def _megatron_routes(rank: int, world: int, dirs: dict[str, str], seqs: list[list[int]], out: dict) -> None:
     """Per weight version, Megatron's own routes `[tokens - 1, L, k]` (ascending) and teacher-forced fp32
     log-probs `[tokens - 1, V]` of each sequence (one-rank gloo group)."""
-    from mcore_helpers import init_layout
     from megatron.core import tensor_parallel
 
     from slime_corr.mcore.routing import capture_routes
     from slime_corr.models import build_gpt_from_hf
+    from tests.mcore.mcore_helpers import init_layout
 
     init_layout(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
@@ -177,7 +173,7 @@ def test_routes_are_the_trainer_models_own(moe, moe_dirs):
     assert resumed.attempts == 2 and [v for v, _, _ in resumed.weight_versions] == ["default", "v1"]
     assert [v for v, _, _ in in_flight.weight_versions] == ["default", "v1"]
 
-    from mcore_helpers import run_in_process
+    from tests.mcore.mcore_helpers import run_in_process
 
     ref: dict = {}
     seqs = [s.prompt_tokens + s.response_tokens for s in samples]

@@ -279,14 +279,27 @@ def test_a_silent_driver_and_a_stuck_collective_end_in_the_distributed_timeout()
     assert max(results["seconds"]) < 60, results
 
 
-@pytest.mark.parametrize("world_size", [1])
-def test_the_beacon_is_a_no_op_in_a_world_of_one(world_size):
+@pytest.mark.parametrize("world", ["no process group", "one gloo process"])
+def test_the_beacon_is_a_no_op_in_a_world_of_one(world):
+    """Without torch.distributed, or in a group of one process, the beacon has no store and no beat thread: publish
+    and wait return at once."""
+    import torch.distributed as dist
+
+    from slime_corr.ports import init_world_of_one
     from slime_corr.trainer.watchdog import DriverBeacon
 
-    beacon = DriverBeacon(1.0)
-    beacon.publish("rollout/0")
-    beacon.wait("rollout/0", "anything")
-    beacon.close()
+    if world == "one gloo process":
+        init_world_of_one("gloo")  # an in-process store: no port
+    try:
+        assert dist.is_initialized() == (world == "one gloo process")
+        beacon = DriverBeacon(1.0)
+        assert beacon.store is None and beacon._thread is None
+        beacon.publish("rollout/0")
+        beacon.wait("rollout/0", "anything")
+        beacon.close()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_router_on_without_sglang_router_is_refused_at_parse_time(monkeypatch, capsys):

@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from test_trainer_launch import assert_same_metrics, launch
+
+from tests.trainer.test_trainer_launch import assert_same_metrics, launch
 
 pytestmark = pytest.mark.cost(40)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 

@@ -17,8 +17,6 @@ changes the log-probs (checked) and the routing mismatch is far from 0 and 1.
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 from typing import NamedTuple
 
 import pytest
@@ -28,8 +26,6 @@ from slime_corr.config import ConfigError, RolloutCorrectionConfig
 from slime_corr.models.selection import TINY_MOE, ModelSource
 from slime_corr.samples import Sample, SampleStatus
 from slime_corr.trainer.config import TrainerConfig
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mcore"))  # mcore_helpers
 
 pytestmark = pytest.mark.cost(60)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 
@@ -121,10 +117,9 @@ def _samples() -> list[Sample]:
 def _reference(rank: int, world: int, tiny_moe_cache: str, samples: list[Sample], out: dict) -> None:
     """Engine routes for the samples (own routes, half of the tokens replaced by random sets), and the plain
     per-sample reference: replayed log-probs, unreplayed ones, the own routes under replay and at layer 0."""
-    from mcore_helpers import init_layout
-
     from slime_corr.mcore.routing import capture_routes, replay_routes
     from slime_corr.trainer.policy import build_policy
+    from tests.mcore.mcore_helpers import init_layout
 
     init_layout(1, 1)
     policy = build_policy(_config(tiny_moe_cache), with_reference=False)
@@ -161,13 +156,13 @@ def _trainer_step(rank: int, world: int, tiny_moe_cache: str, samples: list[Samp
     that holds the step metrics (the last pipeline stage's first rank) records them and the trained tokens' lp_old
     / reference log-probs."""
     import torch.distributed as dist
-    from mcore_helpers import init_layout
     from megatron.core import parallel_state as ps
 
     from slime_corr.loss_terms import LossTermsConfig
     from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
     from slime_corr.trainer.data import build_micro_batches, rollout_shards
     from slime_corr.trainer.policy import build_policy
+    from tests.mcore.mcore_helpers import init_layout
 
     for layout in layouts:
         cp, dp, pp, tp, mbs, max_tokens = layout
@@ -225,7 +220,7 @@ def _metrics_spawned(rank: int, world: int, tiny_moe_cache: str, samples: list[S
 @pytest.fixture(scope="module")
 def reference(tiny_moe_cache):
     """The samples with their engine routes, and the step metrics of the plain per-sample reference."""
-    from mcore_helpers import run_in_process
+    from tests.mcore.mcore_helpers import run_in_process
 
     samples = _samples()
     ref: dict = {}
@@ -251,7 +246,7 @@ def reference(tiny_moe_cache):
 
 @pytest.fixture(scope="module")
 def one_process(tiny_moe_cache, reference) -> dict:
-    from mcore_helpers import run_in_process
+    from tests.mcore.mcore_helpers import run_in_process
 
     got: dict = {}
     run_in_process(_trainer_step, tiny_moe_cache, reference[0], LAYOUTS_ONE_PROCESS, got)
@@ -278,7 +273,7 @@ def test_replay_equals_the_plain_reference_padded_and_packed(reference, one_proc
 
 def test_replay_step_under_cp_dp_pp_tp(tiny_moe_cache, reference, one_process, tmp_path):
     """Every 2-process layout logs the one-process step: loss, KL, log-prob and routing mismatch."""
-    from mcore_helpers import spawn
+    from tests.mcore.mcore_helpers import spawn
 
     samples, _, want = reference
     path = tmp_path / "spawned.pt"
@@ -296,14 +291,13 @@ def test_replay_step_under_cp_dp_pp_tp(tiny_moe_cache, reference, one_process, t
 def _old_routes_replay(rank: int, world: int, tiny_moe_cache: str, samples: list[Sample], out: dict) -> None:
     """R2 in one process: the lp_old pass records the policy's routes; after the router weights are flipped (its
     own choices then differ) the reference pass and the training step still route with the recorded ones."""
-    from mcore_helpers import init_layout
-
     from slime_corr.layout.micro_batch import ROUTE_KEY
     from slime_corr.loss_terms import LossTermsConfig
     from slime_corr.mcore.loss_hook import RolloutCorrectionLoss
     from slime_corr.mcore.routing import capture_routes, moe_routers, routing_map_to_ids
     from slime_corr.trainer.data import build_micro_batches, rollout_shards
     from slime_corr.trainer.policy import build_policy
+    from tests.mcore.mcore_helpers import init_layout
 
     init_layout(1, 1)
     cfg = _config(tiny_moe_cache, use_rollout_routing_replay=False, use_routing_replay=True)
@@ -337,7 +331,7 @@ def _old_routes_replay(rank: int, world: int, tiny_moe_cache: str, samples: list
 
 
 def test_r2_replays_the_lp_old_pass_routes(tiny_moe_cache):
-    from mcore_helpers import run_in_process
+    from tests.mcore.mcore_helpers import run_in_process
 
     out: dict = {}
     run_in_process(_old_routes_replay, tiny_moe_cache, _samples(), out)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -114,8 +113,7 @@ def test_a_local_hf_checkpoint_trains_under_tp2_as_one_process(tmp_path):
     """`--hf-checkpoint` with a tiny random Llama checkpoint (RoPE, GQA 4/2 heads, tied embeddings, a word-level
     tokenizer without chat template): TP=2 logs the metrics of one process (float64 trainer, fp32 engine;
     the entropy bonus makes every step update)."""
-    sys.path.insert(0, str(ROOT / "tests" / "models"))
-    from models_helpers import make_tiny_checkpoint
+    from tests.models.models_helpers import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(tmp_path / "llama", "llama", tie_word_embeddings=True, max_position_embeddings=256)
     flags = ["--hf-checkpoint", str(ckpt), "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
