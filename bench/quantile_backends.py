@@ -22,12 +22,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from slime_corr.correction import quantiles as Q
+from slime_corr.correction import quantiles
 
 
 def one_call(w: torch.Tensor, unit: torch.Tensor) -> dict[str, torch.Tensor]:
-    hist, counts = Q.level1(w, unit, binary=True)
-    return {Q.LEVEL1_KEY: hist, **Q.refine(counts, hist, [])}
+    hist, counts = quantiles.level1(w, unit, binary=True)
+    return {quantiles.LEVEL1_KEY: hist, **quantiles.refine(counts, hist, [])}
 
 
 def timed(fn, repeats: int, device: torch.device) -> float:
@@ -67,10 +67,10 @@ def main() -> None:
             u = unit.to(device)
             ms, stats = {}, {}
             for backend, devices in backends.items():
-                Q.COUNTING_DEVICES = devices
+                quantiles.COUNTING_DEVICES = devices
                 ms[backend] = timed(lambda w=w, u=u: one_call(w, u), args.repeats, device) * 1e3
                 stats[backend] = one_call(w, u)
-            Q.COUNTING_DEVICES = {"cpu"}
+            quantiles.COUNTING_DEVICES = {"cpu"}
             same = all(torch.equal(v, stats["sorting"][k]) for k, v in stats["counting"].items())
             print(f"| {name} | {size} | {ms['counting']:.3f} | {ms['sorting']:.3f} | {same} |", flush=True)
 

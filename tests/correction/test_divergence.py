@@ -11,9 +11,8 @@ import torch
 
 from slime_corr.config import ConfigError
 from slime_corr.config import RolloutCorrectionConfig as C
-from slime_corr.correction import budget as BG
-from slime_corr.correction import compute_rollout_correction, metrics_to_host
-from slime_corr.correction import quantiles as Q
+from slime_corr.correction import compute_rollout_correction, metrics_to_host, quantiles
+from slime_corr.correction.budget import bin_edge, bin_sums, ess, ess_bound, keep_below, mean_budget_key
 from slime_corr.losses import compute_policy_loss
 from tests.correction.corr_reference import ref_correction
 from tests.correction.test_packed import _data, _pack, _segments, _unpack, _within
@@ -166,14 +165,14 @@ def test_mean_budget_reaches_its_target_within_one_bin(scale, budget):
     g = torch.Generator().manual_seed(7)
     v = (scale * torch.randn(20000, generator=g, dtype=torch.float64)).square() * 0.5  # k2 values
     unit = torch.ones_like(v)
-    last = BG.mean_budget_key(BG.bin_sums(v, unit, 1, []), budget)
-    keep = BG.keep_below(v, last) > 0
+    last = mean_budget_key(bin_sums(v, unit, 1, []), budget)
+    keep = keep_below(v, last) > 0
     assert v[keep].mean() <= budget  # the target holds
     k_opt = _sorted_mean_optimum(v, budget)
     assert keep.sum() <= k_opt
-    edge = BG.bin_edge(last + 1).item()  # every value below the bound is kept; the next bin would break it
+    edge = bin_edge(last + 1).item()  # every value below the bound is kept; the next bin would break it
     assert torch.equal(keep, v < edge)
-    nxt = v < BG.bin_edge(last + 2).item()
+    nxt = v < bin_edge(last + 2).item()
     assert nxt.sum() == keep.sum() or v[nxt].mean() > budget
     assert keep.sum() >= (v < v.sort().values[k_opt - 1] / 1.07).sum()  # within one bin (~3 %) of the optimum
 
@@ -181,10 +180,10 @@ def test_mean_budget_reaches_its_target_within_one_bin(scale, budget):
 def test_mean_budget_keeps_all_or_none():
     v = torch.full((100,), 0.1, dtype=torch.float64)
     unit = torch.ones_like(v)
-    none = BG.mean_budget_key(BG.bin_sums(v, unit, 1, []), 0.05)
-    assert BG.keep_below(v, none).sum() == 0
-    every = BG.mean_budget_key(BG.bin_sums(v, unit, 1, []), 1.0)
-    assert BG.keep_below(v, every).sum() == 100 and BG.bin_edge(every + 1).item() == pytest.approx(0.1, rel=0.04)
+    none = mean_budget_key(bin_sums(v, unit, 1, []), 0.05)
+    assert keep_below(v, none).sum() == 0
+    every = mean_budget_key(bin_sums(v, unit, 1, []), 1.0)
+    assert keep_below(v, every).sum() == 100 and bin_edge(every + 1).item() == pytest.approx(0.1, rel=0.04)
 
 
 @pytest.mark.parametrize("sigma", [0.1, 0.5, 1.5])
@@ -193,13 +192,13 @@ def test_ess_bound_reaches_its_target_within_one_bin(sigma, target):
     g = torch.Generator().manual_seed(11)
     w = (sigma * torch.randn(30000, generator=g, dtype=torch.float64)).exp()
     unit = torch.ones_like(w)
-    u = BG.ess_bound(BG.bin_sums(w, unit, 2, []), target).item()
-    assert BG.ess(w.clamp(max=u), unit) >= target * (1 - 1e-9)
+    u = ess_bound(bin_sums(w, unit, 2, []), target).item()
+    assert ess(w.clamp(max=u), unit) >= target * (1 - 1e-9)
     if u < w.max():  # truncating: the next bin edge up no longer keeps the target
-        key = Q.level1_keys(torch.tensor([u], dtype=torch.float64))
-        assert BG.ess(w.clamp(max=BG.bin_edge(key + 1).item()), unit) < target
+        key = quantiles.level1_keys(torch.tensor([u], dtype=torch.float64))
+        assert ess(w.clamp(max=bin_edge(key + 1).item()), unit) < target
     else:
-        assert BG.ess(w, unit) >= target
+        assert ess(w, unit) >= target
 
 
 @pytest.mark.parametrize("level", ["token", "sequence", "geometric"])

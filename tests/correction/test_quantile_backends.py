@@ -15,8 +15,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from slime_corr.config import RolloutCorrectionConfig as C
-from slime_corr.correction import compute_rollout_correction, metrics_to_host
-from slime_corr.correction import quantiles as Q
+from slime_corr.correction import compute_rollout_correction, metrics_to_host, quantiles
 from slime_corr.correction.budget import bin_sums
 from tests.mcore.mcore_helpers import checking, spawn_group
 
@@ -25,12 +24,12 @@ BACKENDS = ("counting", "sorting", "sorting in pieces")  # pieces: the sort spli
 
 def use_backend(backend: str, monkeypatch: pytest.MonkeyPatch | None = None) -> None:
     devices = {"cpu"} if backend == "counting" else set()
-    chunk = 997 if backend == "sorting in pieces" else Q.SORT_CHUNK_DEFAULT
+    chunk = 997 if backend == "sorting in pieces" else quantiles.SORT_CHUNK_DEFAULT
     if monkeypatch is None:
-        Q.COUNTING_DEVICES, Q.SORT_CHUNK = devices, chunk
+        quantiles.COUNTING_DEVICES, quantiles.SORT_CHUNK = devices, chunk
     else:
-        monkeypatch.setattr(Q, "COUNTING_DEVICES", devices)
-        monkeypatch.setattr(Q, "SORT_CHUNK", chunk)
+        monkeypatch.setattr(quantiles, "COUNTING_DEVICES", devices)
+        monkeypatch.setattr(quantiles, "SORT_CHUNK", chunk)
 
 
 @pytest.fixture(params=BACKENDS)
@@ -44,11 +43,11 @@ def reference(w: torch.Tensor, unit: torch.Tensor) -> list[float]:
     kept = unit.reshape(-1) > 0
     v = w.reshape(-1)[kept].float().double()
     if not v.numel():
-        return [0.0] * len(Q.QUANTILES)
+        return [0.0] * len(quantiles.QUANTILES)
     v, order = v.sort()
     cum = unit.reshape(-1)[kept].double()[order].cumsum(0)
     out = []
-    for q in Q.QUANTILES.values():
+    for q in quantiles.QUANTILES.values():
         i = int(torch.searchsorted(cum, torch.tensor([q * cum[-1].item() * (1 - 1e-12)], dtype=torch.float64)))
         out.append(v[min(i, v.numel() - 1)].item())
     return out
@@ -56,10 +55,10 @@ def reference(w: torch.Tensor, unit: torch.Tensor) -> list[float]:
 
 def sketch(w: torch.Tensor, unit: torch.Tensor, binary: bool, groups: list | None = None) -> dict[str, torch.Tensor]:
     """Level 1, its SUM over `groups`, then rounds 2 and 3: a call's statistics (with its own quantiles)."""
-    hist, counts = Q.level1(w, unit, binary)
+    hist, counts = quantiles.level1(w, unit, binary)
     for g in groups or []:
         dist.all_reduce(hist, group=g)
-    return {Q.LEVEL1_KEY: hist, **Q.refine(counts, hist, groups or [])}
+    return {quantiles.LEVEL1_KEY: hist, **quantiles.refine(counts, hist, groups or [])}
 
 
 def cases() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -96,9 +95,9 @@ def test_exact_against_sorting_reference(backend: str, name: str) -> None:
     w, unit = cases()[name]
     want = reference(w, unit)
     stats = sketch(w, unit, binary=True)
-    assert stats[Q.CALL_KEY].tolist() == want, (backend, name)
-    merged_form = {k: v for k, v in stats.items() if k != Q.CALL_KEY}  # read off the histograms instead
-    assert Q.quantiles(merged_form).tolist() == want, (backend, name)
+    assert stats[quantiles.CALL_KEY].tolist() == want, (backend, name)
+    merged_form = {k: v for k, v in stats.items() if k != quantiles.CALL_KEY}  # read off the histograms instead
+    assert quantiles.quantiles(merged_form).tolist() == want, (backend, name)
 
 
 @pytest.mark.parametrize("name", ["spread 1", "ties and zeros", "inf", "masked 2-D"])
@@ -107,7 +106,7 @@ def test_exact_with_weighted_units(backend: str, name: str) -> None:
     w, unit = cases()[name]
     g = torch.Generator().manual_seed(1)
     units = unit * torch.randint(1, 4, unit.shape, generator=g).double()
-    assert sketch(w, units, binary=False)[Q.CALL_KEY].tolist() == reference(w, units), (backend, name)
+    assert sketch(w, units, binary=False)[quantiles.CALL_KEY].tolist() == reference(w, units), (backend, name)
 
 
 @pytest.mark.parametrize("name", list(cases()))
@@ -181,8 +180,8 @@ def test_sorting_path_reads_no_value_and_scatters_nothing(binary: bool) -> None:
     with _Ops() as ops:
         stats = sketch(w, unit, binary)
         sums = bin_sums(w, unit, 2, [])
-    assert stats[Q.CALL_KEY].shape == (len(Q.QUANTILES),) and stats["w_hist3"].shape == (Q.SLOTS, Q.SUB)
-    assert sums.shape == (3, Q.LEVEL1_BINS)
+    assert stats[quantiles.CALL_KEY].shape == (len(quantiles.QUANTILES),) and stats["w_hist3"].shape == (quantiles.SLOTS, quantiles.SUB)
+    assert sums.shape == (3, quantiles.LEVEL1_BINS)
     assert "sort" in ops.names and not CONTENDED & set(ops.names), sorted(set(ops.names))
 
 
@@ -209,10 +208,10 @@ def _worker(rank: int, backend: str) -> None:
             checking(f"{backend} {name} binary={binary}")
             got = sketch(flat_w[part], units[part], binary, [group])
             want = reference(flat_w, units)
-            assert got[Q.CALL_KEY].tolist() == want, (backend, name, binary, got[Q.CALL_KEY].tolist(), want)
-            merged_form = {k: v for k, v in got.items() if k != Q.CALL_KEY}
+            assert got[quantiles.CALL_KEY].tolist() == want, (backend, name, binary, got[quantiles.CALL_KEY].tolist(), want)
+            merged_form = {k: v for k, v in got.items() if k != quantiles.CALL_KEY}
             if binary:
-                assert Q.quantiles(merged_form).tolist() == want, (backend, name)
+                assert quantiles.quantiles(merged_form).tolist() == want, (backend, name)
     # through the core: a DP split of the batch gives the single-process quantiles
     g = torch.Generator().manual_seed(5)
     lp_r = -torch.rand(8, 256, generator=g)
@@ -222,7 +221,7 @@ def _worker(rank: int, backend: str) -> None:
     full = metrics_to_host(compute_rollout_correction(lp_t, lp_r, mask, cfg).metrics)
     rows = slice(rank * 4, rank * 4 + 4)
     local = metrics_to_host(compute_rollout_correction(lp_t[rows], lp_r[rows], mask[rows], cfg, dp_group=group).metrics)
-    for name in Q.QUANTILES:
+    for name in quantiles.QUANTILES:
         assert local[f"mis_weight_{name}"] == full[f"mis_weight_{name}"], (backend, name)
 
 

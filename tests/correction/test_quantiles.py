@@ -9,8 +9,13 @@ import pytest
 import torch
 
 from slime_corr.config import RolloutCorrectionConfig as C
-from slime_corr.correction import compute_rollout_correction, correction_metrics, merge_stats, metrics_to_host
-from slime_corr.correction import quantiles as Q
+from slime_corr.correction import (
+    compute_rollout_correction,
+    correction_metrics,
+    merge_stats,
+    metrics_to_host,
+    quantiles,
+)
 from slime_corr.correction.reductions import BatchStats
 
 SPREADS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0, 3.0, 10.0)
@@ -31,13 +36,13 @@ def rank_error(w: torch.Tensor, value: float, q: float) -> float:
 
 def sketch(w: torch.Tensor, counted: torch.Tensor, binary: bool = True) -> dict[str, torch.Tensor]:
     """The sketch's statistics for weights `w` (0 where not counted), on one rank; without this call's own
-    quantiles (`Q.CALL_KEY`), so `Q.quantiles` reads them from the histograms as for merged statistics."""
+    quantiles (`quantiles.CALL_KEY`), so `quantiles.quantiles` reads them from the histograms as for merged statistics."""
     stats = BatchStats()
-    hist, counts = Q.level1(w, counted, binary)
-    stats.add_sum(Q.LEVEL1_KEY, hist)
+    hist, counts = quantiles.level1(w, counted, binary)
+    stats.add_sum(quantiles.LEVEL1_KEY, hist)
     r = stats.reduce()
-    r.update(Q.refine(counts, r[Q.LEVEL1_KEY], []))
-    r.pop(Q.CALL_KEY)
+    r.update(quantiles.refine(counts, r[quantiles.LEVEL1_KEY], []))
+    r.pop(quantiles.CALL_KEY)
     return r
 
 
@@ -50,8 +55,8 @@ def weights(spread: float, center: float = 1.0, n: int = 20_000, seed: int = 0) 
 @pytest.mark.parametrize("spread", SPREADS)
 def test_exact_at_every_spread_and_center(spread, center):
     w = weights(spread, center)
-    got = Q.quantiles(sketch(w, torch.ones_like(w))).tolist()
-    for value, q in zip(got, Q.QUANTILES.values(), strict=True):
+    got = quantiles.quantiles(sketch(w, torch.ones_like(w))).tolist()
+    for value, q in zip(got, quantiles.QUANTILES.values(), strict=True):
         assert value == exact(w, q) and rank_error(w, value, q) == 0.0, (spread, center, q)
 
 
@@ -65,9 +70,9 @@ def test_ties_outliers_zeros_and_padding():
     counted = torch.ones_like(w)
     counted[-4000:] = 0.0  # padding / rejected: not counted
     w = w * counted
-    got = Q.quantiles(sketch(w, counted)).tolist()
+    got = quantiles.quantiles(sketch(w, counted)).tolist()
     kept = w[counted > 0]
-    assert got == [exact(kept, q) for q in Q.QUANTILES.values()]
+    assert got == [exact(kept, q) for q in quantiles.QUANTILES.values()]
 
 
 @pytest.mark.parametrize("spread", (1e-6, 1e-4, 1.0))
@@ -83,7 +88,7 @@ def test_through_the_core_with_rejection(spread, level):
     res = compute_rollout_correction(lp_t, lp_r, mask, cfg)
     m = metrics_to_host(res.metrics)
     w = res.weights[res.loss_mask > 0] if level == "token" else res.weights.amax(-1)[res.loss_mask.amax(-1) > 0]
-    for name, q in Q.QUANTILES.items():
+    for name, q in quantiles.QUANTILES.items():
         assert m[f"mis_weight_{name}"] == pytest.approx(exact(w, q), rel=1e-7), name
 
 
@@ -98,7 +103,7 @@ def test_merged_micro_batches_are_exact_when_their_bins_were_refined():
     full = metrics_to_host(compute_rollout_correction(lp_t, lp_r, mask, cfg).metrics)
     parts = [compute_rollout_correction(lp_t[k:k + 4], lp_r[k:k + 4], mask[k:k + 4], cfg).stats for k in range(0, 16, 4)]
     merged = metrics_to_host(correction_metrics(merge_stats(parts), cfg))
-    for name in Q.QUANTILES:
+    for name in quantiles.QUANTILES:
         assert merged[f"mis_weight_{name}"] == full[f"mis_weight_{name}"], name
 
 
@@ -107,6 +112,6 @@ def test_merged_wide_data_stays_within_its_bin_and_one_percent_rank():
     quantile stays in the exact one's level-1 bin and within 1% rank error."""
     w = weights(3.0, n=40_000, seed=4)
     parts = [sketch(c, torch.ones_like(c)) for c in w.chunk(8)]
-    got = Q.quantiles(Q.merge_sketches(parts)).tolist()
-    for value, q in zip(got, Q.QUANTILES.values(), strict=True):
+    got = quantiles.quantiles(quantiles.merge_sketches(parts)).tolist()
+    for value, q in zip(got, quantiles.QUANTILES.values(), strict=True):
         assert rank_error(w, value, q) <= 0.01 and value == pytest.approx(exact(w, q), rel=2**-5), q

