@@ -116,7 +116,9 @@ def _is_valid_cache(folder: Path, record: dict[str, object]) -> bool:
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def cache_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path` (a lock file beside a cache entry) while the block runs: one process builds the
+    entry, the others wait and then find it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)  # released when the file closes
@@ -177,7 +179,7 @@ def cached_hf_checkpoint(name: str, cache_root: str | os.PathLike[str] | None = 
     target = root / model.name
     if _is_valid_cache(target, record):
         return target
-    with _locked(root / f".{model.name}.lock"):
+    with cache_lock(root / f".{model.name}.lock"):
         if _is_valid_cache(target, record):  # another process built it while we waited
             return target
         tmp = Path(tempfile.mkdtemp(prefix=f".{model.name}-", dir=root))
@@ -197,6 +199,7 @@ __all__ = [
     "CACHE_ENV",
     "SHIPPED_MODELS",
     "ShippedModel",
+    "cache_lock",
     "cached_hf_checkpoint",
     "default_cache_root",
     "dequantize_gguf_to_hf",

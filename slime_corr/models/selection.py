@@ -19,7 +19,7 @@ from pathlib import Path
 from slime_corr.fields import flag
 from slime_corr.models.gguf_checkpoint import (
     SHIPPED_MODELS,
-    _locked,
+    cache_lock,
     cached_hf_checkpoint,
     default_cache_root,
     locate_gguf,
@@ -43,7 +43,7 @@ def generated_checkpoint(name: str, cache_dir: str | None = None) -> Path:
     target = root / name
     if (target / "config.json").is_file():
         return target
-    with _locked(root / f".{name}.lock"):
+    with cache_lock(root / f".{name}.lock"):
         if not (target / "config.json").is_file():
             tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
             try:
