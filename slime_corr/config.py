@@ -415,8 +415,6 @@ def _check_keys(values: Mapping[str, Any], source: str) -> None:
         )
 
 
-
-
 def _field_kind(annotation: Any) -> str:
     """A field's type as `read_yaml` and `_check_types` name it: "bool", "float" or "str" (a `Literal` of strings),
     with a trailing "?" when it may be None."""
