@@ -8,6 +8,7 @@ wall times and their ratio are printed.
 
     python bench/gloo_threads.py                  # 300 groups (a test worker before the fix held 100-140)
     python bench/gloo_threads.py --groups 20      # one Megatron layout
+    python bench/gloo_threads.py --markdown docs/benchmarks.md   # also rewrites its table there
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from markdown_table import caption_line, write_block  # bench/markdown_table.py
 
 HOLDER = """
 import sys, time, torch.distributed as dist
@@ -59,6 +62,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="rounds, each with 0 and --groups (default 5)")
     parser.add_argument("--iters", type=int, default=6000, help="matmuls per busy process (default 6000)")
     parser.add_argument("--busy", type=int, default=os.cpu_count() or 2, help="busy processes (default: cores)")
+    parser.add_argument("--markdown", default=None, help="write the table into this file between its markers")
     args = parser.parse_args()
     seconds: dict[int, list[float]] = {0: [], args.groups: []}
     for _ in range(args.rounds):
@@ -68,6 +72,13 @@ def main() -> None:
     print(f"{args.busy} busy processes, {args.iters} matmuls each, medians of {args.rounds} rounds:")
     print(f"  beside 0 idle gloo groups: {base:.2f} s")
     print(f"  beside {args.groups} idle gloo groups: {held:.2f} s  ({held / base:.2f}x)")
+    if args.markdown:
+        caption = caption_line(sys.argv, "cpu", 1, f"{args.busy} busy processes (1 torch thread each), "
+                               f"{args.iters} matmuls each, medians of {args.rounds} rounds")
+        write_block(args.markdown, "gloo_threads.py", caption,
+                    ["idle gloo groups in the holder", "busy processes' wall time, s", "x / none"],
+                    [["0", f"{base:.2f}", "1.00x"], [str(args.groups), f"{held:.2f}", f"{held / base:.2f}x"]],
+                    title="Idle gloo groups (bench/gloo_threads.py)")
 
 
 if __name__ == "__main__":

@@ -30,10 +30,8 @@ allocated before the call, in the timed processes. A ratio > 1 means ours is fas
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -41,9 +39,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from markdown_table import caption_line, write_block  # bench/markdown_table.py
+
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
-MARKERS = ("<!-- bench/logprobs.py: begin -->", "<!-- bench/logprobs.py: end -->")
 
 
 # ---------------------------------------------------------------------------------------------- one process
@@ -272,22 +271,12 @@ def main() -> None:
                                f"{s['grad_error']:.1e}"]
                     rows.append(row)
                     print(" | ".join(row), flush=True)
-    caption = (f"`python bench/logprobs.py {' '.join(sys.argv[1:])}`".replace(" `", "`") + f" on {args.device}, "
-               f"{args.threads} thread(s), {platform.processor() or platform.machine()}, "
-               f"{datetime.date.today().isoformat()}; ours in chunks of {args.chunk or 'the default'} tokens "
-               f"(extra peak also in units of one fp32 [chunk, V] buffer); medians of {args.repeats} processes")
-    table = "\n".join([caption, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-                       *("| " + " | ".join(r) + " |" for r in rows)])
+    caption = caption_line(sys.argv, args.device, args.threads,
+                           f"ours in chunks of {args.chunk or 'the default'} tokens (extra peak also in units of one "
+                           f"fp32 [chunk, V] buffer); medians of {args.repeats} processes")
     if args.markdown:
-        path = Path(args.markdown)
-        text = path.read_text() if path.exists() else ""
-        begin, end = MARKERS
-        block = f"{begin}\n{table}\n{end}"
-        if begin in text and end in text:
-            text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
-        else:
-            text = text.rstrip() + "\n\n## Log-probs and entropy from logits (bench/logprobs.py)\n\n" + block + "\n"
-        path.write_text(text)
+        write_block(args.markdown, "logprobs.py", caption, header, rows,
+                    title="Log-probs and entropy from logits (bench/logprobs.py)")
 
 
 if __name__ == "__main__":

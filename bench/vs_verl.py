@@ -12,6 +12,7 @@ measures the peak memory of one call (net allocations seen by the profiler) and 
     python bench/vs_verl.py --compile      # adds the --rollout-correction-compile path (fused torch.compile)
     python bench/vs_verl.py --device cuda --compile   # on a GPU (peak memory: torch.cuda's allocator)
     python bench/vs_verl.py --revision HEAD --clock cpu   # this working tree against its last commit, bit for bit
+    python bench/vs_verl.py --threads 1 --sizes 64x8192 --markdown docs/benchmarks.md   # also rewrites its table there
 
 A ratio > 1 means slime_corr is faster (verl time / ours) or uses less memory (verl peak / ours).
 """
@@ -42,6 +43,7 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from markdown_table import caption_line, write_block  # bench/markdown_table.py
 from op_count import count_ops, cuda_profile  # bench/op_count.py
 
 from slime_corr.config import RolloutCorrectionConfig
@@ -405,6 +407,8 @@ def main() -> None:
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="wall: perf_counter (the numbers to report); cpu: this thread's CPU time, which other "
                         "processes on a shared machine disturb less (for A/B work; with --threads 1 only)")
+    p.add_argument("--markdown", metavar="FILE", help="also write the table into FILE between its markers (block "
+                   "bench/vs_verl.py, or bench/vs_verl.py cuda on a GPU; see bench/markdown_table.py)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     global DEVICE
@@ -418,19 +422,21 @@ def main() -> None:
     where = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu"
     print(f"verl {verl.version} | torch {torch.__version__} | device {where} | threads={torch.get_num_threads()} | "
           f"repeats={args.repeats} (medians, interleaved) | clock: {args.clock} | malloc: {malloc}")
-    head = "| config | size | ours ms | verl ms | verl/ours | peak ours MiB | peak verl MiB | ops ours | ops verl |"
+    head = ["config", "size", "ours ms", "verl ms", "verl/ours", "peak ours MiB", "peak verl MiB", "ops ours",
+            "ops verl"]
     if args.compile:
-        head += " compiled ms | verl/compiled |"
+        head += ["compiled ms", "verl/compiled"]
     if args.fused:
-        head += " fused ms | verl/fused | ops fused |"
+        head += ["fused ms", "verl/fused", "ops fused"]
     if args.cuda_graph:
-        head += " graphed ms | verl/graphed |"
+        head += ["graphed ms", "verl/graphed"]
     if revision is not None:
-        head += f" {args.revision} ms | {args.revision}/ours | ops {args.revision} |"
+        head += [f"{args.revision} ms", f"{args.revision}/ours", f"ops {args.revision}"]
     if DEVICE.type == "cuda":  # torch.profiler: device activities, their summed time, host syncs (ours / verl)
-        head += " kernels ours / verl | GPU busy ms ours / verl | syncs ours / verl |"
-    print(head)
-    print("|" + "---|" * head.count(" |"))
+        head += ["kernels ours / verl", "GPU busy ms ours / verl", "syncs ours / verl"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    table: list[list[str]] = []
     failed = False
     for row in selected:
         compiled_cfg = row.config.replace(rollout_correction_compile=True) if args.compile else None
@@ -454,6 +460,7 @@ def main() -> None:
             if problems:
                 failed = True
                 print(f"| {row.name} | {b}x{s} | DIFFERENT: {'; '.join(problems)} |")
+                table.append([row.name, f"{b}x{s}", f"DIFFERENT: {'; '.join(problems)}"] + [""] * (len(head) - 3))
                 continue
             fns: dict[str, Callable[[], object]] = {"ours": partial(run_ours, row, x),
                                                     "verl": partial(run_verl, verl, row, x)}
@@ -471,24 +478,34 @@ def main() -> None:
             t = interleaved(fns, args.repeats, time.perf_counter if args.clock == "wall" else time.thread_time)
             mem = {name: peak_bytes(fn) / 2**20 for name, fn in fns.items()}
             ops = {name: count_ops(fns[name]).total for name in ("ours", "verl", "fused", "revision") if name in fns}
-            line = (f"| {row.name} | {b}x{s} | {t['ours'] * 1e3:.2f} | {t['verl'] * 1e3:.2f} | "
-                    f"{t['verl'] / t['ours']:.2f}x | {mem['ours']:.1f} | {mem['verl']:.1f} | {ops['ours']} | "
-                    f"{ops['verl']} |")
+            cells = [row.name, f"{b}x{s}", f"{t['ours'] * 1e3:.2f}", f"{t['verl'] * 1e3:.2f}",
+                     f"{t['verl'] / t['ours']:.2f}x", f"{mem['ours']:.1f}", f"{mem['verl']:.1f}", str(ops["ours"]),
+                     str(ops["verl"])]
             if compiled_cfg is not None:
-                line += f" {t['compiled'] * 1e3:.2f} | {t['verl'] / t['compiled']:.2f}x |"
+                cells += [f"{t['compiled'] * 1e3:.2f}", f"{t['verl'] / t['compiled']:.2f}x"]
             if fused_cfg is not None:
-                line += f" {t['fused'] * 1e3:.2f} | {t['verl'] / t['fused']:.2f}x | {ops['fused']} |"
+                cells += [f"{t['fused'] * 1e3:.2f}", f"{t['verl'] / t['fused']:.2f}x", str(ops["fused"])]
             if graph_cfg is not None:
-                line += f" {t['graphed'] * 1e3:.2f} | {t['verl'] / t['graphed']:.2f}x |"
+                cells += [f"{t['graphed'] * 1e3:.2f}", f"{t['verl'] / t['graphed']:.2f}x"]
             if revision is not None:
-                line += f" {t['revision'] * 1e3:.2f} | {t['revision'] / t['ours']:.2f}x | {ops['revision']} |"
+                cells += [f"{t['revision'] * 1e3:.2f}", f"{t['revision'] / t['ours']:.2f}x", str(ops["revision"])]
+            top = None
             if DEVICE.type == "cuda":
                 (ko, bo, so, top), (kv, bv, sv, _) = (cuda_profile(unsynced[name]) for name in ("ours", "verl"))
-                line += f" {ko} / {kv} | {bo:.2f} / {bv:.2f} | {so} / {sv} |"
-                if args.kernel_table:
-                    line += "\n" + "\n".join(f"|   | {ms:.3f} ms | {name} |" for name, ms in top.most_common(
-                        args.kernel_table))
+                cells += [f"{ko} / {kv}", f"{bo:.2f} / {bv:.2f}", f"{so} / {sv}"]
+            table.append(cells)
+            line = "| " + " | ".join(cells) + " |"
+            if top is not None and args.kernel_table:
+                line += "\n" + "\n".join(f"|   | {ms:.3f} ms | {name} |" for name, ms in top.most_common(
+                    args.kernel_table))
             print(line, flush=True)
+    if args.markdown:
+        caption = caption_line(sys.argv, where, torch.get_num_threads(),
+                               f"verl {verl.version}, torch {torch.__version__}, medians of {args.repeats} interleaved "
+                               f"repeats, clock {args.clock}, every metric on the host; verl/x > 1: ours is faster")
+        name = "vs_verl.py" if DEVICE.type == "cpu" else f"vs_verl.py {DEVICE.type}"
+        write_block(args.markdown, name, caption, head, table,
+                    title=f"The correction against verl's ({name.replace('vs_verl.py', 'bench/vs_verl.py')})")
     if failed:
         sys.exit("some rows differ from verl (see DIFFERENT above)")
 
