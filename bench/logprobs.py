@@ -263,8 +263,8 @@ def main() -> None:
                     if "failed" in s:
                         row = [size, dtype, entropy, v, "failed: " + s["failed"][:80]] + [""] * 7
                     else:
-                        speed = (s["seconds"] / ours["seconds"]) if "seconds" in ours else float("nan")
-                        memory = (s["extra_bytes"] / ours["extra_bytes"]) if "extra_bytes" in ours else float("nan")
+                        speed = (s["seconds"] / ours["seconds"]) if ours.get("seconds") else float("nan")
+                        memory = (s["extra_bytes"] / ours["extra_bytes"]) if ours.get("extra_bytes") else float("nan")
                         row = [size, dtype, entropy, v, f"{s['seconds']:.3f}", f"{s['extra_bytes'] / 2**20:,.0f}",
                                f"{(s['extra_bytes'] - gradient) / buffer:.2f}", f"{speed:.2f}", f"{memory:.2f}",
                                f"{s['lp_error']:.1e}", f"{s.get('entropy_error', float('nan')):.1e}",
