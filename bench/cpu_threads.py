@@ -8,6 +8,7 @@ calls per second are printed. The busy processes are plain Python loops, ended a
 
     python bench/cpu_threads.py                         # SmolLM2-135M sizes: hidden 576, MLP 1536, 8 tokens
     python bench/cpu_threads.py --hidden 64 --ffn 256   # the tests' tiny model
+    python bench/cpu_threads.py --markdown docs/benchmarks.md   # also writes the table there (block cpu_threads.py)
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from markdown_table import caption_line, write_block  # noqa: E402  # bench/markdown_table.py
 
 
 def decode_loop(hidden: int, ffn: int, rows: int, layers: int, dtype: torch.dtype):
@@ -68,6 +73,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=4.0, help="seconds of one measurement")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--busy-seconds", type=int, default=600, help="the busy processes end after this in any case")
+    p.add_argument("--markdown", metavar="FILE", help="also write the table into FILE between its markers")
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child is not None:
@@ -76,11 +82,13 @@ def main() -> None:
     argv = [f"--{k}={getattr(args, k)}" for k in ("hidden", "ffn", "rows", "layers", "dtype", "seconds")]
     counts = [int(t) for t in args.threads.split(",")]
     base = counts[0]
-    print(f"torch {torch.__version__} | {os.cpu_count()} cores | {args.rows}x{args.hidden}, MLP {args.ffn}, "
-          f"{args.layers} layers, {args.dtype} | calls/s, medians of {args.rounds} runs of {args.seconds:g} s")
-    print("| busy processes | " + " | ".join(f"{n} thread(s)" for n in counts) + " | "
-          + " | ".join(f"{base} vs {n} thread(s)" for n in counts[1:]) + " |")
+    what = (f"torch {torch.__version__} | {os.cpu_count()} cores | {args.rows}x{args.hidden}, MLP {args.ffn}, "
+            f"{args.layers} layers, {args.dtype} | calls/s, medians of {args.rounds} runs of {args.seconds:g} s")
+    header = ["busy processes", *(f"{n} thread(s)" for n in counts), *(f"{base} vs {n} thread(s)" for n in counts[1:])]
+    print(what)
+    print("| " + " | ".join(header) + " |")
     print("|---|" + "---|" * (2 * len(counts) - 1))
+    table = []
     for busy in (int(b) for b in args.busy.split(",")):
         procs = [subprocess.Popen([sys.executable, "-c", f"import time\nend = time.time() + {args.busy_seconds}\n"
                                   "while time.time() < end: pass"]) for _ in range(busy)]
@@ -94,8 +102,14 @@ def main() -> None:
                 proc.kill()
                 proc.wait()
         rate = {n: statistics.median(v) for n, v in runs.items()}
-        print(f"| {busy} | " + " | ".join(f"{rate[n]:.1f}" for n in counts) + " | "
-              + " | ".join(f"{rate[base] / rate[n]:.2f}x" for n in counts[1:]) + " |")
+        table.append([str(busy), *(f"{rate[n]:.1f}" for n in counts),
+                      *(f"{rate[base] / rate[n]:.2f}x" for n in counts[1:])])
+        print("| " + " | ".join(table[-1]) + " |")
+    if args.markdown:
+        caption = caption_line(sys.argv, "cpu", 0, what.replace(" | ", ", ")).replace(
+            "0 torch thread(s)", "torch threads as each column says")
+        write_block(args.markdown, "cpu_threads.py", caption, header, table,
+                    title="Torch threads beside busy cores (bench/cpu_threads.py)")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """End-to-end benchmark of the main job (not part of the test suite).
 
     python bench/e2e.py [--repeats 3] [--num-rollout 5] [--nproc 1] [--rollout-engine sglang] [-- main-job flags]
+    python bench/e2e.py --markdown docs/benchmarks.md   # also writes its two tables there (blocks e2e.py, e2e.py ratios)
 
 Runs the real trainer (`python -m slime_corr.main`, or torchrun with `--nproc` processes) in six variants,
 interleaved `--repeats` times: decoupled PPO with sequence IS + RS (`decoupled_seq_is_rs`), the same with π_old by
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -35,6 +37,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from markdown_table import caption_line, write_block  # noqa: E402  # bench/markdown_table.py
+
 LOGLINEAR = ["--prox-logp-method", "loglinear", "--prox-logp-error-interval", "0"]  # no recompute pass at all
 VARIANTS = {
     "decoupled sync": ["--rollout-correction-preset", "decoupled_seq_is_rs"],
@@ -89,6 +95,8 @@ def main() -> None:
                     help="The engines the trainer launches (real SGLang servers, or the embedded engine).")
     ap.add_argument("--variants", nargs="+", choices=("decoupled", "bypass", "loglinear"),
                     default=["decoupled", "bypass", "loglinear"], help="Which corrections to run (each sync and async).")
+    ap.add_argument("--markdown", metavar="FILE", help="Also write the two tables into FILE between their markers "
+                    "(blocks e2e.py: seconds and shares per rollout; e2e.py ratios).")
     ap.add_argument("extra", nargs="*", help="Flags for every run (after --), e.g. -- --rollout-batch-size 8.")
     args = ap.parse_args()
     if args.num_rollout < 3:
@@ -112,24 +120,62 @@ def main() -> None:
         print(f"  {name:<16}" + "   ".join(f"{p} {m[p] / m['wall']:.1%}" for p in PARTS[:-1])
               + f"   (the correction's loss {m['loss/wall']:.1%})")
     print("ratios (same run):")
+    ratios: list[list[str]] = []
     for mode in ("sync", "async"):
         if f"decoupled {mode}" not in med:
             continue
         d = med[f"decoupled {mode}"]
         if f"bypass {mode}" in med:
             b = med[f"bypass {mode}"]
-            print(f"  {mode:<5}  bypass / decoupled wall {b['wall'] / d['wall']:.3f}   decoupled / bypass "
-                  f"(lp_old/ref + train) {(d['lp_old/ref'] + d['train']) / (b['lp_old/ref'] + b['train']):.3f}")
+            wall, train = b["wall"] / d["wall"], (d["lp_old/ref"] + d["train"]) / (b["lp_old/ref"] + b["train"])
+            print(f"  {mode:<5}  bypass / decoupled wall {wall:.3f}   decoupled / bypass (lp_old/ref + train) "
+                  f"{train:.3f}")
+            ratios += [[f"{mode}: bypass / decoupled, wall", f"{wall:.3f}"],
+                       [f"{mode}: decoupled / bypass, lp_old/ref + train", f"{train:.3f}"]]
         if f"loglinear {mode}" in med:
             ll = med[f"loglinear {mode}"]
-            print(f"  {mode:<5}  loglinear / decoupled wall {ll['wall'] / d['wall']:.3f}   (lp_old/ref + train) "
-                  f"{(ll['lp_old/ref'] + ll['train']) / (d['lp_old/ref'] + d['train']):.3f}   (lp_old/ref "
-                  f"{d['lp_old/ref']:.4f} s -> {ll['lp_old/ref']:.4f} s)")
+            wall, train = ll["wall"] / d["wall"], (ll["lp_old/ref"] + ll["train"]) / (d["lp_old/ref"] + d["train"])
+            print(f"  {mode:<5}  loglinear / decoupled wall {wall:.3f}   (lp_old/ref + train) {train:.3f}   "
+                  f"(lp_old/ref {d['lp_old/ref']:.4f} s -> {ll['lp_old/ref']:.4f} s)")
+            ratios += [[f"{mode}: lp_old/ref pass, s per rollout, decoupled → loglinear",
+                        f"{d['lp_old/ref']:.4f} → {ll['lp_old/ref']:.4f}"],
+                       [f"{mode}: loglinear / decoupled, lp_old/ref + train", f"{train:.3f}"],
+                       [f"{mode}: loglinear / decoupled, wall", f"{wall:.3f}"]]
     for corr in args.variants:
         s, a = med[f"{corr} sync"], med[f"{corr} async"]
         print(f"  {corr:<9}  async / sync wall {a['wall'] / s['wall']:.3f}   (rollout wait {s['rollout']:.3f} s "
               f"-> {a['rollout']:.3f} s)")
+        ratios += [[f"{corr}: async / sync, wall", f"{a['wall'] / s['wall']:.3f}"],
+                   [f"{corr}: rollout wait, s per rollout, sync → async", f"{s['rollout']:.3f} → {a['rollout']:.3f}"]]
+    if args.markdown:
+        load = "/".join(f"{x:.1f}" for x in os.getloadavg())
+        caption = caption_line(sys.argv, job_device(args.extra), torch_threads(),
+                               f"the {args.rollout_engine} engine, {args.nproc} process(es), medians of {args.repeats} runs × {args.num_rollout - 2} "
+                               f"rollouts, variants interleaved; load average {load} (1/5/15 min) at the end")
+        shares = [[name, *(f"{m[p]:.4f} ({m[p] / m['wall']:.1%})" for p in PARTS[:-1]), f"{m['wall']:.4f}",
+                   f"{m['loss share']:.1%}", f"{m['loss/wall']:.1%}"] for name, m in med.items()]
+        write_block(args.markdown, "e2e.py", caption,
+                    ["variant", *(f"{p}, s (share of wall)" for p in PARTS[:-1]), "wall, s per rollout",
+                     "loss / train", "loss / wall"], shares, title="The main job end to end (bench/e2e.py)")
+        write_block(args.markdown, "e2e.py ratios", caption, ["in the same run", "value"], ratios,
+                    title="The main job end to end: ratios (bench/e2e.py ratios)")
 
+
+def job_device(extra: list[str]) -> str:
+    """Where the trainer ran: the job's own choice (slime_corr.device: a GPU when there is one), or `--device`."""
+    import torch
+
+    flags = " ".join(extra)
+    if "--device cpu" in flags or "--device=cpu" in flags or not torch.cuda.is_available():
+        return "cpu"
+    return torch.cuda.get_device_name()
+
+
+def torch_threads() -> int:
+    """The torch threads of the trainer's processes: OMP_NUM_THREADS as they inherit it, else torch's default."""
+    import torch
+
+    return int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))
 
 if __name__ == "__main__":
     main()

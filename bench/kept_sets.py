@@ -1,7 +1,9 @@
 """Replaying the engine's kept sets (`--rollout-return-sampling-mask`) against the nucleus-mass correction
 (`--rollout-nucleus-logprobs`) and no correction: the mismatch each leaves, and what the replay costs.
 
-Run: `python bench/kept_sets.py [--engines embedded sglang] [--samples 24] [--tokens 16] [--trainer 2048x32768]`.
+Run: `python bench/kept_sets.py [--engines embedded sglang] [--samples 24] [--tokens 16] [--trainer 2048x32768]`
+[--markdown docs/benchmarks.md] (also writes the three tables there: blocks `kept_sets.py` (the mismatch),
+`kept_sets.py cost` (wire and client) and `kept_sets.py trainer`; bench/markdown_table.py).
   * mismatch: the engine (embedded, and the real SGLang server when installed: bf16, the tiny model) samples
     `--samples` responses of `--tokens` tokens under top-p 0.9 (sent with top_k 4096 for the mask) and under top-k 20,
     with its sampling mask and its top-20 log-probs; the trainer (fp32, the same weights, teacher-forced) gives per
@@ -41,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 sys.path.insert(0, str(ROOT / "bench"))
 
+from markdown_table import caption_line, write_block  # noqa: E402  # bench/markdown_table.py
 from timing import interleaved_medians  # noqa: E402
 
 from slime_corr.mcore.kept_set import kept_token_log_softmax  # noqa: E402
@@ -191,6 +194,15 @@ def trainer_variant(name: str, logits, labels, counts, ids):
 
 TRAINER_VARIANTS = ("full log-softmax", "replay (kept ids only)", "replay (+ full pass: log M, entropy)",
                     "dense [T, V] mask", "trainer's nucleus (top-p 0.9)")
+# the variants as docs/benchmarks.md names them
+TRAINER_LABELS = {"full log-softmax": "full log-softmax (no truncation)",
+                  "replay (kept ids only)": "replay, the kept ids alone",
+                  "replay (+ full pass: log M, entropy)": "replay as the hook runs it (+ a no-grad full pass: log M, "
+                                                          "entropy)",
+                  "dense [T, V] mask": "dense [T, V] mask (masked_fill −inf, log_softmax: slime's way)",
+                  "trainer's nucleus (top-p 0.9)": "the trainer's own nucleus (top-p 0.9: a sort per chunk)"}
+ENGINE_LABELS = {"embedded": "embedded", "sglang": "real SGLang"}
+TREATMENTS = ("none", "nucleus mass", "replay")
 
 
 def _vm_kib(field: str) -> int:
@@ -239,11 +251,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--trainer", default="2048x32768", help="T x V of the trainer's micro-batch ('' to skip)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--markdown", metavar="FILE", help="also write the three tables into FILE between their "
+                        "markers (blocks kept_sets.py, kept_sets.py cost, kept_sets.py trainer)")
     parser.add_argument("--child")
     args = parser.parse_args()
     if args.child:
         child(json.loads(args.child))
         return
+    mismatches: dict[str, dict] = {}
+    wires: dict[str, dict] = {}
     for engine in args.engines:
         with tempfile.TemporaryDirectory() as tmp:
             if engine == "embedded":
@@ -256,6 +272,7 @@ def main() -> None:
                 url = handle.url
                 table = mismatch(url, logits_of, args.samples, args.tokens)
                 wire = wire_and_client(url, args.tokens * 4, 50)
+        mismatches[engine], wires[engine] = table, wire
         print(f"\n{engine} engine (bf16), fp32 trainer, T = {T}: per token x = lp_train - lp_rollout")
         print("| setting | treatment | k3 | mean abs x | tokens |\n|---|---|---|---|---|")
         for setting, rows in table.items():
@@ -266,20 +283,73 @@ def main() -> None:
         for shape, (size, us) in wire.items():
             label = {"none": "log-probs only", "top": f"+ top-{TOP_N} log-probs", "mask": "+ sampling mask (support)"}
             print(f"| {label[shape]} | {size:.0f} | {us:.1f} |")
+    trainer: dict[str, tuple[float, float, str]] = {}
+    sizes_note = ""
     if args.trainer:
         tokens, vocab = (int(x) for x in args.trainer.split("x"))
         sizes = kept_sizes(tokens, vocab).double()
-        print(f"\ntrainer: T={tokens} V={vocab} fp32 logits, forward + backward, {args.threads} threads; kept sets: "
-              f"mean {sizes.mean():.1f}, median {sizes.median():.0f}, p99 {sizes.quantile(0.99):.0f}, "
-              f"singletons {(sizes == 1).double().mean():.0%}, Σ {int(sizes.sum())} ids")
+        sizes_note = (f"kept sets: mean {sizes.mean():.1f}, median {sizes.median():.0f}, p99 "
+                      f"{sizes.quantile(0.99):.0f}, singletons {(sizes == 1).double().mean():.0%}, "
+                      f"Σ {int(sizes.sum())} ids")
+        print(f"\ntrainer: T={tokens} V={vocab} fp32 logits, forward + backward, {args.threads} threads; {sizes_note}")
         print("| variant | ms | extra peak MiB |\n|---|---|---|")
         for variant in TRAINER_VARIANTS:
             spec = {"variant": variant, "tokens": tokens, "vocab": vocab, "threads": args.threads,
                     "repeats": args.repeats}
             timed = run_child({**spec, "memory": False})
             mem = run_child({**spec, "memory": True})
-            print(f"| {variant} | {timed.get('ms', math.nan):.1f} | {mem.get('peak_mib', math.nan):.0f} |"
-                  + (f" {timed.get('failed') or mem.get('failed')}" if "failed" in timed or "failed" in mem else ""))
+            failed = timed.get("failed") or mem.get("failed") or ""
+            trainer[variant] = (timed.get("ms", math.nan), mem.get("peak_mib", math.nan), failed)
+            print(f"| {variant} | {trainer[variant][0]:.1f} | {trainer[variant][1]:.0f} |"
+                  + (f" {failed}" if failed else ""))
+    if args.markdown:
+        write_markdown(args, mismatches, wires, trainer, sizes_note)
+
+
+def write_markdown(args: argparse.Namespace, mismatches: dict[str, dict], wires: dict[str, dict],
+                   trainer: dict[str, tuple[float, float, str]], sizes_note: str) -> None:
+    """The three tables into `args.markdown`, one block each (bench/markdown_table.py)."""
+    def title(name: str) -> str:  # the section a block absent from the file gets
+        return f"Replaying the engine's kept sets (bench/{name})"
+
+    engines = ", ".join(ENGINE_LABELS.get(e, e) for e in mismatches)
+    if mismatches:
+        caption = caption_line(sys.argv, "cpu", torch.get_num_threads(),
+                               f"engines: {engines} (bf16), the tiny model; an fp32 trainer of the same weights, "
+                               f"{args.samples} responses of {args.tokens} tokens per setting, T = {T}; per token "
+                               "x = lp_train − lp_rollout, k3 = mean(e^x − x − 1)")
+        rows = []
+        for engine, table in mismatches.items():
+            for setting, res in table.items():
+                rows.append([f"{ENGINE_LABELS.get(engine, engine)}, {setting}",
+                             " / ".join(f"{res[t][0]:.2e}" for t in TREATMENTS),
+                             " / ".join(f"{res[t][1]:.2e}" for t in TREATMENTS),
+                             f"{res['outside'][0]:.2%}"])
+        write_block(args.markdown, "kept_sets.py", caption,
+                    ["engine, setting", "k3: none / nucleus mass / replay", "mean |x|: none / nucleus mass / replay",
+                     "outside the trainer's nucleus"], rows, title=title("kept_sets.py"))
+        caption = caption_line(sys.argv, "cpu", torch.get_num_threads(),
+                               f"engines: {engines}; one {args.tokens * 4}-token response under top-p 0.9, its "
+                               "non-streamed JSON body; client: `json.loads` + `parse_generate_response` "
+                               "(the checks), interleaved medians of 50")
+        rows = []
+        for engine, wire in wires.items():
+            rows.append([f"bytes / token, {ENGINE_LABELS.get(engine, engine)}",
+                         *(f"{wire[k][0]:.0f}" for k in ("none", "top", "mask"))])
+        for engine, wire in wires.items():
+            rows.append([f"client µs / token, {ENGINE_LABELS.get(engine, engine)}",
+                         *(f"{wire[k][1]:.1f}" for k in ("none", "top", "mask"))])
+        write_block(args.markdown, "kept_sets.py cost", caption,
+                    ["cost", "log-probs only", f"+ top-{TOP_N} log-probs", "+ sampling mask (support log-probs)"],
+                    rows, title=title("kept_sets.py cost"))
+    if trainer:
+        caption = caption_line(sys.argv, "cpu", args.threads,
+                               f"one T x V = {args.trainer} fp32 micro-batch, forward + backward; {sizes_note}; "
+                               f"ms: median of {args.repeats}; extra peak: VmHWM of a process of its own")
+        rows = [[TRAINER_LABELS[v], f"{ms:.0f}", f"{mib:.0f}" + (f" ({failed})" if failed else "")]
+                for v, (ms, mib, failed) in trainer.items()]
+        write_block(args.markdown, "kept_sets.py trainer", caption,
+                    ["trainer, one micro-batch", "ms", "extra peak MiB"], rows, title=title("kept_sets.py trainer"))
 
 
 def sglang_engine(tmp: Path):

@@ -1,6 +1,7 @@
 """Routing mismatch and routing replay on the tiny Qwen3-MoE against the REAL SGLang server (not part of the tests).
 
     python bench/moe_routing.py [--dtypes bfloat16 float32] [--samples 32] [--max-new-tokens 32] [--temperature 1.0]
+                                [--markdown docs/benchmarks.md]   # also writes the table there (block moe_routing.py)
 
 For each engine dtype (one server at a time, on 127.0.0.1, stopped by its PID): generate `--samples` responses
 with `return_routed_experts`, then in this process build the trainer's fp32 Megatron model from the same
@@ -24,6 +25,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from markdown_table import caption_line, write_block  # noqa: E402  # bench/markdown_table.py
 
 from slime_corr.correction.routing import routing_mismatch_metrics  # noqa: E402
 from slime_corr.engines.sglang_server import SGLangServerConfig, launch_sglang_server, sglang_python  # noqa: E402
@@ -72,8 +76,13 @@ def _trainer_pass(model, samples: list[Sample], temperature: float, replay: bool
     return routes, lps
 
 
-def _report(dtype: str, samples: list[Sample], model, temperature: float) -> None:
+DTYPE_LABELS = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+
+
+def _report(dtype: str, samples: list[Sample], model, temperature: float) -> list[list[str]]:
+    """Prints the engine's mismatch without and with replay; returns them as rows of the markdown table."""
     print(f"\nengine {dtype}: {len(samples)} samples, {sum(s.response_length for s in samples)} response tokens")
+    rows = []
     for replay in (False, True):
         routes, lps = _trainer_pass(model, samples, temperature, replay)
         # per response token (position t of the trainer's forward predicts token t+1): routes at that position
@@ -93,6 +102,14 @@ def _report(dtype: str, samples: list[Sample], model, temperature: float) -> Non
         print(f"    train_rollout_logprob_abs_diff={float(lr.abs().mean()):.3e} mismatch_k3_kl={k3:.3e} "
               f"| abs diff on tokens routed differently {m['logprob_abs_diff_routing_diff']:.3e} "
               f"({int(m['routing_mismatch_tokens'])} tokens), same {m['logprob_abs_diff_routing_same']:.3e}")
+        abs_diff = f"{float(lr.abs().mean()):.1e}"
+        if m["routing_mismatch_tokens"] > 0:
+            abs_diff += (f" ({m['logprob_abs_diff_routing_diff']:.1e} on the tokens routed differently, "
+                         f"{m['logprob_abs_diff_routing_same']:.1e} on the others)")
+        rows.append([DTYPE_LABELS.get(dtype, dtype), "on" if replay else "off",
+                     f"{m['routing_mismatch_frac']:.1%} / {m['routing_mismatch_token_frac']:.1%}", abs_diff,
+                     f"{k3:.1e}"])
+    return rows
 
 
 def main() -> None:
@@ -101,11 +118,14 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--markdown", metavar="FILE", help="also write the table into FILE between its markers")
     a = ap.parse_args()
     args = TinyMoEArgs()
     spec = RoutedExpertsSpec(args.num_hidden_layers, args.num_experts_per_tok, args.num_experts)
-    print(f"routes: {spec.bytes_per_token} bytes/token in a sample ({spec.dtype}), "
-          f"{4 * spec.num_layers * spec.top_k * 4 / 3:.1f} on the wire (base64 int32)")
+    routes = (f"routes: {spec.bytes_per_token} bytes/token in a sample ({spec.dtype}), "
+              f"{4 * spec.num_layers * spec.top_k * 4 / 3:.1f} on the wire (base64 int32)")
+    print(routes)
+    rows = []
     _init_megatron()
     from slime_corr.models import build_gpt_from_hf
 
@@ -118,7 +138,14 @@ def main() -> None:
                                      extra_args=("--enable-return-routed-experts",), log_dir=Path(tmp) / "logs")
             with launch_sglang_server(cfg, name=f"moe-{dtype}") as eng:
                 samples = asyncio.run(_generate(eng.url, spec, a.samples, a.max_new_tokens, a.temperature))
-            _report(dtype, samples, model, a.temperature)
+            rows += _report(dtype, samples, model, a.temperature)
+    if a.markdown:
+        caption = caption_line(sys.argv, "cpu", torch.get_num_threads(),
+                               f"the real SGLang server (CPU) and the fp32 Megatron trainer, the tiny Qwen3-MoE, "
+                               f"{a.samples} samples × {a.max_new_tokens} tokens, T = {a.temperature:g}; {routes}")
+        write_block(a.markdown, "moe_routing.py", caption,
+                    ["engine", "replay", "routing mismatch (decisions / tokens)", "`train_rollout_logprob_abs_diff`",
+                     "`mismatch_k3_kl`"], rows, title="Routing mismatch on the tiny MoE (bench/moe_routing.py)")
 
 
 if __name__ == "__main__":

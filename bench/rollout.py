@@ -2,7 +2,7 @@
 
     python bench/rollout.py [--sections streaming weight-sync engines] [--tokens 32] [--repeats 3]
                             [--concurrency 1 16 64 256] [--sync-engines 2] [--sync-hidden 512] [--sync-layers 4]
-                            [--engine-concurrency 1 8 32] [--sglang-python PATH]
+                            [--engine-concurrency 1 8 32] [--sglang-python PATH] [--markdown FILE]
 
 ``streaming``: starts the local engine (a tiny 1-layer model, bf16) in a subprocess on 127.0.0.1 and measures:
   * baseline: plain aiohttp, one non-streamed request at a time (no client layer);
@@ -24,6 +24,9 @@ the embedded engine serves through transformers' ``OPTForCausalLM`` (eager atten
 params, ``--tokens`` new tokens each), and weight sync ms from disk (checkpoint write + ``/update_weights_from_disk``)
 and distributed (gloo), engines and repeats interleaved.
 Prints medians over ``--repeats`` runs and ratios to the baseline (``engines``: sglang / embedded).
+``--markdown FILE`` also writes each printed table into FILE between its markers (bench/markdown_table.py), one
+block per table of the sections run: ``rollout.py`` (streaming), ``rollout.py replay`` (the client's parsing of a
+recorded stream), ``rollout.py weight sync``, ``rollout.py engines`` (tokens/s) and ``rollout.py engines sync``.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ import aiohttp
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from markdown_table import caption_line, write_block  # noqa: E402  # bench/markdown_table.py
 
 import slime_corr.rollout.client as client_mod  # noqa: E402
 from slime_corr.engines.embedded.model import create_tiny_checkpoint, load_tiny_lm, save_checkpoint  # noqa: E402
@@ -58,6 +64,8 @@ from slime_corr.rollout.client import SGLangClient  # noqa: E402
 from slime_corr.rollout.weight_sync import DistributedWeightSync, sync_weights_from_disk  # noqa: E402
 
 PROMPT = list(b"The quick brown fox ")
+# a table for --markdown: (block name, what the caption adds, header, rows)
+Table = tuple[str, str, list[str], list[list[str]]]
 
 
 class _Timed(protocol.StreamAccumulator):
@@ -152,7 +160,7 @@ async def weight_sync_runs(urls: list[str], model, work_dir: str, repeats: int, 
     return disk, group
 
 
-def bench_weight_sync(args: argparse.Namespace) -> None:
+def bench_weight_sync(args: argparse.Namespace) -> list[Table]:
     with tempfile.TemporaryDirectory() as d, contextlib.ExitStack() as stack:
         ckpt = create_tiny_checkpoint(os.path.join(d, "init"), seed=0, hidden_size=args.sync_hidden,
                                       num_layers=args.sync_layers, num_heads=8, ffn_size=4 * args.sync_hidden)
@@ -168,9 +176,16 @@ def bench_weight_sync(args: argparse.Namespace) -> None:
     print(f"  disk (torch.save + /update_weights_from_disk): {md * 1e3:8.1f} ms   [baseline]")
     print(f"  distributed (gloo broadcast, {args.sync_bucket_mb} MB buckets): {mg * 1e3:8.1f} ms   "
           f"x{md / mg:.2f} faster than disk")
+    what = (f"{nbytes / 1e6:.1f} MB of fp32 weights ({args.sync_layers} layers, hidden {args.sync_hidden}) to "
+            f"{args.sync_engines} bf16 embedded engine process(es), pause → update → flush → continue; medians of "
+            f"{args.repeats} interleaved runs")
+    return [("rollout.py weight sync", what, ["weight sync", "ms", "disk / this"],
+             [["disk (torch.save + /update_weights_from_disk)", f"{md * 1e3:.1f}", "1.00x"],
+              [f"distributed (gloo broadcast, {args.sync_bucket_mb} MB buckets)", f"{mg * 1e3:.1f}",
+               f"{md / mg:.2f}x"]])]
 
 
-def bench_streaming(args: argparse.Namespace) -> None:
+def bench_streaming(args: argparse.Namespace) -> list[Table]:
     client_mod.StreamAccumulator = _Timed  # type: ignore[misc]  # count the client's parsing time
     with tempfile.TemporaryDirectory() as d:
         ckpt = create_tiny_checkpoint(d, seed=0, num_layers=1, hidden_size=32, num_heads=2, ffn_size=64)
@@ -182,11 +197,14 @@ def bench_streaming(args: argparse.Namespace) -> None:
                   f"medians of {args.repeats} runs")
             print(f"baseline (plain aiohttp, 1 request at a time, non-streamed): {b:9.1f} tok/s")
             print(f"{'streams':>8} {'tok/s':>10} {'x baseline':>10} {'client us/tok':>14} {'peak RSS MB':>12}")
+            rows = [["baseline (plain aiohttp, 1 request at a time, non-streamed)", f"{b:.1f}", "1.00", "", ""]]
             for conc in args.concurrency:
                 runs = [asyncio.run(streamed(url, conc, args.tokens)) for _ in range(args.repeats)]
                 tps = statistics.median(r[0] for r in runs)
                 us = statistics.median(r[1] for r in runs)
                 print(f"{conc:>8} {tps:>10.1f} {tps / b:>10.2f} {us:>14.1f} {peak_rss_mb():>12.1f}")
+                rows.append([f"{conc} concurrent streams", f"{tps:.1f}", f"{tps / b:.2f}", f"{us:.1f}",
+                             f"{peak_rss_mb():.1f}"])
             cum_events = asyncio.run(record(url, args.tokens))
         with spawn_local_engine(ckpt, extra_args=["--incremental-streaming-output"]) as engine:
             inc_events = asyncio.run(record(engine.url, args.tokens))
@@ -196,6 +214,13 @@ def bench_streaming(args: argparse.Namespace) -> None:
     print(f"replay (client parsing only, {args.tokens}-token stream): cumulative {cum:.1f} us/tok, "
           f"incremental {inc:.1f} us/tok, ratio {cum / inc:.2f}")
     print(f"peak RSS: client process {peak_rss_mb():.1f} MB, engine process {peak_rss_mb(resource.RUSAGE_CHILDREN):.1f} MB")
+    what = f"the local engine (a tiny 1-layer bf16 model) in a subprocess on loopback, {args.tokens} tokens/request"
+    return [("rollout.py", f"{what}; SGLangClient streaming, medians of {args.repeats} runs",
+             ["requests", "tok/s", "x baseline", "client CPU µs / token", "client peak RSS MB"], rows),
+            ("rollout.py replay", f"{what}; the client's parsing of one recorded {args.tokens}-token stream, no "
+             "network", ["stream", "client µs / token", "x incremental"],
+             [["cumulative (SGLang's default)", f"{cum:.1f}", f"{cum / inc:.2f}x"],
+              ["incremental (`--incremental-streaming-output`)", f"{inc:.1f}", "1.00x"]])]
 
 
 ENGINE_KINDS = ("sglang", "embedded")
@@ -248,7 +273,7 @@ def _load() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg()) + f" (1/5/15 min) on {os.cpu_count()} cores"
 
 
-def bench_engines(args: argparse.Namespace) -> None:
+def bench_engines(args: argparse.Namespace) -> list[Table]:
     model, shape = tiny_opt_model(args)
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     with tempfile.TemporaryDirectory() as d, contextlib.ExitStack() as stack:
@@ -271,21 +296,35 @@ def bench_engines(args: argparse.Namespace) -> None:
                 for kind in (ENGINE_KINDS if i % 2 == 0 else ENGINE_KINDS[::-1]):
                     tps[kind, conc].append(asyncio.run(streamed(urls[kind], conc, args.tokens))[0])
         print(f"{'streams':>8} {'sglang tok/s':>13} {'embedded tok/s':>15} {'sglang/embedded':>16}")
+        streams = []
         for conc in args.engine_concurrency:
             s, e = (statistics.median(tps[k, conc]) for k in ENGINE_KINDS)
             print(f"{conc:>8} {s:>13.1f} {e:>15.1f} {s / e:>16.2f}")
+            streams.append([str(conc), f"{s:.1f}", f"{e:.1f}", f"{s / e:.2f}"])
+        load_streams = _load()
         runs = asyncio.run(engine_sync_runs(urls, model, shape, d, args.repeats, args.sync_bucket_mb * 1024**2))
     print(f"weight sync of {nbytes / 1e6:.2f} MB of fp32 weights to one engine (pause -> update -> flush -> continue); "
           f"medians of {args.repeats} interleaved runs; load average {_load()}")
     print(f"{'':>13} {'sglang ms':>10} {'embedded ms':>12} {'sglang/embedded':>16}")
     ms = {key: 1e3 * statistics.median(v) for key, v in runs.items()}
+    syncs = []
     for method in ("disk", "distributed"):
         s, e = (ms[k, method] for k in ENGINE_KINDS)
         print(f"{method:>13} {s:>10.1f} {e:>12.1f} {s / e:>16.2f}")
+        syncs.append([method, f"{s:.1f}", f"{e:.1f}", f"{s / e:.2f}"])
     s, e = (ms[k, "distributed"] / ms[k, "disk"] for k in ENGINE_KINDS)
     print(f"{'dist / disk':>13} {s:>10.2f} {e:>12.2f}")
+    syncs.append(["distributed / disk", f"{s:.2f}", f"{e:.2f}", ""])
     print("  disk: safetensors write + /update_weights_from_disk; distributed: gloo broadcast, "
           f"{args.sync_bucket_mb} MB buckets, group built once")
+    what = (f"the real SGLang server vs the embedded engine, both {args.engine_dtype}, the same weights (OPT "
+            f"{shape.num_layers} layers, hidden {shape.hidden_size}); medians of {args.repeats} interleaved runs")
+    return [("rollout.py engines", f"{what}; SGLangClient streaming, {args.tokens} new tokens per request; load "
+             f"average {load_streams}", ["concurrent streams", "sglang tok/s", "embedded tok/s", "sglang / embedded"],
+             streams),
+            ("rollout.py engines sync", f"{what}; {nbytes / 1e6:.2f} MB of fp32 weights to one engine (disk: "
+             f"safetensors write + /update_weights_from_disk; distributed: gloo, {args.sync_bucket_mb} MB buckets); "
+             f"load average {_load()}", ["weight sync", "sglang ms", "embedded ms", "sglang / embedded"], syncs)]
 
 
 def main() -> None:
@@ -309,15 +348,23 @@ def main() -> None:
                     help="engines: dtype both engines serve in (the main job's --engine-dtype default: bfloat16)")
     ap.add_argument("--sglang-python", default=None,
                     help="engines: the Python with sglang (default: as the trainer finds it, e.g. .venv-sglang/)")
+    ap.add_argument("--markdown", metavar="FILE", help="also write each table into FILE between its markers "
+                    "(blocks rollout.py, rollout.py replay, rollout.py weight sync, rollout.py engines, "
+                    "rollout.py engines sync: those of the sections run)")
     args = ap.parse_args()
+    tables: list[Table] = []
     if "streaming" in args.sections:
-        bench_streaming(args)
+        tables += bench_streaming(args)
     if "weight-sync" in args.sections:
-        bench_weight_sync(args)
+        tables += bench_weight_sync(args)
     if "engines" in args.sections:
         # SIGTERM (e.g. `timeout`) exits through the context managers: the SGLang server is stopped by its PID
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-        bench_engines(args)
+        tables += bench_engines(args)
+    if args.markdown:
+        for name, what, header, rows in tables:
+            write_block(args.markdown, name, caption_line(sys.argv, "cpu", torch.get_num_threads(), what), header,
+                        rows, title=f"The rollout client on loopback (bench/{name})")
 
 
 if __name__ == "__main__":

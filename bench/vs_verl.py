@@ -403,7 +403,8 @@ def main() -> None:
     p.add_argument("--verl-version", default=VERL_VERSION)
     p.add_argument("--device", default="cpu", help="where the tensors live: cpu (default), cuda, cuda:1, ...")
     p.add_argument("--kernel-table", type=int, default=0, metavar="N",
-                   help="on CUDA: after each row, our N kernels with the most GPU time (torch.profiler)")
+                   help="on CUDA: after each row, our N kernels with the most GPU time (torch.profiler); with "
+                        "--markdown also the block bench/vs_verl.py cuda kernels")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="wall: perf_counter (the numbers to report); cpu: this thread's CPU time, which other "
                         "processes on a shared machine disturb less (for A/B work; with --threads 1 only)")
@@ -437,6 +438,7 @@ def main() -> None:
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     table: list[list[str]] = []
+    kernel_rows: list[list[str]] = []  # --kernel-table: (config, size, kernel, ms)
     failed = False
     for row in selected:
         compiled_cfg = row.config.replace(rollout_correction_compile=True) if args.compile else None
@@ -498,6 +500,8 @@ def main() -> None:
             if top is not None and args.kernel_table:
                 line += "\n" + "\n".join(f"|   | {ms:.3f} ms | {name} |" for name, ms in top.most_common(
                     args.kernel_table))
+                kernel_rows += [[row.name, f"{b}x{s}", name, f"{ms:.3f}"]
+                                for name, ms in top.most_common(args.kernel_table)]
             print(line, flush=True)
     if args.markdown:
         caption = caption_line(sys.argv, where, torch.get_num_threads(),
@@ -506,6 +510,9 @@ def main() -> None:
         name = "vs_verl.py" if DEVICE.type == "cpu" else f"vs_verl.py {DEVICE.type}"
         write_block(args.markdown, name, caption, head, table,
                     title=f"The correction against verl's ({name.replace('vs_verl.py', 'bench/vs_verl.py')})")
+        if kernel_rows:
+            write_block(args.markdown, f"{name} kernels", caption, ["config", "size", "kernel (ours)", "GPU ms"],
+                        kernel_rows, title=f"The correction's largest kernels (bench/{name} kernels)")
     if failed:
         sys.exit("some rows differ from verl (see DIFFERENT above)")
 
