@@ -30,10 +30,10 @@ def _top_level_entries(distribution: str) -> set[str]:
 
 @dataclass(frozen=True)
 class BareEnv:
-    """A venv at `root` whose python lacks `hidden` (distribution names) and sees everything else of this run."""
+    """A venv at `root` whose python lacks some distributions (`make_bare_env`) and sees everything else of this
+    run."""
 
     root: Path
-    hidden: tuple[str, ...]
 
     @property
     def python(self) -> str:
@@ -73,7 +73,7 @@ def make_bare_env(root: Path, hidden: Sequence[str]) -> BareEnv:
     purelib = subprocess.run([str(root / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()"
                               "['purelib'])"], capture_output=True, text=True, check=True).stdout.strip()
     Path(purelib, "zz_test_run_site.pth").write_text(f"import site; site.addsitedir({str(shared)!r})\n")
-    bare = BareEnv(root, tuple(hidden))
+    bare = BareEnv(root)
     for distribution in hidden:
         probe = bare.run(["python", "-c", f"import importlib.metadata as m; m.version({distribution!r})"],
                          cwd=root, timeout=60)

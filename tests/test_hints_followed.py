@@ -1,29 +1,34 @@
-"""Every install hint, followed (the model and plot extras, the progress bar): in an environment that lacks what the hint installs (tests/bare_env.py: a venv
-that sees this run's packages less those), the original command fails with the hint; the test runs the hint's pip
-commands there as a user would type them, then the original command again, which now works. (The hint of a refused
---sglang-url is followed in tests/trainer/test_trainer_units.py; the wording of every extra's hint is checked
-against pyproject.toml in tests/test_install_hints.py.)"""
+"""Every install hint, followed (the model and plot extras, the progress bar): in an environment that lacks what the
+hint installs (tests/bare_env.py: a venv that sees this run's packages less those), the original command fails with
+the hint; the test runs the hint's pip commands there as a user would type them, then the original command again,
+which now works. (The hint of a refused --sglang-url is followed in tests/trainer/test_trainer_units.py; the wording
+of every extra's hint is checked against pyproject.toml in tests/test_install_hints.py.)"""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
-from tests.bare_env import make_bare_env, pip_commands
+from slime_corr.extras import extra_packages
+from tests.bare_env import BareEnv, make_bare_env, pip_commands
 
 pytestmark = pytest.mark.cost(170)  # CI seconds, roughly: the costliest modules run first (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL_EXTRA = ("transformers", "gguf", "accelerate", "mbridge", "einops")  # pyproject.toml's [model], less safetensors
+BASE_PACKAGES = {Requirement(r).name for r in importlib.metadata.requires("slime_corr") or [] if "extra ==" not in r}
+# the model extra's own packages, as pyproject.toml declares them (less what the base install has too: safetensors)
+MODEL_EXTRA = [name for name in (Requirement(r).name for r in extra_packages("model")) if name not in BASE_PACKAGES]
 SMOLLM2_RUN = ["python", "-m", "slime_corr.main", "--model", "smollm2-135m", "--rollout-engine", "embedded",
                "--num-rollout", "1", "--rollout-batch-size", "1", "--n-samples-per-prompt", "2",
                "--rollout-max-response-len", "4", "--micro-batch-size", "2", "--rollout-progress", "none"]
 
 
-def _follow_every_hint(bare, message: str) -> list[str]:
+def _follow_every_hint(bare: BareEnv, message: str) -> list[str]:
     commands = pip_commands(message)
     assert commands, f"no pip command in the hint: {message}"
     for command in commands:
